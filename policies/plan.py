@@ -1,0 +1,201 @@
+"""Where a prompt is looked up and where it is snapshotted: anchor, scope boundary, save points.
+
+Positions are token counts: a position ``p`` names the KV state of the prompt's first ``p`` ids,
+and an entry stored at ``p`` holds KV for exactly ``p`` tokens (the exactness invariant).
+
+Rules:
+
+- **Anchor** (``anchor_position``): the start of the last user message before the first assistant
+  message, i.e. the end of the stable preamble (system prompt, tool schemas, first context). With
+  no assistant message yet, the last user message of the prompt. ``None`` when there is no such
+  user message or it starts at position 0 (nothing before it worth keeping).
+- **Scope boundary** (``choose_scope_boundary``), by scope kind:
+
+  - ``off``: none.
+  - ``full``: the whole prompt, ``len(ids)`` (none for an empty prompt).
+  - ``fixed`` N: exactly N (not aligned) if ``min_tokens <= N <= len(ids)``, else none.
+  - ``auto:N``: ``L`` = the longest ``common_prefix_len(ids, r)`` over the first N prompts of
+    ``recent`` (which excludes this prompt), aligned down to a safe boundary; none if that is 0
+    or below ``min_tokens``. A wider window finds older shared prefixes (an agent switching
+    between sessions) at the cost of more comparisons.
+
+- **Candidate positions** (``candidate_positions``), computable from the prompt and config alone:
+  the safe boundaries, the fixed N, every multiple of the continued interval, and the prompt end
+  for ``full``; only ``0 < p <= n_prompt``, ascending, unique. ``off``: none. The longest stored
+  key among them is the disk hit.
+- **Save points** (``plan_saves``), with ``cached_n`` the tokens not prefilled (the longer of the
+  live reuse and the disk restore). A save point ``p`` needs ``p > 0``,
+  ``cached_n <= p <= n_prompt`` and ``p`` not already stored. ``off``: none. Otherwise:
+
+  - the scope boundary (reason ``scoped``); for ``full`` the prompt end (reason ``full``);
+  - the cold anchor: a cold prefill (``cached_n == 0``) of at most ``cold_max_tokens`` saves the
+    anchor (``cold``); a cold prompt longer than that saves no anchor and ``anchor_skipped`` says
+    why; a partial hit short of the anchor (``0 < cached_n < anchor``) means the stored anchor is
+    stale, so the new one is saved in the same prefill (``anchor-refresh``); a hit at or past the
+    anchor saves nothing;
+  - continued checkpoints: every ``k * interval`` with ``cached_n < k * interval <= n_prompt``
+    (``continued``), waypoints for a long conversation whose scope moves; an interval <= 0
+    disables them.
+
+  One reason per position, the strongest: ``full`` > ``scoped`` > ``cold``/``anchor-refresh`` >
+  ``continued``. Save points come out ascending, so the worker prefills in segments that stop
+  exactly at each one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from policies.prefix import align_down, common_prefix_len
+from policies.scope import Scope
+
+Reason = Literal["cold", "anchor-refresh", "scoped", "continued", "full"]
+
+# Which reason a position keeps when several rules pick it: higher wins.
+REASON_RANK: dict[Reason, int] = {
+    "full": 4,
+    "scoped": 3,
+    "cold": 2,
+    "anchor-refresh": 2,
+    "continued": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SavePoint:
+    n_tokens: int
+    reason: Reason
+
+
+@dataclass(frozen=True, slots=True)
+class MessageStart:
+    pos: int  # token position where the message starts
+    role: str  # "system" | "user" | "assistant" | "tool" ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKnobs:
+    min_tokens: int = 256  # --kv-cache-min-tokens: shortest auto/fixed scope boundary, tokens
+    cold_max_tokens: int = 30000  # --kv-cache-cold-max-tokens: longest prompt given a cold anchor
+    continued_interval_tokens: int = 10000  # --kv-cache-continued-interval-tokens; <= 0: none
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    saves: tuple[SavePoint, ...]  # ascending n_tokens, one per position
+    anchor_skipped: str | None  # why the cold anchor was skipped, else None
+
+
+def anchor_position(starts: Sequence[MessageStart]) -> int | None:
+    """Start of the last user message before the first assistant message, or ``None``."""
+    anchor: int | None = None
+    for start in starts:
+        if start.role == "assistant":
+            break
+        if start.role == "user":
+            anchor = start.pos
+    return anchor or None
+
+
+def _longest_recent_prefix(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> int:
+    ids = tuple(ids)  # converted once, not once per ring entry
+    best = 0
+    for other in recent:
+        best = max(best, common_prefix_len(ids, other))
+        if best == len(ids):
+            break
+    return best
+
+
+def choose_scope_boundary(
+    ids: Sequence[int],
+    boundaries: Sequence[int],
+    scope: Scope,
+    recent: Sequence[Sequence[int]],
+    knobs: CacheKnobs,
+) -> int | None:
+    """The position the scope snapshots exactly, or ``None`` when it snapshots nothing."""
+    if scope.kind == "off":
+        return None
+    if scope.kind == "full":
+        return len(ids) or None
+    if scope.kind == "fixed":
+        n = scope.n_tokens
+        return n if knobs.min_tokens <= n <= len(ids) and n > 0 else None
+    shared = _longest_recent_prefix(ids, recent[: scope.window])
+    boundary = align_down(shared, boundaries)
+    return boundary if boundary > 0 and boundary >= knobs.min_tokens else None
+
+
+def _continued(start_after: int, n_prompt: int, interval: int) -> range:
+    """Multiples of ``interval`` in ``(start_after, n_prompt]``; empty when interval <= 0."""
+    if interval <= 0:
+        return range(0)
+    first = (max(start_after, 0) // interval + 1) * interval
+    return range(first, n_prompt + 1, interval)
+
+
+def candidate_positions(
+    n_prompt: int, boundaries: Sequence[int], scope: Scope, knobs: CacheKnobs
+) -> list[int]:
+    """Positions where a stored entry for this prompt could be, ascending and unique."""
+    if scope.kind == "off":
+        return []
+    positions = set(boundaries)
+    positions.update(_continued(0, n_prompt, knobs.continued_interval_tokens))
+    if scope.kind == "fixed":
+        positions.add(scope.n_tokens)
+    if scope.kind == "full":
+        positions.add(n_prompt)
+    return sorted(p for p in positions if 0 < p <= n_prompt)
+
+
+def _anchor_reason(
+    n_prompt: int, cached_n: int, anchor: int, knobs: CacheKnobs
+) -> tuple[Reason | None, str | None]:
+    """(reason to save the anchor or None, why a cold anchor was skipped or None)."""
+    if cached_n == 0 and n_prompt > knobs.cold_max_tokens:
+        return None, f"prompt of {n_prompt} tokens exceeds cold max {knobs.cold_max_tokens}"
+    if cached_n == 0:
+        return "cold", None
+    if cached_n < anchor:
+        return "anchor-refresh", None
+    return None, None
+
+
+def plan_saves(
+    n_prompt: int,
+    cached_n: int,
+    scope: Scope,
+    scope_boundary: int | None,
+    anchor: int | None,
+    stored: Collection[int],
+    knobs: CacheKnobs,
+) -> SavePlan:
+    """Save points for one prefill of ``n_prompt`` tokens of which ``cached_n`` are reused."""
+    if scope.kind == "off":
+        return SavePlan((), None)
+
+    def savable(p: int) -> bool:
+        return 0 < p and cached_n <= p <= n_prompt and p not in stored
+
+    wanted: list[tuple[int, Reason]] = [
+        (p, "continued") for p in _continued(cached_n, n_prompt, knobs.continued_interval_tokens)
+    ]
+    skipped: str | None = None
+    if anchor is not None and savable(anchor):
+        reason, skipped = _anchor_reason(n_prompt, cached_n, anchor, knobs)
+        if reason is not None:
+            wanted.append((anchor, reason))
+    if scope.kind == "full":
+        wanted.append((n_prompt, "full"))
+    elif scope_boundary is not None:
+        wanted.append((scope_boundary, "scoped"))
+
+    best: dict[int, Reason] = {}
+    for p, reason in wanted:
+        if savable(p) and (p not in best or REASON_RANK[reason] > REASON_RANK[best[p]]):
+            best[p] = reason
+    return SavePlan(tuple(SavePoint(p, best[p]) for p in sorted(best)), skipped)

@@ -1,0 +1,317 @@
+"""Plan: the anchor, the scope boundary (auto over the ring), candidate positions, save points."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.plan import (
+    CacheKnobs,
+    MessageStart,
+    Reason,
+    SavePlan,
+    SavePoint,
+    anchor_position,
+    candidate_positions,
+    choose_scope_boundary,
+    plan_saves,
+)
+from policies.scope import Scope, parse_scope
+
+S, U, A, T = "system", "user", "assistant", "tool"
+
+
+@pytest.mark.parametrize(
+    ("starts", "expected"),
+    [
+        # First turn, no assistant yet: the user message starts after the preamble.
+        ([(0, S), (120, U)], 120),
+        # Later turns: still the first user message, before the first assistant reply.
+        ([(0, S), (120, U), (400, A), (900, U)], 120),
+        # Several user messages before the first reply: the last of them.
+        ([(0, S), (120, U), (300, U), (400, A), (900, U)], 300),
+        # Tool schemas rendered as their own message before the user.
+        ([(0, S), (80, T), (150, U), (300, A)], 150),
+        # The user message opens the prompt: nothing before it worth anchoring.
+        ([(0, U), (50, A)], None),
+        # No user message before the first assistant one.
+        ([(0, S), (50, A), (90, U)], None),
+        # No user message at all, or no messages.
+        ([(0, S)], None),
+        ([], None),
+    ],
+)
+def test_anchor_position(starts: list[tuple[int, str]], expected: int | None) -> None:
+    assert anchor_position([MessageStart(pos, role) for pos, role in starts]) == expected
+
+
+# A 3000-token prompt with messages starting at these positions. Every id is >= 1000, so the
+# filler 9 never matches: diverge(at) shares exactly `at` tokens with PROMPT.
+PROMPT = list(range(1000, 4000))
+BOUNDARIES = (0, 300, 700, 1500, 2400)
+KNOBS = CacheKnobs(min_tokens=256)
+
+
+def diverge(at: int) -> tuple[int, ...]:
+    return tuple(PROMPT[:at]) + (9,) * (len(PROMPT) - at)
+
+
+@pytest.mark.parametrize(
+    ("spec", "recent", "knobs", "expected"),
+    [
+        # off: never a boundary, however much the ring shares.
+        ("off", [diverge(3000)], KNOBS, None),
+        # full: the whole prompt, ring or not.
+        ("full", [], KNOBS, 3000),
+        # fixed N: exactly N, even off a message boundary.
+        ("1000", [], KNOBS, 1000),
+        ("256", [], KNOBS, 256),
+        ("3000", [], KNOBS, 3000),
+        # fixed N longer than the prompt: nothing to snapshot.
+        ("3001", [], KNOBS, None),
+        # fixed N below min tokens: too small to be worth a file.
+        ("255", [], KNOBS, None),
+        # auto, empty ring (first prompt of a tenant): nothing shared.
+        ("auto", [], KNOBS, None),
+        # auto: 1600 shared tokens align down to the message starting at 1500.
+        ("auto", [diverge(1600)], KNOBS, 1500),
+        # auto: a shared prefix ending exactly on a boundary keeps it.
+        ("auto", [diverge(1500)], KNOBS, 1500),
+        # auto: one token short of that boundary falls back a whole message.
+        ("auto", [diverge(1499)], KNOBS, 700),
+        # auto: 350 shared aligns to 300, which clears min tokens 256...
+        ("auto", [diverge(350)], KNOBS, 300),
+        # ...but not min tokens 400.
+        ("auto", [diverge(350)], CacheKnobs(min_tokens=400), None),
+        # auto: shared prefix inside the first message aligns to 0: none.
+        ("auto", [diverge(290)], KNOBS, None),
+        # auto: the best of several ring entries wins.
+        ("auto", [diverge(800), diverge(2500), diverge(100)], KNOBS, 2400),
+        # auto: an identical earlier prompt shares everything; aligned to the last message start.
+        ("auto", [tuple(PROMPT)], KNOBS, 2400),
+        # auto: an earlier, longer prompt that contains this one.
+        ("auto", [(*PROMPT, 5, 6, 7)], KNOBS, 2400),
+        # auto: an earlier prompt that is a prefix of this one (previous turn of the session).
+        ("auto", [tuple(PROMPT[:1800])], KNOBS, 1500),
+    ],
+)
+def test_choose_scope_boundary(
+    spec: str, recent: list[tuple[int, ...]], knobs: CacheKnobs, expected: int | None
+) -> None:
+    scope = parse_scope(spec)
+    assert choose_scope_boundary(PROMPT, BOUNDARIES, scope, recent, knobs) == expected
+
+
+# The window trade-off: this prompt's best match is the 5th most recent one (the same agent
+# session, interleaved with four prompts from other sessions that share only a short prefix).
+RING_5TH_BEST = [diverge(100), diverge(350), diverge(120), diverge(90), diverge(2500), diverge(50)]
+
+
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        # auto:1 sees only a 100-token match: aligned to 0, no boundary.
+        (1, None),
+        # auto:2 also sees the 350-token match: a short boundary.
+        (2, 300),
+        # auto:4 still misses the session's own previous prompt.
+        (4, 300),
+        # auto:5 reaches it: the long boundary.
+        (5, 2400),
+        # auto:8 (window longer than the ring) and the default auto:30 find it too.
+        (8, 2400),
+        (30, 2400),
+    ],
+)
+def test_auto_window_trade_off(window: int, expected: int | None) -> None:
+    scope = parse_scope("auto", window=window)
+    assert choose_scope_boundary(PROMPT, BOUNDARIES, scope, RING_5TH_BEST, KNOBS) == expected
+
+
+def test_full_of_an_empty_prompt_is_none() -> None:
+    assert choose_scope_boundary([], (), Scope("full"), [], KNOBS) is None
+
+
+INTERVAL_1000 = CacheKnobs(continued_interval_tokens=1000)
+
+
+@pytest.mark.parametrize(
+    ("n_prompt", "spec", "knobs", "expected"),
+    [
+        # off: no lookup at all.
+        (2900, "off", INTERVAL_1000, []),
+        # auto: message boundaries (not 0) and every 1000 (continued frontiers).
+        (2900, "auto", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400]),
+        # full adds the prompt end.
+        (2900, "full", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400, 2900]),
+        # full whose end is also a frontier: listed once.
+        (3000, "full", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400, 3000]),
+        # fixed N adds N, in order.
+        (2900, "1234", INTERVAL_1000, [300, 700, 1000, 1234, 1500, 2000, 2400]),
+        # fixed N on a boundary: listed once.
+        (2900, "700", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400]),
+        # fixed N past the prompt end: not a position of this prompt.
+        (2900, "5000", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400]),
+        # A short prompt: boundaries and frontiers past its end are dropped.
+        (1000, "auto", INTERVAL_1000, [300, 700, 1000]),
+        # Default interval 10000: no frontier inside a 2900-token prompt.
+        (2900, "auto", CacheKnobs(), [300, 700, 1500, 2400]),
+        # Interval 0 disables continued frontiers.
+        (2900, "auto", CacheKnobs(continued_interval_tokens=0), [300, 700, 1500, 2400]),
+    ],
+)
+def test_candidate_positions(
+    n_prompt: int, spec: str, knobs: CacheKnobs, expected: list[int]
+) -> None:
+    assert candidate_positions(n_prompt, BOUNDARIES, parse_scope(spec), knobs) == expected
+
+
+AUTO, FULL, OFF = Scope("auto"), Scope("full"), Scope("off")
+FIXED_4000 = Scope("fixed", n_tokens=4000)
+COLD_MAX_SKIP = "prompt of 41000 tokens exceeds cold max 30000"
+
+
+def saves(*points: tuple[int, Reason]) -> tuple[SavePoint, ...]:
+    return tuple(SavePoint(n, reason) for n, reason in points)
+
+
+# Defaults: min 256, cold max 30000, continued every 10000. A 25000-token agent prompt whose
+# preamble (anchor) ends at 4000 and whose auto scope boundary is 21000, unless a case says.
+@pytest.mark.parametrize(
+    ("n_prompt", "cached_n", "scope", "boundary", "anchor", "stored", "expected"),
+    [
+        # off: nothing, whatever else is true.
+        (25000, 0, OFF, None, 4000, set(), SavePlan((), None)),
+        # Cold prefill: the anchor, the continued frontiers, the scope boundary, in order.
+        (
+            25000, 0, AUTO, 21000, 4000, set(),
+            SavePlan(
+                saves((4000, "cold"), (10000, "continued"), (20000, "continued"),
+                      (21000, "scoped")),
+                None,
+            ),
+        ),
+        # Cold, nothing shared with the ring yet: anchor and frontiers only.
+        (
+            25000, 0, AUTO, None, 4000, set(),
+            SavePlan(saves((4000, "cold"), (10000, "continued"), (20000, "continued")), None),
+        ),
+        # Cold, no anchor in this prompt (no user message before the first reply).
+        (
+            25000, 0, AUTO, 21000, None, set(),
+            SavePlan(
+                saves((10000, "continued"), (20000, "continued"), (21000, "scoped")), None
+            ),
+        ),
+        # Cold and exactly at cold max: the anchor is still saved.
+        (
+            30000, 0, AUTO, 28000, 4000, set(),
+            SavePlan(
+                saves((4000, "cold"), (10000, "continued"), (20000, "continued"),
+                      (28000, "scoped"), (30000, "continued")),
+                None,
+            ),
+        ),
+        # Cold and over cold max: no anchor, and the plan says why. The scope boundary at 40000
+        # is also a frontier; it is saved once, as scoped.
+        (
+            41000, 0, AUTO, 40000, 4000, set(),
+            SavePlan(
+                saves((10000, "continued"), (20000, "continued"), (30000, "continued"),
+                      (40000, "scoped")),
+                COLD_MAX_SKIP,
+            ),
+        ),
+        # Over cold max but no anchor to skip: nothing to explain.
+        (
+            41000, 0, AUTO, None, None, set(),
+            SavePlan(
+                saves((10000, "continued"), (20000, "continued"), (30000, "continued"),
+                      (40000, "continued")),
+                None,
+            ),
+        ),
+        # Partial hit short of the anchor: the stored anchor is stale, refresh it.
+        (
+            25000, 2000, AUTO, 21000, 4000, set(),
+            SavePlan(
+                saves((4000, "anchor-refresh"), (10000, "continued"), (20000, "continued"),
+                      (21000, "scoped")),
+                None,
+            ),
+        ),
+        # Refresh is not bound by cold max (only fully cold prefills are).
+        (
+            41000, 2000, AUTO, None, 4000, set(),
+            SavePlan(
+                saves((4000, "anchor-refresh"), (10000, "continued"), (20000, "continued"),
+                      (30000, "continued"), (40000, "continued")),
+                None,
+            ),
+        ),
+        # Hit exactly at the anchor: the anchor is fresh, nothing to save there.
+        (
+            25000, 4000, AUTO, 21000, 4000, set(),
+            SavePlan(
+                saves((10000, "continued"), (20000, "continued"), (21000, "scoped")), None
+            ),
+        ),
+        # Hit past the anchor and the first frontier: only what lies ahead.
+        (
+            25000, 12000, AUTO, 21000, 4000, set(),
+            SavePlan(saves((20000, "continued"), (21000, "scoped")), None),
+        ),
+        # Hit exactly on a frontier: that frontier is behind us (needs cached < k*interval).
+        (
+            25000, 10000, AUTO, None, 4000, set(),
+            SavePlan(saves((20000, "continued"),), None),
+        ),
+        # Live reuse up to exactly the scope boundary, not yet on disk: snapshot it at once.
+        (25000, 21000, AUTO, 21000, 4000, set(), SavePlan(saves((21000, "scoped"),), None)),
+        # ...and if it is on disk already, nothing.
+        (25000, 21000, AUTO, 21000, 4000, {21000}, SavePlan((), None)),
+        # Hit past the scope boundary: nothing left to save.
+        (25000, 22000, AUTO, 21000, 4000, set(), SavePlan((), None)),
+        # Cold, but the anchor and a frontier are on disk already: skipped.
+        (
+            25000, 0, AUTO, 21000, 4000, {4000, 20000},
+            SavePlan(saves((10000, "continued"), (21000, "scoped")), None),
+        ),
+        # full: the prompt end, reason full, plus anchor and frontiers.
+        (
+            25000, 0, FULL, 25000, 4000, set(),
+            SavePlan(
+                saves((4000, "cold"), (10000, "continued"), (20000, "continued"),
+                      (25000, "full")),
+                None,
+            ),
+        ),
+        # full ending on a frontier: one save there, reason full.
+        (
+            20000, 0, FULL, 20000, 4000, set(),
+            SavePlan(saves((4000, "cold"), (10000, "continued"), (20000, "full")), None),
+        ),
+        # fixed N on the anchor: one save there, scoped outranks cold.
+        (
+            25000, 0, FIXED_4000, 4000, 4000, set(),
+            SavePlan(
+                saves((4000, "scoped"), (10000, "continued"), (20000, "continued")), None
+            ),
+        ),
+    ],
+)
+def test_plan_saves(
+    n_prompt: int,
+    cached_n: int,
+    scope: Scope,
+    boundary: int | None,
+    anchor: int | None,
+    stored: set[int],
+    expected: SavePlan,
+) -> None:
+    assert plan_saves(n_prompt, cached_n, scope, boundary, anchor, stored, CacheKnobs()) == expected
+
+
+def test_continued_interval_zero_disables_frontiers() -> None:
+    knobs = CacheKnobs(continued_interval_tokens=0)
+    plan = plan_saves(25000, 0, AUTO, 21000, 4000, set(), knobs)
+    assert plan == SavePlan(saves((4000, "cold"), (21000, "scoped")), None)

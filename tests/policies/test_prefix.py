@@ -1,0 +1,82 @@
+"""common_prefix_len and align_down: exact answers, including chunk edges of the fast path."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.prefix import CHUNK_TOKENS, align_down, common_prefix_len
+
+BASE = list(range(1000, 31000))  # a 30K-token prompt; ids >= 1000, so 7 never matches
+
+
+def diverge(at: int, n: int = len(BASE)) -> list[int]:
+    """BASE, changed from position ``at`` on, ``n`` tokens long: shares exactly ``at`` ids."""
+    return BASE[:at] + [7] * (n - at)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        # Empty against anything shares nothing.
+        ([], [], 0),
+        ([], [1, 2, 3], 0),
+        # Identical prompts share all of it.
+        ([1, 2, 3], [1, 2, 3], 3),
+        # One is a prefix of the other (the agent case: the last prompt is a prefix of this one).
+        ([1, 2, 3], [1, 2, 3, 4, 5], 3),
+        ([1, 2, 3, 4, 5], [1, 2], 2),
+        # Differ at the first token.
+        ([9, 2, 3], [1, 2, 3], 0),
+        # Differ in the middle; what follows the mismatch does not count.
+        ([1, 2, 9, 4], [1, 2, 3, 4], 2),
+        # A list and a tuple of the same ids compare as equal ids.
+        ([1, 2, 3], (1, 2, 3, 4), 3),
+        # Long prompts: mismatches around the first chunk edge and deep inside.
+        (BASE, diverge(0), 0),
+        (BASE, diverge(CHUNK_TOKENS - 1), CHUNK_TOKENS - 1),
+        (BASE, diverge(CHUNK_TOKENS), CHUNK_TOKENS),
+        (BASE, diverge(CHUNK_TOKENS + 1), CHUNK_TOKENS + 1),
+        (BASE, diverge(17_321), 17_321),
+        (BASE, diverge(29_999), 29_999),
+        # A shorter prompt that diverges before its own end, against a longer one.
+        (diverge(5_000, 6_000), BASE, 5_000),
+        (tuple(BASE), tuple(BASE), 30_000),
+    ],
+)
+def test_common_prefix_len(a: list[int], b: list[int], expected: int) -> None:
+    assert common_prefix_len(a, b) == expected
+    assert common_prefix_len(b, a) == expected
+
+
+def test_common_prefix_len_every_mismatch_position_near_chunk_edges() -> None:
+    # Every mismatch position across two chunks (and with fresh int objects, as a separately
+    # tokenized prompt has) gives the same answer as the obvious element-wise definition.
+    base = BASE[: 2 * CHUNK_TOKENS + 50]
+    for at in range(len(base)):
+        other = tuple(x + 1 - 1 for x in base[:at]) + (7,) + tuple(base[at + 1 :])
+        assert common_prefix_len(base, other) == at
+
+
+BOUNDARIES = (0, 300, 700, 1500, 2400)
+
+
+@pytest.mark.parametrize(
+    ("pos", "boundaries", "expected"),
+    [
+        # Inside a message: back to where it starts.
+        (1600, BOUNDARIES, 1500),
+        # Exactly on a boundary: stays.
+        (1500, BOUNDARIES, 1500),
+        # One short of a boundary: the previous one.
+        (1499, BOUNDARIES, 700),
+        # Past the last boundary: the last one.
+        (3000, BOUNDARIES, 2400),
+        # Before the first non-zero boundary: 0.
+        (299, BOUNDARIES, 0),
+        # No boundaries at all, or none at or below pos: 0.
+        (500, (), 0),
+        (50, (100, 200), 0),
+    ],
+)
+def test_align_down(pos: int, boundaries: tuple[int, ...], expected: int) -> None:
+    assert align_down(pos, boundaries) == expected
