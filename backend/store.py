@@ -1,0 +1,322 @@
+"""State files: one llama.cpp sequence state per file, behind a self-checking header.
+
+Layout (little-endian)::
+
+    magic      4 bytes   b"PGKV"
+    version    u16       VERSION
+    flags      u16       0, reserved
+    fingerprint 16 bytes model and configuration (keys.fingerprint)
+    n_tokens   u32       the state holds KV for exactly these tokens
+    ids        u32 * n_tokens
+    state_len  u64       bytes of state that follow the header
+    checksum   u64       xxh3_64 over every header field above, the ids, and the state
+    state      state_len bytes
+
+Rules:
+
+- A file is written to a temp file named ``.tmp-*`` in its final directory, fsynced, renamed
+  onto :func:`state_path`, and the directory fsynced. A path returned by
+  :func:`write_state_file` is complete and durable; a crash leaves only a temp file, which
+  ``Index.reconcile`` sweeps at startup. The index entry is committed after the rename, by the
+  proxy, never before.
+- Verify before trust: :func:`read_state_file` checks magic, version, fingerprint, length,
+  checksum, and that the stored ids equal the prompt's first n ids. Every failure is a
+  :class:`CacheFault` with a reason from :data:`FAULT_REASONS`; callers treat it as a miss.
+- The state is read once, into one buffer: a 700 MB state must not be held twice in memory.
+- Only the worker process reads and writes state bytes; the proxy sees paths, sizes, checksums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import struct
+import sys
+import tempfile
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import xxhash
+
+from backend.keys import CacheKey
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PGKV"
+VERSION = 1
+FINGERPRINT_SIZE_BYTES = 16
+
+FaultReason = Literal["missing", "truncated", "corrupt", "fingerprint", "tokens", "io"]
+FAULT_REASONS: tuple[FaultReason, ...] = (
+    "missing",
+    "truncated",
+    "corrupt",
+    "fingerprint",
+    "tokens",
+    "io",
+)
+
+_FIXED = struct.Struct("<4sHH16sI")  # magic, version, flags, fingerprint, n_tokens
+_STATE_LEN = struct.Struct("<Q")
+_CHECKSUM = struct.Struct("<Q")
+_VERIFY_CHUNK_BYTES = 8 << 20
+_MISMATCH_CONTEXT = 4  # tokens shown either side of the first mismatching token
+
+
+class CacheFault(Exception):
+    """A state file that cannot be trusted or written. Callers count it and treat it as a miss.
+
+    ``reason`` is one of :data:`FAULT_REASONS` (a low-cardinality metric label); the message
+    says what was wrong and where.
+    """
+
+    def __init__(self, reason: FaultReason, message: str = "", path: Path | None = None) -> None:
+        assert reason in FAULT_REASONS, reason
+        super().__init__(message or reason)
+        self.reason: FaultReason = reason
+        self.path = path
+
+
+@dataclass(frozen=True, slots=True)
+class StateHeader:
+    magic: bytes
+    version: int
+    fingerprint: bytes
+    n_tokens: int
+    state_len: int  # bytes of state after the header
+    checksum: int  # xxh3_64 as stored in the file
+    state_offset: int  # where the state bytes start
+    file_size_bytes: int  # size of the file on disk; state_offset + state_len when complete
+
+
+def state_path(cache_dir: Path, key: CacheKey) -> Path:
+    """Where the state of ``key`` lives: ``cache_dir/kv/<hex[:2]>/<hex>.kv``."""
+    hex_key = key.hex()
+    return Path(cache_dir) / "kv" / hex_key[:2] / f"{hex_key}.kv"
+
+
+def write_state_file(
+    cache_dir: Path,
+    key: CacheKey,
+    fp: bytes,
+    ids: Sequence[int],
+    state: bytes | bytearray | memoryview,
+) -> tuple[Path, int, int]:
+    """Write the state for ``ids`` durably under ``key``; return (path, size_bytes, checksum).
+
+    Any OSError (ENOSPC, EIO, permissions) becomes ``CacheFault("io")`` with no temp file left.
+    """
+    if len(fp) != FINGERPRINT_SIZE_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_SIZE_BYTES} bytes, got {len(fp)}")
+    final = state_path(cache_dir, key)
+    body = memoryview(state).cast("B")
+    head = _FIXED.pack(MAGIC, VERSION, 0, fp, len(ids)) + _pack_u32(ids)
+    head += _STATE_LEN.pack(body.nbytes)
+    hasher = xxhash.xxh3_64(head)
+    hasher.update(body)
+    checksum = hasher.intdigest()
+    head += _CHECKSUM.pack(checksum)
+
+    tmp: Path | None = None
+    try:
+        new_dir = not final.parent.is_dir()
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _create_temp(final.parent, final.stem)
+        with open(fd, "wb") as f:
+            f.write(head)
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        tmp = None
+        _fsync_dir(final.parent)
+        if new_dir:
+            _fsync_dir(final.parent.parent)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise CacheFault("io", f"could not write state file {final}: {e}", final) from e
+    return final, len(head) + body.nbytes, checksum
+
+
+def read_state_file(path: Path, fp: bytes, prompt_ids: Sequence[int]) -> tuple[int, bytes]:
+    """Return (n_tokens, state) after verifying the file against ``fp`` and the prompt."""
+    with _open(path) as f:
+        header, head = _read_head(f, path)
+        if header.fingerprint != fp:
+            raise CacheFault(
+                "fingerprint",
+                f"{path}: written for model/config {header.fingerprint.hex()}, "
+                f"running {bytes(fp).hex()}",
+                path,
+            )
+        _check_length(header, path)
+        state = f.read(header.state_len)  # one allocation, filled in place
+        if len(state) != header.state_len:
+            raise CacheFault("truncated", f"{path}: file shrank while being read", path)
+    hasher = xxhash.xxh3_64(head)
+    hasher.update(state)
+    _check_checksum(header, hasher.intdigest(), path)
+    _check_tokens(head, header, prompt_ids, path)
+    return header.n_tokens, state
+
+
+def read_header(path: Path) -> StateHeader:
+    """The header alone (magic and version checked); the state bytes are not read."""
+    with _open(path) as f:
+        return _read_head(f, path)[0]
+
+
+def verify_file(path: Path) -> None:
+    """Check structure, length and checksum without a prompt; streams the state in chunks."""
+    with _open(path) as f:
+        header, head = _read_head(f, path)
+        _check_length(header, path)
+        hasher = xxhash.xxh3_64(head)
+        buf = bytearray(min(_VERIFY_CHUNK_BYTES, max(header.state_len, 1)))
+        view = memoryview(buf)
+        left = header.state_len
+        while left:
+            got = f.readinto(view[: min(left, len(buf))])
+            if not got:
+                raise CacheFault("truncated", f"{path}: file shrank while being read", path)
+            hasher.update(view[:got])
+            left -= got
+    _check_checksum(header, hasher.intdigest(), path)
+
+
+def _create_temp(directory: Path, stem: str) -> tuple[int, Path]:
+    """An open fd and path for a new ``.tmp-*`` file in ``directory`` (same filesystem)."""
+    fd, name = tempfile.mkstemp(prefix=f".tmp-{stem[:8]}-", dir=directory)
+    return fd, Path(name)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open(path: Path) -> io.BufferedReader:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError as e:
+        raise CacheFault("missing", f"{path}: no such state file", path) from e
+    except OSError as e:
+        raise CacheFault("io", f"{path}: cannot open: {e}", path) from e
+
+
+def _read_head(f: io.BufferedReader, path: Path) -> tuple[StateHeader, bytes]:
+    """Parse everything before the checksum; return the header and the bytes it was hashed as."""
+    file_size = os.fstat(f.fileno()).st_size
+    fixed = _read_exact(f, _FIXED.size, path, "header")
+    magic, version, _flags, file_fp, n_tokens = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise CacheFault("corrupt", f"{path}: not a state file (magic {magic!r})", path)
+    if version != VERSION:
+        raise CacheFault("corrupt", f"{path}: format version {version}, expected {VERSION}", path)
+    state_offset = _FIXED.size + 4 * n_tokens + _STATE_LEN.size + _CHECKSUM.size
+    if file_size < state_offset:
+        raise CacheFault(
+            "truncated",
+            f"{path}: {file_size} bytes, header of {n_tokens} tokens needs {state_offset}",
+            path,
+        )
+    rest = _read_exact(f, 4 * n_tokens + _STATE_LEN.size, path, "token ids")
+    (state_len,) = _STATE_LEN.unpack_from(rest, 4 * n_tokens)
+    (checksum,) = _CHECKSUM.unpack(_read_exact(f, _CHECKSUM.size, path, "checksum"))
+    header = StateHeader(
+        magic=magic,
+        version=version,
+        fingerprint=file_fp,
+        n_tokens=n_tokens,
+        state_len=state_len,
+        checksum=checksum,
+        state_offset=state_offset,
+        file_size_bytes=file_size,
+    )
+    return header, fixed + rest
+
+
+def _read_exact(f: io.BufferedReader, n: int, path: Path, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CacheFault("truncated", f"{path}: file ends inside the {what}", path)
+    return data
+
+
+def _check_length(header: StateHeader, path: Path) -> None:
+    expected = header.state_offset + header.state_len
+    if header.file_size_bytes < expected:
+        raise CacheFault(
+            "truncated",
+            f"{path}: {header.file_size_bytes} bytes, header promises {expected}",
+            path,
+        )
+    if header.file_size_bytes > expected:
+        raise CacheFault(
+            "corrupt",
+            f"{path}: {header.file_size_bytes - expected} bytes past the end of the state",
+            path,
+        )
+
+
+def _check_checksum(header: StateHeader, actual: int, path: Path) -> None:
+    if actual != header.checksum:
+        raise CacheFault(
+            "corrupt",
+            f"{path}: checksum {actual:016x}, header says {header.checksum:016x}",
+            path,
+        )
+
+
+def _check_tokens(head: bytes, header: StateHeader, prompt_ids: Sequence[int], path: Path) -> None:
+    n = header.n_tokens
+    stored = memoryview(head)[_FIXED.size : _FIXED.size + 4 * n]
+    if len(prompt_ids) < n:
+        raise CacheFault(
+            "tokens", f"{path}: holds {n} tokens, the prompt has only {len(prompt_ids)}", path
+        )
+    try:
+        if stored == _pack_u32(prompt_ids[:n]):
+            return
+    except OverflowError:
+        pass  # a prompt id outside u32 cannot match; find and report it below
+    stored_ids = _unpack_u32(stored)
+    at = next((i for i in range(n) if stored_ids[i] != prompt_ids[i]), 0)
+    lo, hi = max(0, at - _MISMATCH_CONTEXT), at + _MISMATCH_CONTEXT + 1
+    raise CacheFault(
+        "tokens",
+        f"{path}: token {at} differs: stored {list(stored_ids[lo:hi])} "
+        f"vs prompt {list(prompt_ids[lo:hi])} (from position {lo})",
+        path,
+    )
+
+
+def _pack_u32(ids: Sequence[int]) -> bytes:
+    """Token ids as u32 little-endian bytes; OverflowError for an id outside u32."""
+    if hasattr(ids, "astype"):  # numpy: no per-element Python loop
+        arr: Any = ids
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+            raise OverflowError("token id outside u32")
+        return bytes(arr.astype("<u4", copy=False).tobytes())
+    packed = array("I", ids)
+    assert packed.itemsize == 4, "this platform's C unsigned int is not 32 bits"
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack_u32(data: bytes | memoryview) -> array[int]:
+    ids = array("I", bytes(data))
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids

@@ -1,0 +1,276 @@
+"""The LMDB index over real state files: lookups, hit counting, deletion, growth past a full map,
+and startup reconciliation after crashes (killed writers, lost files, stray files)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from backend.index import Entry, Index, ReconcileReport
+from backend.keys import CacheKey, prefix_keys
+from backend.store import CacheFault, read_state_file, state_path, write_state_file
+
+REPO = Path(__file__).resolve().parents[2]
+FP = bytes(range(16))
+SALT = b"salt" * 4
+IDS = list(range(1000, 1100))
+
+
+def key_at(n: int) -> CacheKey:
+    return prefix_keys(SALT, IDS, [n])[n]
+
+
+def save(cache_dir: Path, index: Index, n: int, reason: str = "scoped") -> tuple[CacheKey, Entry]:
+    """What the worker and proxy do together: write the state file, then commit the entry."""
+    key = key_at(n)
+    path, size_bytes, checksum = write_state_file(cache_dir, key, FP, IDS[:n], os.urandom(n * 64))
+    entry = Entry(
+        n_tokens=n,
+        file=str(path.relative_to(cache_dir)),
+        size_bytes=size_bytes,
+        checksum=checksum,
+        reason=reason,
+        created_s=1_700_000_000.25,
+        last_used_s=1_700_000_000.25,
+        hits=0,
+        fingerprint=FP,
+        tenant="",
+    )
+    index.put(key, entry)
+    return key, entry
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[Index]:
+    with Index(tmp_path) as idx:
+        yield idx
+
+
+def test_put_get_roundtrip_of_every_field(tmp_path: Path, index: Index) -> None:
+    key, entry = save(tmp_path, index, 40)
+    assert index.get(key) == entry
+    odd = Entry(
+        n_tokens=2**32 - 1,
+        file="kv/ff/ünï.kv",
+        size_bytes=2**40,
+        checksum=2**64 - 1,
+        reason="anchor-refresh",
+        created_s=0.1,
+        last_used_s=1e9 + 0.123456,
+        hits=2**50,
+        fingerprint=b"\x00" * 16,
+        tenant="tenant/with ✓",
+        prefix_of=key,
+    )
+    index.put(key_at(41), odd)
+    assert index.get(key_at(41)) == odd
+    assert index.get(key_at(42)) is None
+    assert len(index) == 2
+
+
+def test_longest_picks_the_longest_stored_position(tmp_path: Path, index: Index) -> None:
+    save(tmp_path, index, 10)
+    key20, entry20 = save(tmp_path, index, 20)
+    keys = prefix_keys(SALT, IDS, [5, 10, 20, 30, 100])
+    assert index.longest(keys) == (20, key20, entry20)  # 30 and 100 are not stored
+    assert index.longest({n: k for n, k in keys.items() if n < 10}) is None
+    assert index.longest({}) is None
+
+
+def test_longest_ignores_an_entry_with_the_wrong_token_count(tmp_path: Path, index: Index) -> None:
+    # exactness invariant: a key of 30 tokens must never be served by a 20-token snapshot
+    key10, entry10 = save(tmp_path, index, 10)
+    _, entry20 = save(tmp_path, index, 20)
+    index.put(key_at(30), entry20)
+    assert index.longest(prefix_keys(SALT, IDS, [10, 30])) == (10, key10, entry10)
+
+
+def test_touch_counts_hits(tmp_path: Path, index: Index) -> None:
+    key, entry = save(tmp_path, index, 12)
+    index.touch(key, 1_800_000_000.5)
+    index.touch(key, 1_800_000_001.5)
+    touched = index.get(key)
+    assert touched is not None
+    assert (touched.hits, touched.last_used_s, touched.created_s) == (
+        2,
+        1_800_000_001.5,
+        1.7e9 + 0.25,
+    )
+    index.touch(key_at(99), 1.0)  # evicted meanwhile: nothing to count
+    assert index.get(key_at(99)) is None
+
+
+def test_delete_removes_entry_and_file(tmp_path: Path, index: Index) -> None:
+    key, entry = save(tmp_path, index, 15)
+    other, other_entry = save(tmp_path, index, 16)
+    assert index.total_bytes() == entry.size_bytes + other_entry.size_bytes
+    assert index.delete(key) == entry
+    assert not (tmp_path / entry.file).exists()
+    assert index.get(key) is None
+    assert index.delete(key) is None
+    assert index.total_bytes() == other_entry.size_bytes
+    (tmp_path / other_entry.file).unlink()  # already gone on disk: still fine
+    assert index.delete(other) == other_entry
+    assert (len(index), index.total_bytes()) == (0, 0)
+
+
+def test_replacing_an_entry_keeps_total_bytes_right(tmp_path: Path, index: Index) -> None:
+    key, entry = save(tmp_path, index, 30)
+    _, bigger = save(tmp_path, index, 60)
+    index.put(key, bigger)
+    assert index.total_bytes() == 2 * bigger.size_bytes
+    assert [e for _, e in index.entries()] == [bigger, bigger]
+
+
+def test_entries_survive_a_reopen_and_clear_removes_everything(tmp_path: Path) -> None:
+    with Index(tmp_path) as index:
+        saved = dict(save(tmp_path, index, n) for n in (5, 6, 7))
+    with Index(tmp_path) as index:
+        assert dict(index.entries()) == saved
+        assert index.total_bytes() == sum(e.size_bytes for e in saved.values())
+        assert index.clear() == 3
+        assert (len(index), index.total_bytes(), index.entries()) == (0, 0, [])
+    assert list((tmp_path / "kv").rglob("*.kv")) == []
+
+
+def test_a_full_map_grows_transparently(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="backend.index")
+    entry = Entry(
+        n_tokens=1,
+        file="kv/00/" + "0" * 32 + ".kv",
+        size_bytes=1,
+        checksum=0,
+        reason="continued",
+        created_s=0.0,
+        last_used_s=0.0,
+        hits=0,
+        fingerprint=FP,
+        tenant="",
+    )
+    keys = [CacheKey(i.to_bytes(16, "big")) for i in range(5000)]
+    with Index(tmp_path, map_size_bytes=64 << 10) as index:
+        for i, key in enumerate(keys):
+            index.put(key, replace(entry, n_tokens=i))
+        index.touch(keys[0], 5.0)
+        assert len(index) == 5000
+        assert index.total_bytes() == 5000
+    assert "index map full" in caplog.text  # it did fill up, more than once
+    with Index(tmp_path, map_size_bytes=64 << 10) as index:
+        assert [index.get(k).n_tokens for k in keys] == list(range(5000))  # type: ignore[union-attr]
+        assert index.get(keys[0]).hits == 1  # type: ignore[union-attr]
+
+
+def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> None:
+    kept_key, kept = save(tmp_path, index, 10)
+    lost_key, lost = save(tmp_path, index, 20)
+    (tmp_path / lost.file).unlink()  # entry without its file
+    short_key, short = save(tmp_path, index, 30)
+    os.truncate(tmp_path / short.file, short.size_bytes - 1)  # file of the wrong size
+    stray, _, _ = write_state_file(tmp_path, key_at(40), FP, IDS[:40], b"s" * 40)  # no entry
+    temp = stray.parent / ".tmp-deadbeef-xyz"
+    temp.write_bytes(b"half a state")
+
+    report = index.reconcile()
+
+    assert report == ReconcileReport(
+        temp_files_removed=1,
+        missing_dropped=1,
+        size_dropped=1,
+        unreadable_dropped=0,
+        orphans_removed=1,
+        kept=1,
+    )
+    assert index.entries() == [(kept_key, kept)]
+    assert index.total_bytes() == kept.size_bytes
+    assert [p for p in (tmp_path / "kv").rglob("*") if p.is_file()] == [tmp_path / kept.file]
+    assert index.reconcile() == ReconcileReport(0, 0, 0, 0, 0, kept=1)  # idempotent
+
+
+def test_reconcile_on_an_empty_cache(tmp_path: Path, index: Index) -> None:
+    assert index.reconcile() == ReconcileReport(0, 0, 0, 0, 0, 0)
+
+
+# --- a worker killed while saving -------------------------------------------------------------
+
+WRITER = """
+import os, signal, sys
+from pathlib import Path
+from backend.store import write_state_file
+cache_dir, key, n, size, die_at_rename = sys.argv[1:]
+if die_at_rename == "1":  # the temp file is complete and synced; the worker dies before rename
+    os.replace = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+ids = list(range(1000, 1000 + int(n)))
+write_state_file(Path(cache_dir), bytes.fromhex(key), bytes(range(16)), ids, bytes(int(size)))
+"""
+
+
+def start_writer(
+    cache_dir: Path, key: CacheKey, n: int, size: int, die_at_rename: bool
+) -> subprocess.Popen[bytes]:
+    args = [str(cache_dir), key.hex(), str(n), str(size), "1" if die_at_rename else "0"]
+    return subprocess.Popen([sys.executable, "-c", WRITER, *args], cwd=REPO)
+
+
+def temps_in(cache_dir: Path) -> list[Path]:
+    kv = cache_dir / "kv"
+    return sorted(kv.rglob(".tmp-*")) if kv.is_dir() else []
+
+
+def test_writer_killed_mid_write_leaves_nothing_behind_after_reconcile(
+    tmp_path: Path, index: Index
+) -> None:
+    kept_key, kept = save(tmp_path, index, 10)
+    key = key_at(50)
+    writer = start_writer(tmp_path, key, 50, 256 << 20, die_at_rename=False)
+    deadline = time.monotonic() + 30
+    while not any(p.stat().st_size > 0 for p in temps_in(tmp_path) if p.exists()):
+        assert writer.poll() is None, "the writer finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    os.kill(writer.pid, signal.SIGKILL)
+    assert writer.wait() == -signal.SIGKILL
+    partial = temps_in(tmp_path)
+    assert len(partial) == 1 and partial[0].stat().st_size > 0
+    assert not state_path(tmp_path, key).exists()  # the final name never holds a partial file
+
+    report = index.reconcile()
+
+    assert report.temp_files_removed == 1 and report.kept == 1
+    assert temps_in(tmp_path) == []
+    assert index.entries() == [(kept_key, kept)]
+    with pytest.raises(CacheFault) as info:
+        read_state_file(state_path(tmp_path, key), FP, IDS)
+    assert info.value.reason == "missing"
+
+
+def test_writer_killed_before_rename_keeps_the_old_file_and_drops_a_premature_entry(
+    tmp_path: Path, index: Index
+) -> None:
+    # an older complete snapshot of 20 tokens is being rewritten when the worker dies
+    old_key, old = save(tmp_path, index, 20)
+    rewrite = start_writer(tmp_path, old_key, 20, 1 << 20, die_at_rename=True)
+    assert rewrite.wait() == -signal.SIGKILL
+    # a new 60-token snapshot dies the same way; pretend the proxy had committed it too early
+    new_key = key_at(60)
+    _, template = save(tmp_path, index, 61)
+    index.delete(key_at(61))
+    index.put(new_key, replace(template, n_tokens=60, file="kv/x/gone.kv"))
+    fresh = start_writer(tmp_path, new_key, 60, 1 << 20, die_at_rename=True)
+    assert fresh.wait() == -signal.SIGKILL
+    assert len(temps_in(tmp_path)) == 2
+
+    report = index.reconcile()
+
+    assert (report.temp_files_removed, report.missing_dropped, report.kept) == (2, 1, 1)
+    assert temps_in(tmp_path) == []
+    assert index.entries() == [(old_key, old)]
+    assert read_state_file(tmp_path / old.file, FP, IDS)[0] == 20  # the old file is intact

@@ -1,0 +1,177 @@
+"""State files on real disk: a roundtrip, and every way a file can be untrustworthy (missing,
+truncated, corrupt, another model, other tokens, a full disk) raising the right CacheFault."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from backend import store
+from backend.keys import CacheKey
+from backend.store import (
+    CacheFault,
+    read_header,
+    read_state_file,
+    state_path,
+    verify_file,
+    write_state_file,
+)
+
+FP = bytes(range(16))
+OTHER_FP = bytes(range(1, 17))
+KEY = CacheKey(bytes.fromhex("ab" * 16))
+IDS = [1, 7, 49_151, 0, 300, 2, 2, 2, 9, 10]
+STATE = os.urandom(100_000)
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> Path:
+    path, _, _ = write_state_file(tmp_path, KEY, FP, IDS, STATE)
+    return path
+
+
+def fault(path: Path, fp: bytes = FP, prompt: list[int] = IDS) -> CacheFault:
+    with pytest.raises(CacheFault) as info:
+        read_state_file(path, fp, prompt)
+    return info.value
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_roundtrip(tmp_path: Path) -> None:
+    path, size_bytes, checksum = write_state_file(tmp_path, KEY, FP, IDS, STATE)
+    assert path == state_path(tmp_path, KEY) == tmp_path / "kv" / "ab" / f"{'ab' * 16}.kv"
+    assert size_bytes == path.stat().st_size
+    assert read_state_file(path, FP, IDS) == (len(IDS), STATE)
+    assert read_state_file(path, FP, IDS + [5, 6, 7]) == (len(IDS), STATE)  # a longer prompt
+    header = read_header(path)
+    assert (header.magic, header.version, header.fingerprint) == (b"PGKV", 1, FP)
+    assert (header.n_tokens, header.state_len, header.checksum) == (len(IDS), len(STATE), checksum)
+    assert header.state_offset + header.state_len == header.file_size_bytes == size_bytes
+    verify_file(path)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp left behind
+
+
+def test_rewrite_replaces_the_file_and_other_buffers_are_accepted(tmp_path: Path) -> None:
+    write_state_file(tmp_path, KEY, FP, IDS, STATE)
+    c_state = (ctypes.c_uint8 * 64).from_buffer_copy(bytes(range(64)))  # what llama.cpp hands out
+    path, _, _ = write_state_file(tmp_path, KEY, FP, IDS[:3], memoryview(c_state))
+    assert read_state_file(path, FP, IDS) == (3, bytes(range(64)))
+    path, _, _ = write_state_file(tmp_path, KEY, FP, [], bytearray(b"empty prompt"))
+    assert read_state_file(path, FP, IDS) == (0, b"empty prompt")
+
+
+def test_missing(tmp_path: Path) -> None:
+    assert fault(state_path(tmp_path, KEY)).reason == "missing"
+    with pytest.raises(CacheFault) as info:
+        verify_file(tmp_path / "nope.kv")
+    assert info.value.reason == "missing"
+
+
+@pytest.mark.parametrize(
+    ("where", "offset"),
+    [
+        ("a state byte", -1),
+        ("the first state byte", -len(STATE)),
+        ("a token id byte", 28 + 5),  # 28-byte fixed header, then the ids
+        ("the checksum", 28 + 4 * len(IDS) + 8),
+        ("the magic", 0),
+    ],
+)
+def test_corrupt_byte(written: Path, where: str, offset: int) -> None:
+    flip_byte(written, offset if offset >= 0 else written.stat().st_size + offset)
+    err = fault(written)
+    assert err.reason == "corrupt", where
+    assert str(written) in str(err)
+    with pytest.raises(CacheFault) as info:
+        verify_file(written)
+    assert info.value.reason == "corrupt"
+
+
+def test_trailing_bytes_are_corrupt(written: Path) -> None:
+    with written.open("ab") as f:
+        f.write(b"x")
+    assert fault(written).reason == "corrupt"
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 3, 20, 28 + 8, 28 + 4 * len(IDS) + 10, -1, -50_000])
+def test_truncated(written: Path, keep_bytes: int) -> None:
+    size = written.stat().st_size
+    os.truncate(written, keep_bytes if keep_bytes >= 0 else size + keep_bytes)
+    err = fault(written)
+    assert err.reason == "truncated", str(err)
+    with pytest.raises(CacheFault) as info:
+        verify_file(written)
+    assert info.value.reason == "truncated"
+
+
+def test_other_fingerprint(written: Path) -> None:
+    err = fault(written, fp=OTHER_FP)
+    assert err.reason == "fingerprint"
+    assert FP.hex() in str(err) and OTHER_FP.hex() in str(err)
+    verify_file(written)  # the file itself is fine, just not for this model
+
+
+def test_token_ids_differ_from_the_prompt(written: Path) -> None:
+    prompt = IDS.copy()
+    prompt[6] = 99
+    err = fault(written, prompt=prompt)
+    assert err.reason == "tokens"
+    assert "token 6 differs" in str(err)
+    assert fault(written, prompt=IDS[:-1]).reason == "tokens"  # prompt shorter than the state
+    assert fault(written, prompt=[-1] + IDS[1:]).reason == "tokens"
+
+
+def test_full_disk_is_an_io_fault_and_leaves_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real disk cannot be filled here: the temp file is created as usual, but its bytes go
+    to /dev/full, which fails every write with ENOSPC."""
+    real_create_temp = store._create_temp
+    temps: list[Path] = []
+
+    def create_temp_on_full_disk(directory: Path, stem: str) -> tuple[int, Path]:
+        fd, tmp = real_create_temp(directory, stem)
+        os.close(fd)
+        temps.append(tmp)
+        return os.open("/dev/full", os.O_WRONLY), tmp
+
+    monkeypatch.setattr(store, "_create_temp", create_temp_on_full_disk)
+    with pytest.raises(CacheFault) as info:
+        write_state_file(tmp_path, KEY, FP, IDS, STATE)
+    assert info.value.reason == "io"
+    assert "No space left on device" in str(info.value)
+    assert temps and not temps[0].exists()
+    assert list(state_path(tmp_path, KEY).parent.iterdir()) == []
+
+
+def test_unwritable_cache_dir_is_an_io_fault(tmp_path: Path) -> None:
+    blocker = tmp_path / "kv"
+    blocker.write_bytes(b"a file where the kv directory should be")
+    with pytest.raises(CacheFault) as info:
+        write_state_file(tmp_path, KEY, FP, IDS, STATE)
+    assert info.value.reason == "io"
+
+
+def test_a_large_state_is_held_once_in_memory(tmp_path: Path) -> None:
+    state = bytes(64 << 20)
+    path, _, _ = write_state_file(tmp_path, KEY, FP, IDS, state)
+    del state
+    tracemalloc.start()
+    try:
+        n, read = read_state_file(path, FP, IDS)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (n, len(read)) == (len(IDS), 64 << 20)
+    assert peak_bytes < (64 << 20) * 1.1, peak_bytes
