@@ -1,0 +1,63 @@
+"""The `prefixgate` command: serve, worker, cache."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import socket
+import sys
+
+from proxy.config import Config, add_arguments, from_args
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail at once, before workers load, when the port is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise SystemExit(f"prefixgate: port {port} on {host} is already in use; stop the "
+                                 "other server or pick another with --port") from None
+            raise SystemExit(f"prefixgate: cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def serve(cfg: Config) -> None:
+    from aiohttp import web
+
+    from proxy.app import make_app
+
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _check_port(cfg.host, cfg.port)
+    web.run_app(make_app(cfg), host=cfg.host, port=cfg.port, print=None,
+                access_log=None, reuse_address=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        from backend.worker import main as worker_main
+
+        return worker_main(argv[1:])
+    if argv[:1] == ["cache"]:
+        from proxy.cache_cli import main as cache_main
+
+        return cache_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from bench.simulate import main as simulate_main  # type: ignore[import-not-found]
+
+        return simulate_main(argv[1:])
+    p = argparse.ArgumentParser(prog="prefixgate",
+                                description="Prompt-cache proxy for local LLM agents. "
+                                "Commands: serve (default), worker, cache.")
+    p.add_argument("command", nargs="?", default="serve", choices=["serve"])
+    add_arguments(p)
+    ns = p.parse_args(argv)
+    serve(from_args(ns))
+
+
+if __name__ == "__main__":
+    main()

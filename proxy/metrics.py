@@ -1,0 +1,64 @@
+"""Prometheus metrics, `prefixgate_` prefix, base units. One registry per app (tests run several).
+
+What they mean:
+- prompt tokens = cached tokens (live + disk) + prefilled tokens, per request.
+- hit ratio = rate(prefixgate_cached_tokens_total) / rate(prefixgate_prompt_tokens_total).
+- lookups: hit (the disk entry covers the whole reusable prefix), partial (a shorter entry was
+  used), miss (nothing on disk); live-only reuse is counted under cached_tokens{source="live"}.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("prefixgate_requests_total", "Requests by API and outcome",
+                                ["api", "outcome"], registry=r)
+        self.prompt_tokens = Counter("prefixgate_prompt_tokens_total",
+                                     "Prompt tokens of served requests", registry=r)
+        self.cached_tokens = Counter("prefixgate_cached_tokens_total",
+                                     "Prompt tokens not prefilled, by source", ["source"],
+                                     registry=r)
+        self.prefilled_tokens = Counter("prefixgate_prefilled_tokens_total",
+                                        "Prompt tokens prefilled by a worker", registry=r)
+        self.generated_tokens = Counter("prefixgate_generated_tokens_total",
+                                        "Tokens generated", registry=r)
+        self.lookups = Counter("prefixgate_cache_lookups_total",
+                               "Disk cache lookups by result", ["result"], registry=r)
+        self.saves = Counter("prefixgate_cache_saves_total", "Snapshots by reason and outcome",
+                             ["reason", "outcome"], registry=r)
+        self.faults = Counter("prefixgate_cache_faults_total",
+                              "Cache faults degraded to a miss, by kind", ["kind"], registry=r)
+        self.evictions = Counter("prefixgate_cache_evictions_total", "Entries evicted",
+                                 registry=r)
+        self.evicted_bytes = Counter("prefixgate_cache_evicted_bytes_total",
+                                     "Bytes of evicted state files", registry=r)
+        self.restore_seconds = Histogram("prefixgate_restore_seconds",
+                                         "Time to restore a state file into a worker",
+                                         buckets=_LATENCY, registry=r)
+        self.save_seconds = Histogram("prefixgate_save_seconds",
+                                      "Time to write a state file (off the hot path)",
+                                      buckets=_LATENCY, registry=r)
+        self.ttft_seconds = Histogram("prefixgate_time_to_first_token_seconds",
+                                      "Request arrival to first token", ["api"],
+                                      buckets=_LATENCY, registry=r)
+        self.prefill_seconds = Histogram("prefixgate_prefill_seconds",
+                                         "Worker prefill time per request",
+                                         buckets=_LATENCY, registry=r)
+        self.cache_bytes = Gauge("prefixgate_cache_bytes", "Bytes of state files on disk",
+                                 registry=r)
+        self.cache_budget_bytes = Gauge("prefixgate_cache_budget_bytes",
+                                        "The --cache-max-bytes budget", registry=r)
+        self.cache_entries = Gauge("prefixgate_cache_entries", "Entries in the index",
+                                   registry=r)
+        self.workers_up = Gauge("prefixgate_worker_up", "1 when the worker is ready",
+                                ["worker"], registry=r)
+        self.workers_busy = Gauge("prefixgate_worker_busy", "1 while the worker runs a request",
+                                  ["worker"], registry=r)
+        self.queue_depth = Gauge("prefixgate_queue_depth", "Requests waiting for a worker",
+                                 registry=r)

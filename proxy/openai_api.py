@@ -1,0 +1,225 @@
+"""OpenAI API edge: /v1/chat/completions, /v1/completions. Parse into ChatRequest, render
+responses (JSON or SSE chunks). Errors use OpenAI's shape `{"error": {message, type, param, code}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from proxy.chat import (
+    ROLES,
+    ChatRequest,
+    expect_dict,
+    opt_bool,
+    opt_int,
+    parse_prefix_cache,
+    parse_sampling,
+    parse_stop,
+)
+from proxy.errors import ApiError, BadRequest
+from proxy.gateway import Run, Usage
+
+
+def _content_text(content: Any, i: int) -> str:
+    """Message content as the template sees it: a string (text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise BadRequest(f"messages[{i}].content parts must be objects with a 'type'",
+                                 param=f"messages[{i}].content")
+            if part["type"] == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif part["type"] in ("image_url", "input_audio", "file", "image"):
+                raise BadRequest(f"messages[{i}] has a '{part['type']}' part: this model takes "
+                                 "text only; send text parts", param=f"messages[{i}].content")
+            else:
+                raise BadRequest(f"messages[{i}].content part of type '{part['type']}' is not "
+                                 "supported; send text parts", param=f"messages[{i}].content")
+        return "".join(parts)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
+                     param=f"messages[{i}].content")
+
+
+def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
+    if raw is None:
+        raise BadRequest("'messages' is required: a non-empty list of {role, content}",
+                         param="messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list of {role, content}",
+                         param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'",
+                             param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; "
+                             f"got {role!r}", param=f"messages[{i}].role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _content_text(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = parse_tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return tuple(out)
+
+
+def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list", param="tool_calls")
+    calls = []
+    for c in raw:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"messages[{i}].tool_calls entries need function.name",
+                             param="tool_calls")
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            parsed = args
+        calls.append({"id": c.get("id", ""), "type": "function",
+                      "function": {"name": fn["name"], "arguments": parsed}})
+    return calls
+
+
+def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise BadRequest("'tools' must be a list of {type: function, function: {...}}",
+                         param="tools")
+    tools = []
+    for t in raw:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest("each tool must be {type: 'function', function: {name, "
+                             "description, parameters}}", param="tools")
+        tools.append({"type": "function", "function": fn})
+    return tuple(tools)
+
+
+def _common(body: dict[str, Any], tenant: str) -> dict[str, Any]:
+    max_tokens = opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = opt_int(body, "max_tokens", 1)
+    stream = opt_bool(body, "stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    scope, window = parse_prefix_cache(body)
+    return {
+        "sampling": parse_sampling(body),
+        "max_tokens": max_tokens,
+        "stop": parse_stop(body.get("stop")),
+        "stream": stream,
+        "include_usage": bool(so and so.get("include_usage")),
+        "scope": scope,
+        "window": window,
+        "tenant": tenant,
+    }
+
+
+def parse_chat(body: Any, tenant: str) -> ChatRequest:
+    body = expect_dict(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    return ChatRequest(api="openai", messages=parse_messages(body.get("messages")),
+                       tools=parse_tools(body.get("tools")),
+                       tool_choice=body.get("tool_choice", "auto"), **_common(body, tenant))
+
+
+def parse_completion(body: Any, tenant: str) -> ChatRequest:
+    body = expect_dict(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string", param="prompt")
+    return ChatRequest(api="completions", messages=(), prompt=prompt, **_common(body, tenant))
+
+
+def usage_json(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def cache_headers(run: Run) -> dict[str, str]:
+    return {"X-Prefixgate-Cached-Tokens": str(run.usage.cached_tokens),
+            "X-Prefixgate-Cache-Source": run.usage.source,
+            "X-Prefixgate-Worker": str(run.worker.worker_id)}
+
+
+class Responder:
+    """Renders one run as a chat.completion or text_completion, JSON or SSE."""
+
+    def __init__(self, run: Run, model_id: str, chat: bool) -> None:
+        self.run, self.model, self.chat = run, model_id, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _choice(self, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body: dict[str, Any] = {"role": "assistant", "content": text} if not delta else \
+            ({"content": text} if text is not None else {})
+        key = "delta" if delta else "message"
+        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+
+    async def json(self, request: web.Request) -> web.Response:
+        text = await self.run.text()
+        body = {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": [self._choice(text, self.run.finish_reason, False)],
+                "usage": usage_json(self.run.usage)}
+        return web.json_response(body, headers=cache_headers(self.run))
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
+                                "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage_json(usage)
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", **cache_headers(self.run)})
+        await resp.prepare(request)
+        if self.chat:
+            await resp.write(self._chunk([{"index": 0, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                           "logprobs": None, "finish_reason": None}]))
+        try:
+            async for piece in self.run.pieces():
+                await resp.write(self._chunk([self._choice(piece, None, True)]))
+        except ApiError as e:
+            err = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            return resp
+        await resp.write(self._chunk([self._choice(None if self.chat else "",
+                                                   self.run.finish_reason, True)]))
+        if include_usage:
+            await resp.write(self._chunk([], self.run.usage))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

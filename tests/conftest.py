@@ -1,0 +1,124 @@
+"""Shared fixtures: a real prefixgate server (real worker processes, the real default model)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+N_CTX = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout_s: float = 30) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    cache_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str) -> tuple[int, str]:
+        return http_get(self.url + path)
+
+    def get_json(self, path: str) -> dict:
+        status, body = self.get(path)
+        assert status == 200, body
+        return dict(json.loads(body))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
+                 env: dict[str, str] | None = None, timeout_s: float = 120) -> Server:
+    port = free_port()
+    cache_dir = cache_dir or tmp / "cache"
+    log_path = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
+           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *args]
+    logf = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+    srv = Server(f"http://127.0.0.1:{port}", port, cache_dir, proc, log_path)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{srv.log()}")
+        if http_get(srv.url + "/health", timeout_s=2)[0] == 200:
+            return srv
+        time.sleep(0.2)
+    srv.stop()
+    raise RuntimeError(f"server not ready in {timeout_s} s:\n{srv.log()}")
+
+
+@contextlib.contextmanager
+def running(tmp: Path, *args: str, **kw: object) -> Iterator[Server]:
+    srv = start_server(tmp, *args, **kw)  # type: ignore[arg-type]
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two workers, the default disk cache policy."""
+    with running(tmp_path_factory.mktemp("srv"), "--workers", "2") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cold_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One worker, no disk cache: the reference for cold runs."""
+    with running(tmp_path_factory.mktemp("cold"), "--workers", "1",
+                 "--disk-prefix-cache", "off") as srv:
+        yield srv
+
+
+@pytest.fixture
+def model_path() -> str:
+    from proxy.config import default_model
+
+    return default_model()

@@ -1,0 +1,197 @@
+"""The OpenAI API end to end: the official `openai` SDK against a real prefixgate with real
+worker processes on the default model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import N_CTX, Server
+
+SYSTEM = (
+    "You are a careful assistant for a small software team. Answer briefly and precisely. "
+    "The project is a reverse proxy written in Python with aiohttp; it forwards requests to "
+    "worker processes that run a language model, and it caches the model's key-value state on "
+    "disk so that long, repeated prompt prefixes do not have to be computed again. "
+    "When asked about code, prefer short examples. When unsure, say so."
+)
+
+
+def client(srv: Server, key: str = "test-key") -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.v1, api_key=key, max_retries=0, timeout=120)
+
+
+def chat(srv: Server, messages: list[dict], **kw: object):
+    raw = client(srv).chat.completions.with_raw_response.create(
+        model=kw.pop("model", "claude-sonnet-4-5"), messages=messages,  # any name is accepted
+        temperature=0, max_tokens=kw.pop("max_tokens", 12), **kw)
+    return raw.parse(), raw.headers
+
+
+def test_models_lists_the_served_model(server: Server) -> None:
+    models = client(server).models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert models[0].model_extra["context_length"] == N_CTX
+
+
+def test_chat_non_streaming(server: Server) -> None:
+    resp, headers = chat(server, [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": "What is a mutex?"}])
+    assert resp.object == "chat.completion"
+    assert resp.model == "SmolLM2-135M-Instruct.Q4_1"
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str) and msg.content.strip()
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens > 100
+    assert resp.usage.completion_tokens == 12 or resp.choices[0].finish_reason == "stop"
+    assert int(headers["x-prefixgate-cached-tokens"]) == \
+        resp.usage.prompt_tokens_details.cached_tokens
+
+
+def test_chat_streaming_with_usage(server: Server) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    stream = client(server).chat.completions.create(
+        model="gpt-4o", messages=messages, temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # the streamed text equals the non-streamed greedy text of the same prompt
+    full, _ = chat(server, messages, max_tokens=16)
+    assert text == full.choices[0].message.content
+
+
+def test_sampling_parameters_are_accepted(server: Server) -> None:
+    resp, _ = chat(server, [{"role": "user", "content": "Say hi."}], top_p=0.9, seed=7,
+                   stop=["\n\n"], max_tokens=8,
+                   extra_body={"top_k": 20, "min_p": 0.1, "max_completion_tokens": 6})
+    assert resp.usage.completion_tokens <= 6
+
+
+def test_completions_endpoint(server: Server) -> None:
+    resp = client(server).completions.create(model="x", prompt="The capital of France is",
+                                             max_tokens=5, temperature=0)
+    assert resp.object == "text_completion" and resp.choices[0].text
+    assert resp.usage.completion_tokens <= 5
+
+
+def test_follow_up_reuses_live_prefix_and_matches_cold_run(server: Server,
+                                                            cold_server: Server) -> None:
+    first = [{"role": "system", "content": SYSTEM},
+             {"role": "user", "content": "Explain what a reverse proxy does."}]
+    r1, _ = chat(server, first, max_tokens=24)
+    second = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+              {"role": "user", "content": "And why would it cache state on disk?"}]
+    r2, h2 = chat(server, second, max_tokens=24)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert h2["x-prefixgate-cache-source"] in ("live", "disk")
+    cold, hc = chat(cold_server, second, max_tokens=24)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0, "the reference must be cold"
+    assert r2.choices[0].message.content == cold.choices[0].message.content
+
+
+BAD = [
+    # (raw body, expected fragment of the message)
+    (b"{not json", "not valid JSON"),
+    (b"", "empty"),
+    (b"[1, 2]", "must be a JSON object"),
+    (json.dumps({"model": "m"}).encode(), "'messages' is required"),
+    (json.dumps({"model": "m", "messages": []}).encode(), "non-empty list"),
+    (json.dumps({"model": "m", "messages": "hi"}).encode(), "non-empty list"),
+    (json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+     "role must be one of"),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode(),
+     "content must be a string"),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                 "temperature": "hot"}).encode(), "'temperature' must be a number"),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                 "max_tokens": -3}).encode(), "'max_tokens' must be at least 1"),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                 "stream": "yes"}).encode(), "'stream' must be true or false"),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                 "prefix_cache": {"scope": "sometimes"}}).encode(), "auto:N"),
+]
+
+
+@pytest.mark.parametrize("body,fragment", BAD)
+def test_bad_input_is_a_400_in_openai_shape(server: Server, body: bytes, fragment: str) -> None:
+    req = urllib.request.Request(server.v1 + "/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("expected HTTP 400")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400
+        err = json.loads(e.read())["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "invalid_request_error"
+        assert fragment in err["message"], err["message"]
+    health = server.get_json("/health")
+    assert not any(w["busy"] for w in health["workers"])
+
+
+def test_prompt_longer_than_context_is_a_400(server: Server) -> None:
+    long = "word " * (N_CTX + 200)
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(server, [{"role": "user", "content": long}])
+    err = exc.value.body
+    assert exc.value.code == "context_length_exceeded"
+    assert "maximum context length" in err["message"]
+    assert not any(w["busy"] for w in server.get_json("/health")["workers"])
+
+
+def test_disconnect_mid_stream_frees_the_worker(server: Server) -> None:
+    before = server.get_json("/health")
+    assert not any(w["busy"] for w in before["workers"])
+    stream = client(server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Write a very long story about a cat."}],
+        max_tokens=3000, temperature=0.8, stream=True)
+    got = 0
+    for _chunk in stream:
+        got += 1
+        if got >= 3:
+            break
+    stream.close()
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        if not any(w["busy"] for w in server.get_json("/health")["workers"]):
+            break
+        time.sleep(0.1)
+    assert not any(w["busy"] for w in server.get_json("/health")["workers"])
+    assert 'outcome="cancelled"' in server.get("/metrics")[1]
+
+
+def test_two_workers_serve_two_requests_concurrently(server: Server) -> None:
+    results: dict[int, str] = {}
+    seen_both_busy = threading.Event()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if all(w["busy"] for w in server.get_json("/health")["workers"]):
+                seen_both_busy.set()
+            time.sleep(0.05)
+
+    def one(i: int) -> None:
+        _, headers = chat(server, [{"role": "user", "content": f"Count to {20 + i} slowly."}],
+                          max_tokens=48)
+        results[i] = headers["x-prefixgate-worker"]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    watcher.join()
+    assert sorted(results.values()) == ["0", "1"]
+    assert seen_both_busy.is_set()
