@@ -11,7 +11,8 @@
         {"event": "error", "message"}
 
 The plan (`/run` body): `ids` (the whole prompt), `restore` ({file, n_tokens} or null), `saves`
-([{n_tokens, key, reason}]), `sampling`, `max_tokens`, `stop`, `grammar`.
+([{n_tokens, key, reason}]), `sampling`, `max_tokens`, `stop`, `grammar`, `live_ok` (false: the
+live KV belongs to another tenant and must not be reused).
 
 Blocking llama calls run on one dedicated thread; state files are written on another, after the
 state was copied in memory, so a save never delays the first token. `done` comes as soon as
@@ -62,7 +63,8 @@ class Worker:
         ids: list[int] = plan["ids"]
         t0 = time.perf_counter()
         last = max(len(ids) - 2, 0)  # the last two prompt tokens are always evaluated
-        keep = min(eng.live_prefix(ids), last)
+        live_ok = plan.get("live_ok", True)  # false: the live KV is another tenant's
+        keep = min(eng.live_prefix(ids), last) if live_ok else 0
         restored, fault = 0, None
         restore = plan.get("restore")
         if restore and restore["n_tokens"] > keep:
@@ -80,7 +82,7 @@ class Worker:
             except ValueError as e:
                 fault = {"reason": "corrupt", "message": str(e)}
         if not restored:
-            keep = min(eng.live_prefix(ids), last)
+            keep = min(eng.live_prefix(ids), last) if live_ok else 0
         eng.truncate(keep)
         restore_s = time.perf_counter() - t0
         emit({"event": "start", "keep": keep, "restored": restored, "restore_s": restore_s,

@@ -57,6 +57,7 @@ class Prepared:
     scope: Scope
     max_tokens: int
     arrived_s: float  # perf_counter at arrival, for time to first token
+    grammar: str | None = None  # GBNF constraining the output (forced tool calls)
 
 
 @dataclass(slots=True)
@@ -218,9 +219,9 @@ class Gateway:
         tenant = prep.req.tenant if self.cfg.tenant_isolation else ""
         keyed, d = self._lookup(ids, prep.rendered.boundaries, prep.scope, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
-        worker = await self.pool.acquire(list(ids), d.disk_n)
+        worker = await self.pool.acquire(list(ids), d.disk_n, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth)
-        d.live_n = common_prefix_len(worker.live_ids, ids)
+        d.live_n = worker.live_prefix(ids, tenant)
         try:
             self._plan(prep, keyed, d, tenant)
             if prep.scope.kind != "off":
@@ -233,13 +234,14 @@ class Gateway:
                 "sampling": prep.req.sampling,
                 "max_tokens": prep.max_tokens,
                 "stop": list(prep.req.stop),
-                "grammar": None,
+                "grammar": prep.grammar,
+                "live_ok": worker.live_tenant == tenant,
             }
             run = Run(self, prep, worker, d, tenant)
             await run.open(plan)
             return run
         except BaseException:
-            await self.pool.release(worker, [])
+            await self.pool.release(worker, [], tenant)
             raise
 
     # --- 6: commit -------------------------------------------------------------------------
@@ -397,7 +399,7 @@ class Run:
 
     async def _finish(self, live: list[int], pending: int) -> None:
         gw = self.gw
-        await gw.pool.release(self.worker, live)
+        await gw.pool.release(self.worker, live, self.tenant)
         self._released = True
         self._record()
         try:
@@ -457,4 +459,4 @@ class Run:
                  self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.source,
                  self.worker.worker_id)
         await self.gw.pool.release(self.worker, list(self.prep.rendered.ids[
-            : self.usage.cached_tokens]))
+            : self.usage.cached_tokens]), self.tenant)

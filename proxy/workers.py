@@ -39,15 +39,21 @@ class Worker:
     session: aiohttp.ClientSession | None = None
     process: asyncio.subprocess.Process | None = None
     live_ids: list[int] = field(default_factory=list)  # the proxy's view of its live KV
+    live_tenant: str = ""  # whose prompt the live KV holds (tenant isolation)
     busy: bool = False
     ready: bool = False
     n_ctx: int = 0
     fingerprint: str = ""
     restarts: int = 0
 
-    def view(self, ids: list[int]) -> WorkerView:
-        return WorkerView(self.worker_id, common_prefix_len(self.live_ids, ids), self.busy,
-                          self.ready)
+    def live_prefix(self, ids: list[int] | tuple[int, ...], tenant: str) -> int:
+        """Tokens of `ids` its live KV holds that this tenant may reuse."""
+        if tenant != self.live_tenant:
+            return 0
+        return common_prefix_len(self.live_ids, ids)
+
+    def view(self, ids: list[int], tenant: str) -> WorkerView:
+        return WorkerView(self.worker_id, self.live_prefix(ids, tenant), self.busy, self.ready)
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, Any]:
         assert self.session is not None
@@ -176,7 +182,7 @@ class Pool:
     def queue_depth(self) -> int:
         return self._waiting
 
-    async def acquire(self, ids: list[int], disk_hit: int) -> Worker:
+    async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "") -> Worker:
         """The worker to run this prompt on, marked busy; waits (bounded) when all are busy."""
         if self._waiting >= self.cfg.max_queue and not any(
                 w.ready and not w.busy for w in self.workers):
@@ -186,7 +192,8 @@ class Pool:
         try:
             async with self._cond:
                 while True:
-                    choice = choose_worker([w.view(ids) for w in self.workers], disk_hit)
+                    choice = choose_worker([w.view(ids, tenant) for w in self.workers],
+                                           disk_hit)
                     if choice is not None:
                         w = self.workers[choice]
                         if not w.busy:
@@ -196,8 +203,9 @@ class Pool:
         finally:
             self._waiting -= 1
 
-    async def release(self, w: Worker, live_ids: list[int]) -> None:
+    async def release(self, w: Worker, live_ids: list[int], tenant: str = "") -> None:
         async with self._cond:
             w.live_ids = live_ids
+            w.live_tenant = tenant
             w.busy = False
             self._cond.notify_all()
