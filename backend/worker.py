@@ -12,7 +12,7 @@
 
 The plan (`/run` body): `ids` (the whole prompt), `restore` ({file, n_tokens} or null), `saves`
 ([{n_tokens, key, reason}]), `sampling`, `max_tokens`, `stop`, `grammar`, `live_ok` (false: the
-live KV belongs to another tenant and must not be reused).
+live KV belongs to another tenant and must not be reused), `keep_max` (reuse at most this many).
 
 Blocking llama calls run on one dedicated thread; state files are written on another, after the
 state was copied in memory, so a save never delays the first token. `done` comes as soon as
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -62,7 +63,9 @@ class Worker:
         eng = self.engine
         ids: list[int] = plan["ids"]
         t0 = time.perf_counter()
-        last = max(len(ids) - 2, 0)  # the last two prompt tokens are always evaluated
+        # the last two prompt tokens are always evaluated; the proxy may cap reuse lower so that
+        # a scope boundary that reuse passed can still be snapshotted
+        last = min(max(len(ids) - 2, 0), int(plan.get("keep_max", len(ids))))
         live_ok = plan.get("live_ok", True)  # false: the live KV is another tenant's
         keep = min(eng.live_prefix(ids), last) if live_ok else 0
         restored, fault = 0, None
@@ -187,7 +190,8 @@ class Worker:
         finally:
             watch.cancel()
             cancel.set()
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
+            await resp.write_eof()
         return resp
 
     async def _watch(self, request: web.Request, cancel: Cancel) -> None:
@@ -229,11 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.listen:
         host, _, port = args.listen.rpartition(":")
         web.run_app(app, host=host or "127.0.0.1", port=int(port), print=None,
-                    handle_signals=True)
+                    handle_signals=True, access_log=None)
     else:
         if args.socket and os.path.exists(args.socket):
             os.unlink(args.socket)
-        web.run_app(app, path=args.socket, print=None, handle_signals=True)
+        web.run_app(app, path=args.socket, print=None, handle_signals=True, access_log=None)
 
 
 if __name__ == "__main__":

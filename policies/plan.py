@@ -37,6 +37,12 @@ Rules:
     (``continued``), waypoints for a long conversation whose scope moves; an interval <= 0
     disables them.
 
+- **Reuse limit** (``reuse_limit``): a save point below what is reused cannot be snapshotted,
+  so when the scope boundary is not stored yet and the live KV or a disk entry reaches past it,
+  reuse stops at the boundary and the few tokens past it are prefilled again, provided that costs
+  at most ``REFILL_MAX_TOKENS``. Live reuse usually ends a few tokens past the boundary (inside
+  the turn that changed), so this is what lets ``auto`` persist the stable prefix it found.
+
   One reason per position, the strongest: ``full`` > ``scoped`` > ``cold``/``anchor-refresh`` >
   ``continued``. Save points come out ascending, so the worker prefills in segments that stop
   exactly at each one.
@@ -163,6 +169,18 @@ def _anchor_reason(
     if cached_n < anchor:
         return "anchor-refresh", None
     return None, None
+
+
+REFILL_MAX_TOKENS = 2048  # most tokens re-prefilled to snapshot a scope boundary reuse passed
+
+
+def reuse_limit(reusable_n: int, scope_boundary: int | None, stored: Collection[int]) -> int:
+    """How many of the ``reusable_n`` tokens (live or disk) to reuse: all of them, or the scope
+    boundary when it still needs a snapshot and lies a short refill behind."""
+    if (scope_boundary is not None and scope_boundary not in stored
+            and 0 < scope_boundary < reusable_n <= scope_boundary + REFILL_MAX_TOKENS):
+        return scope_boundary
+    return reusable_n
 
 
 def plan_saves(

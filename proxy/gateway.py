@@ -35,6 +35,7 @@ from policies.plan import (
     candidate_positions,
     choose_scope_boundary,
     plan_saves,
+    reuse_limit,
 )
 from policies.prefix import common_prefix_len
 from policies.ring import Ring
@@ -45,6 +46,7 @@ from proxy.errors import ApiError, BadRequest, ContextOverflow, WorkerFailed
 from proxy.metrics import Metrics
 from proxy.template import ChatTemplate, Rendered, render_prompt
 from proxy.tokenizer import Tokenizer
+from proxy.tools import apply as tool_prompt
 from proxy.workers import Pool, Worker
 
 log = logging.getLogger("prefixgate")
@@ -107,6 +109,7 @@ class Decision:
     saves: list[dict[str, Any]] = field(default_factory=list)
     lookup: str = "off"  # hit | partial | miss | off
     keyed: dict[int, keys.CacheKey] = field(default_factory=dict)  # candidate position -> key
+    keep_max: int = 0  # reuse at most this many tokens (live or restored)
 
 
 class Gateway:
@@ -141,14 +144,16 @@ class Gateway:
             scope = parse_scope(req.scope or format_scope(self.default_scope), req.window)
         except ValueError as e:
             raise BadRequest(str(e), param="prefix_cache") from None
+        grammar = None
         if req.prompt is not None:
             ids = tuple(self.tok.encode(self.normalizer.text(req.prompt)))
             if self.tok.add_bos and self.tok.bos_id is not None:
                 ids = (self.tok.bos_id, *ids)
             rendered = Rendered(req.prompt, ids, (len(ids),), ())
         else:
-            messages = self.normalizer.messages(req.messages)
-            tools = list(req.tools) or None
+            messages, tools, grammar = tool_prompt(self.template.supports_tools,
+                                                   self.normalizer.messages(req.messages),
+                                                   req.tools, req.tool_choice)
             rendered = render_prompt(self.template, self.tok, messages, tools)
         n = len(rendered.ids)
         if n == 0:
@@ -158,7 +163,7 @@ class Gateway:
             raise ContextOverflow(n, self.n_ctx)
         room = self.n_ctx - n
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
-        return Prepared(req, rendered, scope, max_tokens, t0)
+        return Prepared(req, rendered, scope, max_tokens, t0, grammar)
 
     # --- 4: decide -------------------------------------------------------------------------
 
@@ -179,7 +184,7 @@ class Gateway:
               tenant: str) -> None:
         ids, scope = prep.rendered.ids, prep.scope
         n = len(ids)
-        cached_n = min(max(d.live_n, d.disk_n), max(n - 2, 0))  # as the worker keeps it
+        d.keep_max = max(n - 2, 0)  # the worker always evaluates the last two prompt tokens
         if self.index is None or scope.kind == "off":
             return
         recent = self.ring.recent(tenant, scope.window) if scope.kind == "auto" else []
@@ -187,16 +192,16 @@ class Gateway:
                                            self.knobs)
         starts = [MessageStart(p, r) for p, r in prep.rendered.message_starts]
         stored = {p for p, k in keyed.items() if p <= n and self.index.get(k) is not None}
+        d.keep_max = min(reuse_limit(max(d.live_n, d.disk_n), d.boundary, stored), d.keep_max)
+        cached_n = min(max(d.live_n, d.disk_n), d.keep_max)
         d.plan = plan_saves(n, cached_n, scope, d.boundary, anchor_position(starts), stored,
                             self.knobs)
         d.saves = [{"n_tokens": s.n_tokens, "key": keyed[s.n_tokens].hex(), "reason": s.reason}
                    for s in d.plan.saves if s.n_tokens in keyed]
-        if d.disk_n == 0:
-            d.lookup = "miss"
-        else:
-            reusable = max((p for p in (d.boundary or 0, *[p for p in keyed if p <= n])
-                            if p in stored), default=0)
-            d.lookup = "hit" if d.disk_n >= reusable else "partial"
+        # hit: the entry reaches the scope boundary (or, with none, the last message start);
+        # partial: a shorter entry, e.g. only the anchor
+        target = d.boundary or max((p for p, _ in prep.rendered.message_starts), default=n)
+        d.lookup = "miss" if d.disk_n == 0 else "hit" if d.disk_n >= target else "partial"
         if self.cfg.debug_trace and d.disk_n == 0 and d.live_n == 0:
             self._trace_miss(ids, tenant)
 
@@ -236,6 +241,7 @@ class Gateway:
                 "stop": list(prep.req.stop),
                 "grammar": prep.grammar,
                 "live_ok": worker.live_tenant == tenant,
+                "keep_max": d.keep_max,
             }
             run = Run(self, prep, worker, d, tenant)
             await run.open(plan)
@@ -325,6 +331,8 @@ class Run:
         self._resp: aiohttp.ClientResponse | None = None
         self._released = False
         self._done = False
+        self._saves_seen = 0
+        self.stop_sequence_hit = False
 
     async def open(self, plan: dict[str, Any]) -> None:
         self._cm = self.worker.run(plan, self.gw.cfg.request_timeout_s)
@@ -373,6 +381,9 @@ class Run:
                         self.gen_ids.append(ev["id"])
                     if ev["text"]:
                         yield ev["text"]
+                elif kind in ("saved", "save_failed"):  # written while prefill went on
+                    self._saves_seen += 1
+                    self.gw.commit_save(ev, self.tenant, self.d.keyed)
                 elif kind == "done":
                     self._on_done(ev)
                     return
@@ -395,7 +406,7 @@ class Run:
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.prep.arrived_s
         live = [*self.prep.rendered.ids, *self.gen_ids][: ev["n_live"]]
-        self.gw.spawn(self._finish(live, ev["pending_saves"]))
+        self.gw.spawn(self._finish(live, ev["pending_saves"] - self._saves_seen))
 
     async def _finish(self, live: list[int], pending: int) -> None:
         gw = self.gw

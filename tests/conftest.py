@@ -74,6 +74,7 @@ class Server:
 def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
                  env: dict[str, str] | None = None, timeout_s: float = 120) -> Server:
     port = free_port()
+    tmp.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or tmp / "cache"
     log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),

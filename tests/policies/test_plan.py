@@ -315,3 +315,28 @@ def test_continued_interval_zero_disables_frontiers() -> None:
     knobs = CacheKnobs(continued_interval_tokens=0)
     plan = plan_saves(25000, 0, AUTO, 21000, 4000, set(), knobs)
     assert plan == SavePlan(saves((4000, "cold"), (21000, "scoped")), None)
+
+
+# --- reuse_limit: snapshot a scope boundary that live/disk reuse already passed ---------------
+from policies.plan import REFILL_MAX_TOKENS, reuse_limit  # noqa: E402
+
+REUSE_CASES = [
+    # reuse passes an unstored boundary by a few tokens: stop at the boundary
+    (398, 394, set(), 394),
+    # the boundary is stored already: reuse everything
+    (398, 394, {394}, 398),
+    # no boundary (scope off, or nothing shared)
+    (398, None, set(), 398),
+    # reuse ends before the boundary: nothing to cap
+    (300, 394, set(), 300),
+    # too far past the boundary: refilling would cost more than the snapshot saves
+    (394 + REFILL_MAX_TOKENS + 1, 394, set(), 394 + REFILL_MAX_TOKENS + 1),
+    # exactly at the refill bound: still worth it
+    (394 + REFILL_MAX_TOKENS, 394, set(), 394),
+]
+
+
+@pytest.mark.parametrize("reusable,boundary,stored,expected", REUSE_CASES)
+def test_reuse_limit(reusable: int, boundary: int | None, stored: set[int],
+                     expected: int) -> None:
+    assert reuse_limit(reusable, boundary, stored) == expected

@@ -1,0 +1,180 @@
+"""The persistent prefix cache end to end: real workers, real LMDB, real state files, the
+official `openai` SDK as the client."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import llama_cpp
+import openai
+import pytest
+
+from backend import store
+from backend.index import Index
+from tests.conftest import N_CTX, Server, running
+
+# ~300 tokens of stable preamble, like an agent's system prompt.
+SYSTEM = " ".join(
+    f"Rule {i}: keep answers short, cite the file you read, and never invent an API." for i in
+    range(1, 16))
+
+
+def ask(srv: Server, messages: list[dict], key: str = "k", **extra: object) -> dict:
+    c = openai.OpenAI(base_url=srv.v1, api_key=key, max_retries=0, timeout=120)
+    raw = c.chat.completions.with_raw_response.create(
+        model="m", messages=messages, temperature=0, max_tokens=10, **extra)
+    r = raw.parse()
+    return {"text": r.choices[0].message.content, "prompt": r.usage.prompt_tokens,
+            "cached": r.usage.prompt_tokens_details.cached_tokens,
+            "source": raw.headers["x-prefixgate-cache-source"]}
+
+
+def convo(question: str, history: int = 0) -> list[dict]:
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Summarize the rules in one line."}]
+    for i in range(history):
+        msgs += [{"role": "assistant", "content": f"Noted, step {i} done: short answers."},
+                 {"role": "user", "content": f"Now check file number {i} for the API rule."}]
+    msgs.append({"role": "assistant", "content": "Understood."}) if history == 0 else None
+    return [*msgs, {"role": "user", "content": question}]
+
+
+def entries(cache_dir: Path, until: Callable[[list], bool] = lambda found: True) -> list:
+    """The index's entries; waits (briefly) for `until`, since saves commit in the background
+    once each file is durable, possibly after the response."""
+    deadline = time.time() + 10
+    while True:
+        with Index(cache_dir) as index:
+            found = [e for _, e in index.entries()]
+        if until(found) or time.time() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def flush_live(srv: Server) -> None:
+    """An unrelated request replaces the single worker's live KV: only the disk can help."""
+    ask(srv, [{"role": "user", "content": "Unrelated: name a prime number."}])
+
+
+def test_miss_save_hit_restart_disk_hit_same_output(tmp_path: Path) -> None:
+    msgs = convo("Which rule is about files?")
+    with running(tmp_path, "--workers", "1") as srv:
+        miss = ask(srv, msgs)
+        assert (miss["cached"], miss["source"]) == (0, "none")
+        saved = entries(srv.cache_dir, until=bool)
+        assert {e.reason for e in saved} == {"cold"}, "a cold prefill snapshots the anchor"
+        hit = ask(srv, msgs)
+        assert hit["source"] == "live" and hit["cached"] >= miss["prompt"] - 2
+    with running(tmp_path, "--workers", "1", cache_dir=srv.cache_dir) as srv2:
+        disk = ask(srv2, msgs)
+        assert disk["source"] == "disk", srv2.log()
+        assert disk["cached"] >= miss["prompt"] - 2, "the scoped entry covers the whole prompt"
+        flush_live(srv2)
+        again = ask(srv2, msgs)
+        assert again["source"] == "disk"
+        assert "lookup=hit" in srv2.log()
+    assert miss["text"] == hit["text"] == disk["text"] == again["text"]
+
+
+def test_every_entry_holds_exactly_its_token_count(tmp_path: Path, model_path: str) -> None:
+    with running(tmp_path, "--workers", "1", "--kv-cache-min-tokens", "16") as srv:
+        for q in ("What is rule 3?", "What is rule 7?", "What is rule 9?"):
+            ask(srv, convo(q, history=2))
+    found = entries(srv.cache_dir, until=lambda f: len(f) >= 2)
+    assert {"cold", "scoped"} <= {e.reason for e in found}
+    llm = llama_cpp.Llama(model_path, n_ctx=N_CTX, verbose=False)
+    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    for e in found:
+        header = store.read_header(srv.cache_dir / e.file)
+        assert header.n_tokens == e.n_tokens
+        with open(srv.cache_dir / e.file, "rb") as f:
+            f.seek(header.state_offset)
+            state = f.read(header.state_len)
+        llm._ctx.kv_cache_clear()
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        assert llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(state), 0) > 0
+        # positions 0..n-1 are in the KV, none beyond
+        assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == e.n_tokens - 1
+
+
+def test_auto_hits_the_stable_boundary_where_full_misses(tmp_path: Path) -> None:
+    """A conversation whose last user turn changes every request: `full` stores whole prompts
+    that never recur (and the cold anchor, far back); `auto` stores what consecutive prompts
+    shared, the prefix up to the changing turn, and hits it."""
+    results = {}
+    for policy in ("full", "auto:30"):
+        with running(tmp_path / policy, "--workers", "1", "--disk-prefix-cache", policy,
+                     "--kv-cache-min-tokens", "32") as srv:
+            seen = []
+            for q in ("Tail one: what is rule 2?", "Tail two: what is rule 4?",
+                      "Tail three: what is rule 6?"):
+                flush_live(srv)
+                seen.append(ask(srv, convo(q, history=2)))
+            results[policy] = seen
+    full, auto = results["full"], results["auto:30"]
+    stable = auto[2]["cached"]
+    assert auto[2]["source"] == "disk"
+    # everything but the changing last user turn (its header, text and the generation prompt)
+    assert stable >= auto[2]["prompt"] - 40
+    assert full[2]["cached"] < stable, "full only has the cold anchor to offer"
+    assert full[2]["text"] == auto[2]["text"]
+
+
+def test_tenant_isolation(tmp_path: Path) -> None:
+    msgs = convo("Which rule mentions the API?")
+    with running(tmp_path, "--workers", "1", "--tenant-isolation") as srv:
+        a1 = ask(srv, msgs, key="alice")
+        b1 = ask(srv, msgs, key="bob")
+        assert b1["cached"] == 0, "bob shares neither alice's live KV nor her entries"
+        flush_live(srv)
+        a2 = ask(srv, msgs, key="alice")
+        assert a2["source"] == "disk"
+        tenants = {e.tenant for e in entries(srv.cache_dir,
+                                             until=lambda f: len({e.tenant for e in f}) >= 2)}
+    assert len(tenants) >= 2
+    assert a1["text"] == b1["text"] == a2["text"]
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "missing", "truncated"])
+def test_a_broken_state_file_is_a_clean_miss(tmp_path: Path, fault: str) -> None:
+    msgs = convo("Which rule is about inventing?")
+    with running(tmp_path, "--workers", "1") as srv:
+        first = ask(srv, msgs)
+        ask(srv, msgs)  # stores the scoped entry for the whole prompt
+        for e in entries(srv.cache_dir):
+            path = srv.cache_dir / e.file
+            if fault == "missing":
+                path.unlink()
+            elif fault == "truncated":
+                path.write_bytes(path.read_bytes()[: e.size_bytes // 2])
+            else:
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+        flush_live(srv)
+        after = ask(srv, msgs)
+        # nothing restored: only the few template tokens the unrelated request left live
+        assert after["source"] != "disk" and after["cached"] < 16
+        assert after["text"] == first["text"]
+        metrics = srv.get("/metrics")[1]
+        assert "prefixgate_cache_faults_total" in metrics
+        fault_lines = [ln for ln in srv.log().splitlines() if "cache fault" in ln]
+        assert len(fault_lines) == 1, "one log line per fault"
+        again = ask(srv, msgs)  # the bad entry was dropped and a new one written
+        assert again["text"] == first["text"]
+
+
+def test_per_request_scope_override_and_invalid_scope(tmp_path: Path) -> None:
+    msgs = convo("What does rule 5 say?")
+    with running(tmp_path, "--workers", "1") as srv:
+        ask(srv, msgs, extra_body={"prefix_cache": {"scope": "off"}})
+        assert entries(srv.cache_dir) == [], "scope off stores nothing"
+        ask(srv, msgs, extra_body={"prefix_cache": {"scope": "280"}})
+        found = entries(srv.cache_dir, until=lambda f: 280 in {e.n_tokens for e in f})
+        assert 280 in {e.n_tokens for e in found}
+        with pytest.raises(openai.BadRequestError) as exc:
+            ask(srv, msgs, extra_body={"prefix_cache": {"scope": "half"}})
+        assert "auto:N" in str(exc.value)
