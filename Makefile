@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: serve test lint bench setup clean
+.PHONY: serve test lint bench bench-quick setup clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check proxy backend policies tests
 	$(BIN)/mypy --strict policies
+
+# cold prefill vs live reuse, cold vs after-restart disk hit, restore vs read (ratios)
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info
