@@ -53,6 +53,7 @@ class Config:
     api_keys: str = ""  # file of accepted API keys, one per line; "" = accept any
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
+    ping_interval_s: float = 10.0  # Anthropic streams: a ping after this many silent seconds
     # regexes of volatile bytes stripped from system and user text before templating
     volatile_patterns: tuple[str, ...] = field(default=DEFAULT_VOLATILE)
     debug_trace: bool = False  # log the first mismatching token of a miss

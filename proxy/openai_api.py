@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import tools as tools_mod
 from proxy.chat import (
     ROLES,
     ChatRequest,
@@ -23,6 +24,7 @@ from proxy.chat import (
 )
 from proxy.errors import ApiError, BadRequest
 from proxy.gateway import Run, Usage
+from proxy.tools import ToolCall, output
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -109,6 +111,9 @@ def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest("each tool must be {type: 'function', function: {name, "
                              "description, parameters}}", param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise BadRequest(f"tool {fn['name']!r}: 'parameters' must be a JSON schema object",
+                             param="tools")
         tools.append({"type": "function", "function": fn})
     return tuple(tools)
 
@@ -139,9 +144,11 @@ def parse_chat(body: Any, tenant: str) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
+    tools = parse_tools(body.get("tools"))
     return ChatRequest(api="openai", messages=parse_messages(body.get("messages")),
-                       tools=parse_tools(body.get("tools")),
-                       tool_choice=body.get("tool_choice", "auto"), **_common(body, tenant))
+                       tools=tools, tool_choice=tools_mod.parse_choice(body.get("tool_choice"),
+                                                                       tools),
+                       **_common(body, tenant))
 
 
 def parse_completion(body: Any, tenant: str) -> ChatRequest:
@@ -166,7 +173,13 @@ def usage_json(u: Usage) -> dict[str, Any]:
 def cache_headers(run: Run) -> dict[str, str]:
     return {"X-Prefixgate-Cached-Tokens": str(run.usage.cached_tokens),
             "X-Prefixgate-Cache-Source": run.usage.source,
-            "X-Prefixgate-Worker": str(run.worker.worker_id)}
+            "X-Prefixgate-Worker": str(run.worker.worker_id),
+            "X-Prefixgate-Restore-Seconds": f"{run.timings.get('restore_s', 0.0):.4f}"}
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": "call_" + call.id_hex, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
 class Responder:
@@ -177,6 +190,10 @@ class Responder:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.n_calls = 0
+
+    def _finish(self) -> str:
+        return "tool_calls" if self.n_calls else self.run.finish_reason
 
     def _choice(self, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
         if not self.chat:
@@ -187,10 +204,20 @@ class Responder:
         return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
 
     async def json(self, request: web.Request) -> web.Response:
-        text = await self.run.text()
+        parts: list[str] = []
+        calls: list[ToolCall] = []
+        async for item in output(self.run) if self.chat else self.run.pieces():
+            if isinstance(item, ToolCall):
+                calls.append(item)
+            else:
+                parts.append(item)
+        self.n_calls = len(calls)
+        text = "".join(parts)
+        choice = self._choice(text if text or not calls else None, self._finish(), False)
+        if calls:
+            choice["message"]["tool_calls"] = [_call_json(c) for c in calls]
         body = {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [self._choice(text, self.run.finish_reason, False)],
-                "usage": usage_json(self.run.usage)}
+                "model": self.model, "choices": [choice], "usage": usage_json(self.run.usage)}
         return web.json_response(body, headers=cache_headers(self.run))
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
@@ -201,6 +228,16 @@ class Responder:
             body["usage"] = usage_json(usage)
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
+    def _call_chunks(self, call: ToolCall) -> list[bytes]:
+        """A call as OpenAI streams one: id and name with empty arguments, then the arguments."""
+        index = self.n_calls
+        self.n_calls += 1
+        head = {"index": index, **_call_json(call)}
+        head["function"] = {"name": call.name, "arguments": ""}
+        args = {"index": index, "function": {"arguments": call.arguments_json}}
+        return [self._chunk([{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None,
+                              "finish_reason": None}]) for d in (head, args)]
+
     async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **cache_headers(self.run)})
@@ -210,14 +247,18 @@ class Responder:
                                                                  "content": ""},
                                            "logprobs": None, "finish_reason": None}]))
         try:
-            async for piece in self.run.pieces():
-                await resp.write(self._chunk([self._choice(piece, None, True)]))
+            async for item in output(self.run) if self.chat else self.run.pieces():
+                if isinstance(item, ToolCall):
+                    for chunk in self._call_chunks(item):
+                        await resp.write(chunk)
+                else:
+                    await resp.write(self._chunk([self._choice(item, None, True)]))
         except ApiError as e:
             err = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             return resp
         await resp.write(self._chunk([self._choice(None if self.chat else "",
-                                                   self.run.finish_reason, True)]))
+                                                   self._finish(), True)]))
         if include_usage:
             await resp.write(self._chunk([], self.run.usage))
         await resp.write(b"data: [DONE]\n\n")

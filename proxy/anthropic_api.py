@@ -1,0 +1,483 @@
+"""Anthropic Messages API edge: POST /v1/messages, POST /v1/messages/count_tokens.
+
+Routes match on the path alone (Claude Code adds `?beta=true`). Unknown headers and body fields
+are ignored (`anthropic-beta`, `metadata`, `thinking`, `context_management`, `output_config`,
+`cache_control` on any block, `$schema` in tool schemas). Errors use Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}` (proxy.errors.anthropic_body).
+
+Parsing into the internal, OpenAI-shaped messages:
+- `system`: a string or a list of text blocks, joined by blank lines; it becomes the first
+  message. `role: "system"` entries inside `messages` (Claude Code sends them) become user
+  text, merged into the neighbouring user turn, so templates that allow a system message only
+  first still render, and earlier turns render the same when the conversation grows. Leading
+  ones (before any user or assistant turn) join the system message instead.
+- user content: a string or blocks. `text` blocks join by blank lines; each `tool_result`
+  (string or text-block content, `is_error` marked) becomes a `role: "tool"` message; images
+  and documents are a 400 (the model takes text only). Consecutive user turns merge.
+- assistant content: `text` joins; `tool_use` becomes a tool call; `thinking` and
+  `redacted_thinking` are dropped (this model does not think, and dropping them keeps re-sent
+  history stable).
+- tools `{name, description, input_schema}` become function tools; server tools (a `type`
+  other than `custom`) are ignored, prefixgate cannot run them. tool_choice auto / any / tool /
+  none maps to auto / required / named / none (proxy.tools).
+
+Usage: `input_tokens` prefilled and not newly snapshotted, `cache_read_input_tokens` reused
+(live KV or disk), `cache_creation_input_tokens` prefilled into a new snapshot; the three sum to
+the prompt length, which is what count_tokens returns for the same body.
+
+Streaming is Anthropic's event sequence: `message_start` (sent once the worker accepted the
+plan, with the input usage), `ping`, per block `content_block_start` / `content_block_delta`
+(`text_delta`, `input_json_delta`) / `content_block_stop`, `message_delta` (stop_reason and
+usage), `message_stop`. While no event is due (a long prefill) a `ping` goes out every
+`ping_interval_s`; Claude Code takes 180 s of silence for a stalled stream. A failure after
+the response started is an `event: error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from proxy import tools as tools_mod
+from proxy.app import CONFIG, GATEWAY, METRICS, MODEL_ID, check_auth, read_json, serve_run
+from proxy.chat import (
+    ChatRequest,
+    expect_dict,
+    opt_bool,
+    opt_int,
+    parse_prefix_cache,
+    parse_sampling,
+    parse_stop,
+)
+from proxy.errors import ApiError, BadRequest, ContextOverflow, anthropic_body, anthropic_response
+from proxy.gateway import Run, Usage
+from proxy.tools import ToolCall, output
+
+log = logging.getLogger("prefixgate")
+
+T = TypeVar("T")
+
+_MEDIA = ("image", "document", "file", "container_upload")
+_DROPPED = ("thinking", "redacted_thinking")
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+
+def _where(i: int | None, j: int | None = None) -> str:
+    base = "system" if i is None else f"messages[{i}]"
+    return base if j is None else f"{base}.content[{j}]"
+
+
+def _text_blocks(raw: Any, where: str) -> str:
+    """A string, or a list of text blocks joined by blank lines (system, tool_result)."""
+    if raw is None:
+        return ""
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where} must be a string or a list of text blocks", param=where)
+    parts = []
+    for j, b in enumerate(raw):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            parts.append(b["text"])
+        elif kind in _MEDIA:
+            raise BadRequest(f"{where}[{j}] is an {kind} block: this model takes text only; "
+                             "send text blocks", param=where)
+        else:
+            raise BadRequest(f"{where}[{j}] must be a text block ({{\"type\": \"text\", "
+                             f"\"text\": ...}}), got type {kind!r}", param=where)
+    return "\n\n".join(parts)
+
+
+def _blocks(content: Any, i: int) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise BadRequest(f"{_where(i)}.content must be a string or a list of content blocks",
+                         param=f"{_where(i)}.content")
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise BadRequest(f"{_where(i, j)} must be an object with a 'type'",
+                             param=_where(i, j))
+        if b["type"] in _MEDIA:
+            raise BadRequest(f"{_where(i, j)} is an {b['type']} block: this model takes text "
+                             "only; send text blocks", param=_where(i, j))
+    return content
+
+
+class _Builder:
+    """Accumulates OpenAI-shaped messages, merging as the module rules say."""
+
+    def __init__(self, system: str) -> None:
+        self.system = system
+        self.out: list[dict[str, Any]] = []
+        self.tool_names: dict[str, str] = {}  # tool_use id -> tool name, for tool messages
+
+    def user_text(self, text: str) -> None:
+        last = self.out[-1] if self.out else None
+        if last is not None and last["role"] == "user":
+            last["content"] = last["content"] + "\n\n" + text if last["content"] else text
+        else:
+            self.out.append({"role": "user", "content": text})
+
+    def system_text(self, text: str) -> None:
+        if not self.out:
+            self.system = self.system + "\n\n" + text if self.system else text
+        else:
+            self.user_text(text)
+
+    def add(self, m: Any, i: int) -> None:
+        if not isinstance(m, dict):
+            raise BadRequest(f"{_where(i)} must be an object with 'role' and 'content'",
+                             param=_where(i))
+        role = m.get("role")
+        if role == "system":
+            self.system_text(_text_blocks(m.get("content"), f"{_where(i)}.content"))
+        elif role == "user":
+            self._user(_blocks(m.get("content"), i), i)
+        elif role == "assistant":
+            self._assistant(_blocks(m.get("content"), i), i)
+        else:
+            raise BadRequest(f"{_where(i)}.role must be user or assistant; got {role!r}",
+                             param=f"{_where(i)}.role")
+
+    def _user(self, blocks: list[dict[str, Any]], i: int) -> None:
+        text: list[str] = []
+        for j, b in enumerate(blocks):
+            kind = b["type"]
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "tool_result":
+                if text:
+                    self.user_text("\n\n".join(text))
+                    text = []
+                tid = str(b.get("tool_use_id", ""))
+                body = _text_blocks(b.get("content"), f"{_where(i, j)}.content")
+                msg = {"role": "tool", "tool_call_id": tid,
+                       "content": "Error: " + body if b.get("is_error") else body}
+                if tid in self.tool_names:
+                    msg["name"] = self.tool_names[tid]
+                self.out.append(msg)
+            elif kind not in _DROPPED:
+                raise BadRequest(f"{_where(i, j)}: a user turn takes text and tool_result "
+                                 f"blocks, not {kind!r}", param=_where(i, j))
+        if text or not blocks:
+            self.user_text("\n\n".join(text))
+
+    def _assistant(self, blocks: list[dict[str, Any]], i: int) -> None:
+        text: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, b in enumerate(blocks):
+            kind = b["type"]
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "tool_use":
+                name, args = b.get("name"), b.get("input", {})
+                if not isinstance(name, str) or not isinstance(args, dict):
+                    raise BadRequest(f"{_where(i, j)}: tool_use needs a 'name' and an 'input' "
+                                     "object", param=_where(i, j))
+                tid = str(b.get("id", ""))
+                self.tool_names[tid] = name
+                calls.append({"id": tid, "type": "function",
+                              "function": {"name": name, "arguments": args}})
+            elif kind not in _DROPPED:
+                raise BadRequest(f"{_where(i, j)}: an assistant turn takes text, tool_use and "
+                                 f"thinking blocks, not {kind!r}", param=_where(i, j))
+        msg: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        last = self.out[-1] if self.out else None
+        if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
+            last["content"] = "\n\n".join(p for p in (last["content"], msg["content"]) if p)
+            if calls:
+                last["tool_calls"] = calls
+        else:
+            self.out.append(msg)
+
+    def messages(self) -> tuple[dict[str, Any], ...]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return tuple(head + self.out)
+
+
+def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise BadRequest("'tools' must be a list of {name, description, input_schema}",
+                         param="tools")
+    tools = []
+    for k, t in enumerate(raw):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise BadRequest(f"tools[{k}] must be an object with a 'name'", param=f"tools[{k}]")
+        if t.get("type") not in (None, "custom"):
+            log.info("anthropic: ignoring server tool %r (%s): prefixgate cannot run it",
+                     t["name"], t.get("type"))
+            continue
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise BadRequest(f"tools[{k}] ({t['name']!r}) needs an 'input_schema' object",
+                             param=f"tools[{k}].input_schema")
+        fn: dict[str, Any] = {"name": t["name"]}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        fn["parameters"] = schema
+        tools.append({"type": "function", "function": fn})
+    return tuple(tools)
+
+
+def parse_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> Any:
+    if raw is None:
+        return "auto"
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "tool" and isinstance(raw.get("name"), str):
+        choice: Any = {"name": raw["name"]}
+    elif kind in ("auto", "none"):
+        choice = kind
+    elif kind == "any":
+        choice = "required"
+    else:
+        raise BadRequest('\'tool_choice\' must be {"type": "auto" | "any" | "none"} or '
+                         '{"type": "tool", "name": ...}', param="tool_choice")
+    return tools_mod.check_choice(choice, tools, "tool_choice")
+
+
+def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatRequest:
+    body = expect_dict(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' is required: a non-empty list of {role, content}",
+                         param="messages")
+    b = _Builder(_text_blocks(body.get("system"), "system"))
+    for i, m in enumerate(raw):
+        b.add(m, i)
+    max_tokens = None if count_only else opt_int(body, "max_tokens", 1)
+    if max_tokens is None and not count_only:
+        raise BadRequest("'max_tokens' is required: the most tokens to generate",
+                         param="max_tokens")
+    tools = parse_tools(body.get("tools"))
+    scope, window = parse_prefix_cache(body)
+    return ChatRequest(
+        api="anthropic", messages=b.messages(), tools=tools,
+        tool_choice=parse_choice(body.get("tool_choice"), tools),
+        sampling=parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
+        max_tokens=max_tokens, stop=parse_stop(body.get("stop_sequences"), "stop_sequences"),
+        stream=False if count_only else opt_bool(body, "stream"), scope=scope, window=window,
+        tenant=tenant)
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+def usage_json(u: Usage) -> dict[str, int]:
+    return {"input_tokens": u.input_tokens, "cache_creation_input_tokens": u.created_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "output_tokens": u.completion_tokens}
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def with_pings(items: AsyncIterator[T], interval_s: float,
+                     ping: Callable[[], Awaitable[None]]) -> AsyncIterator[T]:
+    """`items`, calling `ping` whenever none arrived for interval_s."""
+
+    async def step() -> T:
+        return await items.__anext__()
+
+    nxt: asyncio.Task[T] = asyncio.create_task(step())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=interval_s)
+            if not done:
+                await ping()
+                continue
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            nxt = asyncio.create_task(step())
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+
+
+class Responder:
+    """Renders one run as an Anthropic message, JSON or SSE."""
+
+    def __init__(self, run: Run, model_id: str, decode: Callable[[list[int]], str]) -> None:
+        self.run, self.model, self.decode = run, model_id, decode
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.n_calls = 0
+
+    def headers(self) -> dict[str, str]:
+        return {"request-id": "req_" + self.id[4:],
+                "X-Prefixgate-Cached-Tokens": str(self.run.usage.cached_tokens),
+                "X-Prefixgate-Cache-Source": self.run.usage.source}
+
+    def stop(self) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence)."""
+        run = self.run
+        if self.n_calls:
+            return "tool_use", None
+        if run.stop_sequence_hit:
+            return "stop_sequence", self._matched_stop()
+        return ("end_turn" if run.finish_reason == "stop" else "max_tokens"), None
+
+    def _matched_stop(self) -> str | None:
+        stops = self.run.prep.req.stop
+        if len(stops) <= 1:
+            return stops[0] if stops else None
+        text = self.decode(self.run.gen_ids)  # the matcher cut at the earliest stop
+        found = [(text.find(s), -len(s), s) for s in stops if s in text]
+        return min(found)[2] if found else stops[0]
+
+    def message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
+        reason, seq = self.stop() if final else (None, None)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": reason, "stop_sequence": seq,
+                "usage": usage_json(self.run.usage)}
+
+    async def json(self, request: web.Request) -> web.Response:
+        content: list[dict[str, Any]] = []
+        async for item in output(self.run):
+            if isinstance(item, ToolCall):
+                self.n_calls += 1
+                content.append({"type": "tool_use", "id": "toolu_" + item.id_hex,
+                                "name": item.name, "input": item.arguments})
+            elif content and content[-1]["type"] == "text":
+                content[-1]["text"] += item
+            else:
+                content.append({"type": "text", "text": item})
+        return web.json_response(self.message(content, final=True), headers=self.headers())
+
+    async def stream(self, request: web.Request, ping_s: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", **self.headers()})
+        await resp.prepare(request)
+
+        async def ping() -> None:
+            await resp.write(_sse("ping", {"type": "ping"}))
+
+        start = self.message([], final=False)
+        start["usage"]["output_tokens"] = 0
+        await resp.write(_sse("message_start", {"type": "message_start", "message": start}))
+        await ping()
+        index, text_open = 0, False
+        try:
+            async for item in with_pings(output(self.run), ping_s, ping):
+                if isinstance(item, ToolCall):
+                    if text_open:
+                        await resp.write(_block_stop(index))
+                        index, text_open = index + 1, False
+                    self.n_calls += 1
+                    await resp.write(_tool_use(index, item))
+                    index += 1
+                    continue
+                if not text_open:
+                    await resp.write(_sse("content_block_start", {
+                        "type": "content_block_start", "index": index,
+                        "content_block": {"type": "text", "text": ""}}))
+                    text_open = True
+                await resp.write(_sse("content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "text_delta", "text": item}}))
+        except ApiError as e:
+            log.warning("anthropic stream failed after the response started: %s", e.message)
+            await resp.write(_sse("error", anthropic_body(e)))
+            return resp
+        if text_open:
+            await resp.write(_block_stop(index))
+        reason, seq = self.stop()
+        await resp.write(_sse("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+            "usage": usage_json(self.run.usage)}))
+        await resp.write(_sse("message_stop", {"type": "message_stop"}))
+        await resp.write_eof()
+        return resp
+
+
+def _block_stop(index: int) -> bytes:
+    return _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def _tool_use(index: int, call: ToolCall) -> bytes:
+    start = {"type": "content_block_start", "index": index,
+             "content_block": {"type": "tool_use", "id": "toolu_" + call.id_hex,
+                               "name": call.name, "input": {}}}
+    delta = {"type": "content_block_delta", "index": index,
+             "delta": {"type": "input_json_delta", "partial_json": call.arguments_json}}
+    return _sse("content_block_start", start) + _sse("content_block_delta", delta) + \
+        _block_stop(index)
+
+
+# --- handlers ------------------------------------------------------------------------------
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    try:
+        tenant = check_auth(request)
+        req = parse_request(await read_json(request), tenant)
+        run = await gw.start(gw.prepare(req))
+    except ApiError as e:
+        request.app[METRICS].requests.labels("anthropic", f"error_{e.status}").inc()
+        log.info("anthropic rejected %d: %s", e.status, e.message)
+        return anthropic_response(e)
+    r = Responder(run, request.app[MODEL_ID], gw.tok.decode)
+    if req.stream:
+        ping_s = request.app[CONFIG].ping_interval_s
+        return await serve_run(request, run, lambda: r.stream(request, ping_s))
+    return await serve_run(request, run, lambda: r.json(request))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    try:
+        tenant = check_auth(request)
+        req = parse_request(await read_json(request), tenant, count_only=True)
+        try:
+            n = len(gw.prepare(req).rendered.ids)
+        except ContextOverflow as e:  # counting a prompt too long to run is still counting
+            n = e.n_prompt
+    except ApiError as e:
+        log.info("count_tokens rejected %d: %s", e.status, e.message)
+        return anthropic_response(e)
+    return web.json_response({"input_tokens": n})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model under any name, in both APIs' fields (the
+    Anthropic SDK's models.retrieve; Hermes reads max_model_len / context_length here)."""
+    cfg, mid = request.app[CONFIG], request.app[MODEL_ID]
+    created = int(os.path.getmtime(cfg.model_path))
+    return web.json_response({
+        "id": mid, "object": "model", "created": created, "owned_by": "prefixgate",
+        "context_length": cfg.n_ctx, "max_model_len": cfg.n_ctx,
+        "type": "model", "display_name": mid,
+        "created_at": _iso(created),
+    })
+
+
+def _iso(t: int) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/v1/models/{model_id:.+}", model_info)
