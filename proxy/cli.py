@@ -11,17 +11,22 @@ import sys
 from proxy.config import Config, add_arguments, from_args
 
 
-def _check_port(host: str, port: int) -> None:
-    """Fail at once, before workers load, when the port is taken."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise SystemExit(f"prefixgate: port {port} on {host} is already in use; stop the "
-                                 "other server or pick another with --port") from None
-            raise SystemExit(f"prefixgate: cannot listen on {host}:{port}: {e.strerror}") from None
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the port first, before workers load: a taken port fails at once, clearly."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise SystemExit(f"prefixgate: port {port} on {host} is already in use; stop the "
+                             "other server or pick another with --port") from None
+        raise SystemExit(f"prefixgate: cannot listen on {host}:{port}: {e.strerror}") from None
+    s.listen(128)
+    s.setblocking(False)
+    return s
 
 
 def serve(cfg: Config) -> None:
@@ -31,9 +36,8 @@ def serve(cfg: Config) -> None:
 
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _check_port(cfg.host, cfg.port)
-    web.run_app(make_app(cfg), host=cfg.host, port=cfg.port, print=None,
-                access_log=None, reuse_address=True)
+    sock = _listen(cfg.host, cfg.port)
+    web.run_app(make_app(cfg), sock=sock, print=None, access_log=None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,47 @@
+"""The command line: flags, PREFIXGATE_* variables, and a taken port."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+
+from proxy.config import Config, add_arguments, from_args
+from tests.conftest import ROOT
+
+
+def parse(argv: list[str], env: dict[str, str]) -> Config:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(argv), env)
+
+
+def test_flags_and_environment() -> None:
+    # defaults
+    cfg = parse([], {})
+    assert (cfg.port, cfg.workers, cfg.n_ctx, cfg.disk_prefix_cache) == (8080, 1, 65536, "auto:30")
+    # every flag has a PREFIXGATE_* variable
+    cfg = parse([], {"PREFIXGATE_PORT": "9001", "PREFIXGATE_WORKERS": "3",
+                     "PREFIXGATE_N_CTX": "8192", "PREFIXGATE_THREADS": "4",
+                     "PREFIXGATE_N_GPU_LAYERS": "-1", "PREFIXGATE_MODEL": "/m.gguf",
+                     "PREFIXGATE_TENANT_ISOLATION": "true", "PREFIXGATE_HOST": "0.0.0.0"})
+    assert (cfg.port, cfg.workers, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.model,
+            cfg.tenant_isolation, cfg.host) == (9001, 3, 8192, 4, -1, "/m.gguf", True, "0.0.0.0")
+    # a flag wins over its variable
+    cfg = parse(["--port", "9002", "--no-tenant-isolation"],
+                {"PREFIXGATE_PORT": "9001", "PREFIXGATE_TENANT_ISOLATION": "1"})
+    assert (cfg.port, cfg.tenant_isolation) == (9002, False)
+
+
+def test_a_taken_port_fails_at_once_with_a_clear_message() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert "llama_context" not in r.stderr, "it fails before any worker loads the model"
