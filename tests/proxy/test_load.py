@@ -1,0 +1,76 @@
+"""Load and failure: a bounded queue (429 past it), a worker that dies mid-request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+from tests.conftest import running
+
+LONG = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=120)
+
+
+def test_queue_is_bounded_with_429_and_retry_after(tmp_path: Path) -> None:
+    with running(tmp_path, "--workers", "1", "--max-queue", "1") as srv:
+        outcomes: list[object] = []
+
+        def one() -> None:
+            try:
+                client(srv.v1).chat.completions.create(model="m", messages=LONG,
+                                                       max_tokens=64, temperature=0)
+                outcomes.append("ok")
+            except openai.RateLimitError as e:
+                outcomes.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+            time.sleep(0.15)  # in order: one runs, one waits, the rest find the queue full
+        for t in threads:
+            t.join()
+        limited = [o for o in outcomes if not isinstance(o, str)]
+        assert outcomes.count("ok") >= 2 and limited, outcomes
+        err = limited[0]
+        assert isinstance(err, openai.RateLimitError)
+        assert err.response.headers["retry-after"].isdigit()
+        assert err.body["type"] == "rate_limit_error"
+        health = srv.get_json("/health")
+        assert not any(w["busy"] for w in health["workers"])
+
+
+def test_a_worker_that_dies_fails_its_request_cleanly_and_comes_back(tmp_path: Path) -> None:
+    with running(tmp_path, "--workers", "1") as srv:
+        client(srv.v1).chat.completions.create(model="m", messages=LONG, max_tokens=4)
+        errors: list[Exception] = []
+
+        def long_request() -> None:
+            try:
+                client(srv.v1).chat.completions.create(model="m", messages=LONG,
+                                                       max_tokens=2000, temperature=0.9)
+            except openai.APIError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)
+        pids = [int(line.split("pid ")[1].split(",")[0]) for line in srv.log().splitlines()
+                if "worker 0 ready (pid" in line]
+        os.kill(pids[-1], signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive(), "the request must not hang"
+        assert errors and isinstance(errors[0], openai.APIStatusError | openai.APIError)
+        deadline = time.time() + 60
+        while srv.get("/health")[0] != 200 and time.time() < deadline:
+            time.sleep(0.2)
+        r = client(srv.v1).chat.completions.create(model="m", messages=LONG, max_tokens=4)
+        assert r.choices[0].message.content is not None
+        assert "exited" in srv.log() and "restarting" in srv.log()
