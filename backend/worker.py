@@ -1,6 +1,9 @@
 """The worker process: one Engine behind a small HTTP API (Unix socket, or TCP across containers).
 
-    GET  /health  -> {"ready", "worker_id", "n_ctx", "n_live", "fingerprint", "model"}
+    GET  /health  -> {"ready", "worker_id", "n_ctx" (as configured), "n_ctx_actual" (padded by
+                      llama.cpp), "n_live", "fingerprint", "model", "pid",
+                      "boot_id" (new each start), "flash_attn", "llama_cpp_version",
+                      "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> NDJSON event stream for one plan:
         {"event": "start", "keep", "restored", "restore_s", "fault"}     live tokens kept / restored
         {"event": "token", "id", "text"}                                 one per generated token
@@ -30,6 +33,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -38,7 +42,7 @@ from typing import Any
 import llama_cpp
 from aiohttp import web
 
-from backend import keys, store
+from backend import keys, store, volume
 from backend.engine import Cancel, Cancelled, Engine, Sampling, StopMatcher
 
 log = logging.getLogger("prefixgate.worker")
@@ -48,12 +52,15 @@ Emit = Callable[[dict[str, Any]], None]
 
 class Worker:
     def __init__(self, engine: Engine, worker_id: int, cache_dir: Path, fingerprint: bytes,
-                 model_path: str) -> None:
+                 model_path: str, flash_attn: bool = False, n_ctx: int = 0) -> None:
         self.engine = engine
+        self.n_ctx = n_ctx or engine.n_ctx  # as configured; llama.cpp may pad it up
         self.worker_id = worker_id
         self.cache_dir = cache_dir
         self.fingerprint = fingerprint
         self.model_path = model_path
+        self.flash_attn = flash_attn
+        self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.llama_thread = ThreadPoolExecutor(1, thread_name_prefix="llama")
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
 
@@ -143,9 +150,12 @@ class Worker:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "ready": True, "worker_id": self.worker_id, "n_ctx": self.engine.n_ctx,
+            "ready": True, "worker_id": self.worker_id, "n_ctx": self.n_ctx,
+            "n_ctx_actual": self.engine.n_ctx,
             "n_live": self.engine.n_live, "fingerprint": self.fingerprint.hex(),
-            "model": self.model_path, "pid": os.getpid(),
+            "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
+            "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
+            "cache_volume": volume.read(self.cache_dir),
         })
 
     async def run(self, request: web.Request) -> web.StreamResponse:
@@ -209,33 +219,72 @@ def make_app(worker: Worker) -> web.Application:
     return app
 
 
+def _env(name: str, default: str) -> str:
+    """Flags default to the proxy's PREFIXGATE_* variables, so one .env configures both."""
+    return os.environ.get("PREFIXGATE_" + name, default)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """HOST:PORT, [IPv6]:PORT or :PORT (all interfaces) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--listen wants HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="prefixgate worker")
-    p.add_argument("--socket", help="Unix socket path")
-    p.add_argument("--listen", help="HOST:PORT to listen on TCP")
-    p.add_argument("--model", required=True)
-    p.add_argument("--n-ctx", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--n-gpu-layers", type=int, default=0)
-    p.add_argument("--flash-attn", action="store_true")
-    p.add_argument("--worker-id", type=int, default=0)
-    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/prefixgate"))
+    p = argparse.ArgumentParser(
+        prog="prefixgate worker",
+        description="One llama.cpp context behind the worker API. The proxy spawns these itself "
+        "on Unix sockets; for separate containers start one with --listen HOST:PORT and give the "
+        "proxy --worker-url http://HOST:PORT. Proxy and worker must use the same model file, "
+        "--n-ctx and --flash-attn, and share --cache-dir (one volume). Flags default to the "
+        "PREFIXGATE_* environment variables the proxy reads.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="Unix socket path (how the proxy runs local workers)")
+    where.add_argument("--listen", type=parse_listen, metavar="HOST:PORT",
+                       help="listen on TCP, e.g. 0.0.0.0:9000 in a container")
+    p.add_argument("--model", default=_env("MODEL", ""),
+                   help="GGUF model path (env PREFIXGATE_MODEL; default: the embedded model)")
+    p.add_argument("--n-ctx", type=int, default=int(_env("N_CTX", "65536")),
+                   help="context tokens (env PREFIXGATE_N_CTX, default 65536)")
+    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")) or None,
+                   help="CPU threads (env PREFIXGATE_THREADS; default llama.cpp's)")
+    p.add_argument("--n-gpu-layers", type=int, default=int(_env("N_GPU_LAYERS", "0")),
+                   help="layers offloaded to the GPU, -1 = all (env PREFIXGATE_N_GPU_LAYERS)")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction,
+                   default=_env("FLASH_ATTN", "").lower() in ("1", "true", "yes", "on"),
+                   help="flash attention (env PREFIXGATE_FLASH_ATTN)")
+    p.add_argument("--worker-id", type=int, default=0, help="its number in logs")
+    p.add_argument("--cache-dir", default=_env("CACHE_DIR", "~/.cache/prefixgate"),
+                   help="state files; the proxy's cache directory (env PREFIXGATE_CACHE_DIR)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PREFIXGATE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=_env("LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s worker{args.worker_id} %(levelname)s %(message)s")
+    if not args.model:
+        from proxy.config import default_model  # the CLI entry point may reach the proxy's
+
+        args.model = default_model()
+    cache_dir = Path(os.path.expanduser(args.cache_dir))
     engine = Engine(args.model, args.n_ctx, args.threads, args.n_gpu_layers,
                     flash_attn=args.flash_attn)
-    salt = keys.make_salt(args.model, engine.n_ctx, "f16", "f16", args.flash_attn,
+    # salted with n_ctx as configured, as the proxy does: llama.cpp pads it (5000 -> 5024),
+    # and the same setting always gives the same padding
+    salt = keys.make_salt(args.model, args.n_ctx, "f16", "f16", args.flash_attn,
                           llama_cpp.__version__)
-    worker = Worker(engine, args.worker_id, Path(args.cache_dir), keys.fingerprint(salt),
-                    args.model)
+    worker = Worker(engine, args.worker_id, cache_dir, keys.fingerprint(salt), args.model,
+                    args.flash_attn, args.n_ctx)
     app = make_app(worker)
     if args.listen:
-        host, _, port = args.listen.rpartition(":")
-        web.run_app(app, host=host or "127.0.0.1", port=int(port), print=None,
-                    handle_signals=True, access_log=None)
+        host, port = args.listen
+        log.info("worker %d listening on %s:%d (model %s, n_ctx %d, cache %s)", args.worker_id,
+                 host, port, args.model, engine.n_ctx, cache_dir)
+        web.run_app(app, host=host, port=port, print=None, handle_signals=True,
+                    access_log=None)
     else:
-        if args.socket and os.path.exists(args.socket):
+        if not args.socket:
+            p.error("give --listen HOST:PORT (or --socket PATH)")
+        if os.path.exists(args.socket):
             os.unlink(args.socket)
         web.run_app(app, path=args.socket, print=None, handle_signals=True, access_log=None)
 

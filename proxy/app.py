@@ -21,10 +21,11 @@ import llama_cpp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from backend import keys
 from backend.index import Index
 from proxy import openai_api
 from proxy.config import Config
-from proxy.errors import ApiError, BadRequest, Unauthorized, openai_response
+from proxy.errors import ApiError, BadRequest, Unauthorized, anthropic_response, openai_response
 from proxy.gateway import Gateway, Run
 from proxy.gguf import read_metadata
 from proxy.metrics import Metrics
@@ -190,6 +191,11 @@ async def error_middleware(request: web.Request,
                            ) -> web.StreamResponse:
     try:
         return await handler(request)
+    except ApiError as e:  # after the run started, before a response was prepared: a worker lost
+        log.warning("%s %s failed %d: %s", request.method, request.path, e.status, e.message)
+        if request.path.startswith("/v1/messages"):
+            return anthropic_response(e)
+        return openai_response(e)
     except web.HTTPNotFound:
         return web.json_response(
             {"error": {"message": f"unknown endpoint {request.method} {request.path}",
@@ -221,11 +227,11 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         log.info("cache %s: %d entries, %d bytes; reconcile: %s", cfg.cache_path, len(index),
                  index.total_bytes(), report)
         app[INDEX] = index
-    pool = Pool(cfg)
-    app[POOL] = pool
     salt = {"model_path": cfg.model_path, "n_ctx": cfg.n_ctx, "type_k": "f16",
             "type_v": "f16", "flash_attn": cfg.flash_attn,
             "lib_version": llama_cpp.__version__}
+    pool = Pool(cfg, keys.fingerprint(keys.make_salt(**salt)))  # every worker must match it
+    app[POOL] = pool
     gw = Gateway(cfg, template, tok, pool, index, app[METRICS], salt)
     app[GATEWAY] = gw
     app[METRICS].cache_budget_bytes.set(cfg.cache_max_bytes)
@@ -234,7 +240,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     await pool.start()
     log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s), n_ctx %d, "
              "disk cache %s, tokenizer %s (%.1f s)", cfg.host, cfg.port, app[MODEL_ID],
-             cfg.workers, cfg.n_ctx, cfg.disk_prefix_cache, tok.kind,
+             len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache, tok.kind,
              time.perf_counter() - t0)
     yield
     await gw.close()

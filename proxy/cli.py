@@ -33,11 +33,15 @@ def serve(cfg: Config) -> None:
     from aiohttp import web
 
     from proxy.app import make_app
+    from proxy.workers import StartupError
 
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _listen(cfg.host, cfg.port)
-    web.run_app(make_app(cfg), sock=sock, print=None, access_log=None)
+    try:
+        web.run_app(make_app(cfg), sock=sock, print=None, access_log=None)
+    except StartupError as e:  # a worker that cannot serve this proxy: say why, no traceback
+        raise SystemExit(f"prefixgate: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,6 +39,9 @@ class Config:
     port: int = 8080  # listen port
     model: str = ""  # GGUF path; "" = the embedded default model
     workers: int = 1  # worker processes, one llama context each
+    # remote workers (`prefixgate worker --listen`) used instead of spawning --workers;
+    # repeatable flag, the variable comma-separated; () = spawn local workers
+    worker_url: tuple[str, ...] = ()
     n_ctx: int = 65536  # context tokens per worker (Hermes refuses models under 64K)
     threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
     n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 = all)
@@ -74,6 +77,7 @@ _HELP = {
     "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
+    "worker_url": "URL of a remote worker instead of --workers (repeatable; env comma-separated)",
 }
 
 
@@ -87,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         elif f.name == "volatile_patterns":
             p.add_argument("--volatile-pattern", dest=f.name, action="append", default=None,
                            help=help_)
+        elif f.name == "worker_url":
+            p.add_argument(flag, dest=f.name, action="append", default=None, help=help_)
         else:
             p.add_argument(flag, default=None, help=help_)
 
@@ -100,8 +106,12 @@ def _coerce(name: str, value: Any) -> Any:
             return int(value)
         if isinstance(default, float):
             return float(value)
+        if name == "worker_url":  # URLs hold no commas; regexes (one per line) may
+            return tuple(u.strip() for u in value.split(",") if u.strip())
         if isinstance(default, tuple):
             return tuple(v for v in value.split("\n") if v)
+    if name == "worker_url" and isinstance(value, list):
+        return _coerce(name, ",".join(value))
     if isinstance(default, tuple) and isinstance(value, list):
         return tuple(value)
     return value

@@ -1,9 +1,30 @@
 """Worker supervision and the pool the gateway draws workers from.
 
-Each local worker is a `prefixgate worker` process on a Unix socket; a remote one is a URL. The
-pool knows each worker's live token ids (what was sent plus what was generated, as the worker
-reported), routes with `policies.router`, and queues at most `max_queue` requests: past that,
-429. A worker that dies is restarted; the request it was running fails cleanly.
+Two kinds of worker behind the same HTTP API (backend/worker.py):
+
+- **local** (`--workers N`): processes spawned here, each on a Unix socket. One that exits is
+  restarted; requests wait for it meanwhile (it comes back by itself).
+- **remote** (`--worker-url URL`, repeatable; replaces `--workers`): a `prefixgate worker
+  --listen HOST:PORT` in another process or container, sharing the cache directory (a volume).
+  The proxy neither starts nor stops it; it probes it.
+
+Rules:
+
+- At startup every worker must answer `/health` with the proxy's fingerprint (same model file,
+  n_ctx, KV types, flash-attn, llama-cpp-python version) and, when remote with the disk cache on,
+  report the proxy's cache volume id (backend/volume.py). Otherwise the proxy refuses to start
+  with a `StartupError` that says what differs. A remote worker is waited for up to
+  `REMOTE_WAIT_S` (it may still be loading its model).
+- A remote worker is probed every `PROBE_INTERVAL_S`. Refused or reset: down at once. Timed out:
+  down after `PROBE_TIMEOUTS_DOWN` in a row (a loaded machine is slow, not dead). Down means:
+  routed around, its live ids forgotten, and its in-flight streams closed, so their requests
+  fail at once with 503 instead of waiting on a dead peer.
+- A changed boot id means the worker restarted and lost its live KV: live ids are cleared and
+  `restarts` counted. It rejoins only with the expected fingerprint and volume.
+- A request when every worker is remote and down fails at once with 503 (`WorkerFailed`).
+- The pool knows each worker's live token ids (what was sent plus what was generated, as the
+  worker reported), routes with `policies.router`, and queues at most `max_queue` requests:
+  past that, 429. A release after the worker restarted or went down records no live ids.
 """
 
 from __future__ import annotations
@@ -21,6 +42,7 @@ from typing import Any
 
 import aiohttp
 
+from backend import volume
 from policies.prefix import common_prefix_len
 from policies.router import WorkerView, choose_worker
 from proxy.config import Config
@@ -28,7 +50,18 @@ from proxy.errors import QueueFull, WorkerFailed
 
 log = logging.getLogger("prefixgate.workers")
 
-HEALTH_TIMEOUT_S = 180.0  # model load time allowed at start
+HEALTH_TIMEOUT_S = 180.0  # model load time allowed at start (local workers)
+REMOTE_WAIT_S = 600.0  # how long startup waits for a remote worker to answer
+PROBE_INTERVAL_S = 1.0  # remote health probes
+PROBE_TIMEOUT_S = 3.0
+PROBE_TIMEOUTS_DOWN = 3  # consecutive probe timeouts that mark a remote worker down
+CONNECT_TIMEOUT_S = 10.0  # connecting to a worker for a run
+
+_UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+
+
+class StartupError(RuntimeError):
+    """A worker cannot be used: the proxy refuses to start. The message says what to fix."""
 
 
 @dataclass(eq=False)
@@ -45,6 +78,23 @@ class Worker:
     n_ctx: int = 0
     fingerprint: str = ""
     restarts: int = 0
+    boot_id: str = ""  # the worker process's id from /health; a new one = a restart
+    down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
+    acquired_at_restarts: int = 0  # `restarts` when acquired: a release after a restart is empty
+    streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
+
+    @property
+    def remote(self) -> bool:
+        return self.socket_path is None
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.worker_id}" + (f" at {self.base_url}" if self.remote else "")
+
+    def new_session(self) -> aiohttp.ClientSession:
+        if self.socket_path is not None:
+            return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path))
+        return aiohttp.ClientSession()
 
     def live_prefix(self, ids: list[int] | tuple[int, ...], tenant: str) -> int:
         """Tokens of `ids` its live KV holds that this tenant may reuse."""
@@ -66,18 +116,53 @@ class Worker:
     async def run(self, plan: dict[str, Any], timeout_s: float
                   ) -> AsyncIterator[aiohttp.ClientResponse]:
         assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         try:
             async with self.session.post(self.base_url + "/run", json=plan,
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                                         timeout=timeout) as r:
                 r.raise_for_status()
-                yield r
-        except (aiohttp.ClientError, OSError) as e:
-            raise WorkerFailed(f"worker {self.worker_id} failed: {e}") from e
+                self.streams.add(r)
+                try:
+                    yield r
+                finally:
+                    self.streams.discard(r)
+        except _UNREACHABLE as e:
+            raise WorkerFailed(f"{self.name} failed: {e or type(e).__name__}") from e
+
+    async def abort(self) -> None:
+        """Fail everything in flight on this worker now: its streams and pending connections
+        (a dead or partitioned peer would otherwise keep them waiting until a timeout)."""
+        for r in list(self.streams):
+            r.close()
+        if self.session is not None:
+            old, self.session = self.session, self.new_session()
+            await old.close()
+
+
+def incompatibility(h: dict[str, Any], fingerprint: bytes, n_ctx: int, model_path: str,
+                    volume_id: str) -> str | None:
+    """Why a worker whose /health says `h` cannot serve this proxy, or None."""
+    if int(h.get("n_ctx", 0)) != n_ctx:
+        return (f"it runs n_ctx {h.get('n_ctx')} but the proxy expects {n_ctx}: start both with "
+                "the same --n-ctx")
+    if fingerprint and h.get("fingerprint") != fingerprint.hex():
+        return (f"its model or KV settings differ from the proxy's: it serves "
+                f"{h.get('model')!r} (flash-attn {h.get('flash_attn')}, llama-cpp-python "
+                f"{h.get('llama_cpp_version')}), the proxy {model_path!r}; use the same GGUF "
+                "file, --flash-attn and image on both (fingerprint "
+                f"{h.get('fingerprint')} != {fingerprint.hex()})")
+    if volume_id and h.get("cache_volume") != volume_id:
+        return (f"it does not share the proxy's cache directory (volume id "
+                f"{h.get('cache_volume') or 'missing'!r} != {volume_id!r}): mount the same "
+                "volume as the worker's --cache-dir and the proxy's --cache-dir")
+    return None
 
 
 class Pool:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, fingerprint: bytes = b"") -> None:
         self.cfg = cfg
+        self.fingerprint = fingerprint  # expected from every worker; b"": not checked
+        self.volume_id = ""  # the cache volume every remote worker must report
         self.workers: list[Worker] = []
         self._cond = asyncio.Condition()
         self._waiting = 0
@@ -88,18 +173,25 @@ class Pool:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.cfg.worker_url:
+            return await self._start_remote()
         for i in range(self.cfg.workers):
             sock = os.path.join(self._tmpdir, f"worker{i}.sock")
             w = Worker(i, "http://worker", socket_path=sock)
-            w.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock))
+            w.session = w.new_session()
             self.workers.append(w)
-        await asyncio.gather(*(self._spawn(w) for w in self.workers))
+        try:
+            await asyncio.gather(*(self._spawn(w) for w in self.workers))
+        except BaseException:
+            await self.close()  # no orphaned worker processes
+            raise
         self._tasks = [asyncio.create_task(self._supervise(w)) for w in self.workers]
 
     async def close(self) -> None:
         self._closing = True
         for t in self._tasks:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for w in self.workers:
             if w.process and w.process.returncode is None:
                 w.process.terminate()
@@ -116,6 +208,8 @@ class Pool:
                 os.unlink(os.path.join(self._tmpdir, name))
             os.rmdir(self._tmpdir)
 
+    # --- local workers ---------------------------------------------------------------------
+
     def _command(self, w: Worker) -> list[str]:
         c = self.cfg
         cmd = [sys.executable, "-m", "backend.worker", "--socket", str(w.socket_path),
@@ -124,8 +218,7 @@ class Pool:
                "--cache-dir", str(c.cache_path)]
         if c.threads:
             cmd += ["--threads", str(c.threads)]
-        if c.flash_attn:
-            cmd.append("--flash-attn")
+        cmd.append("--flash-attn" if c.flash_attn else "--no-flash-attn")
         return cmd
 
     async def _spawn(self, w: Worker) -> None:
@@ -143,13 +236,16 @@ class Pool:
                                    "while starting (see its log above)")
             try:
                 h = await w.health()
-                w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
                 break
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            except _UNREACHABLE:
                 if asyncio.get_running_loop().time() > deadline:
                     raise RuntimeError(f"worker {w.worker_id} not ready after "
                                        f"{HEALTH_TIMEOUT_S:.0f} s") from None
                 await asyncio.sleep(0.1)
+        problem = incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path, "")
+        if problem:
+            raise StartupError(f"{w.name}: {problem}")
+        self._adopt(w, h)
         async with self._cond:
             w.ready = True
             self._cond.notify_all()
@@ -172,6 +268,114 @@ class Pool:
                 log.error("%s", e)
                 await asyncio.sleep(1.0)
 
+    # --- remote workers --------------------------------------------------------------------
+
+    async def _start_remote(self) -> None:
+        for i, url in enumerate(self.cfg.worker_url):
+            if not url.startswith(("http://", "https://")):
+                raise StartupError(f"--worker-url {url!r} is not an http:// URL; give it as "
+                                   "http://HOST:PORT of a `prefixgate worker --listen HOST:PORT`")
+            w = Worker(i, url.rstrip("/"))
+            w.session = w.new_session()
+            self.workers.append(w)
+        if self.cfg.disk_prefix_cache != "off":
+            self.volume_id = await asyncio.to_thread(volume.ensure, self.cfg.cache_path)
+        contacts = [asyncio.create_task(self._first_contact(w)) for w in self.workers]
+        try:
+            await asyncio.gather(*contacts)
+        except BaseException:
+            for t in contacts:
+                t.cancel()
+            await asyncio.gather(*contacts, return_exceptions=True)
+            await self.close()
+            raise
+        self._tasks = [asyncio.create_task(self._watch(w)) for w in self.workers]
+
+    def _incompatibility(self, h: dict[str, Any]) -> str | None:
+        return incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path,
+                               self.volume_id)
+
+    def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
+        w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
+        w.boot_id = str(h.get("boot_id", ""))
+
+    async def _first_contact(self, w: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        next_note = start + 10.0
+        while True:
+            try:
+                h = await w.health(PROBE_TIMEOUT_S)
+                break
+            except _UNREACHABLE as e:
+                now = loop.time()
+                if now - start > REMOTE_WAIT_S:
+                    raise StartupError(f"{w.name} did not answer /health within "
+                                       f"{REMOTE_WAIT_S:.0f} s ({e or type(e).__name__}); "
+                                       "is `prefixgate worker --listen` running there?") from None
+                if now >= next_note:
+                    log.info("waiting for %s (%s)", w.name, e or type(e).__name__)
+                    next_note = now + 10.0
+                await asyncio.sleep(0.5)
+        problem = self._incompatibility(h)
+        if problem:
+            raise StartupError(f"{w.name}: {problem}")
+        self._adopt(w, h)
+        await self._set_ready(w, True)
+        log.info("%s ready (pid %s, n_ctx %d)", w.name, h.get("pid", "-"), w.n_ctx)
+
+    async def _set_ready(self, w: Worker, ready: bool, reason: str = "") -> None:
+        async with self._cond:
+            w.ready, w.down_reason = ready, reason
+            if not ready:
+                w.live_ids = []
+            self._cond.notify_all()
+
+    async def _watch(self, w: Worker) -> None:
+        """Probe one remote worker for as long as the pool runs."""
+        timeouts = 0
+        while not self._closing:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            try:
+                h = await w.health(PROBE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                timeouts += 1
+                if w.ready and timeouts >= PROBE_TIMEOUTS_DOWN:
+                    await self._lose(w, f"no answer to {timeouts} health probes")
+                continue
+            except (aiohttp.ClientError, OSError) as e:
+                if w.ready:
+                    await self._lose(w, f"unreachable ({e or type(e).__name__})")
+                continue
+            timeouts = 0
+            await self._on_health(w, h)
+
+    async def _on_health(self, w: Worker, h: dict[str, Any]) -> None:
+        boot_id = str(h.get("boot_id", ""))
+        if boot_id != w.boot_id:
+            w.restarts += 1
+            w.boot_id = boot_id
+            if w.ready:
+                await self._lose(w, "restarted (its live KV is gone)")
+            log.warning("%s restarted (restart %d); its live KV is gone", w.name, w.restarts)
+        problem = self._incompatibility(h)
+        if problem:
+            if w.ready or w.down_reason != problem:
+                log.error("%s is kept out: %s", w.name, problem)
+                await self._lose(w, problem)
+            return
+        if not w.ready:
+            self._adopt(w, h)
+            await self._set_ready(w, True)
+            log.info("%s is back (pid %s)", w.name, h.get("pid", "-"))
+
+    async def _lose(self, w: Worker, reason: str) -> None:
+        await self._set_ready(w, False, reason)
+        n = len(w.streams)
+        await w.abort()
+        log.warning("%s is down: %s; routing around it%s", w.name, reason,
+                    f", {n} request(s) in flight failed" if n else "")
+
     # --- routing ---------------------------------------------------------------------------
 
     @property
@@ -182,8 +386,15 @@ class Pool:
     def queue_depth(self) -> int:
         return self._waiting
 
+    def _check_reachable(self) -> None:
+        """503 at once when no worker can take a request and none is coming back by itself."""
+        if self.workers and all(w.remote and not w.ready for w in self.workers):
+            why = "; ".join(f"{w.name}: {w.down_reason or 'down'}" for w in self.workers)
+            raise WorkerFailed(f"no worker is reachable ({why}); retry when one is back")
+
     async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "") -> Worker:
         """The worker to run this prompt on, marked busy; waits (bounded) when all are busy."""
+        self._check_reachable()
         if self._waiting >= self.cfg.max_queue and not any(
                 w.ready and not w.busy for w in self.workers):
             raise QueueFull(f"all {len(self.workers)} workers are busy and "
@@ -198,14 +409,18 @@ class Pool:
                         w = self.workers[choice]
                         if not w.busy:
                             w.busy = True
+                            w.acquired_at_restarts = w.restarts
                             return w
                     await self._cond.wait()
+                    self._check_reachable()
         finally:
             self._waiting -= 1
 
     async def release(self, w: Worker, live_ids: list[int], tenant: str = "") -> None:
         async with self._cond:
-            w.live_ids = live_ids
+            # a worker that restarted or went down while running this request holds nothing
+            fresh = w.ready and w.restarts == w.acquired_at_restarts
+            w.live_ids = live_ids if fresh else []
             w.live_tenant = tenant
             w.busy = False
             self._cond.notify_all()
