@@ -1,0 +1,322 @@
+"""`prefixgate simulate`: the cache policies replayed on token ids, without a model.
+
+    prefixgate simulate --trace FILE --policies auto:2,auto:8,auto:30,full,1000
+
+Each row of the trace is rendered and tokenized exactly as the proxy does (`bench.prompts`), then
+fed, in order, to one simulated proxy with one worker. The decisions are the proxy's own: the
+simulator calls the real decide step of `proxy.gateway.Gateway` (`_lookup`: candidate positions,
+`keys.prefix_keys`, the longest stored key; `_plan`: `choose_scope_boundary` over its
+`policies.ring.Ring`, `anchor_position`, `plan_saves`, the reuse cap) against an in-memory index,
+then applies the worker's rules to what it reuses (a disk entry is restored only when longer than
+the live prefix; reuse is capped at `n - 2` and at the plan's `keep_max`). Every planned save
+succeeds and nothing is evicted (the default budget is 20 GiB).
+
+Modes (what survives between two requests):
+
+- `restart` (the default, pessimistic): proxy and worker restart before every request, so only
+  the disk cache survives; the ring of recent prompts (in memory) and the live KV are lost.
+- `live`: one long-lived proxy with one worker: live reuse of the previous prompt, the ring kept.
+- `disk`: the proxy stays up (the ring is kept) but the live KV never helps (e.g. other sessions
+  took the worker in between); equally what `restart` would give if the ring were persisted.
+
+Per policy and mode: requests, hits (requests with any cached token) and disk hits, tokens cached
+per hit, hit rate, cached and fresh tokens, the mean per-turn hit ratio, the oracle's fresh tokens
+(`bench.oracle`) and the excess over it, and the snapshots written (count and tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backend import keys
+from backend.index import Entry
+from bench.oracle import Oracle, compute_oracle
+from policies.plan import CacheKnobs
+from policies.prefix import common_prefix_len
+from policies.scope import format_scope, parse_scope
+from proxy.config import Config
+from proxy.gateway import Gateway, Prepared
+from proxy.metrics import Metrics
+from proxy.template import Rendered
+
+MODES = ("restart", "live", "disk")
+DEFAULT_POLICIES = "auto:2,auto:8,auto:30,full,1000"
+_SALT = bytes(16)  # the simulator's keys only need to tell token prefixes apart
+_TENANT = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SimPrompt:
+    """What the policies see of a rendered prompt (`proxy.template.Rendered` has these fields)."""
+
+    ids: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    message_starts: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SimTurn:
+    n_prompt: int
+    cached: int  # tokens not prefilled
+    source: str  # "disk" | "live" | "none"
+    disk_n: int  # longest stored prefix found
+    live_n: int  # live prefix the worker held
+    saves: tuple[tuple[int, str], ...]  # (n_tokens, reason) snapshotted in this prefill
+
+    @property
+    def fresh(self) -> int:
+        return self.n_prompt - self.cached
+
+
+class MemoryIndex:
+    """The two reads the gateway's decide step makes of `backend.index.Index`, in memory."""
+
+    def __init__(self) -> None:
+        self.entries: dict[keys.CacheKey, Entry] = {}
+
+    def get(self, key: keys.CacheKey) -> Entry | None:
+        return self.entries.get(key)
+
+    def longest(self, keys_by_pos: Mapping[int, keys.CacheKey]
+                ) -> tuple[int, keys.CacheKey, Entry] | None:
+        for pos in sorted(keys_by_pos, reverse=True):
+            e = self.entries.get(keys_by_pos[pos])
+            if e is not None and e.n_tokens == pos:  # the exactness invariant, as Index checks
+                return pos, keys_by_pos[pos], e
+        return None
+
+    def put(self, key: keys.CacheKey, n_tokens: int, reason: str) -> None:
+        self.entries[key] = Entry(n_tokens=n_tokens, file="", size_bytes=0, checksum=0,
+                                  reason=reason, created_s=0.0, last_used_s=0.0, hits=0,
+                                  fingerprint=b"", tenant=_TENANT)
+
+
+class _Gateway(Gateway):
+    def salt(self, tenant: str) -> bytes:  # keys only need to tell token prefixes apart
+        return _SALT
+
+
+class Simulator:
+    """One proxy and one worker, as far as the cache decisions go."""
+
+    def __init__(self, policy: str, knobs: CacheKnobs | None = None) -> None:
+        knobs = knobs or CacheKnobs()
+        self.policy = format_scope(parse_scope(policy))
+        self.cfg = Config(disk_prefix_cache=self.policy, kv_cache_min_tokens=knobs.min_tokens,
+                          kv_cache_cold_max_tokens=knobs.cold_max_tokens,
+                          kv_cache_continued_interval_tokens=knobs.continued_interval_tokens)
+        self.index = MemoryIndex()  # the disk: survives restarts
+        self.live_ids: tuple[int, ...] = ()
+        self.gw = self._gateway()
+
+    def _gateway(self) -> Gateway:
+        # the decide step reads only the config, the ring and the index
+        return _Gateway(self.cfg, None, None, None, self.index,  # type: ignore[arg-type]
+                        Metrics(), {})
+
+    def restart(self) -> None:
+        """The proxy and worker processes restart: the ring and the live KV are gone."""
+        self.gw = self._gateway()
+        self.live_ids = ()
+
+    def step(self, p: SimPrompt, live: bool = True) -> SimTurn:
+        gw, ids, n = self.gw, p.ids, len(p.ids)
+        scope = gw.default_scope
+        prep = Prepared(None, Rendered("", ids, p.boundaries, p.message_starts),  # type: ignore
+                        scope, 0, 0.0)
+        keyed, d = gw._lookup(ids, p.boundaries, scope, _TENANT)
+        d.live_n = common_prefix_len(self.live_ids, ids) if live else 0
+        gw._plan(prep, keyed, d, _TENANT)
+        if scope.kind != "off":
+            gw.ring.push(_TENANT, ids)
+        # the worker: restore when the entry beats the live prefix; keep at most `last`
+        last = min(max(n - 2, 0), getattr(d, "keep_max", n))
+        restored = d.disk_entry is not None and d.disk_n > d.live_n
+        cached = min(d.disk_n if restored else d.live_n, last)
+        saves = tuple((int(s["n_tokens"]), str(s["reason"])) for s in d.saves
+                      if cached <= s["n_tokens"] <= n)
+        for q, reason in saves:
+            self.index.put(keyed[q], q, reason)
+        self.live_ids = ids  # the worker's exact live KV after the prefill: the prompt
+        source = "disk" if restored else "live" if cached else "none"
+        return SimTurn(n, cached, source, d.disk_n, d.live_n, saves)
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    mode: str
+    turns: tuple[SimTurn, ...]
+
+    @property
+    def requests(self) -> int:
+        return len(self.turns)
+
+    @property
+    def hits(self) -> int:
+        return sum(1 for t in self.turns if t.cached > 0)
+
+    @property
+    def disk_hits(self) -> int:
+        return sum(1 for t in self.turns if t.source == "disk" and t.cached > 0)
+
+    @property
+    def cached(self) -> int:
+        return sum(t.cached for t in self.turns)
+
+    @property
+    def fresh(self) -> int:
+        return sum(t.fresh for t in self.turns)
+
+    @property
+    def mean_hit_ratio(self) -> float:
+        ratios = [t.cached / t.n_prompt if t.n_prompt else 0.0 for t in self.turns]
+        return sum(ratios) / len(ratios) if ratios else 0.0
+
+    def summary(self, oracle: Oracle | None = None) -> dict[str, Any]:
+        prompt = sum(t.n_prompt for t in self.turns)
+        out: dict[str, Any] = {
+            "policy": self.policy, "mode": self.mode, "requests": self.requests,
+            "hits": self.hits, "disk_hits": self.disk_hits,
+            "hit_rate": self.hits / self.requests if self.requests else 0.0,
+            "tokens_cached_per_hit": self.cached / self.hits if self.hits else 0.0,
+            "prompt_tokens": prompt, "cached_tokens": self.cached, "fresh_tokens": self.fresh,
+            "token_hit_ratio": self.cached / prompt if prompt else 0.0,
+            "mean_hit_ratio": self.mean_hit_ratio,
+            "saves": sum(len(t.saves) for t in self.turns),
+            "snapshot_tokens": sum(q for t in self.turns for q, _ in t.saves),
+        }
+        if oracle is not None:
+            out["oracle_fresh_tokens"] = oracle.total_fresh
+            out["excess_over_oracle_tokens"] = self.fresh - oracle.total_fresh
+            out["oracle_mean_hit_ratio"] = oracle.mean_hit_ratio
+        return out
+
+
+def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
+             knobs: CacheKnobs | None = None) -> SimResult:
+    """Replay `prompts` in order through one simulated proxy under `policy` and `mode`."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    sim = Simulator(policy, knobs)
+    turns = []
+    for i, p in enumerate(prompts):
+        if mode == "restart" and i:
+            sim.restart()
+        turns.append(sim.step(p, live=mode == "live"))
+    return SimResult(sim.policy, mode, tuple(turns))
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def knobs_of(cfg: Any) -> CacheKnobs:
+    return CacheKnobs(cfg.kv_cache_min_tokens, cfg.kv_cache_cold_max_tokens,
+                      cfg.kv_cache_continued_interval_tokens)
+
+
+def render_trace(path: str, fmt: str = "auto", tool_blocks: str = "openai",
+                 turns: int | None = None, model: str = "") -> list[SimPrompt]:
+    from bench.prompts import PromptBuilder
+    from bench.trace import load_trace
+
+    builder = PromptBuilder(model=model)
+    out = []
+    for body in load_trace(path, fmt, tool_blocks, turns):
+        r = builder.render(body)
+        out.append(SimPrompt(r.ids, r.boundaries, r.message_starts))
+    return out
+
+
+COLUMNS = (
+    ("policy", "policy", "{}"), ("mode", "mode", "{}"), ("requests", "requests", "{}"),
+    ("hits", "hits", "{}"), ("disk_hits", "disk hits", "{}"), ("hit_rate", "hit rate", "{:.0%}"),
+    ("tokens_cached_per_hit", "tokens cached / hit", "{:.0f}"),
+    ("fresh_tokens", "fresh tokens", "{}"),
+    ("excess_over_oracle_tokens", "excess over oracle", "{:+}"),
+    ("mean_hit_ratio", "mean hit ratio", "{:.1%}"), ("saves", "snapshots", "{}"),
+    ("snapshot_tokens", "snapshot tokens", "{}"),
+)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+             "|" + "|".join("---" if k in ("policy", "mode") else "---:"
+                            for k, _, _ in COLUMNS) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def run(prompts: Sequence[SimPrompt], policies: Sequence[str], modes: Sequence[str],
+        knobs: CacheKnobs) -> tuple[Oracle, list[dict[str, Any]]]:
+    oracle = compute_oracle([p.ids for p in prompts])
+    rows = [simulate(prompts, pol, mode, knobs).summary(oracle)
+            for mode in modes for pol in policies]
+    return oracle, rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = Config()
+    p = argparse.ArgumentParser(prog="prefixgate simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", required=True, help="JSONL trace (Anthropic Messages or OpenAI)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma-separated scopes (default {DEFAULT_POLICIES})")
+    p.add_argument("--modes", default="restart,live",
+                   help="comma-separated of restart (pessimistic default), live, disk")
+    p.add_argument("--turns", type=int, default=None, help="the first N rows only")
+    p.add_argument("--format", default="auto", choices=["auto", "anthropic", "openai"])
+    p.add_argument("--tool-blocks", default="openai", choices=["openai", "text"])
+    p.add_argument("--model", default="", help="GGUF whose tokenizer and template to use")
+    p.add_argument("--min-tokens", type=int, default=d.kv_cache_min_tokens)
+    p.add_argument("--cold-max-tokens", type=int, default=d.kv_cache_cold_max_tokens)
+    p.add_argument("--continued-interval-tokens", type=int,
+                   default=d.kv_cache_continued_interval_tokens)
+    p.add_argument("--out", default="", help="directory for simulate-<trace>.json and .md")
+    a = p.parse_args(argv)
+    policies = [s.strip() for s in a.policies.split(",") if s.strip()]
+    modes = [s.strip() for s in a.modes.split(",") if s.strip()]
+    for pol in policies:
+        try:
+            parse_scope(pol)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
+    knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
+    prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
+    oracle, rows = run(prompts, policies, modes, knobs)
+    head = (f"trace {Path(a.trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
+            f"tokens; oracle: {oracle.total_fresh} fresh tokens, mean hit ratio "
+            f"{oracle.mean_hit_ratio:.1%}\nknobs: min {knobs.min_tokens}, cold max "
+            f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
+            "tokens; one worker; no eviction. mode restart = proxy and worker restarted before "
+            "every request (ring and live KV lost, the pessimistic default); live = one "
+            "long-lived proxy; disk = ring kept, no live reuse.")
+    table = markdown_table(rows)
+    print(head + "\n\n" + table)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"simulate-{Path(a.trace).stem}"
+        (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(a.trace).name}\n\n"
+                                         + head.replace("\n", "\n\n") + "\n\n" + table + "\n")
+        (out / f"{stem}.json").write_text(json.dumps({
+            "trace": Path(a.trace).name, "requests": len(prompts),
+            "knobs": {"min_tokens": knobs.min_tokens, "cold_max_tokens": knobs.cold_max_tokens,
+                      "continued_interval_tokens": knobs.continued_interval_tokens},
+            "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
+                       "mean_hit_ratio": oracle.mean_hit_ratio},
+            "results": rows}, indent=2) + "\n")
+        print(f"\nwrote {out / stem}.json and .md", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
