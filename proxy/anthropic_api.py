@@ -396,6 +396,8 @@ class Responder:
                     "type": "content_block_delta", "index": index,
                     "delta": {"type": "text_delta", "text": item}}))
         except ApiError as e:
+            if request.transport is None or request.transport.is_closing():
+                return resp  # the client left; its run was cancelled, nobody to tell
             log.warning("anthropic stream failed after the response started: %s", e.message)
             await resp.write(_sse("error", anthropic_body(e)))
             return resp
