@@ -35,5 +35,16 @@ lint: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.quick
 
+# deploy/ checked by its own tools (Debian's docker-compose and prometheus packages; no Docker
+# engine needed), then tests/deploy: a real Prometheus scraping a real prefixgate, TCP workers.
+.PHONY: deploy-check
+deploy-check: $(STAMP)
+	cd deploy && docker-compose --env-file .env.example config -q
+	cd deploy && docker-compose --env-file .env.example --profile two-gpus config -q
+	promtool check config deploy/prometheus.yml
+	promtool check rules deploy/rules.yml
+	promtool test rules deploy/rules_test.yml
+	$(BIN)/python -m pytest -q tests/deploy
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from policies.plan import REASON_RANK
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -32,6 +34,8 @@ class Metrics:
                                "Disk cache lookups by result", ["result"], registry=r)
         self.saves = Counter("prefixgate_cache_saves_total", "Snapshots by reason and outcome",
                              ["reason", "outcome"], registry=r)
+        for reason in REASON_RANK:  # exported at 0, so the first failure already shows as a rate
+            self.saves.labels(reason, "failed")
         self.faults = Counter("prefixgate_cache_faults_total",
                               "Cache faults degraded to a miss, by kind", ["kind"], registry=r)
         self.evictions = Counter("prefixgate_cache_evictions_total", "Entries evicted",

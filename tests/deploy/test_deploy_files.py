@@ -1,0 +1,122 @@
+"""The deploy/ files, each checked by its own tool: `docker-compose config` (Debian's
+docker-compose package; no Docker engine needed) for the compose file, `promtool check` and
+`promtool test rules` for the Prometheus files, plus the wiring between them that no single
+tool sees (the same model, n_ctx and cache volume for proxy and workers; Grafana's dashboard
+and data source where the provisioning looks for them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+DEPLOY = ROOT / "deploy"
+GRAFANA = DEPLOY / "grafana"
+
+
+def need(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.skip(f"{tool} is not installed: apt-get install -y {package} (.ci/run does)")
+    return path
+
+
+def run(*cmd: str, env: dict[str, str] | None = None) -> str:
+    p = subprocess.run(cmd, cwd=DEPLOY, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def compose_config(*args: str) -> dict[str, Any]:
+    """The compose file as docker-compose resolves it with .env.example, unaffected by any
+    variable of the same name in the test's environment."""
+    exe = need("docker-compose", "docker-compose")
+    names = {line.split("=", 1)[0].lstrip("# ").strip()
+             for line in (DEPLOY / ".env.example").read_text().splitlines() if "=" in line}
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    out = run(exe, "--env-file", ".env.example", *args, "config", env=env)
+    return dict(yaml.safe_load(out))
+
+
+def test_compose_file_is_valid_and_wires_proxy_to_workers() -> None:
+    cfg = compose_config()
+    services = cfg["services"]
+    default = {name for name, s in services.items() if not s.get("profiles")}
+    assert default == {"proxy", "worker-0", "prometheus", "grafana"}
+    proxy, worker = services["proxy"], services["worker-0"]
+    # the same model, context and flash-attn on both sides, and one cache volume
+    for key in ("PREFIXGATE_MODEL", "PREFIXGATE_N_CTX", "PREFIXGATE_FLASH_ATTN",
+                "PREFIXGATE_CACHE_DIR"):
+        assert proxy["environment"][key] == worker["environment"][key], key
+    assert sorted(proxy["volumes"]) == sorted(worker["volumes"])
+    assert any(v.endswith(":/cache:rw") for v in proxy["volumes"])
+    # the proxy points at the worker's listen address; the worker gets a GPU
+    assert proxy["environment"]["PREFIXGATE_WORKER_URL"] == "http://worker-0:9000"
+    assert "0.0.0.0:9000" in worker["command"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert worker["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert proxy["build"]["dockerfile"] == "deploy/Dockerfile.cpu"
+    for name in ("Dockerfile", "Dockerfile.cpu"):
+        assert "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}" in (DEPLOY / name).read_text()
+    assert "-DGGML_CUDA=on" in (DEPLOY / "Dockerfile").read_text()
+
+
+def test_compose_two_gpus_profile_adds_a_second_worker() -> None:
+    services = compose_config("--profile", "two-gpus")["services"]
+    assert services["worker-1"]["profiles"] == ["two-gpus"]
+    assert services["worker-1"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "device_ids"] == ["1"]
+    assert services["worker-1"]["volumes"] == services["worker-0"]["volumes"]
+
+
+def test_prometheus_config_and_rules_pass_promtool() -> None:
+    promtool = need("promtool", "prometheus")
+    run(promtool, "check", "config", "prometheus.yml")
+    run(promtool, "check", "rules", "rules.yml")
+    # the alerts fire on the conditions they name, on synthetic series (deploy/rules_test.yml)
+    assert "SUCCESS" in run(promtool, "test", "rules", "rules_test.yml")
+
+
+def test_grafana_provisioning_finds_the_dashboard_and_its_data_source() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    grafana = compose["services"]["grafana"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"]
+                  if v.startswith("./"))
+    provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/prefixgate.yml").read_text())
+    dash_dir = provider["providers"][0]["options"]["path"]
+    assert mounts["./grafana/dashboards"] == dash_dir
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (GRAFANA / "dashboards" / Path(home).relative_to(dash_dir)).is_file()
+
+    source = yaml.safe_load(
+        (GRAFANA / "provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    dashboard = json.loads((GRAFANA / "dashboards/prefixgate.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 10
+    for p in panels:
+        assert p["datasource"]["uid"] == source["uid"], p["title"]
+        assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
+
+
+def test_images_hold_every_package_the_project_installs() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pkg in project["tool"]["setuptools"]["packages"]:
+        for name in ("Dockerfile", "Dockerfile.cpu"):
+            assert f"COPY {pkg} {pkg}\n" in (DEPLOY / name).read_text(), (name, pkg)
+            assert f"!{pkg}/\n" in (DEPLOY / f"{name}.dockerignore").read_text(), (name, pkg)
+    pins = (DEPLOY / "constraints.txt").read_text()
+    for dep in project["project"]["dependencies"]:
+        if "==" in dep:
+            assert dep in pins, f"{dep} is pinned differently in deploy/constraints.txt"
