@@ -48,3 +48,29 @@ deploy-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- measuring (issue 5): replay benchmark, policy simulator, synthetic traces, overhead ------
+# make bench [TRACE=...] [ARMS=off,auto:30,peer,...] [TURNS=N] [MAX_TOKENS=M] [BUDGET_MIN=60]
+TRACE      ?= ../shared/traces/light_tool_schema_38.jsonl
+POLICIES   ?= auto:2,auto:8,auto:30,full,1000
+BENCH_STAMP := $(VENV)/.bench-installed
+.PHONY: simulate synth overhead
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench.replay --trace $(TRACE) $(if $(ARMS),--arms $(ARMS)) \
+		$(if $(TURNS),--turns $(TURNS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
+		$(if $(BUDGET_MIN),--time-budget-min $(BUDGET_MIN))
+
+simulate: $(STAMP)
+	$(BIN)/prefixgate simulate --trace $(TRACE) --policies $(POLICIES) --out bench/results
+
+synth: $(STAMP)
+	$(BIN)/python -m bench.synth --out $(or $(OUT),bench/results/synth.jsonl) \
+		$(SYNTH_ARGS)
+
+overhead: $(BENCH_STAMP)
+	$(BIN)/python -m bench.overhead

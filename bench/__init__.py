@@ -8,6 +8,7 @@ and the proxy's own overhead.
     bench.replay     `make bench`: real proxies (and llama-cpp-python's server) replaying a trace
     bench.synth      `make synth`: synthetic long agent sessions in the Anthropic trace format
     bench.overhead   `make overhead`: the proxy's cost per request against the worker's
+    bench.quick      `make bench-quick`: two quick live and disk reuse ratios on the real model
 
 Results land in bench/results/ as JSON, a markdown table and (replay) a PNG plot.
 """

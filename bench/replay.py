@@ -461,7 +461,7 @@ def environment(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
             "python": platform.python_version(), "llama_cpp_python": llama_cpp.__version__,
             "model": Path(settings.model).name, "n_ctx": settings.n_ctx,
             "threads": settings.threads, "max_tokens": args.max_tokens,
-            "tool_choice": args.tool_choice, "load_avg_at_start": os.getloadavg()}
+            "tool_choice": args.tool_choice}
 
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:
@@ -484,6 +484,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     predicted = {a.name: [t.fresh for t in simulate(prompts, a.scope,
                                                     "restart" if a.restart else "live").turns]
                  for a in arms if a.server == "prefixgate"}
+    load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="prefixgate-bench-"))
     settings.code_root = snapshot_code(work / "code")
     print(f"{len(bodies)} turns, {oracle.total_prompt} prompt tokens, oracle "
@@ -493,10 +494,17 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
                for i, a in enumerate(arms)]
     per_turn: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
     t_start = time.perf_counter()
+    stopped = ""
     try:
         for srv in servers:
             srv.start()
         for turn, (body, r) in enumerate(zip(bodies, rendered, strict=True)):
+            elapsed_min = (time.perf_counter() - t_start) / 60
+            if args.time_budget_min and turn and elapsed_min > args.time_budget_min:
+                stopped = (f"Stopped after {turn} of {len(bodies)} turns: the time budget of "
+                           f"{args.time_budget_min:g} min was spent ({elapsed_min:.0f} min).")
+                print(stopped, file=sys.stderr)
+                break
             k = turn % len(servers)
             for srv in servers[k:] + servers[:k]:  # rotate who goes first
                 row = run_turn(srv, turn, body, r.text, len(r.ids), args)
@@ -507,16 +515,31 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             print(f"turn {turn + 1}/{len(bodies)}: {len(r.ids)} tokens; fresh "
                   + ", ".join(f"{a}={rows[-1]['fresh_tokens']}" for a, rows in per_turn.items())
                   + f" ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
+    except KeyboardInterrupt:
+        done = min(len(rows) for rows in per_turn.values())
+        if not done:
+            raise
+        stopped = f"Interrupted after {done} of {len(bodies)} turns."
+        print(stopped, file=sys.stderr)
     finally:
         for srv in servers:
             srv.stop()
+    n_done = min(len(rows) for rows in per_turn.values())
+    if n_done < len(bodies):
+        oracle = compute_oracle([r.ids for r in rendered[:n_done]])
+        for rows in per_turn.values():
+            del rows[n_done:]
+        predicted = {a: p[:n_done] for a, p in predicted.items()}
     summaries = [summarize(srv.arm, srv, per_turn[srv.arm.name], oracle,
                            predicted.get(srv.arm.name)) for srv in servers]
     add_peer_ratios(summaries)
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
-    return {"trace": Path(args.trace).name, "turns": len(bodies),
-            "environment": environment(args, settings),
+    env = environment(args, settings)
+    env["load_avg_at_start"] = load_at_start
+    env["load_avg_at_end"] = os.getloadavg()
+    return {"trace": Path(args.trace).name, "turns": n_done, "trace_rows": len(bodies),
+            "stopped": stopped, "environment": env,
             "total_wall_s": time.perf_counter() - t_start,
             "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
                        "mean_hit_ratio": oracle.mean_hit_ratio,
@@ -550,6 +573,14 @@ def markdown(res: dict[str, Any], note: str = "") -> str:
         "(each turn sent to every arm in rotation), so machine noise hits all arms alike; "
         "times are noisy on a shared 2-core machine, compare the ratios.",
     ]
+    if res.get("stopped") or res["turns"] < res.get("trace_rows", res["turns"]):
+        lines += ["", f"**Cut: the first {res['turns']} of the trace's {res['trace_rows']} "
+                  f"turns.** {res.get('stopped', '')}"]
+    la0, la1 = env.get("load_avg_at_start"), env.get("load_avg_at_end")
+    if la0 and la1:
+        lines += ["", f"Load average (1, 5, 15 min) at the start {tuple(round(x, 1) for x in la0)}"
+                  f", at the end {tuple(round(x, 1) for x in la1)}, on {os.cpu_count()} cores: "
+                  "other people's tests shared the machine."]
     if note:
         lines += ["", note]
     lines += [
@@ -628,7 +659,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the servers are stopped on the way out
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n")[0])
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS})")
@@ -646,6 +682,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="", help="results file stem (default replay-<trace>)")
     p.add_argument("--note", default="", help="a line added to the markdown (e.g. why turns "
                    "were cut)")
+    p.add_argument("--time-budget-min", type=float, default=0.0,
+                   help="start no new turn after this many minutes; report the turns done")
     p.add_argument("--keep-work", action="store_true", help="keep cache dirs and server logs")
     args = p.parse_args(argv)
     res = replay(args)

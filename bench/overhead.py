@@ -1,0 +1,279 @@
+"""`make overhead`: what the proxy itself costs per request, against what the worker costs.
+
+    python -m bench.overhead [--sizes 2000,8000,32000] [--reps 20] [--worker-sizes 2000]
+
+For each size, one synthetic agent session (`bench.synth`, one tool-heavy prefix, ~300 new tokens
+a turn) is grown until its prompt reaches that many tokens. The proxy has already served the
+earlier turns (its template prefix cache, tokenizer fragment cache, ring of recent prompts and
+LMDB index are as a running proxy's would be), and the measured request re-sends the unchanged
+history plus one new user turn (a different one each repetition, so the new text is never
+cached). Stages, each timed on the proxy's real code:
+
+- parse: `json.loads` of the body bytes and `openai_api.parse_chat`
+- prepare: `Gateway.prepare` (normalize, tools into the prompt, render the template, tokenize,
+  find the safe boundaries); its parts are timed again alone: `render` (the Jinja template on
+  the whole conversation) and `tokenize` (`Tokenizer.encode_segments` of the rendered text)
+- decide: `Gateway._lookup` and `Gateway._plan` (candidate keys over the prompt, the LMDB lookup,
+  the ring comparison, the save plan) against a real `backend.index.Index` in a temporary
+  directory, filled as the earlier turns left it
+
+and `cold`: `prepare` of the same prompt in a fresh process state (nothing cached: a new
+conversation of that size). Times are medians over `--reps`, of CPU time (`time.process_time`,
+robust to other load on the machine) and wall time.
+
+The worker's time for the same request is the prefill of its uncached tail (the new turn, plus
+the two tokens always re-evaluated) and a 16-token decode, measured on the real model through
+`backend.engine.Engine` with the history already in its KV, for the sizes in
+`--worker-sizes`. For the other sizes it is estimated from the prefill and decode rates
+measured at the largest measured size, which understates the worker's time at a longer context
+(attention grows with it), so the overhead fraction shown for them is an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.synth import Knobs, generate
+from bench.trace import to_openai
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+DECODE_TOKENS = 16
+RING_WINDOW = 30
+
+
+def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
+    """(median CPU ms, median wall ms) of `reps` calls."""
+    cpu, wall = [], []
+    for _ in range(reps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        fn()
+        cpu.append((time.process_time() - c0) * 1e3)
+        wall.append((time.perf_counter() - w0) * 1e3)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def session_rows(target_tokens: int, builder: Any) -> list[dict[str, Any]]:
+    """OpenAI bodies of one growing session whose last prompt reaches `target_tokens`."""
+    prefix = max(500, min(target_tokens // 4, 30000))
+    turns = 400
+    rows: list[dict[str, Any]] = []
+    for row in generate(Knobs(sessions=1, parallel=1, turns=turns, prefix_tokens=prefix,
+                              rewrite_share=0.0), seed=7):
+        rows.append(to_openai(row))
+        if len(rows) >= 2 and len(builder.render(rows[-1]).ids) >= target_tokens:
+            return rows
+    raise SystemExit(f"could not grow a session to {target_tokens} tokens")
+
+
+def with_new_turn(body: dict[str, Any], rep: int) -> dict[str, Any]:
+    """`body` with its last user message made new (never seen by the caches)."""
+    messages = [dict(m) for m in body["messages"]]
+    messages[-1]["content"] = f"{messages[-1]['content']} (variant {rep}: check again)"
+    return {**body, "messages": messages}
+
+
+def measure_proxy(target: int, reps: int) -> dict[str, Any]:
+    from backend.index import Entry, Index
+    from bench.prompts import PromptBuilder
+    from proxy import openai_api
+    from proxy.metrics import Metrics
+
+    builder = PromptBuilder()
+    rows = session_rows(target, builder)
+    body = rows[-1]
+    with tempfile.TemporaryDirectory(prefix="prefixgate-overhead-") as tmp:
+        index = Index(Path(tmp))
+        gw = type(builder.gateway)(builder.cfg, builder.template, builder.tok, None,  # type: ignore
+                                   index, Metrics(), {"model_path": builder.cfg.model_path,
+                                                      "n_ctx": 65536, "type_k": "f16",
+                                                      "type_v": "f16", "flash_attn": False,
+                                                      "lib_version": "bench"})
+
+        def decide(prep: Any) -> Any:
+            keyed, d = gw._lookup(prep.rendered.ids, prep.rendered.boundaries, prep.scope, "")
+            gw._plan(prep, keyed, d, "")
+            return keyed, d
+
+        # the earlier turns, served: caches warm, ring filled, their snapshots in the index
+        for earlier in rows[:-1]:
+            prep = gw.prepare(openai_api.parse_chat(earlier, ""))
+            keyed, d = decide(prep)
+            gw.ring.push("", prep.rendered.ids)
+            for s in d.saves:
+                index.put(keyed[s["n_tokens"]], Entry(
+                    n_tokens=s["n_tokens"], file=f"kv/{s['key']}.kv", size_bytes=1,
+                    checksum=0, reason=s["reason"], created_s=0.0, last_used_s=0.0, hits=0,
+                    fingerprint=b"", tenant=""))
+        prev_n = len(gw.prepare(openai_api.parse_chat(rows[-2], "")).rendered.ids)
+        variants = iter(range(10**6))
+
+        def fresh_raw() -> bytes:
+            return json.dumps(with_new_turn(body, next(variants))).encode()
+
+        raws = [fresh_raw() for _ in range(reps * 4 + 2)]
+        it_parse, it_prep, it_render, it_tok = (iter(raws[i::4]) for i in range(4))
+        parse = timed(lambda: openai_api.parse_chat(json.loads(next(it_parse)), ""), reps)
+
+        def prepare_one() -> None:
+            gw.prepare(openai_api.parse_chat(json.loads(next(it_prep)), ""))
+
+        prepare = timed(prepare_one, reps)
+        prep = gw.prepare(openai_api.parse_chat(body, ""))
+        decide_t = timed(lambda: decide(prep), reps)
+
+        def render_one() -> None:
+            req = openai_api.parse_chat(json.loads(next(it_render)), "")
+            builder.template.render(list(req.messages), list(req.tools) or None)
+
+        render = timed(render_one, reps)
+        tok = builder.tok
+
+        def tokenize_one() -> None:
+            text = json.loads(next(it_tok))["messages"][-1]["content"]
+            tok.encode_segments(prep.rendered.text + text)
+
+        tokenize = timed(tokenize_one, reps)
+        index.close()
+    cold_builder = PromptBuilder()
+    cold = timed(lambda: PromptBuilder.prepare(cold_builder, with_new_turn(body, -1)), 1)
+    n = len(prep.rendered.ids)
+    return {
+        "target_tokens": target, "prompt_tokens": n, "messages": len(body["messages"]),
+        "uncached_tail_tokens": n - prev_n, "reps": reps,
+        "parse_ms": parse, "prepare_ms": prepare, "render_ms": render,
+        "tokenize_ms": tokenize, "decide_ms": decide_t,
+        "proxy_ms": tuple(a + b + c for a, b, c in zip(parse, prepare, decide_t, strict=True)),
+        "cold_prepare_ms": cold,
+    }
+
+
+def measure_worker(target: int, tail: int, threads: int) -> dict[str, Any]:
+    """Prefill of `tail` tokens after `target - tail` tokens of history, then a short decode."""
+    from backend.engine import Cancel, Engine, Sampling
+    from bench.prompts import PromptBuilder
+
+    builder = PromptBuilder()
+    rows = session_rows(target, builder)
+    ids = list(builder.render(rows[-1]).ids)
+    prev = len(builder.render(rows[-2]).ids)
+    eng = Engine(builder.cfg.model_path, n_ctx=len(ids) + DECODE_TOKENS + 64,
+                 n_threads=threads, n_gpu_layers=0)
+    cancel = Cancel()
+    t0 = time.perf_counter()
+    eng.prefill(ids[:prev], [], lambda p: None, cancel)
+    history_s = time.perf_counter() - t0
+    keep = min(prev, len(ids) - 2)
+    eng.truncate(keep)
+    c1, t1 = time.process_time(), time.perf_counter()
+    eng.prefill(ids, [], lambda p: None, cancel)
+    t2 = time.perf_counter()
+    n_gen = sum(1 for _ in eng.generate(Sampling(temperature=0.0), DECODE_TOKENS, cancel))
+    c3, t3 = time.process_time(), time.perf_counter()
+    del eng
+    return {"prompt_tokens": len(ids), "history_tokens": prev, "tail_tokens": len(ids) - keep,
+            "history_prefill_s": history_s, "tail_prefill_ms": (t2 - t1) * 1e3,
+            "decode_ms": (t3 - t2) * 1e3, "decode_tokens": n_gen,
+            "worker_ms": (t3 - t1) * 1e3, "worker_cpu_ms": (c3 - c1) * 1e3, "measured": True,
+            "prefill_tok_s": (len(ids) - keep) / (t2 - t1), "decode_tok_s": n_gen / (t3 - t2),
+            "cpu_per_wall": (c3 - c1) / (t3 - t1)}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "# Proxy overhead per request",
+        "",
+        f"Machine: {res['machine']}; model {res['model']}; {res['threads']} threads. "
+        "History re-sent unchanged plus one new user turn; the proxy's caches, ring and index "
+        "as after the earlier turns. CPU ms = median process time of the stage (robust to "
+        "other load on the machine); wall ms in parentheses. Worker = prefill of the uncached "
+        f"tail + a {DECODE_TOKENS}-token decode on the real model.",
+        "",
+        "| prompt tokens | new tail tokens | parse | prepare (render + tokenize + boundaries) "
+        "| of which render | of which tokenize | decide | **proxy total** | worker | "
+        "**proxy / worker** | proxy / worker CPU per thread | cold prepare (new conversation) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def ms(v: Any) -> str:
+        return f"{v[0]:.1f} ({v[1]:.1f})"
+
+    for r in res["sizes"]:
+        w = r["worker"]
+        est = "" if w["measured"] else " (estimated)"
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
+            f"{ms(r['prepare_ms'])} | {ms(r['render_ms'])} | {ms(r['tokenize_ms'])} | "
+            f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {w['worker_ms']:.0f}{est} | "
+            f"**{r['proxy_fraction_of_worker']:.3%}** | "
+            f"{r['proxy_fraction_of_worker_idle']:.3%} | {ms(r['cold_prepare_ms'])} |")
+    lines += ["", "All times in ms. proxy / worker: the proxy's CPU time against the worker's "
+              "wall time as measured (on a loaded machine the worker's wall time is inflated); "
+              "proxy / worker CPU per thread: against the worker's CPU time divided by its "
+              "threads, what its wall time would be with the cores to itself. Estimated worker "
+              "times use the prefill and decode rates measured at "
+              f"{res['rates_from_tokens']} tokens; at a longer context the real worker is slower"
+              ", so their fractions are upper bounds.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="2000,8000,32000")
+    p.add_argument("--worker-sizes", default="2000",
+                   help="sizes whose worker time is measured on the model (the rest estimated)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS))
+    a = p.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
+    measured_sizes = {int(s) for s in a.worker_sizes.split(",") if s.strip()}
+    rows = []
+    for size in sizes:
+        print(f"proxy stages at {size} tokens ...", file=sys.stderr)
+        rows.append(measure_proxy(size, a.reps))
+    workers = {}
+    for size in sorted(measured_sizes):
+        print(f"worker at {size} tokens ...", file=sys.stderr)
+        tail = next((r["uncached_tail_tokens"] for r in rows if r["target_tokens"] == size), 300)
+        workers[size] = measure_worker(size, tail, a.threads)
+    ref_size = max(workers) if workers else None
+    for r in rows:
+        w = workers.get(r["target_tokens"])
+        if w is None:
+            if ref_size is None:
+                raise SystemExit("--worker-sizes names no size to take the rates from")
+            ref = workers[ref_size]
+            tail = r["uncached_tail_tokens"] + 2
+            pre = tail / ref["prefill_tok_s"] * 1e3
+            dec = DECODE_TOKENS / ref["decode_tok_s"] * 1e3
+            w = {"tail_tokens": tail, "tail_prefill_ms": pre, "decode_ms": dec,
+                 "worker_ms": pre + dec, "worker_cpu_ms": (pre + dec) * ref["cpu_per_wall"],
+                 "measured": False}
+        r["worker"] = w
+        r["proxy_fraction_of_worker"] = r["proxy_ms"][0] / w["worker_ms"]
+        # on an idle machine the worker's 2 threads run in parallel: wall ~ CPU / threads
+        r["proxy_fraction_of_worker_idle"] = r["proxy_ms"][0] / (w["worker_cpu_ms"] / a.threads)
+    from proxy.config import default_model
+
+    res = {"machine": f"{__import__('os').cpu_count()} cores",
+           "model": Path(default_model()).name, "threads": a.threads,
+           "rates_from_tokens": ref_size, "sizes": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = markdown(res)
+    (out / "overhead.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
