@@ -163,19 +163,21 @@ class Engine:
 
     # --- snapshots -------------------------------------------------------------------------
 
-    def snapshot(self) -> bytes:
-        """A copy of sequence 0's state: KV for exactly `n_live` tokens."""
+    def snapshot(self) -> memoryview:
+        """A copy of sequence 0's state: KV for exactly `n_live` tokens. One copy into a fresh
+        buffer that is not zeroed first (this runs on the hot path, between prefill segments)."""
         ctx = self.llm._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
-        return ctypes.string_at(buf, n)
+        out = np.empty(size, dtype=np.uint8)
+        dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = llama_cpp.llama_state_seq_get_data(ctx, dst, size, 0)
+        return memoryview(out)[:n]
 
     def restore(self, ids: Sequence[int], state: bytes) -> None:
-        """Load a snapshot of exactly len(ids) tokens into sequence 0."""
+        """Load a snapshot of exactly len(ids) tokens into sequence 0 (read in place)."""
         self.truncate(0)
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, buf, len(state), 0) == 0:
+        src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, src, len(state), 0) == 0:
             self.truncate(0)
             raise ValueError("llama_state_seq_set_data refused the state")
         n = len(ids)
