@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="GGUF model path (env PREFIXGATE_MODEL; default: the embedded model)")
     p.add_argument("--n-ctx", type=int, default=int(_env("N_CTX", "65536")),
                    help="context tokens (env PREFIXGATE_N_CTX, default 65536)")
-    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")) or None,
-                   help="CPU threads (env PREFIXGATE_THREADS; default llama.cpp's)")
+    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")),
+                   help="CPU threads, 0 = llama.cpp's default (env PREFIXGATE_THREADS)")
     p.add_argument("--n-gpu-layers", type=int, default=int(_env("N_GPU_LAYERS", "0")),
                    help="layers offloaded to the GPU, -1 = all (env PREFIXGATE_N_GPU_LAYERS)")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction,
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model = default_model()
     cache_dir = Path(os.path.expanduser(args.cache_dir))
-    engine = Engine(args.model, args.n_ctx, args.threads, args.n_gpu_layers,
+    engine = Engine(args.model, args.n_ctx, args.threads or None, args.n_gpu_layers,
                     flash_attn=args.flash_attn)
     # salted with n_ctx as configured, as the proxy does: llama.cpp pads it (5000 -> 5024),
     # and the same setting always gives the same padding

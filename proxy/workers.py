@@ -215,9 +215,7 @@ class Pool:
         cmd = [sys.executable, "-m", "backend.worker", "--socket", str(w.socket_path),
                "--model", c.model_path, "--n-ctx", str(c.n_ctx),
                "--n-gpu-layers", str(c.n_gpu_layers), "--worker-id", str(w.worker_id),
-               "--cache-dir", str(c.cache_path)]
-        if c.threads:
-            cmd += ["--threads", str(c.threads)]
+               "--cache-dir", str(c.cache_path), "--threads", str(c.threads)]
         cmd.append("--flash-attn" if c.flash_attn else "--no-flash-attn")
         return cmd
 
