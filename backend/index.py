@@ -24,15 +24,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
 
-from backend.keys import KEY_SIZE_BYTES, CacheKey
+from backend.keys import KEY_SIZE_BYTES, CacheKey, pack_ids
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ _FIXED = struct.Struct("<BIQQddQ")
 _LEN = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
 _TOTAL_BYTES = b"total_bytes"
+_RING_SEQ = struct.Struct(">Q")  # big-endian, so LMDB's byte order is insertion order
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +94,11 @@ class Index:
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._env = lmdb.open(
-            str(self.path), subdir=True, map_size=map_size_bytes, max_dbs=2, metasync=False
+            str(self.path), subdir=True, map_size=map_size_bytes, max_dbs=3, metasync=False
         )
         self._entries = self._env.open_db(b"entries")
         self._meta = self._env.open_db(b"meta")
+        self._ring = self._env.open_db(b"ring")
 
     def __enter__(self) -> Index:
         return self
@@ -204,6 +208,7 @@ class Index:
             return n, files
 
         n, files = self._write(drop_all)
+        self._write(lambda txn: txn.drop(self._ring, delete=False))
         for file in files:
             self._unlink(file)
         return n
@@ -272,6 +277,40 @@ class Index:
             txn.delete(key, db=self._entries)
         self._set_total(txn, total)
         return checked
+
+    # --- the recent-prompt ring, persisted so that `auto` survives a restart ----------------
+
+    def ring_push(self, tenant: str, ids: Sequence[int], capacity: int) -> None:
+        """Append a prompt (its tenant id and token ids); keep only the newest `capacity`."""
+        t = tenant.encode()
+        value = _LEN.pack(len(t)) + t + pack_ids(ids)
+
+        def push(txn: lmdb.Transaction) -> None:
+            cur = txn.cursor(db=self._ring)
+            seq = _RING_SEQ.unpack(cur.key())[0] + 1 if cur.last() else 0
+            txn.put(_RING_SEQ.pack(seq), value, db=self._ring)
+            excess = int(txn.stat(self._ring)["entries"]) - capacity
+            if excess > 0 and cur.first():
+                for _ in range(excess):
+                    cur.delete()
+
+        self._write(push)
+
+    def ring_load(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The persisted prompts, oldest first."""
+
+        def scan(txn: lmdb.Transaction) -> list[tuple[str, tuple[int, ...]]]:
+            out = []
+            for _, value in txn.cursor(db=self._ring):
+                (n,) = _LEN.unpack_from(value)
+                ids = array("i")
+                ids.frombytes(bytes(value[_LEN.size + n:]))
+                if sys.byteorder == "big":
+                    ids.byteswap()
+                out.append((bytes(value[_LEN.size:_LEN.size + n]).decode(), tuple(ids)))
+            return out
+
+        return self._read(scan)
 
     # --- plumbing --------------------------------------------------------------------------
 

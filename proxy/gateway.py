@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import xxhash
 
 from backend import keys
 from backend.index import Entry, Index
@@ -50,6 +51,13 @@ from proxy.tools import apply as tool_prompt
 from proxy.workers import Pool, Worker
 
 log = logging.getLogger("prefixgate")
+
+RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
+
+
+def tenant_id(api_key: str) -> str:
+    """What identifies a tenant in keys, the ring and the index: a hash, never the key itself."""
+    return xxhash.xxh3_128_hexdigest(b"prefixgate-tenant\0" + api_key.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +129,17 @@ class Gateway:
         self.pool = pool
         self.index = index
         self.metrics = metrics
-        self.ring = Ring(256)
+        self.ring = Ring(RING_CAPACITY)
+        if index is not None:  # the ring survives restarts, so `auto` does too
+            for tenant, ids in index.ring_load():
+                self.ring.push(tenant, ids)
         self.normalizer = Normalizer(cfg.volatile_patterns)
         self.knobs = CacheKnobs(cfg.kv_cache_min_tokens, cfg.kv_cache_cold_max_tokens,
                                 cfg.kv_cache_continued_interval_tokens)
         self.default_scope = parse_scope(cfg.disk_prefix_cache)
         self._model_salt = model_salt
         self._salts: dict[str, bytes] = {}
+        self.fingerprint = keys.fingerprint(self.salt(""))
         self._background: set[asyncio.Task[None]] = set()
         self.n_ctx = cfg.n_ctx
 
@@ -221,7 +233,7 @@ class Gateway:
 
     async def start(self, prep: Prepared) -> Run:
         ids = prep.rendered.ids
-        tenant = prep.req.tenant if self.cfg.tenant_isolation else ""
+        tenant = tenant_id(prep.req.tenant) if self.cfg.tenant_isolation else ""
         keyed, d = self._lookup(ids, prep.rendered.boundaries, prep.scope, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
         worker = await self.pool.acquire(list(ids), d.disk_n, tenant)
@@ -231,6 +243,9 @@ class Gateway:
             self._plan(prep, keyed, d, tenant)
             if prep.scope.kind != "off":
                 self.ring.push(tenant, ids)
+                if self.index is not None:
+                    self.spawn(asyncio.to_thread(self.index.ring_push, tenant, ids,
+                                                 RING_CAPACITY))
             plan = {
                 "ids": list(ids),
                 "restore": ({"file": d.disk_entry.file, "n_tokens": d.disk_n}
@@ -271,7 +286,7 @@ class Gateway:
         self.index.put(key, Entry(
             n_tokens=ev["n_tokens"], file=ev["file"], size_bytes=ev["size_bytes"],
             checksum=ev["checksum"], reason=reason, created_s=now, last_used_s=now, hits=0,
-            fingerprint=b"", tenant=tenant, prefix_of=prefix_of))
+            fingerprint=self.fingerprint, tenant=tenant, prefix_of=prefix_of))
         self.metrics.saves.labels(reason, "ok").inc()
         self.metrics.save_seconds.observe(ev["save_s"])
         self.evict(protect=key)
@@ -433,7 +448,8 @@ class Run:
             m.cached_tokens.labels(u.source).inc(u.cached_tokens)
         m.prefilled_tokens.inc(u.prompt_tokens - u.cached_tokens)
         m.generated_tokens.inc(u.completion_tokens)
-        m.lookups.labels(self.d.lookup).inc() if self.d.lookup != "off" else None
+        if self.d.lookup != "off":
+            m.lookups.labels(self.d.lookup).inc()
         m.prefill_seconds.observe(self.timings.get("prefill_s", 0.0))
         if self.ttft_s is not None:
             m.ttft_seconds.labels(api).observe(self.ttft_s)

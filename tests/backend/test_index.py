@@ -274,3 +274,14 @@ def test_writer_killed_before_rename_keeps_the_old_file_and_drops_a_premature_en
     assert temps_in(tmp_path) == []
     assert index.entries() == [(old_key, old)]
     assert read_state_file(tmp_path / old.file, FP, IDS)[0] == 20  # the old file is intact
+
+
+def test_ring_persists_newest_capacity_in_order(tmp_path: Path) -> None:
+    with Index(tmp_path) as index:
+        for i in range(7):
+            index.ring_push("t" if i % 2 else "", list(range(i, i + 5)), capacity=4)
+    with Index(tmp_path) as index:  # reopened: what a restarted proxy sees
+        ring = index.ring_load()
+    # the 4 newest, oldest first, with their tenants and exact ids
+    assert ring == [("t", (3, 4, 5, 6, 7)), ("", (4, 5, 6, 7, 8)), ("t", (5, 6, 7, 8, 9)),
+                    ("", (6, 7, 8, 9, 10))]

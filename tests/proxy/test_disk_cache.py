@@ -178,3 +178,17 @@ def test_per_request_scope_override_and_invalid_scope(tmp_path: Path) -> None:
         with pytest.raises(openai.BadRequestError) as exc:
             ask(srv, msgs, extra_body={"prefix_cache": {"scope": "half"}})
         assert "auto:N" in str(exc.value)
+
+
+def test_auto_survives_a_restart_every_turn(tmp_path: Path) -> None:
+    """Only the disk helps when proxy and workers restart between turns; the ring is persisted
+    too, so `auto` still finds the stable prefix the turns share."""
+    cache = tmp_path / "cache"
+    seen = []
+    for i, q in enumerate(("Tail one: rule 2?", "Tail two: rule 4?", "Tail three: rule 6?")):
+        with running(tmp_path / f"run{i}", "--workers", "1", "--kv-cache-min-tokens", "32",
+                     cache_dir=cache) as srv:
+            seen.append(ask(srv, convo(q, history=2)))
+    assert seen[0]["cached"] == 0
+    assert seen[2]["source"] == "disk"
+    assert seen[2]["cached"] >= seen[2]["prompt"] - 40, "the whole stable prefix, not the anchor"
