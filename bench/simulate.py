@@ -136,7 +136,7 @@ class Simulator:
         if scope.kind != "off":
             gw.ring.push(_TENANT, ids)
         # the worker: restore when the entry beats the live prefix; keep at most `last`
-        last = min(max(n - 2, 0), getattr(d, "keep_max", n))
+        last = min(max(n - 2, 0), d.keep_max)
         restored = d.disk_entry is not None and d.disk_n > d.live_n
         cached = min(d.disk_n if restored else d.live_n, last)
         saves = tuple((int(s["n_tokens"]), str(s["reason"])) for s in d.saves
