@@ -24,6 +24,14 @@ from proxy.tokenizer import load_tokenizer
 UNBOUNDED_CTX = 1 << 30
 
 
+def model_salt(cfg: Config) -> dict[str, Any]:
+    """The salt fields `proxy.app.lifecycle` gives the gateway."""
+    import llama_cpp
+
+    return {"model_path": cfg.model_path, "n_ctx": cfg.n_ctx, "type_k": "f16", "type_v": "f16",
+            "flash_attn": cfg.flash_attn, "lib_version": llama_cpp.__version__}
+
+
 class PromptBuilder:
     def __init__(self, cfg: Config | None = None, model: str = "") -> None:
         cfg = cfg or Config()
@@ -39,7 +47,7 @@ class PromptBuilder:
         self.tok = tok
         self.template = template
         self.gateway = Gateway(self.cfg, template, tok, None, None,  # type: ignore[arg-type]
-                               Metrics(), {})
+                               Metrics(), model_salt(self.cfg))
 
     def prepare(self, body: dict[str, Any]) -> Prepared:
         return self.gateway.prepare(openai_api.parse_chat(body, ""))

@@ -122,11 +122,18 @@ class Settings:
     code_root: Path = ROOT  # where the proxy's packages are imported from
 
 
-def snapshot_code(dest: Path) -> Path:
+def snapshot_code(dest: Path, source: str = "worktree") -> Path:
     """A copy of the proxy's packages, so that every (re)start in a long run runs the same code
-    even while the checkout changes."""
-    for pkg in ("proxy", "backend", "policies"):
-        shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    even while the checkout changes: the working tree's, or a commit's (`source` = a rev)."""
+    pkgs = ("proxy", "backend", "policies")
+    if source == "worktree":
+        for pkg in pkgs:
+            shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        return dest
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", source, *pkgs], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
 
 
@@ -455,8 +462,11 @@ def environment(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
                 break
     import llama_cpp
 
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": git("rev-parse", "HEAD"),
-            "uncommitted": git("status", "--porcelain", "--untracked-files=no").splitlines(),
+    worktree = args.code == "worktree"
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "commit": git("rev-parse", "HEAD" if worktree else args.code),
+            "uncommitted": git("status", "--porcelain", "--untracked-files=no").splitlines()
+            if worktree else [],
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {cpu}",
             "python": platform.python_version(), "llama_cpp_python": llama_cpp.__version__,
             "model": Path(settings.model).name, "n_ctx": settings.n_ctx,
@@ -486,7 +496,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
                  for a in arms if a.server == "prefixgate"}
     load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="prefixgate-bench-"))
-    settings.code_root = snapshot_code(work / "code")
+    settings.code_root = snapshot_code(work / "code", args.code)
     print(f"{len(bodies)} turns, {oracle.total_prompt} prompt tokens, oracle "
           f"{oracle.total_fresh} fresh; arms {', '.join(a.name for a in arms)}; work dir {work}",
           file=sys.stderr)
@@ -684,6 +694,8 @@ def main(argv: list[str] | None = None) -> None:
                    "were cut)")
     p.add_argument("--time-budget-min", type=float, default=0.0,
                    help="start no new turn after this many minutes; report the turns done")
+    p.add_argument("--code", default="worktree", help="the proxy code the servers run: "
+                   "worktree (default) or a git rev such as HEAD")
     p.add_argument("--keep-work", action="store_true", help="keep cache dirs and server logs")
     args = p.parse_args(argv)
     res = replay(args)

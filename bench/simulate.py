@@ -14,10 +14,10 @@ succeeds and nothing is evicted (the default budget is 20 GiB).
 Modes (what survives between two requests):
 
 - `restart` (the default, pessimistic): proxy and worker restart before every request, so only
-  the disk cache survives; the ring of recent prompts (in memory) and the live KV are lost.
-- `live`: one long-lived proxy with one worker: live reuse of the previous prompt, the ring kept.
-- `disk`: the proxy stays up (the ring is kept) but the live KV never helps (e.g. other sessions
-  took the worker in between); equally what `restart` would give if the ring were persisted.
+  what is on disk survives: the index, the state files and the ring of recent prompts (persisted
+  in the index); the live KV is lost.
+- `live`: one long-lived proxy with one worker: the worker's live KV holds the previous
+  request's prompt (interleaved sessions take it from each other).
 
 Per policy and mode: requests, hits (requests with any cached token) and disk hits, tokens cached
 per hit, hit rate, cached and fresh tokens, the mean per-turn hit ratio, the oracle's fresh tokens
@@ -41,11 +41,11 @@ from policies.plan import CacheKnobs
 from policies.prefix import common_prefix_len
 from policies.scope import format_scope, parse_scope
 from proxy.config import Config
-from proxy.gateway import Gateway, Prepared
+from proxy.gateway import RING_CAPACITY, Gateway, Prepared
 from proxy.metrics import Metrics
 from proxy.template import Rendered
 
-MODES = ("restart", "live", "disk")
+MODES = ("restart", "live")
 DEFAULT_POLICIES = "auto:2,auto:8,auto:30,full,1000"
 _SALT = bytes(16)  # the simulator's keys only need to tell token prefixes apart
 _TENANT = ""
@@ -75,10 +75,11 @@ class SimTurn:
 
 
 class MemoryIndex:
-    """The two reads the gateway's decide step makes of `backend.index.Index`, in memory."""
+    """What the gateway's decide step uses of `backend.index.Index`, in memory."""
 
     def __init__(self) -> None:
         self.entries: dict[keys.CacheKey, Entry] = {}
+        self.ring: list[tuple[str, tuple[int, ...]]] = []  # oldest first, as Index keeps it
 
     def get(self, key: keys.CacheKey) -> Entry | None:
         return self.entries.get(key)
@@ -90,6 +91,13 @@ class MemoryIndex:
             if e is not None and e.n_tokens == pos:  # the exactness invariant, as Index checks
                 return pos, keys_by_pos[pos], e
         return None
+
+    def ring_push(self, tenant: str, ids: Sequence[int], capacity: int) -> None:
+        self.ring.append((tenant, tuple(ids)))
+        del self.ring[:-capacity]
+
+    def ring_load(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(self.ring)
 
     def put(self, key: keys.CacheKey, n_tokens: int, reason: str) -> None:
         self.entries[key] = Entry(n_tokens=n_tokens, file="", size_bytes=0, checksum=0,
@@ -121,7 +129,8 @@ class Simulator:
                         Metrics(), {})
 
     def restart(self) -> None:
-        """The proxy and worker processes restart: the ring and the live KV are gone."""
+        """The proxy and worker processes restart: the live KV is gone; the new gateway reads
+        the ring back from the index."""
         self.gw = self._gateway()
         self.live_ids = ()
 
@@ -133,8 +142,9 @@ class Simulator:
         keyed, d = gw._lookup(ids, p.boundaries, scope, _TENANT)
         d.live_n = common_prefix_len(self.live_ids, ids) if live else 0
         gw._plan(prep, keyed, d, _TENANT)
-        if scope.kind != "off":
+        if scope.kind != "off":  # as Gateway.start: the ring, and its persisted copy
             gw.ring.push(_TENANT, ids)
+            self.index.ring_push(_TENANT, ids, RING_CAPACITY)
         # the worker: restore when the entry beats the live prefix; keep at most `last`
         last = min(max(n - 2, 0), d.keep_max)
         restored = d.disk_entry is not None and d.disk_n > d.live_n
@@ -269,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated scopes (default {DEFAULT_POLICIES})")
     p.add_argument("--modes", default="restart,live",
-                   help="comma-separated of restart (pessimistic default), live, disk")
+                   help="comma-separated of restart (the pessimistic default) and live")
     p.add_argument("--turns", type=int, default=None, help="the first N rows only")
     p.add_argument("--format", default="auto", choices=["auto", "anthropic", "openai"])
     p.add_argument("--tool-blocks", default="openai", choices=["openai", "text"])
@@ -298,8 +308,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{oracle.mean_hit_ratio:.1%}\nknobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
             "tokens; one worker; no eviction. mode restart = proxy and worker restarted before "
-            "every request (ring and live KV lost, the pessimistic default); live = one "
-            "long-lived proxy; disk = ring kept, no live reuse.")
+            "every request, only the disk (index, state files, persisted ring) survives: the "
+            "pessimistic default; live = one long-lived proxy and worker.")
     table = markdown_table(rows)
     print(head + "\n\n" + table)
     if a.out:

@@ -64,10 +64,11 @@ def test_the_conversation_is_append_only() -> None:
 
 CASES = [
     # mode, policy, cached per turn, sources, saves per turn
-    # restart, auto:30: the ring is lost at every restart, so auto never finds a shared prefix;
-    # only the cold anchor (10) saved by the first prefill is ever restored
-    ("restart", "auto:30", [0, 10, 10, 10], "nddd",
-     [((10, "cold"),), (), (), ()]),
+    # restart, auto:30: the ring is read back from the index after each restart; a turn stores
+    # what it shares with the turn before, so each restore is one turn behind: the cold anchor
+    # (10), then 16, then 26
+    ("restart", "auto:30", [0, 10, 16, 26], "nddd",
+     [((10, "cold"),), ((16, "scoped"),), ((26, "scoped"),), ((36, "scoped"),)]),
     # restart, full: the whole prompt is saved each turn and is the next prompt's header end
     ("restart", "full", [0, 16, 26, 36], "nddd",
      [((10, "cold"), (16, "full")), ((26, "full"),), ((36, "full"),), ((46, "full"),)]),
@@ -83,10 +84,6 @@ CASES = [
      [((10, "cold"),), ((16, "scoped"),), ((26, "scoped"),), ((36, "scoped"),)]),
     # live, off: live reuse only
     ("live", "off", [0, 16, 26, 36], "nlll", [(), (), (), ()]),
-    # disk (ring kept, no live KV), auto:30: a turn stores what it shares with the turn before,
-    # so each restore is one turn behind: 10 (anchor), then 16, then 26
-    ("disk", "auto:30", [0, 10, 16, 26], "nddd",
-     [((10, "cold"),), ((16, "scoped"),), ((26, "scoped"),), ((36, "scoped"),)]),
 ]
 
 
@@ -105,11 +102,12 @@ def test_summary_numbers() -> None:
     auto = simulate(PROMPTS, "auto:30", "restart", KNOBS).summary(oracle)
     assert auto | {"mean_hit_ratio": 0, "oracle_mean_hit_ratio": 0} == {
         "policy": "auto:30", "mode": "restart", "requests": 4, "hits": 3, "disk_hits": 3,
-        "hit_rate": 0.75, "tokens_cached_per_hit": 10.0, "prompt_tokens": 124,
-        "cached_tokens": 30, "fresh_tokens": 94, "token_hit_ratio": 30 / 124,
-        "mean_hit_ratio": 0, "saves": 1, "snapshot_tokens": 10,
-        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 48, "oracle_mean_hit_ratio": 0}
-    assert auto["mean_hit_ratio"] == pytest.approx((0 + 10 / 26 + 10 / 36 + 10 / 46) / 4)
+        "hit_rate": 0.75, "tokens_cached_per_hit": 52 / 3, "prompt_tokens": 124,
+        "cached_tokens": 52, "fresh_tokens": 72, "token_hit_ratio": 52 / 124,
+        "mean_hit_ratio": 0, "saves": 4, "snapshot_tokens": 10 + 16 + 26 + 36,
+        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 26, "oracle_mean_hit_ratio": 0}
+    assert auto["mean_hit_ratio"] == pytest.approx((0 + 10 / 26 + 16 / 36 + 26 / 46) / 4)
+    assert auto["oracle_mean_hit_ratio"] == pytest.approx((0 + 16 / 26 + 26 / 36 + 36 / 46) / 4)
     full = simulate(PROMPTS, "full", "restart", KNOBS).summary(oracle)
     assert (full["fresh_tokens"], full["excess_over_oracle_tokens"]) == (46, 0)
     assert (full["saves"], full["snapshot_tokens"]) == (5, 10 + 16 + 26 + 36 + 46)
@@ -139,7 +137,7 @@ def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-u
         if k:
             messages.append({"role": "assistant", "content": f"Placeholder answer {k}."})
         messages.append({"role": "user", "content": f"Question number {k}: what is in src?"})
-        rows.append({"system": "You are terse. " * 40, "messages": list(messages),
+        rows.append({"system": "You are terse. " * 100, "messages": list(messages),
                      "max_tokens": 8})
     trace = tmp_path / "tiny.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -151,9 +149,9 @@ def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-u
     # append-only: the oracle prefills the first prompt and each turn's growth; full matches it
     assert by["full"]["fresh_tokens"] == out["oracle"]["fresh_tokens"]
     assert by["full"]["excess_over_oracle_tokens"] == 0
-    # auto after every restart: only the cold anchor (system prompt) is ever restored
+    # auto after every restart: turn 2 restores the cold anchor (the system prompt), turn 3 the
+    # scoped prefix turn 2 shared with turn 1 (turn 1's whole prompt)
     assert by["auto:30"]["disk_hits"] == 2
-    anchor = by["auto:30"]["tokens_cached_per_hit"]
-    assert by["auto:30"]["fresh_tokens"] == out["oracle"]["prompt_tokens"] - 2 * anchor
+    assert by["auto:30"]["saves"] == 3  # cold anchor, then one scoped boundary per turn
     assert "| auto:30 | restart |" in capsys.readouterr().out
     assert (tmp_path / "simulate-tiny.md").exists()
