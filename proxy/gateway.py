@@ -214,7 +214,7 @@ class Gateway:
         # partial: a shorter entry, e.g. only the anchor
         target = d.boundary or max((p for p, _ in prep.rendered.message_starts), default=n)
         d.lookup = "miss" if d.disk_n == 0 else "hit" if d.disk_n >= target else "partial"
-        if self.cfg.debug_trace and d.disk_n == 0 and d.live_n == 0:
+        if self.cfg.debug_trace and d.disk_n == 0:
             self._trace_miss(ids, tenant)
 
     def _trace_miss(self, ids: tuple[int, ...], tenant: str) -> None:
