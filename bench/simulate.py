@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--continued-interval-tokens", type=int,
                    default=d.kv_cache_continued_interval_tokens)
     p.add_argument("--out", default="", help="directory for simulate-<trace>.json and .md")
+    p.add_argument("--note", default="", help="a line for the markdown (e.g. how the trace "
+                   "was made)")
     a = p.parse_args(argv)
     policies = [s.strip() for s in a.policies.split(",") if s.strip()]
     modes = [s.strip() for s in a.modes.split(",") if s.strip()]
@@ -316,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"simulate-{Path(a.trace).stem}"
-        (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(a.trace).name}\n\n"
+        note = f"{a.note}\n\n" if a.note else ""
+        (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(a.trace).name}\n\n" + note
                                          + head.replace("\n", "\n\n") + "\n\n" + table + "\n")
         (out / f"{stem}.json").write_text(json.dumps({
             "trace": Path(a.trace).name, "requests": len(prompts),
