@@ -74,3 +74,27 @@ synth: $(STAMP)
 
 overhead: $(BENCH_STAMP)
 	$(BIN)/python -m bench.overhead
+
+# --- real agent clients end to end (issue 4): each installs its client under build/e2e/, then
+# runs tests/e2e against a fresh prefixgate (n_ctx 65536). A cold agent prompt (12K-20K tokens)
+# takes minutes to prefill on a CPU; the second session must reuse >= 90% of it.
+E2E            := build/e2e
+CLAUDE_CODE_VERSION ?= 2.1.197
+HERMES_VERSION ?= 0.19.0
+.PHONY: e2e e2e-claude e2e-hermes
+
+$(E2E)/claude/node_modules/.bin/claude:
+	npm install --prefix $(E2E)/claude --no-audit --no-fund \
+		@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+
+$(E2E)/hermes/bin/hermes:
+	$(PYTHON) -m venv $(E2E)/hermes
+	$(E2E)/hermes/bin/pip install -q hermes-agent==$(HERMES_VERSION)
+
+e2e-claude: $(STAMP) $(E2E)/claude/node_modules/.bin/claude
+	$(BIN)/python -m pytest -q -s -m e2e tests/e2e -k claude
+
+e2e-hermes: $(STAMP) $(E2E)/hermes/bin/hermes
+	$(BIN)/python -m pytest -q -s -m e2e tests/e2e -k hermes
+
+e2e: e2e-claude e2e-hermes

@@ -1,0 +1,189 @@
+"""Real agent clients end to end: Claude Code (`claude -p`) and Hermes (`hermes -z`) against a
+real prefixgate on the default model. `make e2e-claude` and `make e2e-hermes` install the
+client into build/e2e/ and run these (marker `e2e`, outside the default run).
+
+Each test starts prefixgate (one worker, n_ctx 65536, a fresh cache), runs the same one-shot
+task twice in two new sessions, and checks: exit status 0, a reply printed, no protocol error
+in the client's output or prefixgate's log; the second session's first request reuses at least
+90% of its prompt (prefixgate's log line and the usage fields agree) and its time to first
+token is a small fraction of the first's.
+
+Both clients are kept off the network: no telemetry, no update checks, no nonessential traffic.
+Their stream watchdogs are widened: a cold prefill of a 12K-20K token agent prompt takes minutes
+on a CPU, while Claude Code aborts a stream after 300 s without a content event (pings do not
+count) and Hermes after 900 s against a local endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Server, running
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+N_CTX = 65536
+E2E = ROOT / "build" / "e2e"
+CLAUDE = Path(os.environ.get("PREFIXGATE_E2E_CLAUDE",
+                             E2E / "claude" / "node_modules" / ".bin" / "claude"))
+HERMES = Path(os.environ.get("PREFIXGATE_E2E_HERMES", E2E / "hermes" / "bin" / "hermes"))
+TASK = "Reply with one short sentence: what is a reverse proxy?"
+RUN_TIMEOUT_S = 3600
+BIG_PROMPT = 4000  # the agent's main requests; side requests (titles, probes) are smaller
+
+LINE = re.compile(r" (?P<api>anthropic|openai) prompt=(?P<prompt>\d+) cached=(?P<cached>\d+) "
+                  r"source=(?P<source>\w+) .*?ttft_s=(?P<ttft>[\d.]+) gen=(?P<gen>\d+)")
+PROTOCOL_ERRORS = ("rejected", "Traceback", "stream failed", "Error handling request")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    api: str
+    prompt: int
+    cached: int
+    source: str
+    ttft_s: float
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    rc: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    requests: list[Request]
+    log: str  # prefixgate's log lines written during the session
+
+    @property
+    def main(self) -> Request:
+        big = [r for r in self.requests if r.prompt >= BIG_PROMPT]
+        assert big, f"no agent-sized request in this session: {self.requests}"
+        return big[0]
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running(tmp_path_factory.mktemp("gate"), "--workers", "1", "--n-ctx", str(N_CTX),
+                 timeout_s=600) as srv:
+        yield srv
+
+
+def session(gate: Server, cmd: list[str], env: dict[str, str], cwd: Path) -> Session:
+    mark = len(gate.log())
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    time.sleep(0.5)  # the request's log line follows its last byte
+    log = gate.log()[mark:]
+    reqs = [Request(m["api"], int(m["prompt"]), int(m["cached"]), m["source"],
+                    float(m["ttft"]), int(m["gen"])) for m in LINE.finditer(log)]
+    return Session(p.returncode, p.stdout, p.stderr, wall, reqs, log)
+
+
+def check_two_sessions(name: str, first: Session, second: Session) -> dict:
+    for s in (first, second):
+        assert s.rc == 0, f"exit {s.rc}\nstdout: {s.stdout[-2000:]}\nstderr: {s.stderr[-2000:]}"
+        assert not [e for e in PROTOCOL_ERRORS if e in s.log], s.log[-4000:]
+    a, b = first.main, second.main
+    report = {"client": name, "first": asdict(a), "second": asdict(b),
+              "second_reused": b.cached / b.prompt, "ttft_ratio": b.ttft_s / a.ttft_s,
+              "wall_s": [first.wall_s, second.wall_s],
+              "requests": [[asdict(r) for r in s.requests] for s in (first, second)]}
+    E2E.mkdir(parents=True, exist_ok=True)
+    (E2E / f"report-{name}.json").write_text(json.dumps(report, indent=2))
+    print(f"\n{name}: " + json.dumps({k: v for k, v in report.items() if k != "requests"}))
+    assert b.cached >= 0.9 * b.prompt, report
+    assert b.ttft_s <= 0.25 * a.ttft_s, report
+    return report
+
+
+# --- Claude Code ---------------------------------------------------------------------------
+
+
+def claude_env(gate: Server, home: Path) -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+        "ANTHROPIC_BASE_URL": gate.url, "ANTHROPIC_AUTH_TOKEN": "local",
+        "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL, "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+        "API_TIMEOUT_MS": str(RUN_TIMEOUT_S * 1000),
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(RUN_TIMEOUT_S * 1000),
+    }
+
+
+def test_claude_code(gate: Server, tmp_path: Path) -> None:
+    if not CLAUDE.exists():
+        pytest.skip(f"Claude Code is not installed at {CLAUDE}: run `make e2e-claude`")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = claude_env(gate, home)
+    cmd = [str(CLAUDE), "-p", TASK, "--output-format", "json", "--max-turns", "3"]
+    runs = [session(gate, cmd, env, work) for _ in range(2)]
+    for s in runs:
+        out = json.loads(s.stdout)
+        assert out["is_error"] is False and out["result"], s.stdout
+        assert out["session_id"]
+        assert all(r.api == "anthropic" for r in s.requests)
+    assert json.loads(runs[0].stdout)["session_id"] != json.loads(runs[1].stdout)["session_id"]
+    check_two_sessions("claude", *runs)
+
+
+# --- Hermes --------------------------------------------------------------------------------
+
+
+HERMES_CONFIG = """\
+model:
+  provider: custom
+  default: {model}
+  base_url: {url}/v1
+  api_key: local
+  context_length: {n_ctx}
+agent:
+  local_stream_stale_timeout: {stale_s}
+"""
+
+
+def hermes_env(home: Path) -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+        "HERMES_HOME": str(home / ".hermes"), "HERMES_ACCEPT_HOOKS": "1",
+        "HERMES_LOCAL_STREAM_STALE_TIMEOUT": str(RUN_TIMEOUT_S),
+        "HERMES_API_TIMEOUT": str(RUN_TIMEOUT_S),
+        "NO_COLOR": "1",
+    }
+
+
+def test_hermes(gate: Server, tmp_path: Path) -> None:
+    if not HERMES.exists():
+        pytest.skip(f"Hermes is not installed at {HERMES}: run `make e2e-hermes`")
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".hermes").mkdir(parents=True)
+    work.mkdir()
+    (home / ".hermes" / "config.yaml").write_text(HERMES_CONFIG.format(
+        model=MODEL, url=gate.url, n_ctx=N_CTX, stale_s=RUN_TIMEOUT_S))
+    env = hermes_env(home)
+    runs = []
+    for i in range(2):
+        usage = tmp_path / f"usage-{i}.json"
+        runs.append(session(gate, [str(HERMES), "-z", TASK, "--usage-file", str(usage)], env,
+                            work))
+        assert runs[-1].stdout.strip(), runs[-1].stderr[-2000:]
+        assert all(r.api == "openai" for r in runs[-1].requests)
+    check_two_sessions("hermes", *runs)
