@@ -497,6 +497,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="prefixgate-bench-"))
     settings.code_root = snapshot_code(work / "code", args.code)
+    env = environment(args, settings)  # the commit the snapshot was taken from
     print(f"{len(bodies)} turns, {oracle.total_prompt} prompt tokens, oracle "
           f"{oracle.total_fresh} fresh; arms {', '.join(a.name for a in arms)}; work dir {work}",
           file=sys.stderr)
@@ -545,7 +546,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     add_peer_ratios(summaries)
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
-    env = environment(args, settings)
+    env["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")  # the end of the run
     env["load_avg_at_start"] = load_at_start
     env["load_avg_at_end"] = os.getloadavg()
     return {"trace": Path(args.trace).name, "turns": n_done, "trace_rows": len(bodies),
@@ -565,6 +566,10 @@ def _ratio(s: dict[str, Any], key: str) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
 
+def _short(commit: str) -> str:
+    return commit[:12] if re.fullmatch(r"[0-9a-f]{40}", commit) else commit
+
+
 def markdown(res: dict[str, Any], note: str = "") -> str:
     env = res["environment"]
     o = res["oracle"]
@@ -578,7 +583,7 @@ def markdown(res: dict[str, Any], note: str = "") -> str:
         f"Machine: {env['machine']}; model {env['model']}, n_ctx {env['n_ctx']}, "
         f"{env['threads']} threads, max_tokens {env['max_tokens']}, tool_choice "
         f"{env['tool_choice']}; llama-cpp-python {env['llama_cpp_python']}; commit "
-        f"{env['commit'][:12]}{' plus uncommitted changes' if env['uncommitted'] else ''}; "
+        f"{_short(env['commit'])}{' plus uncommitted changes' if env['uncommitted'] else ''}; "
         f"{env['date']}; total {res['total_wall_s'] / 60:.0f} min. Arms ran side by side "
         "(each turn sent to every arm in rotation), so machine noise hits all arms alike; "
         "times are noisy on a shared 2-core machine, compare the ratios.",
@@ -591,6 +596,8 @@ def markdown(res: dict[str, Any], note: str = "") -> str:
         lines += ["", f"Load average (1, 5, 15 min) at the start {tuple(round(x, 1) for x in la0)}"
                   f", at the end {tuple(round(x, 1) for x in la1)}, on {os.cpu_count()} cores: "
                   "other people's tests shared the machine."]
+    if res.get("command"):
+        lines += ["", f"Command: `{res['command']}`"]
     if note:
         lines += ["", note]
     lines += [
@@ -697,8 +704,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--code", default="worktree", help="the proxy code the servers run: "
                    "worktree (default) or a git rev such as HEAD")
     p.add_argument("--keep-work", action="store_true", help="keep cache dirs and server logs")
+    p.add_argument("--from-json", default="", help="only rewrite the markdown and the plot "
+                   "from an earlier run's JSON")
     args = p.parse_args(argv)
-    res = replay(args)
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+    else:
+        res = replay(args)
+        res["command"] = "python -m bench.replay " + " ".join(
+            sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"replay-{Path(args.trace).stem}"
