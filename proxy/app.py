@@ -169,7 +169,7 @@ async def props(request: web.Request) -> web.Response:
     return web.json_response({
         "server": "prefixgate",
         "model": request.app[MODEL_ID], "model_path": cfg.model_path,
-        "n_ctx": cfg.n_ctx, "workers": cfg.workers,
+        "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
         "default_generation_settings": {"n_ctx": cfg.n_ctx},
         "cache": {
             "policy": cfg.disk_prefix_cache, "dir": str(cfg.cache_path),
@@ -237,7 +237,13 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[METRICS].cache_budget_bytes.set(cfg.cache_max_bytes)
     if index is not None:
         gw.evict()
-    await pool.start()
+    try:
+        await pool.start()
+    except BaseException:
+        await pool.close()
+        if index is not None:
+            index.close()
+        raise
     log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s), n_ctx %d, "
              "disk cache %s, tokenizer %s (%.1f s)", cfg.host, cfg.port, app[MODEL_ID],
              len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache, tok.kind,

@@ -385,9 +385,14 @@ class Run:
 
     async def pieces(self) -> AsyncIterator[str]:
         """Generated text; ends at `done`. Saves are committed in the background after."""
+        outcome = "cancelled"  # the consumer stopped early: the client went away
         try:
             while True:
-                ev = await self._next()
+                try:
+                    ev = await self._next()
+                except WorkerFailed:
+                    outcome = "error"
+                    raise
                 kind = ev["event"]
                 if kind == "token":
                     if self.ttft_s is None:
@@ -403,10 +408,11 @@ class Run:
                     self._on_done(ev)
                     return
                 elif kind == "error":
+                    outcome = "error"
                     raise WorkerFailed(f"worker {self.worker.worker_id}: {ev['message']}")
         finally:
             if not self._done:
-                await self.aclose()
+                await self.aclose(outcome)
 
     async def text(self) -> str:
         return "".join([p async for p in self.pieces()])
@@ -475,15 +481,16 @@ class Run:
             except Exception:  # closing a failed stream
                 pass
 
-    async def aclose(self) -> None:
-        """Abandon the run (client gone or error): the worker stops at its next token."""
+    async def aclose(self, outcome: str = "cancelled") -> None:
+        """Abandon the run (client gone: "cancelled"; worker failed: "error"); the worker stops
+        at its next token."""
         if self._released:
             return
         self._released = True
         await self._close_stream()
-        self.gw.metrics.requests.labels(self.prep.req.api, "cancelled").inc()
-        log.info("%s prompt=%d cached=%d source=%s cancelled worker=%d", self.prep.req.api,
-                 self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.source,
+        self.gw.metrics.requests.labels(self.prep.req.api, outcome).inc()
+        log.info("%s prompt=%d cached=%d source=%s %s worker=%d", self.prep.req.api,
+                 self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.source, outcome,
                  self.worker.worker_id)
         await self.gw.pool.release(self.worker, list(self.prep.rendered.ids[
             : self.usage.cached_tokens]), self.tenant)
