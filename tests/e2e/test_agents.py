@@ -176,6 +176,28 @@ def hermes_env(home: Path) -> dict[str, str]:
     }
 
 
+PROBE = """\
+import sys
+from agent.model_metadata import detect_local_server_type, get_model_context_length
+url, model = sys.argv[1], sys.argv[2]
+print(detect_local_server_type(url, api_key="local"))
+print(get_model_context_length(model, base_url=url, api_key="local", provider="custom"))
+"""
+
+
+def test_hermes_probes_find_the_real_context(gate: Server, tmp_path: Path) -> None:
+    """Hermes's own discovery code, without a context_length in its config."""
+    if not HERMES.exists():
+        pytest.skip(f"Hermes is not installed at {HERMES}: run `make e2e-hermes`")
+    (tmp_path / ".hermes").mkdir()
+    p = subprocess.run([str(HERMES.parent / "python"), "-c", PROBE, gate.url + "/v1", MODEL],
+                       env=hermes_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    kind, n_ctx = p.stdout.split()
+    assert kind == "llamacpp"  # it does behave like one: OpenAI API, /props with n_ctx
+    assert int(n_ctx) == N_CTX
+
+
 def test_hermes(gate: Server, tmp_path: Path) -> None:
     if not HERMES.exists():
         pytest.skip(f"Hermes is not installed at {HERMES}: run `make e2e-hermes`")
