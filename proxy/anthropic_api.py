@@ -92,7 +92,7 @@ def _text_blocks(raw: Any, where: str) -> str:
         if kind == "text" and isinstance(b.get("text"), str):
             parts.append(b["text"])
         elif kind in _MEDIA:
-            raise BadRequest(f"{where}[{j}] is an {kind} block: this model takes text only; "
+            raise BadRequest(f"{where}[{j}] is an {kind!r} block: this model takes text only; "
                              "send text blocks", param=where)
         else:
             raise BadRequest(f"{where}[{j}] must be a text block ({{\"type\": \"text\", "
@@ -111,7 +111,7 @@ def _blocks(content: Any, i: int) -> list[dict[str, Any]]:
             raise BadRequest(f"{_where(i, j)} must be an object with a 'type'",
                              param=_where(i, j))
         if b["type"] in _MEDIA:
-            raise BadRequest(f"{_where(i, j)} is an {b['type']} block: this model takes text "
+            raise BadRequest(f"{_where(i, j)} is an {b['type']!r} block: this model takes text "
                              "only; send text blocks", param=_where(i, j))
     return content
 

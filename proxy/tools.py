@@ -82,7 +82,7 @@ def parse_choice(raw: Any, tools: tuple[dict[str, Any], ...], param: str = "tool
 
 def check_choice(choice: Any, tools: tuple[dict[str, Any], ...], param: str) -> Any:
     names = tool_names(tools)
-    if choice in ("required",) or isinstance(choice, dict):
+    if choice == "required" or isinstance(choice, dict):
         if not tools:
             raise BadRequest(f"'{param}' forces a tool call but no 'tools' were given",
                              param=param)
