@@ -201,7 +201,8 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Machine: {res['machine']}; model {res['model']}; {res['threads']} threads"
         + (f"; load average at the end {tuple(round(x, 1) for x in res['load_avg_at_end'])} "
-           "(other work shared the cores)" if res.get("load_avg_at_end") else "") + ". "
+           "(other work shared the cores)" if res.get("load_avg_at_end") else "")
+        + (f"; commit {res['commit'][:12]}" if res.get("commit") else "") + ". "
         "History re-sent unchanged plus one new user turn; the proxy's caches, ring and index "
         "as after the earlier turns. CPU ms = median process time of the stage (robust to "
         "other load on the machine); wall ms in parentheses. Worker = prefill of the uncached "
@@ -288,9 +289,14 @@ def main(argv: list[str] | None = None) -> None:
         r["proxy_fraction_of_worker"] = r["proxy_ms"][0] / w["worker_ms"]
         # on an idle machine the worker's 2 threads run in parallel: wall ~ CPU / threads
         r["proxy_fraction_of_worker_idle"] = r["proxy_ms"][0] / (w["worker_cpu_ms"] / a.threads)
+    import subprocess
+
     from proxy.config import default_model
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent.parent,
+                            capture_output=True, text=True).stdout.strip()
     res = {"machine": f"{os.cpu_count()} cores", "load_avg_at_end": os.getloadavg(),
+           "commit": commit,
            "model": Path(default_model()).name, "threads": a.threads,
            "rates_from_tokens": ref_size, "floor_prefill_tok_s": FLOOR_PREFILL_TOK_S,
            "sizes": rows}
