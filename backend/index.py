@@ -137,6 +137,11 @@ class Index:
 
         return self._read(find)
 
+    def stored(self, keys_by_pos: Mapping[int, CacheKey]) -> set[int]:
+        """The positions whose key has an entry (one read transaction for all of them)."""
+        return self._read(lambda txn: {p for p, k in keys_by_pos.items()
+                                       if txn.get(k, db=self._entries) is not None})
+
     def entries(self) -> list[tuple[CacheKey, Entry]]:
         def scan(txn: lmdb.Transaction) -> list[tuple[CacheKey, Entry]]:
             out = []

@@ -84,6 +84,9 @@ class MemoryIndex:
     def get(self, key: keys.CacheKey) -> Entry | None:
         return self.entries.get(key)
 
+    def stored(self, keys_by_pos: Mapping[int, keys.CacheKey]) -> set[int]:
+        return {p for p, k in keys_by_pos.items() if k in self.entries}
+
     def longest(self, keys_by_pos: Mapping[int, keys.CacheKey]
                 ) -> tuple[int, keys.CacheKey, Entry] | None:
         for pos in sorted(keys_by_pos, reverse=True):

@@ -109,6 +109,8 @@ def _longest_recent_prefix(ids: Sequence[int], recent: Sequence[Sequence[int]]) 
     ids = tuple(ids)  # converted once, not once per ring entry
     best = 0
     for other in recent:
+        if len(other) <= best:
+            continue  # cannot beat the best match so far (append-only sessions: most of them)
         best = max(best, common_prefix_len(ids, other))
         if best == len(ids):
             break

@@ -203,7 +203,7 @@ class Gateway:
         d.boundary = choose_scope_boundary(ids, prep.rendered.boundaries, scope, recent,
                                            self.knobs)
         starts = [MessageStart(p, r) for p, r in prep.rendered.message_starts]
-        stored = {p for p, k in keyed.items() if p <= n and self.index.get(k) is not None}
+        stored = self.index.stored(keyed)
         d.keep_max = min(reuse_limit(max(d.live_n, d.disk_n), d.boundary, stored), d.keep_max)
         cached_n = min(max(d.live_n, d.disk_n), d.keep_max)
         d.plan = plan_saves(n, cached_n, scope, d.boundary, anchor_position(starts), stored,
