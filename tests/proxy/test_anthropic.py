@@ -42,7 +42,7 @@ WEATHER = {
 
 
 def client(srv: Server, key: str = "test-key") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0, timeout=180)
+    return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0, timeout=600)
 
 
 def create(srv: Server, messages: list[dict], **kw: object) -> anthropic.types.Message:
@@ -68,7 +68,7 @@ def post_raw(srv: Server, path: str, body: dict | bytes, headers: dict | None = 
     req = urllib.request.Request(srv.url + path, data=data, method="POST",
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=180) as r:
+        with urllib.request.urlopen(req, timeout=600) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()

@@ -152,7 +152,7 @@ def test_grammar_only_for_forced_choices() -> None:
 
 
 def client(srv: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.v1, api_key="test-key", max_retries=0, timeout=180)
+    return openai.OpenAI(base_url=srv.v1, api_key="test-key", max_retries=0, timeout=600)
 
 
 def check_weather(arguments: str) -> dict:
