@@ -254,6 +254,8 @@ class Responder:
                 else:
                     await resp.write(self._chunk([self._choice(item, None, True)]))
         except ApiError as e:
+            if request.transport is None or request.transport.is_closing():
+                return resp  # the client left; its run was cancelled, nobody to tell
             err = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             return resp
