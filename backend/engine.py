@@ -193,9 +193,12 @@ class Engine:
         stops_at: Sequence[int],
         on_stop: Callable[[int], None],
         cancel: Cancel,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         """Evaluate ids[n_live:], stopping exactly at each position of `stops_at` to call
-        on_stop(position) (a snapshot point), then evaluate the rest."""
+        on_stop(position) (a snapshot point), then evaluate the rest. Every batch is exact, so
+        a cancelled prefill keeps what it evaluated for the next request; on_batch(n_live)
+        follows each one."""
         points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids))
         for p in [*points, len(ids)]:
             if p - self.n_live == 1 and self.n_live > 0:
@@ -207,7 +210,9 @@ class Engine:
                 if p - end == 1:
                     end -= 1  # leave two tokens for the last batch, not one
                 self.llm.eval(ids[self.n_live : end])
-            self.exact_n = self.n_live
+                self.exact_n = self.n_live
+                if on_batch is not None:
+                    on_batch(self.n_live)
             if p in points:
                 on_stop(p)
 

@@ -6,6 +6,7 @@
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> NDJSON event stream for one plan:
         {"event": "start", "keep", "restored", "restore_s", "fault"}     live tokens kept / restored
+        {"event": "prefill", "n_live"}                                   after each prefill batch
         {"event": "token", "id", "text"}                                 one per generated token
         {"event": "done", "finish_reason", "n_gen", "n_live", "prefill_s", "decode_s",
          "pending_saves"}
@@ -105,7 +106,8 @@ class Worker:
             state = eng.snapshot()
             pending.append(self.writer_thread.submit(self._write, saves[p], ids[:p], state, emit))
 
-        eng.prefill(ids, list(saves), snapshot_at, cancel)
+        eng.prefill(ids, list(saves), snapshot_at, cancel,
+                    lambda n: emit({"event": "prefill", "n_live": n}))
         t1 = time.perf_counter()
         sampling = Sampling.from_json(plan.get("sampling") or {})
         grammar = None

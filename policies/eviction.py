@@ -8,14 +8,14 @@ An eviction strategy is one key function ``(entry, now_s) -> float``; higher mea
       priority = (1 + hits) * 0.5 ** (age_s / HALF_LIFE_S)   # use, decayed by idleness
                  * tokens_per_mib                            # prefill saved per MiB of disk
                  * REASON_WEIGHT[reason]                      # anchors x4, others x1
-                 * (CONTAINED_WEIGHT if continued and contained_in_newer else 1)   # x0.25
+                 * (CONTAINED_WEIGHT if superseded else 1)                   # x0.25
 
   with ``age_s = max(0, now_s - last_used_s)`` and ``tokens_per_mib = n_tokens * 2**20 /
   size_bytes``. The ``1 +`` keeps a fresh, never-hit entry above zero so that recency still
   orders such entries. Anchors (``cold``, ``anchor-refresh``) are the stable preambles that every
-  new session of an agent hits first, so they are weighted up. A ``continued`` checkpoint whose
-  tokens a newer entry's prefix contains is a waypoint the newer entry superseded, so it is
-  weighted down.
+  new session of an agent hits first, so they are weighted up. A ``continued`` checkpoint or a
+  ``growing`` turn end whose tokens a newer entry's prefix contains is *superseded*: a waypoint,
+  or an earlier turn of a conversation that went on; it is weighted down.
 - ``lru``: ``last_used_s`` (least recently used goes first).
 - ``lfu``: ``(hits, last_used_s)`` flattened to ``hits * 1e10 + last_used_s`` (fewest hits first,
   the least recently used among equals; exact while ``last_used_s < 1e10``, i.e. until 2286).
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 HALF_LIFE_S = 3600.0  # an idle hour halves an entry's accumulated hits
 REASON_WEIGHT: dict[str, float] = {"cold": 4.0, "anchor-refresh": 4.0}
-CONTAINED_WEIGHT = 0.25  # a continued entry that a newer entry's prefix contains
+CONTAINED_WEIGHT = 0.25  # a superseded entry: see the module docstring
+SUPERSEDABLE = frozenset({"continued", "growing"})
 _LFU_HITS_SCALE = 1e10  # seconds; above any last_used_s, so hits dominate
 
 
@@ -54,7 +55,7 @@ def priority(e: EntryView, now_s: float) -> float:
     age_s = max(0.0, now_s - e.last_used_s)
     use = (1 + e.hits) * math.pow(0.5, age_s / HALF_LIFE_S)
     tokens_per_mib = e.n_tokens * 2**20 / max(e.size_bytes, 1)
-    superseded = e.reason == "continued" and e.contained_in_newer
+    superseded = e.reason in SUPERSEDABLE and e.contained_in_newer
     return (
         use
         * tokens_per_mib

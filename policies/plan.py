@@ -35,7 +35,12 @@ Rules:
     anchor saves nothing;
   - continued checkpoints: every ``k * interval`` with ``cached_n < k * interval <= n_prompt``
     (``continued``), waypoints for a long conversation whose scope moves; an interval <= 0
-    disables them.
+    disables them;
+  - the growing turn (``auto`` only, ``growing``): when a recent prompt in the window is a whole
+    prefix of this one (``extends_recent``: an append-only conversation, the usual agent loop),
+    the prompt end, which the next turn will share. The scope boundary alone is one turn behind
+    there: it is where the *previous* prompt ended, so every turn after a restart would prefill
+    the last two turns instead of one.
 
 - **Reuse limit** (``reuse_limit``): a save point below what is reused cannot be snapshotted,
   so when the scope boundary is not stored yet and the live KV or a disk entry reaches past it,
@@ -43,9 +48,9 @@ Rules:
   at most ``REFILL_MAX_TOKENS``. Live reuse usually ends a few tokens past the boundary (inside
   the turn that changed), so this is what lets ``auto`` persist the stable prefix it found.
 
-  One reason per position, the strongest: ``full`` > ``scoped`` > ``cold``/``anchor-refresh`` >
-  ``continued``. Save points come out ascending, so the worker prefills in segments that stop
-  exactly at each one.
+  One reason per position, the strongest: ``full`` > ``scoped``/``growing`` >
+  ``cold``/``anchor-refresh`` > ``continued``. Save points come out ascending, so the worker
+  prefills in segments that stop exactly at each one.
 """
 
 from __future__ import annotations
@@ -57,12 +62,13 @@ from typing import Literal
 from policies.prefix import align_down, common_prefix_len
 from policies.scope import Scope
 
-Reason = Literal["cold", "anchor-refresh", "scoped", "continued", "full"]
+Reason = Literal["cold", "anchor-refresh", "scoped", "growing", "continued", "full"]
 
 # Which reason a position keeps when several rules pick it: higher wins.
 REASON_RANK: dict[Reason, int] = {
     "full": 4,
     "scoped": 3,
+    "growing": 3,
     "cold": 2,
     "anchor-refresh": 2,
     "continued": 1,
@@ -137,6 +143,13 @@ def choose_scope_boundary(
     return boundary if boundary > 0 and boundary >= knobs.min_tokens else None
 
 
+def extends_recent(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> bool:
+    """Whether some prompt of ``recent`` (the auto window) is a whole, shorter prefix of ``ids``:
+    the conversation grows append-only."""
+    n = len(ids)
+    return any(0 < len(r) < n and common_prefix_len(ids, r) == len(r) for r in recent)
+
+
 def _continued(start_after: int, n_prompt: int, interval: int) -> range:
     """Multiples of ``interval`` in ``(start_after, n_prompt]``; empty when interval <= 0."""
     if interval <= 0:
@@ -193,8 +206,10 @@ def plan_saves(
     anchor: int | None,
     stored: Collection[int],
     knobs: CacheKnobs,
+    growing: bool = False,
 ) -> SavePlan:
-    """Save points for one prefill of ``n_prompt`` tokens of which ``cached_n`` are reused."""
+    """Save points for one prefill of ``n_prompt`` tokens of which ``cached_n`` are reused;
+    ``growing``: the prompt extends a recent one (``extends_recent``)."""
     if scope.kind == "off":
         return SavePlan((), None)
 
@@ -213,6 +228,8 @@ def plan_saves(
         wanted.append((n_prompt, "full"))
     elif scope_boundary is not None:
         wanted.append((scope_boundary, "scoped"))
+    if scope.kind == "auto" and growing:
+        wanted.append((n_prompt, "growing"))
 
     best: dict[int, Reason] = {}
     for p, reason in wanted:

@@ -16,7 +16,9 @@ Parsing into the internal, OpenAI-shaped messages:
   and documents are a 400 (the model takes text only). Consecutive user turns merge.
 - assistant content: `text` joins; `tool_use` becomes a tool call; `thinking` and
   `redacted_thinking` are dropped (this model does not think, and dropping them keeps re-sent
-  history stable).
+  history stable). A conversation that ends in an assistant turn with text is continued, as
+  the API does it: the prompt ends inside that turn (no end-of-turn, no new header) and the
+  reply is only the continuation; trailing whitespace there is a 400, as on the API.
 - tools `{name, description, input_schema}` become function tools; server tools (a `type`
   other than `custom`) are ignored, prefixgate cannot run them. tool_choice auto / any / tool /
   none maps to auto / required / named / none (proxy.tools).
@@ -267,13 +269,19 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
                          param="max_tokens")
     tools = parse_tools(body.get("tools"))
     scope, window = parse_prefix_cache(body)
+    last = b.out[-1] if b.out else {}
+    continue_final = (last.get("role") == "assistant" and not last.get("tool_calls")
+                      and bool(last["content"]))
+    if continue_final and last["content"] != last["content"].rstrip():
+        raise BadRequest("messages: final assistant content cannot end with trailing whitespace",
+                         param=f"messages.{len(raw) - 1}.content")
     return ChatRequest(
         api="anthropic", messages=b.messages(), tools=tools,
         tool_choice=parse_choice(body.get("tool_choice"), tools),
         sampling=parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
         max_tokens=max_tokens, stop=parse_stop(body.get("stop_sequences"), "stop_sequences"),
         stream=False if count_only else opt_bool(body, "stream"), scope=scope, window=window,
-        tenant=tenant)
+        tenant=tenant, continue_final=continue_final)
 
 
 # --- responses -----------------------------------------------------------------------------

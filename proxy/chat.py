@@ -29,6 +29,7 @@ class ChatRequest:
     scope: str | None = None  # per-request prefix_cache.scope
     window: int | None = None  # per-request prefix_cache.window
     tenant: str = ""  # the API key when tenant isolation is on
+    continue_final: bool = False  # the reply continues the final assistant message (Anthropic)
 
 
 # --- validation helpers: each raises BadRequest naming the field and what to send -----------

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import jinja2
 import xxhash
 
 from backend import keys
@@ -35,6 +36,7 @@ from policies.plan import (
     anchor_position,
     candidate_positions,
     choose_scope_boundary,
+    extends_recent,
     plan_saves,
     reuse_limit,
 )
@@ -53,6 +55,7 @@ from proxy.workers import Pool, Worker
 log = logging.getLogger("prefixgate")
 
 RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
+PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
 
 
 def tenant_id(api_key: str) -> str:
@@ -166,7 +169,14 @@ class Gateway:
             messages, tools, grammar = tool_prompt(self.template.supports_tools,
                                                    self.normalizer.messages(req.messages),
                                                    req.tools, req.tool_choice)
-            rendered = render_prompt(self.template, self.tok, messages, tools)
+            try:
+                rendered = render_prompt(self.template, self.tok, messages, tools,
+                                         req.continue_final)
+            except jinja2.TemplateError as e:  # e.g. a template that wants alternating roles
+                raise BadRequest(f"the model's chat template rejected these messages: {e}",
+                                 param="messages") from None
+            except ValueError as e:
+                raise BadRequest(str(e), param="messages") from None
         n = len(rendered.ids)
         if n == 0:
             raise BadRequest("the prompt renders to zero tokens; send some text",
@@ -207,7 +217,7 @@ class Gateway:
         d.keep_max = min(reuse_limit(max(d.live_n, d.disk_n), d.boundary, stored), d.keep_max)
         cached_n = min(max(d.live_n, d.disk_n), d.keep_max)
         d.plan = plan_saves(n, cached_n, scope, d.boundary, anchor_position(starts), stored,
-                            self.knobs)
+                            self.knobs, growing=extends_recent(ids, recent))
         d.saves = [{"n_tokens": s.n_tokens, "key": keyed[s.n_tokens].hex(), "reason": s.reason}
                    for s in d.plan.saves if s.n_tokens in keyed]
         # hit: the entry reaches the scope boundary (or, with none, the last message start);
@@ -348,6 +358,8 @@ class Run:
         self._done = False
         self._saves_seen = 0
         self.stop_sequence_hit = False
+        self.live_n = 0  # prompt tokens the worker's KV holds so far (kept, restored, prefilled)
+        self._progress_logged_s = prep.arrived_s
 
     async def open(self, plan: dict[str, Any]) -> None:
         self._cm = self.worker.run(plan, self.gw.cfg.request_timeout_s)
@@ -371,7 +383,7 @@ class Run:
         gw, d, u = self.gw, self.d, self.usage
         if ev.get("fault"):
             gw.drop_faulty(d, ev["fault"])
-        u.cached_tokens = int(ev["keep"])
+        u.cached_tokens = self.live_n = int(ev["keep"])
         if ev["restored"]:
             u.source = "disk"
             gw.metrics.restore_seconds.observe(ev["restore_s"])
@@ -401,6 +413,8 @@ class Run:
                         self.gen_ids.append(ev["id"])
                     if ev["text"]:
                         yield ev["text"]
+                elif kind == "prefill":
+                    self._on_prefill(int(ev["n_live"]))
                 elif kind in ("saved", "save_failed"):  # written while prefill went on
                     self._saves_seen += 1
                     self.gw.commit_save(ev, self.tenant, self.d.keyed)
@@ -413,6 +427,17 @@ class Run:
         finally:
             if not self._done:
                 await self.aclose(outcome)
+
+    def _on_prefill(self, n_live: int) -> None:
+        """A prefill batch is done. A long prefill logs its progress every PROGRESS_LOG_S."""
+        self.live_n = n_live
+        now = time.perf_counter()
+        if now - self._progress_logged_s >= PROGRESS_LOG_S:
+            self._progress_logged_s = now
+            n, cached = self.usage.prompt_tokens, self.usage.cached_tokens
+            rate = (n_live - cached) / max(now - self.prep.arrived_s, 1e-9)
+            log.info("%s prefilling %d/%d tokens (%d cached, %.0f tokens/s) worker=%d",
+                     self.prep.req.api, n_live, n, cached, rate, self.worker.worker_id)
 
     async def text(self) -> str:
         return "".join([p async for p in self.pieces()])
@@ -489,8 +514,9 @@ class Run:
         self._released = True
         await self._close_stream()
         self.gw.metrics.requests.labels(self.prep.req.api, outcome).inc()
-        log.info("%s prompt=%d cached=%d source=%s %s worker=%d", self.prep.req.api,
+        log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d", self.prep.req.api,
                  self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.source, outcome,
-                 self.worker.worker_id)
-        await self.gw.pool.release(self.worker, list(self.prep.rendered.ids[
-            : self.usage.cached_tokens]), self.tenant)
+                 self.live_n, self.worker.worker_id)
+        # the worker keeps what it prefilled before it saw the cancel: a retry reuses it
+        await self.gw.pool.release(self.worker, list(self.prep.rendered.ids[: self.live_n]),
+                                   self.tenant)

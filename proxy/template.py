@@ -199,9 +199,17 @@ def render_prompt(
     tok: Tokenizer,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    continue_final: bool = False,
 ) -> Rendered:
-    """Render ``messages`` (and ``tools``), tokenize, and locate the safe boundaries."""
-    text = template.render(messages, tools, add_generation_prompt=True)
+    """Render ``messages`` (and ``tools``), tokenize, and locate the safe boundaries.
+    With ``continue_final`` the prompt ends right after the final (assistant) message's
+    content, so the model continues it; a template that does not render that content verbatim
+    raises ``ValueError``."""
+    if continue_final:
+        text = _open_final_message(template.render(messages, tools, add_generation_prompt=False),
+                                   str(messages[-1].get("content") or ""))
+    else:
+        text = template.render(messages, tools, add_generation_prompt=True)
     starts = _message_char_starts(template, messages, tools, text)  # index -> char offset
     header_ends = _header_char_ends(messages, starts, text)
 
@@ -221,6 +229,17 @@ def render_prompt(
         if i < len(messages)
     )
     return Rendered(text, tuple(ids), tuple(boundaries), message_starts)
+
+
+def _open_final_message(text: str, content: str) -> str:
+    """``text`` cut right after the final message's content (what follows it is the template's
+    end of turn)."""
+    body = content.strip()
+    at = text.rfind(body) if body else -1
+    if at < 0:
+        raise ValueError("the chat template does not render the final assistant message "
+                         "verbatim, so it cannot be continued")
+    return text[: at + len(body)]
 
 
 def _message_char_starts(

@@ -51,9 +51,18 @@ def test_priority(e: EntryView, expected: float) -> None:
 
 
 def test_priority_of_a_contained_entry_that_is_not_continued_is_not_lowered() -> None:
-    # Only continued waypoints are superseded by a newer entry; an anchor stays an anchor.
+    # Only waypoints and earlier turn ends are superseded by a newer entry; an anchor stays an
+    # anchor, a scope boundary stays a scope boundary.
     contained_anchor = entry("X", "anchor-refresh", hits=0, idle_s=0, contained=True)
     assert priority(contained_anchor, NOW) == pytest.approx(256.0)
+    assert priority(entry("S", "scoped", hits=0, idle_s=0, contained=True), NOW) == \
+        pytest.approx(64.0)
+
+
+def test_an_earlier_turn_end_that_a_newer_entry_contains_is_superseded() -> None:
+    assert priority(entry("T", "growing", hits=0, idle_s=0, contained=True), NOW) == \
+        pytest.approx(16.0)  # 1 * 64 * 1/4
+    assert priority(entry("T", "growing", hits=0, idle_s=0), NOW) == pytest.approx(64.0)
 
 
 @pytest.mark.parametrize(

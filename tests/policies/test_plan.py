@@ -340,3 +340,38 @@ REUSE_CASES = [
 def test_reuse_limit(reusable: int, boundary: int | None, stored: set[int],
                      expected: int) -> None:
     assert reuse_limit(reusable, boundary, stored) == expected
+
+
+# --- the growing turn: auto on an append-only conversation ---------------------------------
+from policies.plan import extends_recent  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "ids,recent,expected",
+    [
+        ([1, 2, 3, 4, 5], [[1, 2, 3]], True),  # the previous turn, then a reply and a question
+        ([1, 2, 3, 4, 5], [[9], [1, 2, 3, 4]], True),  # any prompt in the window
+        ([1, 2, 3, 4, 5], [[1, 2, 3, 4, 5]], False),  # the same prompt again: not growing
+        ([1, 2, 3, 4, 5], [[1, 2, 7]], False),  # re-rendered or edited history
+        ([1, 2, 3], [[1, 2, 3, 4]], False),  # a longer recent prompt
+        ([1, 2, 3], [[]], False),
+        ([1, 2, 3], [], False),
+    ],
+)
+def test_extends_recent(ids: list[int], recent: list[list[int]], expected: bool) -> None:
+    assert extends_recent(ids, recent) is expected
+
+
+def test_a_growing_auto_prompt_also_snapshots_its_end() -> None:
+    # restored the previous turn's end (21000, also this prompt's scope boundary, stored)
+    plan = plan_saves(21500, 21000, AUTO, 21000, 4000, {4000, 21000}, CacheKnobs(),
+                      growing=True)
+    assert plan == SavePlan(saves((21500, "growing"),), None)
+    # a turn that did not grow from a recent one: only what the scope says
+    assert plan_saves(21500, 21000, AUTO, 21000, 4000, {4000, 21000}, CacheKnobs()) == \
+        SavePlan((), None)
+    # other scopes do not use it: full snapshots the end anyway, fixed N never
+    assert plan_saves(21500, 21000, FULL, 21500, 4000, {4000}, CacheKnobs(),
+                      growing=True) == SavePlan(saves((21500, "full"),), None)
+    assert plan_saves(21500, 21000, FIXED_4000, 4000, 4000, {4000}, CacheKnobs(),
+                      growing=True) == SavePlan((), None)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
 from tests.conftest import N_CTX, Server, running, start_server
@@ -275,6 +276,23 @@ def test_mid_conversation_system_message_merges_into_the_user_turn(server: Serve
     assert msg.content and msg.usage.output_tokens > 0
 
 
+def test_a_final_assistant_turn_is_continued(server: Server) -> None:
+    """As on the API, a conversation that ends in an assistant turn is continued: the reply
+    is what a raw completion of the same text, with that turn left open, generates."""
+    msgs = [{"role": "user", "content": "List the first five prime numbers."},
+            {"role": "assistant", "content": "The first five prime numbers are 2, 3"}]
+    msg = create(server, msgs, system="You are a math tutor.", max_tokens=12)
+    open_turn = ("<|im_start|>system\nYou are a math tutor.<|im_end|>\n<|im_start|>user\n"
+                 "List the first five prime numbers.<|im_end|>\n<|im_start|>assistant\n"
+                 "The first five prime numbers are 2, 3")
+    raw = openai.OpenAI(base_url=server.v1, api_key="test-key", max_retries=0,
+                        timeout=600).completions.create(model="m", prompt=open_turn,
+                                                        max_tokens=12, temperature=0)
+    assert msg.content[0].text == raw.choices[0].text  # type: ignore[union-attr]
+    assert prompt_len(msg.usage) == raw.usage.prompt_tokens == count(
+        server, msgs, system="You are a math tutor.")
+
+
 # --- errors --------------------------------------------------------------------------------
 
 
@@ -292,6 +310,9 @@ BAD = [
       "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tool_choice": {"type": "any"}}, "no 'tools'"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"},
+                                                  {"role": "assistant", "content": "Sure, "}]},
+     "cannot end with trailing whitespace"),
 ]
 
 

@@ -4,6 +4,7 @@ worker processes on the default model."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -166,6 +167,35 @@ def test_disconnect_mid_stream_frees_the_worker(server: Server) -> None:
         time.sleep(0.1)
     assert not any(w["busy"] for w in server.get_json("/health")["workers"])
     assert 'outcome="cancelled"' in server.get("/metrics")[1]
+
+
+def test_a_prefill_cut_short_by_the_client_is_kept_for_its_retry(server: Server) -> None:
+    """A client that gives up during a long prefill (a timeout) and retries: the worker keeps
+    the KV it computed before it saw the cancel, and the retry goes to that worker and reuses it
+    (two workers here, so routing must know)."""
+    notes = " ".join(f"Note {i}: the cache keeps entry {i * 7 % 13} warm for tenant {i % 5}."
+                     for i in range(120))
+    messages = [{"role": "user", "content": notes + " Which entry does note 3 keep warm?"}]
+    cancelled = re.compile(r"openai prompt=(\d+) cached=\d+ source=\w+ cancelled live=(\d+)")
+    timeout_s, live, n = 2.0, 0, 0
+    while live == 0:
+        mark = len(server.log())
+        impatient = openai.OpenAI(base_url=server.v1, api_key="test-key", max_retries=0,
+                                  timeout=timeout_s)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="m", messages=messages, temperature=0,
+                                              max_tokens=400)
+        deadline = time.time() + 120
+        while not (m := cancelled.search(server.log()[mark:])) and time.time() < deadline:
+            time.sleep(0.2)
+        assert m, server.log()[mark:]
+        n, live = int(m[1]), int(m[2])
+        timeout_s *= 2  # a loaded machine may not finish one batch in time: give it longer
+        assert timeout_s < 300
+    assert 0 < live <= n
+    resp, _ = chat(server, messages)
+    assert resp.usage.prompt_tokens == n
+    assert resp.usage.prompt_tokens_details.cached_tokens >= min(live, n - 2)
 
 
 def test_two_workers_serve_two_requests_concurrently(server: Server) -> None:
