@@ -64,11 +64,12 @@ def test_the_conversation_is_append_only() -> None:
 
 CASES = [
     # mode, policy, cached per turn, sources, saves per turn
-    # restart, auto:30: the ring is read back from the index after each restart; a turn stores
-    # what it shares with the turn before, so each restore is one turn behind: the cold anchor
-    # (10), then 16, then 26
-    ("restart", "auto:30", [0, 10, 16, 26], "nddd",
-     [((10, "cold"),), ((16, "scoped"),), ((26, "scoped"),), ((36, "scoped"),)]),
+    # restart, auto:30: the ring is read back from the index after each restart. Turn 2 extends
+    # turn 1, so besides what it shares with turn 1 (16, scoped) it stores its own end
+    # (growing); from turn 3 on each turn restores the whole previous prompt, as full does
+    ("restart", "auto:30", [0, 10, 26, 36], "nddd",
+     [((10, "cold"),), ((16, "scoped"), (26, "growing")), ((36, "growing"),),
+      ((46, "growing"),)]),
     # restart, full: the whole prompt is saved each turn and is the next prompt's header end
     ("restart", "full", [0, 16, 26, 36], "nddd",
      [((10, "cold"), (16, "full")), ((26, "full"),), ((36, "full"),), ((46, "full"),)]),
@@ -79,9 +80,11 @@ CASES = [
     # restart, off: nothing survives
     ("restart", "off", [0, 0, 0, 0], "nnnn", [(), (), (), ()]),
     # live, auto:30: the live KV holds the previous prompt; auto's boundary is that prompt's end
-    # (shared with the ring's last prompt), snapshotted right where reuse ends
+    # (shared with the ring's last prompt), snapshotted right where reuse ends on turn 2, stored
+    # already (as the growing end of the turn before) from turn 3 on
     ("live", "auto:30", [0, 16, 26, 36], "nlll",
-     [((10, "cold"),), ((16, "scoped"),), ((26, "scoped"),), ((36, "scoped"),)]),
+     [((10, "cold"),), ((16, "scoped"), (26, "growing")), ((36, "growing"),),
+      ((46, "growing"),)]),
     # live, off: live reuse only
     ("live", "off", [0, 16, 26, 36], "nlll", [(), (), (), ()]),
 ]
@@ -102,11 +105,11 @@ def test_summary_numbers() -> None:
     auto = simulate(PROMPTS, "auto:30", "restart", KNOBS).summary(oracle)
     assert auto | {"mean_hit_ratio": 0, "oracle_mean_hit_ratio": 0} == {
         "policy": "auto:30", "mode": "restart", "requests": 4, "hits": 3, "disk_hits": 3,
-        "hit_rate": 0.75, "tokens_cached_per_hit": 52 / 3, "prompt_tokens": 124,
-        "cached_tokens": 52, "fresh_tokens": 72, "token_hit_ratio": 52 / 124,
-        "mean_hit_ratio": 0, "saves": 4, "snapshot_tokens": 10 + 16 + 26 + 36,
-        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 26, "oracle_mean_hit_ratio": 0}
-    assert auto["mean_hit_ratio"] == pytest.approx((0 + 10 / 26 + 16 / 36 + 26 / 46) / 4)
+        "hit_rate": 0.75, "tokens_cached_per_hit": 72 / 3, "prompt_tokens": 124,
+        "cached_tokens": 72, "fresh_tokens": 52, "token_hit_ratio": 72 / 124,
+        "mean_hit_ratio": 0, "saves": 5, "snapshot_tokens": 10 + 16 + 26 + 36 + 46,
+        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 6, "oracle_mean_hit_ratio": 0}
+    assert auto["mean_hit_ratio"] == pytest.approx((0 + 10 / 26 + 26 / 36 + 36 / 46) / 4)
     assert auto["oracle_mean_hit_ratio"] == pytest.approx((0 + 16 / 26 + 26 / 36 + 36 / 46) / 4)
     full = simulate(PROMPTS, "full", "restart", KNOBS).summary(oracle)
     assert (full["fresh_tokens"], full["excess_over_oracle_tokens"]) == (46, 0)
@@ -149,9 +152,10 @@ def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-u
     # append-only: the oracle prefills the first prompt and each turn's growth; full matches it
     assert by["full"]["fresh_tokens"] == out["oracle"]["fresh_tokens"]
     assert by["full"]["excess_over_oracle_tokens"] == 0
-    # auto after every restart: turn 2 restores the cold anchor (the system prompt), turn 3 the
-    # scoped prefix turn 2 shared with turn 1 (turn 1's whole prompt)
+    # auto after every restart: turn 2 restores the cold anchor (the system prompt), turn 3
+    # turn 2's whole prompt (its growing end): only turn 2 prefills more than the oracle
     assert by["auto:30"]["disk_hits"] == 2
-    assert by["auto:30"]["saves"] == 3  # cold anchor, then one scoped boundary per turn
+    assert by["auto:30"]["saves"] == 4  # cold anchor; scoped and growing; growing
+    assert 0 < by["auto:30"]["excess_over_oracle_tokens"] < by["auto:30"]["fresh_tokens"]
     assert "| auto:30 | restart |" in capsys.readouterr().out
     assert (tmp_path / "simulate-tiny.md").exists()
