@@ -200,7 +200,7 @@ class Engine:
         a cancelled prefill keeps what it evaluated for the next request; on_batch(n_live)
         follows each one."""
         points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids))
-        for p in [*points, len(ids)]:
+        for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
             if p - self.n_live == 1 and self.n_live > 0:
                 self.truncate(self.n_live - 1)  # never a one-token batch (see module doc)
             while self.n_live < p:

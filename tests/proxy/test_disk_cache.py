@@ -4,6 +4,7 @@ official `openai` SDK as the client."""
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,13 @@ def test_auto_hits_the_stable_boundary_where_full_misses(tmp_path: Path) -> None
                 flush_live(srv)
                 seen.append(ask(srv, convo(q, history=2)))
             results[policy] = seen
+            # one snapshot per saved position: `full` saves at the prompt's very end, which is
+            # also where the prefill ends, and that position is written once
+            found = entries(srv.cache_dir, until=lambda f: len(f) >= 3)
+            metrics = srv.get("/metrics")[1]
+            saves = re.findall(r'_cache_saves_total\{outcome="ok",reason="[\w-]+"\} (\S+)',
+                               metrics)
+            assert sum(float(n) for n in saves) == len(found), metrics
     full, auto = results["full"], results["auto:30"]
     stable = auto[2]["cached"]
     assert auto[2]["source"] == "disk"
