@@ -56,6 +56,7 @@ log = logging.getLogger("prefixgate")
 
 RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
 PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
+SHUTDOWN_COMMIT_WAIT_S = 30.0  # how long a stopping proxy waits for snapshots being written
 
 
 def tenant_id(api_key: str) -> str:
@@ -334,9 +335,17 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        for t in list(self._background):
-            t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        """At shutdown, pending cache commits (snapshots a worker is still writing after the
+        response went out) get up to SHUTDOWN_COMMIT_WAIT_S to land; a file whose entry is not
+        committed would be an orphan, deleted at the next start."""
+        pending = list(self._background)
+        if pending:
+            log.info("shutdown: waiting up to %.0f s for %d pending cache commits",
+                     SHUTDOWN_COMMIT_WAIT_S, len(pending))
+            _, late = await asyncio.wait(pending, timeout=SHUTDOWN_COMMIT_WAIT_S)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
 
 class Run:

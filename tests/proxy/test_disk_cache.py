@@ -25,8 +25,9 @@ SYSTEM = " ".join(
 
 def ask(srv: Server, messages: list[dict], key: str = "k", **extra: object) -> dict:
     c = openai.OpenAI(base_url=srv.v1, api_key=key, max_retries=0, timeout=120)
+    extra.setdefault("max_tokens", 10)
     raw = c.chat.completions.with_raw_response.create(
-        model="m", messages=messages, temperature=0, max_tokens=10, **extra)
+        model="m", messages=messages, temperature=0, **extra)
     r = raw.parse()
     return {"text": r.choices[0].message.content, "prompt": r.usage.prompt_tokens,
             "cached": r.usage.prompt_tokens_details.cached_tokens,
@@ -200,3 +201,19 @@ def test_auto_survives_a_restart_every_turn(tmp_path: Path) -> None:
     assert seen[0]["cached"] == 0
     assert seen[2]["source"] == "disk"
     assert seen[2]["cached"] >= seen[2]["prompt"] - 40, "the whole stable prefix, not the anchor"
+
+
+def test_a_save_still_being_written_at_shutdown_is_committed(tmp_path: Path) -> None:
+    """A snapshot of the prompt's end is written while the reply goes out; a proxy stopped right
+    after the response waits for it to commit instead of dropping it (it would be an orphan
+    file, deleted at the next start)."""
+    msgs = convo("Which rule is about files?", history=12)
+    with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full") as srv:
+        first = ask(srv, msgs, max_tokens=1)
+        srv.stop()  # SIGINT at once: the write has only just started
+    with Index(srv.cache_dir) as index:
+        assert first["prompt"] in [e.n_tokens for _, e in index.entries()], srv.log()
+    with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full",
+                 cache_dir=srv.cache_dir) as srv2:
+        again = ask(srv2, msgs, max_tokens=1)
+    assert again["source"] == "disk" and again["cached"] == first["prompt"] - 2
