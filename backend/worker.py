@@ -10,19 +10,26 @@
         {"event": "token", "id", "text"}                                 one per generated token
         {"event": "done", "finish_reason", "n_gen", "n_live", "prefill_s", "decode_s",
          "pending_saves"}
+        {"event": "cancelled", "n_live", "pending_saves"}                 instead of `done`
         {"event": "saved", "n_tokens", "key", "file", "size_bytes", "checksum", "reason", "save_s"}
         {"event": "save_failed", "n_tokens", "key", "reason", "message"}
         {"event": "error", "message"}
 
 The plan (`/run` body): `ids` (the whole prompt), `restore` ({file, n_tokens} or null), `saves`
 ([{n_tokens, key, reason}]), `sampling`, `max_tokens`, `stop`, `grammar`, `live_ok` (false: the
-live KV belongs to another tenant and must not be reused), `keep_max` (reuse at most this many).
+live KV belongs to another tenant and must not be reused), `keep_max` (reuse at most this many),
+`run_id` (for `/cancel`).
 
 Blocking llama calls run on one dedicated thread; state files are written on another, after the
 state was copied in memory, so a save never delays the first token. `done` comes as soon as
 generation ends (the worker is free then); `saved` events follow once each file is durable, and
-the stream ends after the last one. The client closing the stream cancels the run at the next
-prefill batch or token.
+the stream ends after the last one.
+
+Cancelling: `POST /cancel {"run_id"}` (the plan's `run_id`) stops the run at its next prefill
+batch or token; its stream then reports `cancelled` (what is live: the prefilled tokens stay,
+a retry reuses them) and goes on with the `saved` events of snapshots already taken, so the
+proxy can still commit them. The client closing the stream also cancels the run; nothing more
+is written then.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class Worker:
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.llama_thread = ThreadPoolExecutor(1, thread_name_prefix="llama")
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
+        self.runs: dict[str, Cancel] = {}  # run id -> its cancel flag, while it streams
 
     # --- runs on the llama thread ----------------------------------------------------------
 
@@ -106,8 +114,16 @@ class Worker:
             state = eng.snapshot()
             pending.append(self.writer_thread.submit(self._write, saves[p], ids[:p], state, emit))
 
-        eng.prefill(ids, list(saves), snapshot_at, cancel,
-                    lambda n: emit({"event": "prefill", "n_live": n}))
+        try:
+            eng.prefill(ids, list(saves), snapshot_at, cancel,
+                        lambda n: emit({"event": "prefill", "n_live": n}))
+            self._generate(plan, emit, cancel, t0, pending)
+        except Cancelled:  # what it prefilled stays live; snapshots taken are still written
+            emit({"event": "cancelled", "n_live": eng.exact_n, "pending_saves": len(pending)})
+
+    def _generate(self, plan: dict[str, Any], emit: Emit, cancel: Cancel, t0: float,
+                  pending: list[Future[None]]) -> None:
+        eng = self.engine
         t1 = time.perf_counter()
         sampling = Sampling.from_json(plan.get("sampling") or {})
         grammar = None
@@ -165,6 +181,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         cancel = Cancel()
+        run_id = str(plan.get("run_id") or uuid.uuid4().hex)
+        self.runs[run_id] = cancel
 
         def emit(event: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -172,8 +190,6 @@ class Worker:
         def job() -> None:
             try:
                 self.execute(plan, emit, cancel)
-            except Cancelled:
-                emit({"event": "error", "message": "cancelled", "cancelled": True})
             except Exception as e:  # the request fails, the worker lives on
                 log.exception("run failed")
                 emit({"event": "error", "message": f"{type(e).__name__}: {e}"})
@@ -182,29 +198,44 @@ class Worker:
         await resp.prepare(request)
         running = loop.run_in_executor(self.llama_thread, job)
         watch = asyncio.create_task(self._watch(request, cancel))
+        gone = False  # the proxy closed the stream: nothing more is written
         try:
-            saves_seen, expected = 0, None  # `expected`: saves announced by `done`
+            # `expected`: saves announced by `done` or `cancelled`
+            saves_seen, expected = 0, None
             while expected is None or saves_seen < expected:
                 event = await queue.get()
                 kind = event["event"]
-                if kind == "done":
+                if kind in ("done", "cancelled"):
                     expected = event["pending_saves"]
                 elif kind in ("saved", "save_failed"):
                     saves_seen += 1
                 elif kind == "error":
                     expected = saves_seen  # a failed run's pending writes are not awaited
-                if not cancel.is_set:
+                gone = gone or request.transport is None or request.transport.is_closing()
+                if not gone:
                     try:
                         await resp.write(json.dumps(event).encode() + b"\n")
                     except (ConnectionError, RuntimeError):
+                        gone = True
                         cancel.set()
             await running
         finally:
             watch.cancel()
             cancel.set()
+            self.runs.pop(run_id, None)
         with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
             await resp.write_eof()
         return resp
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """Stop a run at its next prefill batch or token; its stream goes on to report what is
+        live and the snapshots still being written."""
+        body = await request.json()
+        c = self.runs.get(str(body.get("run_id")))
+        if c is None:
+            return web.json_response({"cancelled": False}, status=404)
+        c.set()
+        return web.json_response({"cancelled": True})
 
     async def _watch(self, request: web.Request, cancel: Cancel) -> None:
         while not cancel.is_set:
@@ -218,6 +249,7 @@ def make_app(worker: Worker) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/health", worker.health)
     app.router.add_post("/run", worker.run)
+    app.router.add_post("/cancel", worker.cancel)
     return app
 
 

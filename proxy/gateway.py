@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from policies.ring import Ring
 from policies.scope import Scope, format_scope, parse_scope
 from proxy.chat import ChatRequest
 from proxy.config import Config
-from proxy.errors import ApiError, BadRequest, ContextOverflow, WorkerFailed
+from proxy.errors import BadRequest, ContextOverflow, WorkerFailed
 from proxy.metrics import Metrics
 from proxy.template import ChatTemplate, Rendered, render_prompt
 from proxy.tokenizer import Tokenizer
@@ -350,12 +351,20 @@ class Gateway:
 
 class Run:
     """One request on one worker. Iterate `pieces()`; `usage` and `finish_reason` are final
-    after it ends. `aclose()` cancels a run the client abandoned."""
+    after it ends. `aclose()` cancels a run the client abandoned.
+
+    One reader task owns the worker's event stream from `start` to its end: tokens go to
+    `pieces()` through a queue; `saved` events are committed as they come; at `done` (or
+    `cancelled`, or a failure) the worker is released with what its KV holds, and the reader
+    stays on until the snapshots still being written are committed. A cancel is a message to
+    the worker (`/cancel`), not a closed stream, so a cancelled run's snapshots are kept too.
+    """
 
     def __init__(self, gw: Gateway, prep: Prepared, worker: Worker, d: Decision,
                  tenant: str) -> None:
         self.gw, self.prep, self.worker, self.d, self.tenant = gw, prep, worker, d, tenant
         n = len(prep.rendered.ids)
+        self.run_id = uuid.uuid4().hex
         self.usage = Usage(prompt_tokens=n)
         self.finish_reason = "length"
         self.gen_ids: list[int] = []
@@ -364,19 +373,27 @@ class Run:
         self._cm: Any = None
         self._resp: aiohttp.ClientResponse | None = None
         self._released = False
-        self._done = False
+        self._done = False  # the run ended (done, cancelled or failed): nothing to cancel
+        self._abandoned = False  # aclose() was called: tokens are no longer wanted
         self._saves_seen = 0
+        self._queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
         self.stop_sequence_hit = False
         self.live_n = 0  # prompt tokens the worker's KV holds so far (kept, restored, prefilled)
         self._progress_logged_s = prep.arrived_s
 
     async def open(self, plan: dict[str, Any]) -> None:
+        plan["run_id"] = self.run_id
         self._cm = self.worker.run(plan, self.gw.cfg.request_timeout_s)
         self._resp = await self._cm.__aenter__()
-        ev = await self._next()
-        if ev.get("event") == "error":
-            raise WorkerFailed(f"worker {self.worker.worker_id}: {ev.get('message')}")
+        try:
+            ev = await self._next()
+            if ev.get("event") == "error":
+                raise WorkerFailed(f"worker {self.worker.worker_id}: {ev.get('message')}")
+        except BaseException:
+            await self._close_stream()
+            raise
         self._on_start(ev)
+        self.gw.spawn(self._read())
 
     async def _next(self) -> dict[str, Any]:
         assert self._resp is not None
@@ -404,38 +421,62 @@ class Run:
         u.created_tokens = max(saves, default=u.cached_tokens) - u.cached_tokens
         self.timings["restore_s"] = ev["restore_s"]
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Generated text; ends at `done`. Saves are committed in the background after."""
-        outcome = "cancelled"  # the consumer stopped early: the client went away
+    # --- the reader task -------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        pending: int | None = None  # snapshots still being written once the run ended
         try:
-            while True:
-                try:
-                    ev = await self._next()
-                except WorkerFailed:
-                    outcome = "error"
-                    raise
+            while pending is None or pending > 0:
+                ev = await self._next()
                 kind = ev["event"]
                 if kind == "token":
                     if self.ttft_s is None:
                         self.ttft_s = time.perf_counter() - self.prep.arrived_s
                     if ev["id"] is not None:
                         self.gen_ids.append(ev["id"])
-                    if ev["text"]:
-                        yield ev["text"]
+                    if ev["text"] and not self._abandoned:
+                        self._queue.put_nowait(ev)
                 elif kind == "prefill":
                     self._on_prefill(int(ev["n_live"]))
-                elif kind in ("saved", "save_failed"):  # written while prefill went on
+                elif kind in ("saved", "save_failed"):
                     self._saves_seen += 1
-                    self.gw.commit_save(ev, self.tenant, self.d.keyed)
+                    self._commit(ev)
+                    if pending is not None:
+                        pending -= 1
                 elif kind == "done":
-                    self._on_done(ev)
-                    return
+                    await self._on_done(ev)
+                    pending = ev["pending_saves"] - self._saves_seen
+                elif kind == "cancelled":
+                    self.live_n = int(ev["n_live"])
+                    await self._end("cancelled", list(self.prep.rendered.ids[: self.live_n]))
+                    pending = ev["pending_saves"] - self._saves_seen
                 elif kind == "error":
-                    outcome = "error"
                     raise WorkerFailed(f"worker {self.worker.worker_id}: {ev['message']}")
-        finally:
+        except WorkerFailed as e:
             if not self._done:
-                await self.aclose(outcome)
+                self._queue.put_nowait(e)
+                await self._end("cancelled" if self._abandoned else "error",
+                                list(self.prep.rendered.ids[: self.live_n]))
+            else:
+                log.warning("saves of this request lost: %s", e.message)
+        except asyncio.CancelledError:  # shutdown: the worker is going away too
+            await self._end("cancelled", [])
+            raise
+        except Exception as e:  # a bug here must not leave the worker taken for good
+            log.exception("run on worker %d failed", self.worker.worker_id)
+            if not self._done:
+                self._queue.put_nowait(WorkerFailed(f"{type(e).__name__}: {e}"))
+                await self._end("error", [])
+        finally:
+            await self._close_stream()
+
+    def _commit(self, ev: dict[str, Any]) -> None:
+        try:
+            self.gw.commit_save(ev, self.tenant, self.d.keyed)
+        except Exception as e:  # a cache fault never fails the request
+            self.gw.metrics.faults.labels("index").inc()
+            log.warning("cache entry at %d tokens not recorded: %s: %s", ev.get("n_tokens", 0),
+                        type(e).__name__, e)
 
     def _on_prefill(self, n_live: int) -> None:
         """A prefill batch is done. A long prefill logs its progress every PROGRESS_LOG_S."""
@@ -448,11 +489,7 @@ class Run:
             log.info("%s prefilling %d/%d tokens (%d cached, %.0f tokens/s) worker=%d",
                      self.prep.req.api, n_live, n, cached, rate, self.worker.worker_id)
 
-    async def text(self) -> str:
-        return "".join([p async for p in self.pieces()])
-
-    def _on_done(self, ev: dict[str, Any]) -> None:
-        self._done = True
+    async def _on_done(self, ev: dict[str, Any]) -> None:
         fr = ev["finish_reason"]
         self.finish_reason = "stop" if fr == "stop_sequence" else fr
         self.stop_sequence_hit = fr == "stop_sequence"
@@ -460,27 +497,56 @@ class Run:
         self.timings.update(prefill_s=ev["prefill_s"], decode_s=ev["decode_s"])
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.prep.arrived_s
-        live = [*self.prep.rendered.ids, *self.gen_ids][: ev["n_live"]]
-        self.gw.spawn(self._finish(live, ev["pending_saves"] - self._saves_seen))
+        self._queue.put_nowait(None)  # the end of pieces()
+        if self._abandoned:  # the cancel came too late: the run finished anyway
+            live = list(self.prep.rendered.ids[: min(ev["n_live"], self.usage.prompt_tokens)])
+            await self._end("cancelled", live)
+            return
+        await self._end("ok", [*self.prep.rendered.ids, *self.gen_ids][: ev["n_live"]])
 
-    async def _finish(self, live: list[int], pending: int) -> None:
-        gw = self.gw
-        await gw.pool.release(self.worker, live, self.tenant)
+    async def _end(self, outcome: str, live: list[int]) -> None:
+        """The run is over on the worker: count it, log it, release the worker (once)."""
+        if self._done:
+            return
+        self._done = True
+        api, u = self.prep.req.api, self.usage
+        if outcome == "ok":
+            self._record()
+        elif not self._abandoned:  # a cancel was counted when it was asked for
+            self.gw.metrics.requests.labels(api, outcome).inc()
+        if outcome == "cancelled":
+            self._queue.put_nowait(None)  # pieces() ends (nobody may be reading any more)
+        if outcome != "ok":
+            log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d", api,
+                     u.prompt_tokens, u.cached_tokens, u.source, outcome, len(live),
+                     self.worker.worker_id)
         self._released = True
-        self._record()
+        await self.gw.pool.release(self.worker, live, self.tenant)
+
+    # --- the consumer side -----------------------------------------------------------------
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Generated text; ends at `done`. Saves are committed in the background after."""
+        ended = False
         try:
-            while pending > 0:
-                ev = await self._next()
-                if ev["event"] in ("saved", "save_failed"):
-                    pending -= 1
-                    gw.commit_save(ev, self.tenant, self.d.keyed)
-        except ApiError as e:
-            log.warning("saves of this request lost: %s", e.message)
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    ended = True
+                    return
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield item["text"]
         finally:
-            await self._close_stream()
+            if not ended:  # the consumer stopped early: the client went away
+                await self.aclose()
+
+    async def text(self) -> str:
+        return "".join([p async for p in self.pieces()])
 
     def _record(self) -> None:
-        _gw, u, m = self.gw, self.usage, self.gw.metrics
+        u, m = self.usage, self.gw.metrics
         api = self.prep.req.api
         m.requests.labels(api, "ok").inc()
         m.prompt_tokens.inc(u.prompt_tokens)
@@ -515,17 +581,14 @@ class Run:
             except Exception:  # closing a failed stream
                 pass
 
-    async def aclose(self, outcome: str = "cancelled") -> None:
-        """Abandon the run (client gone: "cancelled"; worker failed: "error"); the worker stops
-        at its next token."""
-        if self._released:
+    async def aclose(self) -> None:
+        """Abandon the run (the client went away): the worker stops at its next prefill batch
+        or token, keeps what it prefilled for a retry, and the snapshots it already took are
+        still committed. A worker that does not take the cancel has its stream closed, which
+        cancels the run too (those snapshots are then lost)."""
+        if self._abandoned or self._done:
             return
-        self._released = True
-        await self._close_stream()
-        self.gw.metrics.requests.labels(self.prep.req.api, outcome).inc()
-        log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d", self.prep.req.api,
-                 self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.source, outcome,
-                 self.live_n, self.worker.worker_id)
-        # the worker keeps what it prefilled before it saw the cancel: a retry reuses it
-        await self.gw.pool.release(self.worker, list(self.prep.rendered.ids[: self.live_n]),
-                                   self.tenant)
+        self._abandoned = True
+        self.gw.metrics.requests.labels(self.prep.req.api, "cancelled").inc()
+        if not await self.worker.cancel(self.run_id) and not self._done:
+            await self._close_stream()  # the reader sees the stream end and releases

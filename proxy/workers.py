@@ -56,6 +56,7 @@ PROBE_INTERVAL_S = 1.0  # remote health probes
 PROBE_TIMEOUT_S = 3.0
 PROBE_TIMEOUTS_DOWN = 3  # consecutive probe timeouts that mark a remote worker down
 CONNECT_TIMEOUT_S = 10.0  # connecting to a worker for a run
+CANCEL_TIMEOUT_S = 2.0  # a cancel the worker does not answer in time: close the stream instead
 
 _UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -128,6 +129,18 @@ class Worker:
                     self.streams.discard(r)
         except _UNREACHABLE as e:
             raise WorkerFailed(f"{self.name} failed: {e or type(e).__name__}") from e
+
+    async def cancel(self, run_id: str) -> bool:
+        """Ask the worker to stop a run (its stream then reports `cancelled`); False when the
+        worker did not take it (the run already ended, or the worker is unreachable)."""
+        assert self.session is not None
+        try:
+            async with self.session.post(self.base_url + "/cancel", json={"run_id": run_id},
+                                         timeout=aiohttp.ClientTimeout(total=CANCEL_TIMEOUT_S)
+                                         ) as r:
+                return r.status == 200
+        except _UNREACHABLE:
+            return False
 
     async def abort(self) -> None:
         """Fail everything in flight on this worker now: its streams and pending connections

@@ -217,3 +217,29 @@ def test_a_save_still_being_written_at_shutdown_is_committed(tmp_path: Path) -> 
                  cache_dir=srv.cache_dir) as srv2:
         again = ask(srv2, msgs, max_tokens=1)
     assert again["source"] == "disk" and again["cached"] == first["prompt"] - 2
+
+
+def test_a_cancelled_runs_snapshots_are_still_committed(tmp_path: Path) -> None:
+    """The client leaves right after the first token, while the snapshot of the prompt's end
+    (taken just before decoding) is still being written: the worker is told to stop, and its
+    stream goes on until that snapshot is committed."""
+    msgs = convo("Which rule is about files?", history=12)
+    with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full") as srv:
+        c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=120)
+        stream = c.chat.completions.create(model="m", messages=msgs, temperature=0.8,
+                                           max_tokens=400, stream=True)
+        for chunk in stream:  # the first chunk (the role) comes before the prefill
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        stream.close()
+        deadline = time.time() + 30
+        while not (m := re.search(r"openai prompt=(\d+) cached=0 source=none cancelled "
+                                  r"live=(\d+)", srv.log())) and time.time() < deadline:
+            time.sleep(0.1)
+        assert m, srv.log()
+        n = int(m[1])
+        assert int(m[2]) == n  # the whole prompt was prefilled before the first token
+        found = entries(srv.cache_dir, until=lambda f: n in [e.n_tokens for e in f])
+        assert n in [e.n_tokens for e in found], srv.log()
+        again = ask(srv, msgs, max_tokens=1)  # live: the worker kept the prompt's KV
+        assert (again["source"], again["cached"]) == ("live", n - 2)
