@@ -6,7 +6,7 @@ Rules:
   is put only after its file is durable (``store.write_state_file`` returned), so an entry never
   points at a partial file; :meth:`Index.reconcile` repairs the rest at startup.
 - An entry stored under the key of n tokens describes a file holding KV for exactly n tokens;
-  :meth:`Index.longest` refuses an entry whose ``n_tokens`` differs from the position it was
+  :meth:`Index.hits` refuses an entry whose ``n_tokens`` differs from the position it was
   looked up at (the exactness invariant).
 - ``cache_dir/index.lmdb`` holds two databases: ``entries`` (16-byte key -> packed Entry) and
   ``meta`` (``total_bytes``, kept in the same transaction as every entry change, so
@@ -115,10 +115,13 @@ class Index:
     def get(self, key: CacheKey) -> Entry | None:
         return self._read(lambda txn: self._get(txn, key))
 
-    def longest(self, keys_by_pos: Mapping[int, CacheKey]) -> tuple[int, CacheKey, Entry] | None:
-        """The longest position whose key is stored with exactly that many tokens."""
+    def hits(self, keys_by_pos: Mapping[int, CacheKey], limit: int
+             ) -> list[tuple[int, CacheKey, Entry]]:
+        """Up to `limit` positions whose key is stored with exactly that many tokens, longest
+        first."""
 
-        def find(txn: lmdb.Transaction) -> tuple[int, CacheKey, Entry] | None:
+        def find(txn: lmdb.Transaction) -> list[tuple[int, CacheKey, Entry]]:
+            found: list[tuple[int, CacheKey, Entry]] = []
             for pos in sorted(keys_by_pos, reverse=True):
                 key = keys_by_pos[pos]
                 entry = self._get(txn, key)
@@ -132,8 +135,10 @@ class Index:
                         pos,
                     )
                     continue
-                return pos, key, entry
-            return None
+                found.append((pos, key, entry))
+                if len(found) == limit:
+                    break
+            return found
 
         return self._read(find)
 

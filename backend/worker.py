@@ -5,7 +5,7 @@
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> NDJSON event stream for one plan:
-        {"event": "start", "keep", "restored", "restore_s", "fault"}     live tokens kept / restored
+        {"event": "start", "keep", "restored", "restore_s", "faults"}    live tokens kept / restored
         {"event": "prefill", "n_live"}                                   after each prefill batch
         {"event": "token", "id", "text"}                                 one per generated token
         {"event": "done", "finish_reason", "n_gen", "n_live", "prefill_s", "decode_s",
@@ -15,7 +15,8 @@
         {"event": "save_failed", "n_tokens", "key", "reason", "message"}
         {"event": "error", "message"}
 
-The plan (`/run` body): `ids` (the whole prompt), `restore` ({file, n_tokens} or null), `saves`
+The plan (`/run` body): `ids` (the whole prompt), `restore` ([{file, n_tokens}], longest first:
+a broken file is reported in `faults` and the next one tried), `saves`
 ([{n_tokens, key, reason}]), `sampling`, `max_tokens`, `stop`, `grammar`, `live_ok` (false: the
 live KV belongs to another tenant and must not be reused), `keep_max` (reuse at most this many),
 `run_id` (for `/cancel`).
@@ -84,28 +85,28 @@ class Worker:
         last = min(max(len(ids) - 2, 0), int(plan.get("keep_max", len(ids))))
         live_ok = plan.get("live_ok", True)  # false: the live KV is another tenant's
         keep = min(eng.live_prefix(ids), last) if live_ok else 0
-        restored, fault = 0, None
-        restore = plan.get("restore")
-        if restore and restore["n_tokens"] > keep:
+        restored, faults = 0, []
+        for r in plan.get("restore") or ():  # longest first: the next one if one is broken
+            if r["n_tokens"] <= keep:
+                break
             try:
-                n, state = store.read_state_file(
-                    self.cache_dir / restore["file"], self.fingerprint, ids
-                )
-                if n != restore["n_tokens"]:
+                n, state = store.read_state_file(self.cache_dir / r["file"], self.fingerprint, ids)
+                if n != r["n_tokens"]:
                     raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
-                                                     f"{restore['n_tokens']}")
+                                                     f"{r['n_tokens']}")
                 eng.restore(ids[:n], state)
                 restored, keep = n, min(n, last)
+                break
             except store.CacheFault as e:
-                fault = {"reason": e.reason, "message": str(e)}
+                faults.append({"reason": e.reason, "message": str(e), "file": r["file"]})
             except ValueError as e:
-                fault = {"reason": "corrupt", "message": str(e)}
-        if not restored:
+                faults.append({"reason": "corrupt", "message": str(e), "file": r["file"]})
+            # a failed restore may have cleared the live KV
             keep = min(eng.live_prefix(ids), last) if live_ok else 0
         eng.truncate(keep)
         restore_s = time.perf_counter() - t0
         emit({"event": "start", "keep": keep, "restored": restored, "restore_s": restore_s,
-              "fault": fault})
+              "faults": faults})
 
         saves = {int(s["n_tokens"]): s for s in plan.get("saves", ())}
         pending: list[Future[None]] = []

@@ -87,13 +87,14 @@ class MemoryIndex:
     def stored(self, keys_by_pos: Mapping[int, keys.CacheKey]) -> set[int]:
         return {p for p, k in keys_by_pos.items() if k in self.entries}
 
-    def longest(self, keys_by_pos: Mapping[int, keys.CacheKey]
-                ) -> tuple[int, keys.CacheKey, Entry] | None:
+    def hits(self, keys_by_pos: Mapping[int, keys.CacheKey], limit: int
+             ) -> list[tuple[int, keys.CacheKey, Entry]]:
+        found = []
         for pos in sorted(keys_by_pos, reverse=True):
             e = self.entries.get(keys_by_pos[pos])
             if e is not None and e.n_tokens == pos:  # the exactness invariant, as Index checks
-                return pos, keys_by_pos[pos], e
-        return None
+                found.append((pos, keys_by_pos[pos], e))
+        return found[:limit]
 
     def ring_push(self, tenant: str, ids: Sequence[int], capacity: int) -> None:
         self.ring.append((tenant, tuple(ids)))

@@ -9,7 +9,7 @@
     (background)  commit           the worker's `saved` events become LMDB entries, then eviction
 
 Cache faults never fail a request: a bad entry is dropped, counted and logged once, and the
-worker prefills instead.
+worker tries the next-shorter entry (up to RESTORE_FALLBACKS more), then prefills.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ log = logging.getLogger("prefixgate")
 
 RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
 PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
+RESTORE_FALLBACKS = 2  # shorter entries the worker may try after a broken one
 SHUTDOWN_COMMIT_WAIT_S = 30.0  # how long a stopping proxy waits for snapshots being written
 
 
@@ -116,6 +117,8 @@ class Decision:
     disk_n: int = 0
     disk_entry: Entry | None = None
     disk_key: keys.CacheKey | None = None
+    # the next-shorter stored entries, tried in order when a longer one turns out broken
+    fallbacks: list[tuple[int, keys.CacheKey, Entry]] = field(default_factory=list)
     live_n: int = 0
     boundary: int | None = None
     plan: SavePlan | None = None
@@ -123,6 +126,12 @@ class Decision:
     lookup: str = "off"  # hit | partial | miss | off
     keyed: dict[int, keys.CacheKey] = field(default_factory=dict)  # candidate position -> key
     keep_max: int = 0  # reuse at most this many tokens (live or restored)
+
+    def restorable(self) -> list[tuple[int, keys.CacheKey, Entry]]:
+        """The disk hit and its fallbacks, longest first."""
+        best = [] if self.disk_entry is None or self.disk_key is None else [
+            (self.disk_n, self.disk_key, self.disk_entry)]
+        return best + self.fallbacks
 
 
 class Gateway:
@@ -199,9 +208,9 @@ class Gateway:
         positions = candidate_positions(len(ids), boundaries, scope, self.knobs)
         keyed = keys.prefix_keys(self.salt(tenant), ids, positions)
         d.keyed = keyed
-        hit = self.index.longest(keyed)
-        if hit is not None:
-            d.disk_n, d.disk_key, d.disk_entry = hit
+        hits = self.index.hits(keyed, 1 + RESTORE_FALLBACKS)
+        if hits:
+            (d.disk_n, d.disk_key, d.disk_entry), d.fallbacks = hits[0], hits[1:]
         return keyed, d
 
     def _plan(self, prep: Prepared, keyed: dict[int, keys.CacheKey], d: Decision,
@@ -260,8 +269,8 @@ class Gateway:
                                                  RING_CAPACITY))
             plan = {
                 "ids": list(ids),
-                "restore": ({"file": d.disk_entry.file, "n_tokens": d.disk_n}
-                            if d.disk_entry is not None and d.disk_n > d.live_n else None),
+                "restore": [{"file": e.file, "n_tokens": n} for n, _, e in d.restorable()
+                            if n > d.live_n],
                 "saves": d.saves,
                 "sampling": prep.req.sampling,
                 "max_tokens": prep.max_tokens,
@@ -325,10 +334,10 @@ class Gateway:
 
     def drop_faulty(self, d: Decision, fault: dict[str, Any]) -> None:
         self.metrics.faults.labels(fault["reason"]).inc()
-        log.warning("cache fault (%s), entry dropped, prefilling instead: %s", fault["reason"],
-                    fault["message"])
-        if self.index is not None and d.disk_key is not None:
-            self.index.delete(d.disk_key)
+        log.warning("cache fault (%s), entry dropped: %s", fault["reason"], fault["message"])
+        for _, key, entry in d.restorable():
+            if self.index is not None and entry.file == fault.get("file"):
+                self.index.delete(key)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -407,14 +416,15 @@ class Run:
 
     def _on_start(self, ev: dict[str, Any]) -> None:
         gw, d, u = self.gw, self.d, self.usage
-        if ev.get("fault"):
-            gw.drop_faulty(d, ev["fault"])
+        for fault in ev.get("faults") or ():
+            gw.drop_faulty(d, fault)
         u.cached_tokens = self.live_n = int(ev["keep"])
         if ev["restored"]:
             u.source = "disk"
             gw.metrics.restore_seconds.observe(ev["restore_s"])
-            if d.disk_key is not None and gw.index is not None:
-                gw.index.touch(d.disk_key, time.time())
+            for n, key, _ in d.restorable():
+                if n == ev["restored"] and gw.index is not None:
+                    gw.index.touch(key, time.time())
         elif u.cached_tokens:
             u.source = "live"
         saves = [s["n_tokens"] for s in d.saves if s["n_tokens"] >= u.cached_tokens]

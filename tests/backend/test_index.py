@@ -77,21 +77,22 @@ def test_put_get_roundtrip_of_every_field(tmp_path: Path, index: Index) -> None:
     assert len(index) == 2
 
 
-def test_longest_picks_the_longest_stored_position(tmp_path: Path, index: Index) -> None:
-    save(tmp_path, index, 10)
+def test_hits_are_the_stored_positions_longest_first(tmp_path: Path, index: Index) -> None:
+    key10, entry10 = save(tmp_path, index, 10)
     key20, entry20 = save(tmp_path, index, 20)
     keys = prefix_keys(SALT, IDS, [5, 10, 20, 30, 100])
-    assert index.longest(keys) == (20, key20, entry20)  # 30 and 100 are not stored
-    assert index.longest({n: k for n, k in keys.items() if n < 10}) is None
-    assert index.longest({}) is None
+    assert index.hits(keys, 1) == [(20, key20, entry20)]  # 30 and 100 are not stored
+    assert index.hits(keys, 3) == [(20, key20, entry20), (10, key10, entry10)]  # fallbacks
+    assert index.hits({n: k for n, k in keys.items() if n < 10}, 3) == []
+    assert index.hits({}, 3) == []
 
 
-def test_longest_ignores_an_entry_with_the_wrong_token_count(tmp_path: Path, index: Index) -> None:
+def test_hits_ignore_an_entry_with_the_wrong_token_count(tmp_path: Path, index: Index) -> None:
     # exactness invariant: a key of 30 tokens must never be served by a 20-token snapshot
     key10, entry10 = save(tmp_path, index, 10)
     _, entry20 = save(tmp_path, index, 20)
     index.put(key_at(30), entry20)
-    assert index.longest(prefix_keys(SALT, IDS, [10, 30])) == (10, key10, entry10)
+    assert index.hits(prefix_keys(SALT, IDS, [10, 30]), 3) == [(10, key10, entry10)]
 
 
 def test_touch_counts_hits(tmp_path: Path, index: Index) -> None:

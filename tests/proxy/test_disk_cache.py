@@ -153,7 +153,8 @@ def test_a_broken_state_file_is_a_clean_miss(tmp_path: Path, fault: str) -> None
     with running(tmp_path, "--workers", "1") as srv:
         first = ask(srv, msgs)
         ask(srv, msgs)  # stores the scoped entry for the whole prompt
-        for e in entries(srv.cache_dir):
+        broken = entries(srv.cache_dir, until=lambda f: len(f) >= 2)
+        for e in broken:
             path = srv.cache_dir / e.file
             if fault == "missing":
                 path.unlink()
@@ -171,7 +172,8 @@ def test_a_broken_state_file_is_a_clean_miss(tmp_path: Path, fault: str) -> None
         metrics = srv.get("/metrics")[1]
         assert "prefixgate_cache_faults_total" in metrics
         fault_lines = [ln for ln in srv.log().splitlines() if "cache fault" in ln]
-        assert len(fault_lines) == 1, "one log line per fault"
+        # the worker tried each entry, longest first: one log line per fault
+        assert len(fault_lines) == len(broken) == 2, fault_lines
         again = ask(srv, msgs)  # the bad entry was dropped and a new one written
         assert again["text"] == first["text"]
 
@@ -243,3 +245,23 @@ def test_a_cancelled_runs_snapshots_are_still_committed(tmp_path: Path) -> None:
         assert n in [e.n_tokens for e in found], srv.log()
         again = ask(srv, msgs, max_tokens=1)  # live: the worker kept the prompt's KV
         assert (again["source"], again["cached"]) == ("live", n - 2)
+
+
+def test_a_broken_entry_falls_back_to_the_next_shorter_one(tmp_path: Path) -> None:
+    msgs = convo("Which rule is about citing?")
+    with running(tmp_path, "--workers", "1") as srv:
+        first = ask(srv, msgs)  # a cold prefill: the anchor
+        ask(srv, msgs)  # live: the scoped entry for the whole prompt
+        found = entries(srv.cache_dir, until=lambda f: len(f) >= 2)
+        anchor = min(found, key=lambda e: e.n_tokens)
+        longest = max(found, key=lambda e: e.n_tokens)
+        assert anchor.reason == "cold" and longest.n_tokens > anchor.n_tokens
+        data = bytearray((srv.cache_dir / longest.file).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (srv.cache_dir / longest.file).write_bytes(bytes(data))
+        flush_live(srv)
+        after = ask(srv, msgs)
+        assert (after["source"], after["cached"]) == ("disk", anchor.n_tokens), srv.log()
+        assert after["text"] == first["text"]
+        assert len([ln for ln in srv.log().splitlines() if "cache fault" in ln]) == 1
+        assert longest.n_tokens not in [e.n_tokens for e in entries(srv.cache_dir)]
