@@ -48,7 +48,7 @@ from proxy.chat import ChatRequest
 from proxy.config import Config
 from proxy.errors import BadRequest, ContextOverflow, WorkerFailed
 from proxy.metrics import Metrics
-from proxy.template import ChatTemplate, Rendered, render_prompt
+from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
 from proxy.tokenizer import Tokenizer
 from proxy.tools import apply as tool_prompt
 from proxy.workers import Pool, Worker
@@ -186,7 +186,7 @@ class Gateway:
             except jinja2.TemplateError as e:  # e.g. a template that wants alternating roles
                 raise BadRequest(f"the model's chat template rejected these messages: {e}",
                                  param="messages") from None
-            except ValueError as e:
+            except CannotContinue as e:
                 raise BadRequest(str(e), param="messages") from None
         n = len(rendered.ids)
         if n == 0:

@@ -49,7 +49,8 @@ from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "Rendered", "load_template", "render_prompt"]
+__all__ = ["CHATML_TEMPLATE", "CannotContinue", "ChatTemplate", "Rendered", "load_template",
+           "render_prompt"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -204,7 +205,7 @@ def render_prompt(
     """Render ``messages`` (and ``tools``), tokenize, and locate the safe boundaries.
     With ``continue_final`` the prompt ends right after the final (assistant) message's
     content, so the model continues it; a template that does not render that content verbatim
-    raises ``ValueError``."""
+    raises ``CannotContinue``."""
     if continue_final:
         text = _open_final_message(template.render(messages, tools, add_generation_prompt=False),
                                    str(messages[-1].get("content") or ""))
@@ -231,14 +232,18 @@ def render_prompt(
     return Rendered(text, tuple(ids), tuple(boundaries), message_starts)
 
 
+class CannotContinue(ValueError):
+    """The template does not render the final message's content verbatim."""
+
+
 def _open_final_message(text: str, content: str) -> str:
     """``text`` cut right after the final message's content (what follows it is the template's
     end of turn)."""
     body = content.strip()
     at = text.rfind(body) if body else -1
     if at < 0:
-        raise ValueError("the chat template does not render the final assistant message "
-                         "verbatim, so it cannot be continued")
+        raise CannotContinue("the chat template does not render the final assistant message "
+                             "verbatim, so it cannot be continued")
     return text[: at + len(body)]
 
 
