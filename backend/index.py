@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from backend import store
 from backend.keys import KEY_SIZE_BYTES, CacheKey, pack_ids
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ class ReconcileReport:
     missing_dropped: int  # entries whose file was gone
     size_dropped: int  # entries whose file size differed (file removed too)
     unreadable_dropped: int  # entries whose value could not be decoded
-    orphans_removed: int  # .kv files no entry pointed to
-    kept: int  # entries left
+    orphans_removed: int  # .kv files no entry pointed to, and not adoptable
+    kept: int  # entries left (adopted ones included)
+    orphans_adopted: int = 0  # complete .kv files no entry pointed to, recorded now
 
 
 @dataclass(slots=True)
@@ -225,8 +227,11 @@ class Index:
 
     def reconcile(self) -> ReconcileReport:
         """Startup repair, before any worker writes: sweep temp files, then make the index and
-        the .kv files agree (entries without their file, or with the wrong size, are dropped;
-        files without an entry are deleted)."""
+        the .kv files agree. Entries without their file, or with the wrong size, are dropped. A
+        file without an entry (its proxy was killed between the worker's rename and the commit)
+        is adopted when its name is a key and its header is complete, as reason ``adopted``
+        (tenant unknown); otherwise it is deleted. Checksums are not read here: a restore
+        verifies the whole file before it is trusted."""
         kv_dir = self.cache_dir / "kv"
         temps = sorted(kv_dir.rglob(".tmp-*")) if kv_dir.is_dir() else []
         for tmp in temps:
@@ -236,18 +241,42 @@ class Index:
             self._unlink(file)
         kv_files = sorted(kv_dir.rglob("*.kv")) if kv_dir.is_dir() else []
         orphans = [p for p in kv_files if p not in checked.referenced]
+        adopted = 0
         for orphan in orphans:
-            self._unlink(orphan)
+            found = self._adoptable(orphan)
+            if found is None:
+                self._unlink(orphan)
+            else:
+                self.put(*found)
+                adopted += 1
         report = ReconcileReport(
             temp_files_removed=len(temps),
             missing_dropped=checked.missing,
             size_dropped=len(checked.wrong_size_files),
             unreadable_dropped=checked.unreadable,
-            orphans_removed=len(orphans),
-            kept=len(checked.referenced),
+            orphans_removed=len(orphans) - adopted,
+            kept=len(checked.referenced) + adopted,
+            orphans_adopted=adopted,
         )
         log.info("cache reconcile: %s", report)
         return report
+
+    def _adoptable(self, path: Path) -> tuple[CacheKey, Entry] | None:
+        """(key, entry) for an orphan state file named after its key with a complete header."""
+        try:
+            key = CacheKey(bytes.fromhex(path.stem))
+            header = store.read_header(path)
+        except (ValueError, OSError, store.CacheFault):
+            return None
+        if (len(key) != KEY_SIZE_BYTES or store.state_path(self.cache_dir, key) != path
+                or header.file_size_bytes != header.state_offset + header.state_len):
+            return None
+        mtime = path.stat().st_mtime
+        return key, Entry(
+            n_tokens=header.n_tokens, file=str(path.relative_to(self.cache_dir)),
+            size_bytes=header.file_size_bytes, checksum=header.checksum, reason="adopted",
+            created_s=mtime, last_used_s=mtime, hits=0, fingerprint=header.fingerprint,
+            tenant="")
 
     def _drop_broken(self, txn: lmdb.Transaction) -> _Checked:
         """Drop entries whose file is missing, of the wrong size, or whose value is unreadable;

@@ -41,9 +41,10 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -246,12 +247,34 @@ class Worker:
             await asyncio.sleep(0.05)
 
 
-def make_app(worker: Worker) -> web.Application:
+def make_app(worker: Worker, parent_pid: int | None = None) -> web.Application:
+    """`parent_pid`: the proxy that spawned this worker; the worker stops when it is gone."""
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/health", worker.health)
     app.router.add_post("/run", worker.run)
     app.router.add_post("/cancel", worker.cancel)
+    if parent_pid is not None:
+        app.cleanup_ctx.append(lambda app: _exit_with_parent(parent_pid))
     return app
+
+
+PARENT_CHECK_S = 1.0
+
+
+async def _exit_with_parent(parent_pid: int) -> AsyncIterator[None]:
+    """A proxy killed without a chance to stop its workers (SIGKILL, the OOM killer) must not
+    leave them holding the model and its KV: when the parent is gone, stop as on SIGTERM, so
+    runs in flight finish writing the snapshots they took (the next proxy adopts them)."""
+
+    async def watch() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(PARENT_CHECK_S)
+        log.warning("the proxy (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    task = asyncio.create_task(watch())
+    yield
+    task.cancel()
 
 
 def _env(name: str, default: str) -> str:
@@ -309,19 +332,20 @@ def main(argv: list[str] | None = None) -> None:
                           llama_cpp.__version__)
     worker = Worker(engine, args.worker_id, cache_dir, keys.fingerprint(salt), args.model,
                     args.flash_attn, args.n_ctx)
-    app = make_app(worker)
     if args.listen:
         host, port = args.listen
         log.info("worker %d listening on %s:%d (model %s, n_ctx %d, cache %s)", args.worker_id,
                  host, port, args.model, engine.n_ctx, cache_dir)
-        web.run_app(app, host=host, port=port, print=None, handle_signals=True,
+        web.run_app(make_app(worker), host=host, port=port, print=None, handle_signals=True,
                     access_log=None)
     else:
         if not args.socket:
             p.error("give --listen HOST:PORT (or --socket PATH)")
         if os.path.exists(args.socket):
             os.unlink(args.socket)
-        web.run_app(app, path=args.socket, print=None, handle_signals=True, access_log=None)
+        # spawned by the proxy: stop with it
+        web.run_app(make_app(worker, parent_pid=os.getppid()), path=args.socket, print=None,
+                    handle_signals=True, access_log=None)
 
 
 if __name__ == "__main__":

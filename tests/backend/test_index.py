@@ -176,7 +176,12 @@ def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> 
     (tmp_path / lost.file).unlink()  # entry without its file
     short_key, short = save(tmp_path, index, 30)
     os.truncate(tmp_path / short.file, short.size_bytes - 1)  # file of the wrong size
-    stray, _, _ = write_state_file(tmp_path, key_at(40), FP, IDS[:40], b"s" * 40)  # no entry
+    # complete files without an entry (the proxy died before recording them): adopted
+    stray, size, checksum = write_state_file(tmp_path, key_at(40), FP, IDS[:40], b"s" * 40)
+    # an orphan cut short, and one not named after a key: removed
+    cut, _, _ = write_state_file(tmp_path, key_at(50), FP, IDS[:50], b"s" * 50)
+    os.truncate(cut, cut.stat().st_size - 1)
+    (stray.parent / "notakey.kv").write_bytes(stray.read_bytes())
     temp = stray.parent / ".tmp-deadbeef-xyz"
     temp.write_bytes(b"half a state")
 
@@ -187,13 +192,20 @@ def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> 
         missing_dropped=1,
         size_dropped=1,
         unreadable_dropped=0,
-        orphans_removed=1,
-        kept=1,
+        orphans_removed=2,
+        kept=2,
+        orphans_adopted=1,
     )
-    assert index.entries() == [(kept_key, kept)]
-    assert index.total_bytes() == kept.size_bytes
-    assert [p for p in (tmp_path / "kv").rglob("*") if p.is_file()] == [tmp_path / kept.file]
-    assert index.reconcile() == ReconcileReport(0, 0, 0, 0, 0, kept=1)  # idempotent
+    adopted = index.get(key_at(40))
+    assert adopted is not None
+    assert (adopted.n_tokens, adopted.file, adopted.size_bytes, adopted.checksum,
+            adopted.reason, adopted.fingerprint) == (40, str(stray.relative_to(tmp_path)), size,
+                                                     checksum, "adopted", FP)
+    assert sorted(index.entries()) == sorted([(kept_key, kept), (key_at(40), adopted)])
+    assert index.total_bytes() == kept.size_bytes + size
+    assert sorted(p for p in (tmp_path / "kv").rglob("*") if p.is_file()) == sorted(
+        [tmp_path / kept.file, stray])
+    assert index.reconcile() == ReconcileReport(0, 0, 0, 0, 0, kept=2)  # idempotent
 
 
 def test_reconcile_on_an_empty_cache(tmp_path: Path, index: Index) -> None:

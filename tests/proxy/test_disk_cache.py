@@ -265,3 +265,37 @@ def test_a_broken_entry_falls_back_to_the_next_shorter_one(tmp_path: Path) -> No
         assert after["text"] == first["text"]
         assert len([ln for ln in srv.log().splitlines() if "cache fault" in ln]) == 1
         assert longest.n_tokens not in [e.n_tokens for e in entries(srv.cache_dir)]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_killed_proxy_loses_no_snapshot_and_leaves_no_worker(tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, a docker kill): the worker notices its proxy is gone, finishes
+    writing the snapshot it took and exits; the next proxy adopts the file it finds without an
+    index entry."""
+    msgs = convo("Which rule is about files?", history=12)
+    with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full") as srv:
+        workers = child_pids(srv.proc.pid)
+        assert workers
+        first = ask(srv, msgs, max_tokens=1)
+        srv.proc.kill()
+        srv.proc.wait()
+        deadline = time.time() + 60
+        while any(Path(f"/proc/{p}").exists() for p in workers) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(Path(f"/proc/{p}").exists() for p in workers), "a worker outlived it"
+    with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full",
+                 cache_dir=srv.cache_dir) as srv2:
+        assert "orphans_adopted=" in srv2.log()
+        again = ask(srv2, msgs, max_tokens=1)
+    assert (again["source"], again["cached"]) == ("disk", first["prompt"] - 2), srv2.log()
