@@ -381,7 +381,6 @@ class Run:
         self.timings: dict[str, float] = {}
         self._cm: Any = None
         self._resp: aiohttp.ClientResponse | None = None
-        self._released = False
         self._done = False  # the run ended (done, cancelled or failed): nothing to cancel
         self._abandoned = False  # aclose() was called: tokens are no longer wanted
         self._saves_seen = 0
@@ -508,11 +507,9 @@ class Run:
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.prep.arrived_s
         self._queue.put_nowait(None)  # the end of pieces()
-        if self._abandoned:  # the cancel came too late: the run finished anyway
-            live = list(self.prep.rendered.ids[: min(ev["n_live"], self.usage.prompt_tokens)])
-            await self._end("cancelled", live)
-            return
-        await self._end("ok", [*self.prep.rendered.ids, *self.gen_ids][: ev["n_live"]])
+        # abandoned: the cancel came too late, the run finished anyway
+        await self._end("cancelled" if self._abandoned else "ok",
+                        [*self.prep.rendered.ids, *self.gen_ids][: ev["n_live"]])
 
     async def _end(self, outcome: str, live: list[int]) -> None:
         """The run is over on the worker: count it, log it, release the worker (once)."""
@@ -530,7 +527,6 @@ class Run:
             log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d", api,
                      u.prompt_tokens, u.cached_tokens, u.source, outcome, len(live),
                      self.worker.worker_id)
-        self._released = True
         await self.gw.pool.release(self.worker, live, self.tenant)
 
     # --- the consumer side -----------------------------------------------------------------
