@@ -15,12 +15,18 @@ Rules this module keeps:
   were generated (evaluated one at a time) are not *exact*: live reuse stops at `exact_n`, the
   end of the KV that a cold prefill would have computed identically. This is what makes the
   output of a cache hit equal to the output of a cold run.
+- Batch invariance needs the plain CPU kernels: llama.cpp's CPU "extra buffer types" (weights
+  repacked for AMX or AVX tile kernels, on by default) compute a token's KV differently depending
+  on the batch around it (measured on a Sapphire Rapids Xeon: logits after the same 400 tokens
+  prefilled as 400 or as 100 + 300 differed by up to 3.0, and a cache hit's greedy output
+  differed from a cold run's). The engine loads the model without them (`use_extra_bufts`).
 - Cancellation is checked between prefill batches and between generated tokens.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import logging
 import threading
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp
+import llama_cpp.llama as llama_cpp_llama
 import numpy as np
 
 log = logging.getLogger("prefixgate.engine")
@@ -78,13 +85,15 @@ class StopMatcher:
         self.pending = ""
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def feed(self, piece: bytes) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was hit)."""
+    def feed(self, piece: bytes) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string that matched or None). Of several
+        matches the earliest wins, the longest among those starting there."""
         buf = self.pending + self.decoder.decode(piece)
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, _, matched = min(found)
             self.pending = ""
-            return buf[:cut], True
+            return buf[:cut], matched
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -92,12 +101,31 @@ class StopMatcher:
                     hold = k
                     break
         self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         out = self.pending + self.decoder.decode(b"", final=True)
         self.pending = ""
         return out
+
+
+@contextlib.contextmanager
+def _without_extra_buffer_types() -> Iterator[None]:
+    """`Llama()` takes no `use_extra_bufts` argument: hand it default model params with the
+    extra buffer types off while it loads (see the module rules: batch invariance)."""
+    low = llama_cpp_llama.llama_cpp
+    default = low.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
 
 
 class Engine:
@@ -112,15 +140,16 @@ class Engine:
         n_batch: int = 512,
         flash_attn: bool = False,
     ) -> None:
-        self.llm = llama_cpp.Llama(
-            model_path=model_path,
-            n_ctx=n_ctx,
-            n_batch=n_batch,
-            n_threads=n_threads,
-            n_gpu_layers=n_gpu_layers,
-            flash_attn=flash_attn,
-            verbose=False,
-        )
+        with _without_extra_buffer_types():
+            self.llm = llama_cpp.Llama(
+                model_path=model_path,
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_threads=n_threads,
+                n_gpu_layers=n_gpu_layers,
+                flash_attn=flash_attn,
+                verbose=False,
+            )
         self.n_ctx = self.llm.n_ctx()
         self.n_batch = n_batch
         self._eog = {t for t in range(self.llm.n_vocab()) if self._is_eog(t)}

@@ -112,7 +112,7 @@ class Index:
         with self._lock:
             self._env.close()
 
-    # --- reads (hot path: called on the event loop per request) ----------------------------
+    # --- reads (the hot path: one `lookup` per request, off the event loop) -----------------
 
     def get(self, key: CacheKey) -> Entry | None:
         return self._read(lambda txn: self._get(txn, key))
@@ -121,28 +121,18 @@ class Index:
              ) -> list[tuple[int, CacheKey, Entry]]:
         """Up to `limit` positions whose key is stored with exactly that many tokens, longest
         first."""
+        return self._read(lambda txn: self._find(txn, keys_by_pos, limit))
 
-        def find(txn: lmdb.Transaction) -> list[tuple[int, CacheKey, Entry]]:
-            found: list[tuple[int, CacheKey, Entry]] = []
-            for pos in sorted(keys_by_pos, reverse=True):
-                key = keys_by_pos[pos]
-                entry = self._get(txn, key)
-                if entry is None:
-                    continue
-                if entry.n_tokens != pos:
-                    log.warning(
-                        "index entry %s holds %d tokens but was looked up at %d; ignored",
-                        key.hex(),
-                        entry.n_tokens,
-                        pos,
-                    )
-                    continue
-                found.append((pos, key, entry))
-                if len(found) == limit:
-                    break
-            return found
+    def lookup(self, keys_by_pos: Mapping[int, CacheKey], limit: int
+               ) -> tuple[list[tuple[int, CacheKey, Entry]], set[int]]:
+        """`hits(keys_by_pos, limit)` and `stored(keys_by_pos)` from one read transaction."""
 
-        return self._read(find)
+        def read(txn: lmdb.Transaction) -> tuple[list[tuple[int, CacheKey, Entry]], set[int]]:
+            stored = {p for p, k in keys_by_pos.items()
+                      if txn.get(k, db=self._entries) is not None}
+            return self._find(txn, {p: keys_by_pos[p] for p in stored}, limit), stored
+
+        return self._read(read)
 
     def stored(self, keys_by_pos: Mapping[int, CacheKey]) -> set[int]:
         """The positions whose key has an entry (one read transaction for all of them)."""
@@ -374,6 +364,23 @@ class Index:
                     self._env.set_mapsize(map_size)
                 except lmdb.MapResizedError:
                     self._env.set_mapsize(0)
+
+    def _find(self, txn: Any, keys_by_pos: Mapping[int, CacheKey], limit: int
+              ) -> list[tuple[int, CacheKey, Entry]]:
+        found: list[tuple[int, CacheKey, Entry]] = []
+        for pos in sorted(keys_by_pos, reverse=True):
+            key = keys_by_pos[pos]
+            entry = self._get(txn, key)
+            if entry is None:
+                continue
+            if entry.n_tokens != pos:
+                log.warning("index entry %s holds %d tokens but was looked up at %d; ignored",
+                            key.hex(), entry.n_tokens, pos)
+                continue
+            found.append((pos, key, entry))
+            if len(found) == limit:
+                break
+        return found
 
     def _get(self, txn: Any, key: bytes) -> Entry | None:
         value = txn.get(key, db=self._entries)

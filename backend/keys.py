@@ -24,6 +24,7 @@ import os
 import sys
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType
 
@@ -36,7 +37,9 @@ CacheKey = NewType("CacheKey", bytes)
 
 KEY_SIZE_BYTES = 16
 _EDGE_BYTES = 1 << 20  # how much of each end of the model file goes into its identity
-_SALT_DOMAIN = b"prefixgate-salt-v1\0"
+# v2: workers load models without llama.cpp's CPU extra buffer types (backend/engine.py), which
+# changes the KV a prefill computes on CPUs that used them: snapshots of v1 are a clean miss
+_SALT_DOMAIN = b"prefixgate-salt-v2\0"
 _FINGERPRINT_DOMAIN = b"prefixgate-fingerprint-v1\0"
 
 
@@ -81,6 +84,27 @@ def make_salt(
     }
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return xxhash.xxh3_128_digest(_SALT_DOMAIN + canonical.encode("ascii"))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdentity:
+    """Everything that makes a saved state incompatible with a running one: the salt's fields
+    (the tenant aside). Proxy, workers, benchmarks and tests build it in one place
+    (``proxy.config.cache_identity``) and key everything through it."""
+
+    model_path: str
+    n_ctx: int  # as configured (llama.cpp pads it; the same setting pads the same)
+    type_k: str  # KV cache types
+    type_v: str
+    flash_attn: bool
+    lib_version: str  # llama-cpp-python's version
+
+    def salt(self, tenant: str = "") -> bytes:
+        return make_salt(self.model_path, self.n_ctx, self.type_k, self.type_v, self.flash_attn,
+                         self.lib_version, tenant)
+
+    def fingerprint(self) -> bytes:
+        return fingerprint(self.salt())
 
 
 def fingerprint(salt_without_tenant: bytes) -> bytes:

@@ -4,41 +4,30 @@
                       llama.cpp), "n_live", "fingerprint", "model", "pid",
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
-    POST /run     -> NDJSON event stream for one plan:
-        {"event": "start", "keep", "restored", "restore_s", "faults"}    live tokens kept / restored
-        {"event": "prefill", "n_live"}                                   after each prefill batch
-        {"event": "token", "id", "text"}                                 one per generated token
-        {"event": "done", "finish_reason", "n_gen", "n_live", "prefill_s", "decode_s",
-         "pending_saves"}
-        {"event": "cancelled", "n_live", "pending_saves"}                 instead of `done`
-        {"event": "saved", "n_tokens", "key", "file", "size_bytes", "checksum", "reason", "save_s"}
-        {"event": "save_failed", "n_tokens", "key", "reason", "message"}
-        {"event": "error", "message"}
+    POST /run     -> a `backend.protocol.Job` in, its NDJSON event stream out (the events and
+                     their order are in backend/protocol.py; a malformed job is a 400)
+    POST /cancel  -> {"run_id"}: stop that run at its next prefill batch or token
 
-The plan (`/run` body): `ids` (the whole prompt), `restore` ([{file, n_tokens}], longest first:
-a broken file is reported in `faults` and the next one tried), `saves`
-([{n_tokens, key, reason}]), `sampling`, `max_tokens`, `stop`, `grammar`, `live_ok` (false: the
-live KV belongs to another tenant and must not be reused), `keep_max` (reuse at most this many),
-`run_id` (for `/cancel`).
+A job carries its `policies.decide.Plan`: the entries to restore (longest first: a broken file
+is reported in `Start.faults` and the next one tried), the save points, `keep_max` (reuse at most
+this many tokens) and `live_ok` (false: the live KV is another tenant's and is not reused). The
+worker executes it as it is; it decides nothing and has no defaults.
 
 Blocking llama calls run on one dedicated thread; state files are written on another, after the
-state was copied in memory, so a save never delays the first token. `done` comes as soon as
-generation ends (the worker is free then); `saved` events follow once each file is durable, and
+state was copied in memory, so a save never delays the first token. `Done` comes as soon as
+generation ends (the worker is free then); `Saved` events follow once each file is durable, and
 the stream ends after the last one.
 
-Cancelling: `POST /cancel {"run_id"}` (the plan's `run_id`) stops the run at its next prefill
-batch or token; its stream then reports `cancelled` (what is live: the prefilled tokens stay,
-a retry reuses them) and goes on with the `saved` events of snapshots already taken, so the
-proxy can still commit them. The client closing the stream also cancels the run; nothing more
-is written then.
+Cancelling: `/cancel` stops the run; its stream then reports `Cancelled` (what is live: the
+prefilled tokens stay, a retry reuses them) and goes on with the `Saved` events of snapshots
+already taken, so the proxy can still commit them. The client closing the stream also cancels
+the run; nothing more is written then.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -46,18 +35,33 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import llama_cpp
 from aiohttp import web
 
 from backend import keys, store, volume
 from backend.engine import Cancel, Cancelled, Engine, Sampling, StopMatcher
+from backend.protocol import Cancelled as CancelledEvent
+from backend.protocol import (
+    Done,
+    Error,
+    Event,
+    Fault,
+    Job,
+    Prefill,
+    Saved,
+    SaveFailed,
+    Start,
+    Token,
+    encode_event,
+)
+from policies.decide import Save
 
 log = logging.getLogger("prefixgate.worker")
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[Event], None]
 
 
 class Worker:
@@ -77,39 +81,37 @@ class Worker:
 
     # --- runs on the llama thread ----------------------------------------------------------
 
-    def execute(self, plan: dict[str, Any], emit: Emit, cancel: Cancel) -> None:
-        eng = self.engine
-        ids: list[int] = plan["ids"]
+    def execute(self, job: Job, emit: Emit, cancel: Cancel) -> None:
+        eng, plan, ids = self.engine, job.plan, list(job.ids)
         t0 = time.perf_counter()
-        # the last two prompt tokens are always evaluated; the proxy may cap reuse lower so that
-        # a scope boundary that reuse passed can still be snapshotted
-        last = min(max(len(ids) - 2, 0), int(plan.get("keep_max", len(ids))))
-        live_ok = plan.get("live_ok", True)  # false: the live KV is another tenant's
-        keep = min(eng.live_prefix(ids), last) if live_ok else 0
-        restored, faults = 0, []
-        for r in plan.get("restore") or ():  # longest first: the next one if one is broken
-            if r["n_tokens"] <= keep:
+        # the last two prompt tokens are always evaluated (plan.keep_max says so); the proxy may
+        # cap reuse lower so that a scope boundary that reuse passed can still be snapshotted
+        last = min(max(len(ids) - 2, 0), plan.keep_max)
+
+        def live() -> int:  # what the live KV holds of this prompt that may be kept
+            return min(eng.live_prefix(ids), last) if plan.live_ok else 0
+
+        keep, restored, faults = live(), 0, []
+        for r in plan.restore:  # longest first: the next one if one is broken
+            if r.n_tokens <= keep:
                 break
             try:
-                n, state = store.read_state_file(self.cache_dir / r["file"], self.fingerprint, ids)
-                if n != r["n_tokens"]:
+                n, state = store.read_state_file(self.cache_dir / r.file, self.fingerprint, ids)
+                if n != r.n_tokens:
                     raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
-                                                     f"{r['n_tokens']}")
+                                                     f"{r.n_tokens}")
                 eng.restore(ids[:n], state)
                 restored, keep = n, min(n, last)
                 break
             except store.CacheFault as e:
-                faults.append({"reason": e.reason, "message": str(e), "file": r["file"]})
+                faults.append(Fault(e.reason, str(e), r.file))
             except ValueError as e:
-                faults.append({"reason": "corrupt", "message": str(e), "file": r["file"]})
-            # a failed restore may have cleared the live KV
-            keep = min(eng.live_prefix(ids), last) if live_ok else 0
+                faults.append(Fault("corrupt", str(e), r.file))
+            keep = live()  # a failed restore may have cleared the live KV
         eng.truncate(keep)
-        restore_s = time.perf_counter() - t0
-        emit({"event": "start", "keep": keep, "restored": restored, "restore_s": restore_s,
-              "faults": faults})
+        emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults)))
 
-        saves = {int(s["n_tokens"]): s for s in plan.get("saves", ())}
+        saves = {s.n_tokens: s for s in plan.saves}
         pending: list[Future[None]] = []
 
         def snapshot_at(p: int) -> None:
@@ -118,53 +120,50 @@ class Worker:
 
         try:
             eng.prefill(ids, list(saves), snapshot_at, cancel,
-                        lambda n: emit({"event": "prefill", "n_live": n}))
-            self._generate(plan, emit, cancel, t0, pending)
+                        lambda n: emit(Prefill(n)))
+            self._generate(job, emit, cancel, t0, pending)
         except Cancelled:  # what it prefilled stays live; snapshots taken are still written
-            emit({"event": "cancelled", "n_live": eng.exact_n, "pending_saves": len(pending)})
+            emit(CancelledEvent(eng.exact_n, len(pending)))
 
-    def _generate(self, plan: dict[str, Any], emit: Emit, cancel: Cancel, t0: float,
+    def _generate(self, job: Job, emit: Emit, cancel: Cancel, t0: float,
                   pending: list[Future[None]]) -> None:
         eng = self.engine
         t1 = time.perf_counter()
-        sampling = Sampling.from_json(plan.get("sampling") or {})
+        sampling = Sampling.from_json(job.sampling)
         grammar = None
-        if plan.get("grammar"):
-            grammar = llama_cpp.LlamaGrammar.from_string(plan["grammar"], verbose=False)
-        matcher = StopMatcher(plan.get("stop") or [])
-        finish, n_gen = "length", 0
-        for token, piece, eog in eng.generate(sampling, int(plan["max_tokens"]), cancel, grammar):
+        if job.grammar:
+            grammar = llama_cpp.LlamaGrammar.from_string(job.grammar, verbose=False)
+        matcher = StopMatcher(job.stop)
+        finish, matched, n_gen = "length", None, 0
+        for token, piece, eog in eng.generate(sampling, job.max_tokens, cancel, grammar):
             if eog:
                 finish = "stop"
                 break
             n_gen += 1
-            text, hit = matcher.feed(piece)
-            emit({"event": "token", "id": token, "text": text})
-            if hit:
+            text, matched = matcher.feed(piece)
+            emit(Token(token, text))
+            if matched is not None:
                 finish = "stop_sequence"
                 break
-        tail = matcher.flush() if finish != "stop_sequence" else ""
+        tail = matcher.flush() if matched is None else ""
         if tail:
-            emit({"event": "token", "id": None, "text": tail})
-        emit({"event": "done", "finish_reason": finish, "n_gen": n_gen, "n_live": eng.exact_n,
-              "prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1,
-              "pending_saves": len(pending)})
+            emit(Token(None, tail))
+        emit(Done(finish, matched, n_gen, eng.exact_n, t1 - t0, time.perf_counter() - t1,
+                  len(pending)))
 
     # --- runs on the writer thread ---------------------------------------------------------
 
-    def _write(self, save: dict[str, Any], ids: list[int], state: bytes, emit: Emit) -> None:
+    def _write(self, save: Save, ids: list[int], state: bytes, emit: Emit) -> None:
         t0 = time.perf_counter()
-        key = keys.CacheKey(bytes.fromhex(save["key"]))
-        base = {"n_tokens": len(ids), "key": save["key"], "reason": save["reason"]}
         try:
             path, size, checksum = store.write_state_file(
-                self.cache_dir, key, self.fingerprint, ids, state
+                self.cache_dir, keys.CacheKey(save.key), self.fingerprint, ids, state
             )
         except store.CacheFault as e:
-            emit({"event": "save_failed", **base, "fault": e.reason, "message": str(e)})
+            emit(SaveFailed(len(ids), save.key.hex(), save.reason, e.reason, str(e)))
             return
-        emit({"event": "saved", **base, "file": str(path.relative_to(self.cache_dir)),
-              "size_bytes": size, "checksum": checksum, "save_s": time.perf_counter() - t0})
+        emit(Saved(len(ids), save.key.hex(), save.reason, str(path.relative_to(self.cache_dir)),
+                   size, checksum, time.perf_counter() - t0))
 
     # --- HTTP ------------------------------------------------------------------------------
 
@@ -179,26 +178,28 @@ class Worker:
         })
 
     async def run(self, request: web.Request) -> web.StreamResponse:
-        plan = await request.json()
+        try:
+            job = Job.from_wire(await request.json())
+        except ValueError as e:  # a proxy of another version, or a bug: say what is wrong
+            return web.json_response({"error": str(e)}, status=400)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
         cancel = Cancel()
-        run_id = str(plan.get("run_id") or uuid.uuid4().hex)
-        self.runs[run_id] = cancel
+        self.runs[job.run_id] = cancel
 
-        def emit(event: dict[str, Any]) -> None:
+        def emit(event: Event) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        def job() -> None:
+        def work() -> None:
             try:
-                self.execute(plan, emit, cancel)
+                self.execute(job, emit, cancel)
             except Exception as e:  # the request fails, the worker lives on
                 log.exception("run failed")
-                emit({"event": "error", "message": f"{type(e).__name__}: {e}"})
+                emit(Error(f"{type(e).__name__}: {e}"))
 
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        running = loop.run_in_executor(self.llama_thread, job)
+        running = loop.run_in_executor(self.llama_thread, work)
         watch = asyncio.create_task(self._watch(request, cancel))
         gone = False  # the proxy closed the stream: nothing more is written
         try:
@@ -206,17 +207,16 @@ class Worker:
             saves_seen, expected = 0, None
             while expected is None or saves_seen < expected:
                 event = await queue.get()
-                kind = event["event"]
-                if kind in ("done", "cancelled"):
-                    expected = event["pending_saves"]
-                elif kind in ("saved", "save_failed"):
+                if isinstance(event, Done | CancelledEvent):
+                    expected = event.pending_saves
+                elif isinstance(event, Saved | SaveFailed):
                     saves_seen += 1
-                elif kind == "error":
+                elif isinstance(event, Error):
                     expected = saves_seen  # a failed run's pending writes are not awaited
                 gone = gone or request.transport is None or request.transport.is_closing()
                 if not gone:
                     try:
-                        await resp.write(json.dumps(event).encode() + b"\n")
+                        await resp.write(encode_event(event))
                     except (ConnectionError, RuntimeError):
                         gone = True
                         cancel.set()
@@ -224,7 +224,7 @@ class Worker:
         finally:
             watch.cancel()
             cancel.set()
-            self.runs.pop(run_id, None)
+            self.runs.pop(job.run_id, None)
         with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
             await resp.write_eof()
         return resp
@@ -277,76 +277,37 @@ async def _exit_with_parent(parent_pid: int) -> AsyncIterator[None]:
     task.cancel()
 
 
-def _env(name: str, default: str) -> str:
-    """Flags default to the proxy's PREFIXGATE_* variables, so one .env configures both."""
-    return os.environ.get("PREFIXGATE_" + name, default)
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """How to run one worker; `prefixgate worker` builds it from the proxy's Config."""
+
+    model_path: str
+    n_ctx: int
+    threads: int  # 0 = llama.cpp's default
+    n_gpu_layers: int
+    flash_attn: bool
+    cache_dir: Path
+    identity: keys.CacheIdentity
+    worker_id: int = 0
+    socket: str | None = None  # spawned by the proxy on this Unix socket (and stops with it)
+    listen: tuple[str, int] | None = None  # or on TCP, in its own container
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """HOST:PORT, [IPv6]:PORT or :PORT (all interfaces) -> (host, port)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"--listen wants HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="prefixgate worker",
-        description="One llama.cpp context behind the worker API. The proxy spawns these itself "
-        "on Unix sockets; for separate containers start one with --listen HOST:PORT and give the "
-        "proxy --worker-url http://HOST:PORT. Proxy and worker must use the same model file, "
-        "--n-ctx and --flash-attn, and share --cache-dir (one volume). Flags default to the "
-        "PREFIXGATE_* environment variables the proxy reads.")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", help="Unix socket path (how the proxy runs local workers)")
-    where.add_argument("--listen", type=parse_listen, metavar="HOST:PORT",
-                       help="listen on TCP, e.g. 0.0.0.0:9000 in a container")
-    p.add_argument("--model", default=_env("MODEL", ""),
-                   help="GGUF model path (env PREFIXGATE_MODEL; default: the embedded model)")
-    p.add_argument("--n-ctx", type=int, default=int(_env("N_CTX", "65536")),
-                   help="context tokens (env PREFIXGATE_N_CTX, default 65536)")
-    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")),
-                   help="CPU threads, 0 = llama.cpp's default (env PREFIXGATE_THREADS)")
-    p.add_argument("--n-gpu-layers", type=int, default=int(_env("N_GPU_LAYERS", "0")),
-                   help="layers offloaded to the GPU, -1 = all (env PREFIXGATE_N_GPU_LAYERS)")
-    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction,
-                   default=_env("FLASH_ATTN", "").lower() in ("1", "true", "yes", "on"),
-                   help="flash attention (env PREFIXGATE_FLASH_ATTN)")
-    p.add_argument("--worker-id", type=int, default=0, help="its number in logs")
-    p.add_argument("--cache-dir", default=_env("CACHE_DIR", "~/.cache/prefixgate"),
-                   help="state files; the proxy's cache directory (env PREFIXGATE_CACHE_DIR)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=_env("LOG_LEVEL", "INFO").upper(),
-                        format=f"%(asctime)s worker{args.worker_id} %(levelname)s %(message)s")
-    if not args.model:
-        from proxy.config import default_model  # the CLI entry point may reach the proxy's
-
-        args.model = default_model()
-    cache_dir = Path(os.path.expanduser(args.cache_dir))
-    engine = Engine(args.model, args.n_ctx, args.threads or None, args.n_gpu_layers,
-                    flash_attn=args.flash_attn)
-    # salted with n_ctx as configured, as the proxy does: llama.cpp pads it (5000 -> 5024),
-    # and the same setting always gives the same padding
-    salt = keys.make_salt(args.model, args.n_ctx, "f16", "f16", args.flash_attn,
-                          llama_cpp.__version__)
-    worker = Worker(engine, args.worker_id, cache_dir, keys.fingerprint(salt), args.model,
-                    args.flash_attn, args.n_ctx)
-    if args.listen:
-        host, port = args.listen
-        log.info("worker %d listening on %s:%d (model %s, n_ctx %d, cache %s)", args.worker_id,
-                 host, port, args.model, engine.n_ctx, cache_dir)
+def serve(spec: WorkerSpec) -> None:
+    engine = Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
+                    flash_attn=spec.flash_attn)
+    worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
+                    spec.model_path, spec.flash_attn, spec.n_ctx)
+    if spec.listen is not None:
+        host, port = spec.listen
+        log.info("worker %d listening on %s:%d (model %s, n_ctx %d, cache %s)", spec.worker_id,
+                 host, port, spec.model_path, engine.n_ctx, spec.cache_dir)
         web.run_app(make_app(worker), host=host, port=port, print=None, handle_signals=True,
                     access_log=None)
-    else:
-        if not args.socket:
-            p.error("give --listen HOST:PORT (or --socket PATH)")
-        if os.path.exists(args.socket):
-            os.unlink(args.socket)
-        # spawned by the proxy: stop with it
-        web.run_app(make_app(worker, parent_pid=os.getppid()), path=args.socket, print=None,
-                    handle_signals=True, access_log=None)
-
-
-if __name__ == "__main__":
-    main()
+        return
+    assert spec.socket is not None
+    if os.path.exists(spec.socket):
+        os.unlink(spec.socket)
+    # spawned by the proxy: stop with it
+    web.run_app(make_app(worker, parent_pid=os.getppid()), path=spec.socket, print=None,
+                handle_signals=True, access_log=None)

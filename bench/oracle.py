@@ -5,7 +5,7 @@ earlier turn of the trace: an ideal cache that kept the KV of every earlier prom
 position, forever, still has to prefill the rest. (A real server also re-evaluates the last
 prompt token or two for their logits; the oracle does not count them.)
 
-Token ids come from the proxy's own tokenizer and template (`bench.prompts.PromptBuilder`), so the
+Token ids come from the proxy's own tokenizer and template (`bench.prompts`), so the
 oracle and the proxy count the same tokens.
 """
 

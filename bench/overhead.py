@@ -10,12 +10,14 @@ history plus one new user turn (a different one each repetition, so the new text
 cached). Stages, each timed on the proxy's real code:
 
 - parse: `json.loads` of the body bytes and `openai_api.parse_chat`
-- prepare: `Gateway.prepare` (normalize, tools into the prompt, render the template, tokenize,
-  find the safe boundaries); its parts are timed again alone: `render` (the Jinja template on
-  the whole conversation) and `tokenize` (`Tokenizer.encode_segments` of the rendered text)
-- decide: `Gateway._lookup` and `Gateway._plan` (candidate keys over the prompt, the LMDB lookup,
-  the ring comparison, the save plan) against a real `backend.index.Index` in a temporary
-  directory, filled as the earlier turns left it
+- prepare: `proxy.prompt.PromptBuilder.prepare` (normalize, tools into the prompt, render the
+  template, tokenize, find the safe boundaries); its parts are timed again alone: `render`
+  (the Jinja template on the whole conversation) and `tokenize` (`Tokenizer.encode_segments` of
+  the rendered text)
+- decide: `proxy.cache.DiskCache.lookup` and `policies.decide.decide`, as `Gateway.start` calls
+  them (candidate keys over the prompt, one LMDB read, the ring comparison, the save plan),
+  against a real `backend.index.Index` in a temporary directory, filled as the earlier turns
+  left it
 
 and `cold`: `prepare` of the same prompt in a fresh process state (nothing cached: a new
 conversation of that size). Times are medians over `--reps`, of CPU time (`time.process_time`,
@@ -63,13 +65,15 @@ def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
 
 def session_rows(target_tokens: int, builder: Any) -> list[dict[str, Any]]:
     """OpenAI bodies of one growing session whose last prompt reaches `target_tokens`."""
+    from bench.prompts import render
+
     prefix = max(500, min(target_tokens // 4, 30000))
     turns = 400
     rows: list[dict[str, Any]] = []
     for row in generate(Knobs(sessions=1, parallel=1, turns=turns, prefix_tokens=prefix,
                               rewrite_share=0.0), seed=7):
         rows.append(to_openai(row))
-        if len(rows) >= 2 and len(builder.render(rows[-1]).ids) >= target_tokens:
+        if len(rows) >= 2 and len(render(builder, rows[-1]).ids) >= target_tokens:
             return rows
     raise SystemExit(f"could not grow a session to {target_tokens} tokens")
 
@@ -82,38 +86,44 @@ def with_new_turn(body: dict[str, Any], rep: int) -> dict[str, Any]:
 
 
 def measure_proxy(target: int, reps: int) -> dict[str, Any]:
-    from backend.index import Entry, Index
-    from bench.prompts import PromptBuilder
+    from backend.index import Index
+    from backend.keys import CacheIdentity
+    from backend.protocol import Saved
+    from bench.prompts import load_builder, prepare
+    from policies.decide import WorkerFacts, decide
+    from policies.ring import Ring
     from proxy import openai_api
+    from proxy.cache import DiskCache
+    from proxy.config import Config
+    from proxy.gateway import RING_CAPACITY, facts_of, knobs_of
     from proxy.metrics import Metrics
 
-    builder = PromptBuilder()
+    builder = load_builder()
     rows = session_rows(target, builder)
     body = rows[-1]
+    cfg = Config()
+    knobs = knobs_of(cfg)
+    ring = Ring(RING_CAPACITY)
     with tempfile.TemporaryDirectory(prefix="prefixgate-overhead-") as tmp:
-        index = Index(Path(tmp))
-        gw = type(builder.gateway)(builder.cfg, builder.template, builder.tok, None,  # type: ignore
-                                   index, Metrics(), {"model_path": builder.cfg.model_path,
-                                                      "n_ctx": 65536, "type_k": "f16",
-                                                      "type_v": "f16", "flash_attn": False,
-                                                      "lib_version": "bench"})
+        identity = CacheIdentity(cfg.model_path, 65536, "f16", "f16", False, "bench")
+        cache = DiskCache(Index(Path(tmp)), identity, knobs, cfg.cache_max_bytes, Metrics())
 
-        def decide(prep: Any) -> Any:
-            keyed, d = gw._lookup(prep.rendered.ids, prep.rendered.boundaries, prep.scope, "")
-            gw._plan(prep, keyed, d, "")
-            return keyed, d
+        def decide_one(prep: Any) -> Any:
+            """Gateway.start's decide step: one index read, then the pure decision."""
+            facts = facts_of(prep, prep.scope)
+            stored = cache.lookup(facts, "")
+            recent = ring.recent("", facts.scope.window)
+            return stored, decide(facts, stored, WorkerFacts(0, True), recent, knobs)
 
         # the earlier turns, served: caches warm, ring filled, their snapshots in the index
         for earlier in rows[:-1]:
-            prep = gw.prepare(openai_api.parse_chat(earlier, ""))
-            keyed, d = decide(prep)
-            gw.ring.push("", prep.rendered.ids)
-            for s in d.saves:
-                index.put(keyed[s["n_tokens"]], Entry(
-                    n_tokens=s["n_tokens"], file=f"kv/{s['key']}.kv", size_bytes=1,
-                    checksum=0, reason=s["reason"], created_s=0.0, last_used_s=0.0, hits=0,
-                    fingerprint=b"", tenant=""))
-        prev_n = len(gw.prepare(openai_api.parse_chat(rows[-2], "")).rendered.ids)
+            prep = prepare(builder, earlier)
+            _, plan = decide_one(prep)
+            ring.push("", prep.rendered.ids)
+            for s in plan.saves:
+                cache.commit(Saved(s.n_tokens, s.key.hex(), s.reason, f"kv/{s.key.hex()}.kv",
+                                   1, 0, 0.0), "", {})
+        prev_n = len(prepare(builder, rows[-2]).rendered.ids)
         variants = iter(range(10**6))
 
         def fresh_raw() -> bytes:
@@ -122,19 +132,15 @@ def measure_proxy(target: int, reps: int) -> dict[str, Any]:
         raws = [fresh_raw() for _ in range(reps * 4 + 2)]
         it_parse, it_prep, it_render, it_tok = (iter(raws[i::4]) for i in range(4))
         parse = timed(lambda: openai_api.parse_chat(json.loads(next(it_parse)), ""), reps)
-
-        def prepare_one() -> None:
-            gw.prepare(openai_api.parse_chat(json.loads(next(it_prep)), ""))
-
-        prepare = timed(prepare_one, reps)
-        prep = gw.prepare(openai_api.parse_chat(body, ""))
-        decide_t = timed(lambda: decide(prep), reps)
+        prepare_t = timed(lambda: prepare(builder, json.loads(next(it_prep))), reps)
+        prep = prepare(builder, body)
+        decide_t = timed(lambda: decide_one(prep), reps)
 
         def render_one() -> None:
             req = openai_api.parse_chat(json.loads(next(it_render)), "")
             builder.template.render(list(req.messages), list(req.tools) or None)
 
-        render = timed(render_one, reps)
+        render_t = timed(render_one, reps)
         tok = builder.tok
 
         def tokenize_one() -> None:
@@ -142,16 +148,17 @@ def measure_proxy(target: int, reps: int) -> dict[str, Any]:
             tok.encode_segments(prep.rendered.text + text)
 
         tokenize = timed(tokenize_one, reps)
-        index.close()
-    cold_builder = PromptBuilder()
-    cold = timed(lambda: PromptBuilder.prepare(cold_builder, with_new_turn(body, -1)), 1)
+        cache.close()
+        cache.index.close()
+    cold_builder = load_builder()
+    cold = timed(lambda: prepare(cold_builder, with_new_turn(body, -1)), 1)
     n = len(prep.rendered.ids)
     return {
         "target_tokens": target, "prompt_tokens": n, "messages": len(body["messages"]),
         "uncached_tail_tokens": n - prev_n, "reps": reps,
-        "parse_ms": parse, "prepare_ms": prepare, "render_ms": render,
+        "parse_ms": parse, "prepare_ms": prepare_t, "render_ms": render_t,
         "tokenize_ms": tokenize, "decide_ms": decide_t,
-        "proxy_ms": tuple(a + b + c for a, b, c in zip(parse, prepare, decide_t, strict=True)),
+        "proxy_ms": tuple(a + b + c for a, b, c in zip(parse, prepare_t, decide_t, strict=True)),
         "cold_prepare_ms": cold,
     }
 
@@ -159,13 +166,14 @@ def measure_proxy(target: int, reps: int) -> dict[str, Any]:
 def measure_worker(target: int, tail: int, threads: int) -> dict[str, Any]:
     """Prefill of `tail` tokens after `target - tail` tokens of history, then a short decode."""
     from backend.engine import Cancel, Engine, Sampling
-    from bench.prompts import PromptBuilder
+    from bench.prompts import load_builder, render
+    from proxy.config import Config
 
-    builder = PromptBuilder()
+    builder = load_builder()
     rows = session_rows(target, builder)
-    ids = list(builder.render(rows[-1]).ids)
-    prev = len(builder.render(rows[-2]).ids)
-    eng = Engine(builder.cfg.model_path, n_ctx=len(ids) + DECODE_TOKENS + 64,
+    ids = list(render(builder, rows[-1]).ids)
+    prev = len(render(builder, rows[-2]).ids)
+    eng = Engine(Config().model_path, n_ctx=len(ids) + DECODE_TOKENS + 64,
                  n_threads=threads, n_gpu_layers=0)
     cancel = Cancel()
     t0 = time.perf_counter()

@@ -476,15 +476,16 @@ def environment(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:
     from bench.oracle import compute_oracle
-    from bench.prompts import PromptBuilder
+    from bench.prompts import load_builder, render
     from bench.simulate import SimPrompt, simulate
     from bench.trace import load_trace
+    from proxy.config import Config
 
     arms = [parse_arm(s) for s in args.arms.split(",") if s.strip()]
-    builder = PromptBuilder(model=args.model)
-    settings = Settings(builder.cfg.model_path, args.n_ctx, args.threads)
+    builder = load_builder(args.model)
+    settings = Settings(Config(model=args.model).model_path, args.n_ctx, args.threads)
     bodies = load_trace(args.trace, args.format, args.tool_blocks, args.turns)
-    rendered = [builder.render(b) for b in bodies]
+    rendered = [render(builder, b) for b in bodies]
     too_long = [i for i, r in enumerate(rendered) if len(r.ids) + args.max_tokens > args.n_ctx]
     if too_long:
         raise SystemExit(f"turns {too_long[:5]} do not fit --n-ctx {args.n_ctx} with "

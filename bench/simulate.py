@@ -4,12 +4,12 @@
 
 Each row of the trace is rendered and tokenized exactly as the proxy does (`bench.prompts`), then
 fed, in order, to one simulated proxy with one worker. The decisions are the proxy's own: the
-simulator calls the real decide step of `proxy.gateway.Gateway` (`_lookup`: candidate positions,
-`keys.prefix_keys`, the longest stored key; `_plan`: `choose_scope_boundary` over its
-`policies.ring.Ring`, `anchor_position`, `plan_saves`, the reuse cap) against an in-memory index,
-then applies the worker's rules to what it reuses (a disk entry is restored only when longer than
-the live prefix; reuse is capped at `n - 2` and at the plan's `keep_max`). Every planned save
-succeeds and nothing is evicted (the default budget is 20 GiB).
+simulator looks the prompt up as `proxy.cache.DiskCache.lookup` does (candidate positions,
+`keys.prefix_keys`, the stored entries longest first) against an in-memory disk, calls the real
+`policies.decide.decide` with its `policies.ring.Ring`, then applies the worker's rules to the
+plan (backend/worker.py: keep the live prefix, restore the first planned entry longer than it;
+reuse capped at `n - 2` and at the plan's `keep_max`). Every planned save succeeds and nothing is
+evicted (the default budget is 20 GiB).
 
 Modes (what survives between two requests):
 
@@ -29,21 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backend import keys
-from backend.index import Entry
 from bench.oracle import Oracle, compute_oracle
-from policies.plan import CacheKnobs
+from policies.decide import RESTORE_CANDIDATES, Facts, Hit, Stored, WorkerFacts, decide
+from policies.plan import CacheKnobs, MessageStart, candidate_positions
 from policies.prefix import common_prefix_len
+from policies.ring import Ring
 from policies.scope import format_scope, parse_scope
 from proxy.config import Config
-from proxy.gateway import RING_CAPACITY, Gateway, Prepared
-from proxy.metrics import Metrics
-from proxy.template import Rendered
+from proxy.gateway import RING_CAPACITY
 
 MODES = ("restart", "live")
 DEFAULT_POLICIES = "auto:2,auto:8,auto:30,full,1000"
@@ -74,92 +73,59 @@ class SimTurn:
         return self.n_prompt - self.cached
 
 
-class MemoryIndex:
-    """What the gateway's decide step uses of `backend.index.Index`, in memory."""
-
-    def __init__(self) -> None:
-        self.entries: dict[keys.CacheKey, Entry] = {}
-        self.ring: list[tuple[str, tuple[int, ...]]] = []  # oldest first, as Index keeps it
-
-    def get(self, key: keys.CacheKey) -> Entry | None:
-        return self.entries.get(key)
-
-    def stored(self, keys_by_pos: Mapping[int, keys.CacheKey]) -> set[int]:
-        return {p for p, k in keys_by_pos.items() if k in self.entries}
-
-    def hits(self, keys_by_pos: Mapping[int, keys.CacheKey], limit: int
-             ) -> list[tuple[int, keys.CacheKey, Entry]]:
-        found = []
-        for pos in sorted(keys_by_pos, reverse=True):
-            e = self.entries.get(keys_by_pos[pos])
-            if e is not None and e.n_tokens == pos:  # the exactness invariant, as Index checks
-                found.append((pos, keys_by_pos[pos], e))
-        return found[:limit]
-
-    def ring_push(self, tenant: str, ids: Sequence[int], capacity: int) -> None:
-        self.ring.append((tenant, tuple(ids)))
-        del self.ring[:-capacity]
-
-    def ring_load(self) -> list[tuple[str, tuple[int, ...]]]:
-        return list(self.ring)
-
-    def put(self, key: keys.CacheKey, n_tokens: int, reason: str) -> None:
-        self.entries[key] = Entry(n_tokens=n_tokens, file="", size_bytes=0, checksum=0,
-                                  reason=reason, created_s=0.0, last_used_s=0.0, hits=0,
-                                  fingerprint=b"", tenant=_TENANT)
-
-
-class _Gateway(Gateway):
-    def salt(self, tenant: str) -> bytes:  # keys only need to tell token prefixes apart
-        return _SALT
-
-
 class Simulator:
     """One proxy and one worker, as far as the cache decisions go."""
 
     def __init__(self, policy: str, knobs: CacheKnobs | None = None) -> None:
-        knobs = knobs or CacheKnobs()
-        self.policy = format_scope(parse_scope(policy))
-        self.cfg = Config(disk_prefix_cache=self.policy, kv_cache_min_tokens=knobs.min_tokens,
-                          kv_cache_cold_max_tokens=knobs.cold_max_tokens,
-                          kv_cache_continued_interval_tokens=knobs.continued_interval_tokens)
-        self.index = MemoryIndex()  # the disk: survives restarts
+        self.knobs = knobs or CacheKnobs()
+        self.scope = parse_scope(policy)
+        self.policy = format_scope(self.scope)
+        self.disk: dict[bytes, int] = {}  # key -> n_tokens: the state files, survive restarts
+        self.ring_log: list[tuple[int, ...]] = []  # the persisted ring, oldest first
+        self.ring = Ring(RING_CAPACITY)
         self.live_ids: tuple[int, ...] = ()
-        self.gw = self._gateway()
-
-    def _gateway(self) -> Gateway:
-        # the decide step reads only the config, the ring and the index
-        return _Gateway(self.cfg, None, None, None, self.index,  # type: ignore[arg-type]
-                        Metrics(), {})
 
     def restart(self) -> None:
-        """The proxy and worker processes restart: the live KV is gone; the new gateway reads
-        the ring back from the index."""
-        self.gw = self._gateway()
+        """The proxy and worker processes restart: the live KV is gone; the new proxy reads the
+        ring back from the index."""
+        self.ring = Ring(RING_CAPACITY)
+        for ids in self.ring_log:
+            self.ring.push(_TENANT, ids)
         self.live_ids = ()
 
+    def lookup(self, facts: Facts) -> Stored:
+        """`proxy.cache.DiskCache.lookup` on the in-memory disk."""
+        positions = candidate_positions(len(facts.ids), facts.boundaries, facts.scope,
+                                        self.knobs)
+        keyed = keys.prefix_keys(_SALT, facts.ids, positions)
+        stored = {p for p, k in keyed.items() if k in self.disk}
+        hits = [Hit(p, keyed[p], "") for p in sorted(stored, reverse=True)
+                if self.disk[keyed[p]] == p]  # the exactness invariant, as Index checks
+        return Stored(keyed, tuple(hits[:RESTORE_CANDIDATES]), frozenset(stored))
+
     def step(self, p: SimPrompt, live: bool = True) -> SimTurn:
-        gw, ids, n = self.gw, p.ids, len(p.ids)
-        scope = gw.default_scope
-        prep = Prepared(None, Rendered("", ids, p.boundaries, p.message_starts),  # type: ignore
-                        scope, 0, 0.0)
-        keyed, d = gw._lookup(ids, p.boundaries, scope, _TENANT)
-        d.live_n = common_prefix_len(self.live_ids, ids) if live else 0
-        gw._plan(prep, keyed, d, _TENANT)
+        ids, n, scope = p.ids, len(p.ids), self.scope
+        facts = Facts(ids, p.boundaries, tuple(MessageStart(q, r) for q, r in p.message_starts),
+                      scope)
+        stored = self.lookup(facts) if scope.kind != "off" else Stored()
+        live_n = common_prefix_len(self.live_ids, ids) if live else 0
+        recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
+        plan = decide(facts, stored, WorkerFacts(live_n, True), recent, self.knobs)
         if scope.kind != "off":  # as Gateway.start: the ring, and its persisted copy
-            gw.ring.push(_TENANT, ids)
-            self.index.ring_push(_TENANT, ids, RING_CAPACITY)
-        # the worker: restore when the entry beats the live prefix; keep at most `last`
-        last = min(max(n - 2, 0), d.keep_max)
-        restored = d.disk_entry is not None and d.disk_n > d.live_n
-        cached = min(d.disk_n if restored else d.live_n, last)
-        saves = tuple((int(s["n_tokens"]), str(s["reason"])) for s in d.saves
-                      if cached <= s["n_tokens"] <= n)
-        for q, reason in saves:
-            self.index.put(keyed[q], q, reason)
+            self.ring.push(_TENANT, ids)
+            self.ring_log = [*self.ring_log, ids][-RING_CAPACITY:]
+        # the worker: keep the live prefix, restore the first entry longer than it
+        last = min(max(n - 2, 0), plan.keep_max)
+        keep = min(live_n, last)
+        restored = next((r.n_tokens for r in plan.restore if r.n_tokens > keep), 0)
+        cached = min(restored, last) if restored else keep
+        saves = tuple((s.n_tokens, str(s.reason)) for s in plan.saves if cached <= s.n_tokens <= n)
+        for s in plan.saves:
+            if cached <= s.n_tokens <= n:
+                self.disk[s.key] = s.n_tokens
         self.live_ids = ids  # the worker's exact live KV after the prefill: the prompt
         source = "disk" if restored else "live" if cached else "none"
-        return SimTurn(n, cached, source, d.disk_n, d.live_n, saves)
+        return SimTurn(n, cached, source, stored.longest, live_n, saves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,20 +196,15 @@ def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
 # --- the command -------------------------------------------------------------------------------
 
 
-def knobs_of(cfg: Any) -> CacheKnobs:
-    return CacheKnobs(cfg.kv_cache_min_tokens, cfg.kv_cache_cold_max_tokens,
-                      cfg.kv_cache_continued_interval_tokens)
-
-
 def render_trace(path: str, fmt: str = "auto", tool_blocks: str = "openai",
                  turns: int | None = None, model: str = "") -> list[SimPrompt]:
-    from bench.prompts import PromptBuilder
+    from bench.prompts import load_builder, render
     from bench.trace import load_trace
 
-    builder = PromptBuilder(model=model)
+    builder = load_builder(model)
     out = []
     for body in load_trace(path, fmt, tool_blocks, turns):
-        r = builder.render(body)
+        r = render(builder, body)
         out.append(SimPrompt(r.ids, r.boundaries, r.message_starts))
     return out
 

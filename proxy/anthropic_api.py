@@ -42,7 +42,6 @@ import contextlib
 import datetime
 import json
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -50,7 +49,6 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from proxy import tools as tools_mod
-from proxy.app import CONFIG, GATEWAY, METRICS, MODEL_ID, check_auth, read_json, serve_run
 from proxy.chat import (
     ChatRequest,
     expect_dict,
@@ -60,8 +58,20 @@ from proxy.chat import (
     parse_sampling,
     parse_stop,
 )
+from proxy.edge import (
+    CONFIG,
+    GATEWAY,
+    MODEL_ID,
+    cache_headers,
+    check_auth,
+    client_gone,
+    model_card,
+    read_json,
+    serve,
+    sse_response,
+)
 from proxy.errors import ApiError, BadRequest, ContextOverflow, anthropic_body, anthropic_response
-from proxy.gateway import Run, Usage
+from proxy.run import Run, Usage
 from proxy.tools import ToolCall, output
 
 log = logging.getLogger("prefixgate")
@@ -326,32 +336,25 @@ async def with_pings(items: AsyncIterator[T], interval_s: float,
 class Responder:
     """Renders one run as an Anthropic message, JSON or SSE."""
 
-    def __init__(self, run: Run, model_id: str, decode: Callable[[list[int]], str]) -> None:
-        self.run, self.model, self.decode = run, model_id, decode
+    def __init__(self, req: ChatRequest, run: Run, model_id: str) -> None:
+        self.req, self.run, self.model = req, run, model_id
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.n_calls = 0
 
     def headers(self) -> dict[str, str]:
-        return {"request-id": "req_" + self.id[4:],
-                "X-Prefixgate-Cached-Tokens": str(self.run.usage.cached_tokens),
-                "X-Prefixgate-Cache-Source": self.run.usage.source}
+        return {"request-id": "req_" + self.id[4:], **cache_headers(self.run)}
 
     def stop(self) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence)."""
+        """(stop_reason, stop_sequence): the worker says which stop string matched."""
         run = self.run
         if self.n_calls:
             return "tool_use", None
-        if run.stop_sequence_hit:
-            return "stop_sequence", self._matched_stop()
+        if run.state.stop is not None:
+            return "stop_sequence", run.state.stop
         return ("end_turn" if run.finish_reason == "stop" else "max_tokens"), None
 
-    def _matched_stop(self) -> str | None:
-        stops = self.run.prep.req.stop
-        if len(stops) <= 1:
-            return stops[0] if stops else None
-        text = self.decode(self.run.gen_ids)  # the matcher cut at the earliest stop
-        found = [(text.find(s), -len(s), s) for s in stops if s in text]
-        return min(found)[2] if found else stops[0]
+    def _items(self) -> AsyncIterator[str | ToolCall]:
+        return output(self.run.pieces(), self.req.tools, self.req.tool_choice)
 
     def message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
         reason, seq = self.stop() if final else (None, None)
@@ -361,7 +364,7 @@ class Responder:
 
     async def json(self, request: web.Request) -> web.Response:
         content: list[dict[str, Any]] = []
-        async for item in output(self.run):
+        async for item in self._items():
             if isinstance(item, ToolCall):
                 self.n_calls += 1
                 content.append({"type": "tool_use", "id": "toolu_" + item.id_hex,
@@ -373,9 +376,7 @@ class Responder:
         return web.json_response(self.message(content, final=True), headers=self.headers())
 
     async def stream(self, request: web.Request, ping_s: float) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **self.headers()})
-        await resp.prepare(request)
+        resp = await sse_response(request, self.headers())
 
         async def ping() -> None:
             await resp.write(_sse("ping", {"type": "ping"}))
@@ -386,7 +387,7 @@ class Responder:
         await ping()
         index, text_open = 0, False
         try:
-            async for item in with_pings(output(self.run), ping_s, ping):
+            async for item in with_pings(self._items(), ping_s, ping):
                 if isinstance(item, ToolCall):
                     if text_open:
                         await resp.write(_block_stop(index))
@@ -404,7 +405,7 @@ class Responder:
                     "type": "content_block_delta", "index": index,
                     "delta": {"type": "text_delta", "text": item}}))
         except ApiError as e:
-            if request.transport is None or request.transport.is_closing():
+            if client_gone(request):
                 return resp  # the client left; its run was cancelled, nobody to tell
             log.warning("anthropic stream failed after the response started: %s", e.message)
             await resp.write(_sse("error", anthropic_body(e)))
@@ -437,21 +438,15 @@ def _tool_use(index: int, call: ToolCall) -> bytes:
 # --- handlers ------------------------------------------------------------------------------
 
 
-async def messages(request: web.Request) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
-    try:
-        tenant = check_auth(request)
-        req = parse_request(await read_json(request), tenant)
-        run = await gw.start(gw.prepare(req))
-    except ApiError as e:
-        request.app[METRICS].requests.labels("anthropic", f"error_{e.status}").inc()
-        log.info("anthropic rejected %d: %s", e.status, e.message)
-        return anthropic_response(e)
-    r = Responder(run, request.app[MODEL_ID], gw.tok.decode)
+async def _respond(request: web.Request, req: ChatRequest, run: Run) -> web.StreamResponse:
+    r = Responder(req, run, request.app[MODEL_ID])
     if req.stream:
-        ping_s = request.app[CONFIG].ping_interval_s
-        return await serve_run(request, run, lambda: r.stream(request, ping_s))
-    return await serve_run(request, run, lambda: r.json(request))
+        return await r.stream(request, request.app[CONFIG].ping_interval_s)
+    return await r.json(request)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await serve(request, "anthropic", parse_request, anthropic_response, _respond)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -472,14 +467,9 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def model_info(request: web.Request) -> web.Response:
     """GET /v1/models/{id}: the served model under any name, in both APIs' fields (the
     Anthropic SDK's models.retrieve; Hermes reads max_model_len / context_length here)."""
-    cfg, mid = request.app[CONFIG], request.app[MODEL_ID]
-    created = int(os.path.getmtime(cfg.model_path))
-    return web.json_response({
-        "id": mid, "object": "model", "created": created, "owned_by": "prefixgate",
-        "context_length": cfg.n_ctx, "max_model_len": cfg.n_ctx,
-        "type": "model", "display_name": mid,
-        "created_at": _iso(created),
-    })
+    card = model_card(request.app)
+    return web.json_response({**card, "type": "model", "display_name": card["id"],
+                              "created_at": _iso(card["created"])})
 
 
 def _iso(t: int) -> str:

@@ -1,145 +1,60 @@
-"""The aiohttp application: routes, and the lifecycle of everything the requests share.
+"""The aiohttp application: the lifecycle of everything requests share, the operations routes
+(/health, /metrics, /props), and the error middleware. The API routes are the edges' own
+(openai_api.py, anthropic_api.py, on the shared proxy/edge.py).
 
-`make_app(cfg)` opens, in `cleanup_ctx`, the model's template and tokenizer, the LMDB index, and
-the worker pool, and closes them in reverse order on shutdown. Handlers parse, call the gateway,
-and render; a response is prepared only after the worker accepted the plan.
+`make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
+tokenizer), the disk cache (LMDB index, reconciled with the files), the gateway and the worker
+pool, and closes them in reverse order on shutdown, after pending cache commits landed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
-import llama_cpp
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from backend import keys
 from backend.index import Index
-from proxy import openai_api
-from proxy.config import Config
-from proxy.errors import ApiError, BadRequest, Unauthorized, anthropic_response, openai_response
-from proxy.gateway import Gateway, Run
-from proxy.gguf import read_metadata
+from proxy import anthropic_api, openai_api
+from proxy.cache import DiskCache
+from proxy.config import Config, cache_identity
+from proxy.edge import (
+    ALLOWED_KEYS,
+    CACHE,
+    CONFIG,
+    GATEWAY,
+    METRICS,
+    MODEL_ID,
+    POOL,
+    model_id_of,
+)
+from proxy.errors import (
+    ApiError,
+    MethodNotAllowed,
+    NotFound,
+    anthropic_response,
+    openai_response,
+)
+from proxy.gateway import Gateway, knobs_of
 from proxy.metrics import Metrics
-from proxy.template import ChatTemplate
-from proxy.tokenizer import load_tokenizer
+from proxy.prompt import PromptBuilder
 from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")
 
-CONFIG = web.AppKey("config", Config)
-GATEWAY = web.AppKey("gateway", Gateway)
-METRICS = web.AppKey("metrics", Metrics)
-POOL = web.AppKey("pool", Pool)
-INDEX = web.AppKey("index", Index)
-MODEL_ID = web.AppKey("model_id", str)
 
-ErrorRenderer = Callable[[ApiError], web.Response]
+def error_response(request: web.Request, e: ApiError) -> web.Response:
+    """An error in the shape of the API the path belongs to."""
+    if request.path.startswith("/v1/messages"):
+        return anthropic_response(e)
+    return openai_response(e)
 
 
-def model_id_of(path: str) -> str:
-    return Path(path).name.removesuffix(".gguf")
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-
-
-def api_key_of(request: web.Request) -> str:
-    key = request.headers.get("x-api-key", "")
-    auth = request.headers.get("Authorization", "")
-    if not key and auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-    return key
-
-
-def check_auth(request: web.Request) -> str:
-    """The tenant: the API key, checked against --api-keys when given."""
-    key = api_key_of(request)
-    allowed = request.app.get(ALLOWED_KEYS)
-    if allowed is not None and key not in allowed:
-        raise Unauthorized("invalid API key: send one of the keys in the --api-keys file as "
-                           "x-api-key or Authorization: Bearer")
-    return key
-
-
-ALLOWED_KEYS = web.AppKey("allowed_keys", frozenset)
-
-
-async def watch_disconnect(request: web.Request, run: Run) -> None:
-    """A client gone mid-request cancels its run at once (even during a long prefill)."""
-    while True:
-        await asyncio.sleep(0.1)
-        if request.transport is None or request.transport.is_closing():
-            await run.aclose()
-            return
-
-
-async def serve_run(request: web.Request, run: Run,
-                    respond: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    watch = asyncio.create_task(watch_disconnect(request, run))
-    try:
-        return await respond()
-    except (ConnectionError, asyncio.CancelledError):
-        await run.aclose()
-        raise
-    finally:
-        watch.cancel()
-        if not run._done:
-            await run.aclose()
-
-
-# --- OpenAI ------------------------------------------------------------------------------
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _openai(request, chat=True)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _openai(request, chat=False)
-
-
-async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
-    api = "openai" if chat else "completions"
-    try:
-        tenant = check_auth(request)
-        body = await read_json(request)
-        req = (openai_api.parse_chat if chat else openai_api.parse_completion)(body, tenant)
-        run = await gw.start(gw.prepare(req))
-    except ApiError as e:
-        request.app[METRICS].requests.labels(api, f"error_{e.status}").inc()
-        log.info("%s rejected %d: %s", api, e.status, e.message)
-        return openai_response(e)
-    r = openai_api.Responder(run, request.app[MODEL_ID], chat)
-    if req.stream:
-        return await serve_run(request, run, lambda: r.stream(request, req.include_usage))
-    return await serve_run(request, run, lambda: r.json(request))
-
-
-async def models(request: web.Request) -> web.Response:
-    cfg = request.app[CONFIG]
-    mid = request.app[MODEL_ID]
-    return web.json_response({"object": "list", "data": [{
-        "id": mid, "object": "model", "created": int(os.path.getmtime(cfg.model_path)),
-        "owned_by": "prefixgate", "context_length": cfg.n_ctx,
-        "max_model_len": cfg.n_ctx,
-    }]})
+# --- operations ------------------------------------------------------------------------------
 
 
 async def health(request: web.Request) -> web.Response:
@@ -163,7 +78,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     cfg, gw, m = request.app[CONFIG], request.app[GATEWAY], request.app[METRICS]
-    index = request.app.get(INDEX)
+    cache = request.app.get(CACHE)
     prompt = m.prompt_tokens._value.get()
     cached = sum(c._value.get() for c in m.cached_tokens._metrics.values())
     return web.json_response({
@@ -177,11 +92,11 @@ async def props(request: web.Request) -> web.Response:
             "cold_max_tokens": cfg.kv_cache_cold_max_tokens,
             "continued_interval_tokens": cfg.kv_cache_continued_interval_tokens,
             "max_bytes": cfg.cache_max_bytes, "tenant_isolation": cfg.tenant_isolation,
-            "entries": len(index) if index is not None else 0,
-            "bytes": index.total_bytes() if index is not None else 0,
+            "entries": len(cache) if cache is not None else 0,
+            "bytes": cache.total_bytes if cache is not None else 0,
             "lifetime_hit_ratio": cached / prompt if prompt else 0.0,
         },
-        "volatile_patterns": list(gw.normalizer.patterns),
+        "volatile_patterns": list(gw.prompts.normalizer.patterns),
     })
 
 
@@ -193,19 +108,13 @@ async def error_middleware(request: web.Request,
         return await handler(request)
     except ApiError as e:  # after the run started, before a response was prepared: a worker lost
         log.warning("%s %s failed %d: %s", request.method, request.path, e.status, e.message)
-        if request.path.startswith("/v1/messages"):
-            return anthropic_response(e)
-        return openai_response(e)
+        return error_response(request, e)
     except web.HTTPNotFound:
-        return web.json_response(
-            {"error": {"message": f"unknown endpoint {request.method} {request.path}",
-                       "type": "not_found_error", "param": None, "code": None}},
-            status=404)
+        return error_response(request, NotFound(
+            f"unknown endpoint {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed:
-        return web.json_response(
-            {"error": {"message": f"{request.method} is not allowed on {request.path}",
-                       "type": "invalid_request_error", "param": None, "code": None}},
-            status=405)
+        return error_response(request, MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path}"))
 
 
 # --- lifecycle ---------------------------------------------------------------------------
@@ -214,45 +123,38 @@ async def error_middleware(request: web.Request,
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     t0 = time.perf_counter()
-    meta = await asyncio.to_thread(read_metadata, cfg.model_path)
-    tok = await asyncio.to_thread(load_tokenizer, cfg.model_path, meta)
-    template = ChatTemplate(meta.get("tokenizer.chat_template") or "",
-                            tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
-                            tok.decode([tok.eos_id]) if tok.eos_id is not None else "")
-    index = None
+    prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path, cfg.volatile_patterns)
+    identity = await asyncio.to_thread(cache_identity, cfg)
+    cache = None
     if cfg.disk_prefix_cache != "off":
         cfg.cache_path.mkdir(parents=True, exist_ok=True)
-        index = Index(cfg.cache_path)
-        report = index.reconcile()
-        log.info("cache %s: %d entries, %d bytes; reconcile: %s", cfg.cache_path, len(index),
-                 index.total_bytes(), report)
-        app[INDEX] = index
-    salt = {"model_path": cfg.model_path, "n_ctx": cfg.n_ctx, "type_k": "f16",
-            "type_v": "f16", "flash_attn": cfg.flash_attn,
-            "lib_version": llama_cpp.__version__}
-    pool = Pool(cfg, keys.fingerprint(keys.make_salt(**salt)))  # every worker must match it
+        cache = DiskCache(Index(cfg.cache_path), identity, knobs_of(cfg), cfg.cache_max_bytes,
+                          app[METRICS])
+        await asyncio.to_thread(cache.load)
+        app[CACHE] = cache
+    pool = Pool(cfg, await asyncio.to_thread(identity.fingerprint))  # every worker must match
     app[POOL] = pool
-    gw = Gateway(cfg, template, tok, pool, index, app[METRICS], salt)
+    gw = Gateway(cfg, prompts, pool, cache, app[METRICS])
     app[GATEWAY] = gw
-    app[METRICS].cache_budget_bytes.set(cfg.cache_max_bytes)
-    if index is not None:
-        gw.evict()
     try:
+        await gw.open()
         await pool.start()
     except BaseException:
         await pool.close()
-        if index is not None:
-            index.close()
+        if cache is not None:
+            cache.close()
+            cache.index.close()
         raise
     log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s), n_ctx %d, "
              "disk cache %s, tokenizer %s (%.1f s)", cfg.host, cfg.port, app[MODEL_ID],
-             len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache, tok.kind,
+             len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache, prompts.tok.kind,
              time.perf_counter() - t0)
     yield
     await gw.close()
     await pool.close()
-    if index is not None:
-        index.close()
+    if cache is not None:
+        cache.close()
+        cache.index.close()
 
 
 def make_app(cfg: Config) -> web.Application:
@@ -264,16 +166,9 @@ def make_app(cfg: Config) -> web.Application:
         lines = Path(cfg.api_keys).read_text().splitlines()
         app[ALLOWED_KEYS] = frozenset(k.strip() for k in lines if k.strip())
     app.cleanup_ctx.append(lifecycle)
-    r = app.router
-    r.add_post("/v1/chat/completions", chat_completions)
-    r.add_post("/chat/completions", chat_completions)
-    r.add_post("/v1/completions", completions)
-    r.add_get("/v1/models", models)
-    r.add_get("/health", health)
-    r.add_get("/metrics", metrics)
-    r.add_get("/props", props)
-    with contextlib.suppress(ImportError):
-        from proxy import anthropic_api
-
-        anthropic_api.add_routes(app)
+    openai_api.add_routes(app)
+    anthropic_api.add_routes(app)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/props", props)
     return app

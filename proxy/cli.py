@@ -8,7 +8,7 @@ import logging
 import socket
 import sys
 
-from proxy.config import Config, add_arguments, from_args
+from proxy.config import WORKER_FIELDS, Config, add_arguments, cache_identity, from_args
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -44,18 +44,55 @@ def serve(cfg: Config) -> None:
         raise SystemExit(f"prefixgate: {e}") from None
 
 
+def parse_listen(value: str) -> tuple[str, int]:
+    """HOST:PORT, [IPv6]:PORT or :PORT (all interfaces) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--listen wants HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def worker(argv: list[str]) -> None:
+    """`prefixgate worker`: one llama.cpp context behind the worker API, configured from the
+    same Config (flags and PREFIXGATE_* variables) as the proxy."""
+    from pathlib import Path
+
+    from backend.worker import WorkerSpec, serve
+
+    p = argparse.ArgumentParser(
+        prog="prefixgate worker",
+        description="One llama.cpp context behind the worker API. The proxy spawns these itself "
+        "on Unix sockets; for separate containers start one with --listen HOST:PORT and give the "
+        "proxy --worker-url http://HOST:PORT. Proxy and worker must use the same model file, "
+        "--n-ctx and --flash-attn, and share --cache-dir (one volume). Flags default to the "
+        "PREFIXGATE_* environment variables the proxy reads.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="Unix socket path (how the proxy runs local workers)")
+    where.add_argument("--listen", type=parse_listen, metavar="HOST:PORT",
+                       help="listen on TCP, e.g. 0.0.0.0:9000 in a container")
+    p.add_argument("--worker-id", type=int, default=0, help="its number in logs")
+    add_arguments(p, only=WORKER_FIELDS)
+    ns = p.parse_args(argv)
+    if not ns.listen and not ns.socket:
+        p.error("give --listen HOST:PORT (or --socket PATH)")
+    cfg = from_args(ns)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
+    serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
+                     Path(cfg.cache_path), cache_identity(cfg), ns.worker_id, ns.socket,
+                     ns.listen))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
-        from backend.worker import main as worker_main
-
-        return worker_main(argv[1:])
+        return worker(argv[1:])
     if argv[:1] == ["cache"]:
         from proxy.cache_cli import main as cache_main
 
         return cache_main(argv[1:])
     if argv[:1] == ["simulate"]:
-        from bench.simulate import main as simulate_main  # type: ignore[import-not-found]
+        from bench.simulate import main as simulate_main
 
         return simulate_main(argv[1:])
     p = argparse.ArgumentParser(prog="prefixgate",

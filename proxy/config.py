@@ -7,10 +7,13 @@ A flag wins over its variable; the variable wins over the default. The variable 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from backend.keys import CacheIdentity
 
 DEFAULT_VOLATILE = (
     # Claude Code's per-request billing line in the first system block: `cch=` changes on
@@ -81,8 +84,11 @@ _HELP = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
+    """A flag per Config field (`only`: just these fields)."""
     for f in fields(Config):
+        if only and f.name not in only:
+            continue
         flag = "--" + f.name.replace("_", "-")
         env = "PREFIXGATE_" + f.name.upper()
         help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (env {env}, default {f.default})"
@@ -115,6 +121,31 @@ def _coerce(name: str, value: Any) -> Any:
     if isinstance(default, tuple) and isinstance(value, list):
         return tuple(value)
     return value
+
+
+# What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
+# variables), and the proxy spawns its local workers with them.
+WORKER_FIELDS = ("model", "n_ctx", "threads", "n_gpu_layers", "flash_attn", "cache_dir",
+                 "log_level")
+
+
+def worker_argv(cfg: Config) -> list[str]:
+    """The flags that give a worker this Config's worker fields."""
+    argv: list[str] = []
+    for name in WORKER_FIELDS:
+        value = getattr(cfg, "model_path" if name == "model" else name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def cache_identity(cfg: Config) -> CacheIdentity:
+    """The one cache identity of this configuration: the proxy and every worker key with it."""
+    return CacheIdentity(cfg.model_path, cfg.n_ctx, "f16", "f16", cfg.flash_attn,
+                         importlib.metadata.version("llama-cpp-python"))
 
 
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:

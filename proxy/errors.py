@@ -5,6 +5,7 @@
     │   └── ContextOverflow (400, context_length_exceeded)
     ├── Unauthorized (401, authentication_error)
     ├── NotFound (404, not_found_error)
+    ├── MethodNotAllowed (405, invalid_request_error)
     ├── QueueFull (429, rate_limit_error)            with Retry-After
     └── WorkerFailed (503/500, api_error)             the worker died or is unreachable
 
@@ -59,6 +60,11 @@ class Unauthorized(ApiError):
 class NotFound(ApiError):
     status = 404
     kind = "not_found_error"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    kind = "invalid_request_error"
 
 
 class QueueFull(ApiError):

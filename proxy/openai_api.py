@@ -1,5 +1,6 @@
-"""OpenAI API edge: /v1/chat/completions, /v1/completions. Parse into ChatRequest, render
-responses (JSON or SSE chunks). Errors use OpenAI's shape `{"error": {message, type, param, code}}`.
+"""OpenAI API edge: POST /v1/chat/completions (and /chat/completions), POST /v1/completions,
+GET /v1/models. Parse into ChatRequest, render responses (JSON or SSE chunks). Errors use
+OpenAI's shape `{"error": {message, type, param, code}}`. The handler skeleton is proxy/edge.py's.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,8 +24,9 @@ from proxy.chat import (
     parse_sampling,
     parse_stop,
 )
-from proxy.errors import ApiError, BadRequest
-from proxy.gateway import Run, Usage
+from proxy.edge import MODEL_ID, cache_headers, client_gone, model_card, serve, sse_response
+from proxy.errors import ApiError, BadRequest, openai_response
+from proxy.run import Run, Usage
 from proxy.tools import ToolCall, output
 
 
@@ -170,13 +173,6 @@ def usage_json(u: Usage) -> dict[str, Any]:
     }
 
 
-def cache_headers(run: Run) -> dict[str, str]:
-    return {"X-Prefixgate-Cached-Tokens": str(run.usage.cached_tokens),
-            "X-Prefixgate-Cache-Source": run.usage.source,
-            "X-Prefixgate-Worker": str(run.worker.worker_id),
-            "X-Prefixgate-Restore-Seconds": f"{run.timings.get('restore_s', 0.0):.4f}"}
-
-
 def _call_json(call: ToolCall) -> dict[str, Any]:
     return {"id": "call_" + call.id_hex, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments_json}}
@@ -185,12 +181,17 @@ def _call_json(call: ToolCall) -> dict[str, Any]:
 class Responder:
     """Renders one run as a chat.completion or text_completion, JSON or SSE."""
 
-    def __init__(self, run: Run, model_id: str, chat: bool) -> None:
-        self.run, self.model, self.chat = run, model_id, chat
+    def __init__(self, req: ChatRequest, run: Run, model_id: str, chat: bool) -> None:
+        self.req, self.run, self.model, self.chat = req, run, model_id, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.n_calls = 0
+
+    def _items(self) -> AsyncIterator[str | ToolCall]:
+        if not self.chat:
+            return self.run.pieces()
+        return output(self.run.pieces(), self.req.tools, self.req.tool_choice)
 
     def _finish(self) -> str:
         return "tool_calls" if self.n_calls else self.run.finish_reason
@@ -206,7 +207,7 @@ class Responder:
     async def json(self, request: web.Request) -> web.Response:
         parts: list[str] = []
         calls: list[ToolCall] = []
-        async for item in output(self.run) if self.chat else self.run.pieces():
+        async for item in self._items():
             if isinstance(item, ToolCall):
                 calls.append(item)
             else:
@@ -239,22 +240,20 @@ class Responder:
                               "finish_reason": None}]) for d in (head, args)]
 
     async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **cache_headers(self.run)})
-        await resp.prepare(request)
+        resp = await sse_response(request, cache_headers(self.run))
         if self.chat:
             await resp.write(self._chunk([{"index": 0, "delta": {"role": "assistant",
                                                                  "content": ""},
                                            "logprobs": None, "finish_reason": None}]))
         try:
-            async for item in output(self.run) if self.chat else self.run.pieces():
+            async for item in self._items():
                 if isinstance(item, ToolCall):
                     for chunk in self._call_chunks(item):
                         await resp.write(chunk)
                 else:
                     await resp.write(self._chunk([self._choice(item, None, True)]))
         except ApiError as e:
-            if request.transport is None or request.transport.is_closing():
+            if client_gone(request):
                 return resp  # the client left; its run was cancelled, nobody to tell
             err = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
@@ -266,3 +265,35 @@ class Responder:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+# --- handlers ------------------------------------------------------------------------------
+
+
+def _respond(chat: bool) -> Callable[[web.Request, ChatRequest, Run],
+                                    Awaitable[web.StreamResponse]]:
+    async def respond(request: web.Request, req: ChatRequest, run: Run) -> web.StreamResponse:
+        r = Responder(req, run, request.app[MODEL_ID], chat)
+        return await (r.stream(request, req.include_usage) if req.stream else r.json(request))
+
+    return respond
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, "openai", parse_chat, openai_response, _respond(chat=True))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, "completions", parse_completion, openai_response,
+                       _respond(chat=False))
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [model_card(request.app)]})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)

@@ -31,14 +31,11 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from proxy.errors import BadRequest
-
-if TYPE_CHECKING:
-    from proxy.gateway import Run
 
 log = logging.getLogger("prefixgate")
 
@@ -300,18 +297,18 @@ def _partial_tag_len(s: str) -> int:
     return 0
 
 
-def parser_for(run: Run) -> ToolCallParser | None:
+def parser_for(tools: tuple[dict[str, Any], ...], choice: Any) -> ToolCallParser | None:
     """A tool-call parser when the request declared tools and did not say tool_choice none."""
-    req = run.prep.req
-    if not req.tools or req.tool_choice == "none":
+    if not tools or choice == "none":
         return None
-    return ToolCallParser(tool_names(req.tools))
+    return ToolCallParser(tool_names(tools))
 
 
-async def output(run: Run) -> AsyncIterator[str | ToolCall]:
-    """The run's text pieces, with tool calls parsed out when tools are in play."""
-    parser = parser_for(run)
-    async for piece in run.pieces():
+async def output(pieces: AsyncIterator[str], tools: tuple[dict[str, Any], ...], choice: Any
+                 ) -> AsyncIterator[str | ToolCall]:
+    """Generated text pieces, with tool calls parsed out when tools are in play."""
+    parser = parser_for(tools, choice)
+    async for piece in pieces:
         if parser is None:
             yield piece
             continue

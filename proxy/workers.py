@@ -43,9 +43,10 @@ from typing import Any
 import aiohttp
 
 from backend import volume
+from backend.protocol import Event, Job, parse_event
 from policies.prefix import common_prefix_len
 from policies.router import WorkerView, choose_worker
-from proxy.config import Config
+from proxy.config import Config, worker_argv
 from proxy.errors import QueueFull, WorkerFailed
 
 log = logging.getLogger("prefixgate.workers")
@@ -63,6 +64,29 @@ _UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 class StartupError(RuntimeError):
     """A worker cannot be used: the proxy refuses to start. The message says what to fix."""
+
+
+class EventStream:
+    """A worker's NDJSON event stream; `next()` raises WorkerFailed when it fails or ends."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, name: str) -> None:
+        self.resp, self.name = resp, name
+
+    async def next(self) -> Event:
+        try:
+            line = await self.resp.content.readline()
+        except _UNREACHABLE as e:
+            raise WorkerFailed(f"{self.name} failed mid-request: {e or type(e).__name__}"
+                               ) from e
+        if not line:
+            raise WorkerFailed(f"{self.name} ended the stream early")
+        try:
+            return parse_event(line)
+        except ValueError as e:
+            raise WorkerFailed(f"{self.name} sent a bad event: {e}") from e
+
+    def close(self) -> None:
+        self.resp.close()
 
 
 @dataclass(eq=False)
@@ -114,17 +138,17 @@ class Worker:
             return dict(await r.json())
 
     @contextlib.asynccontextmanager
-    async def run(self, plan: dict[str, Any], timeout_s: float
-                  ) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def run(self, job: Job, timeout_s: float) -> AsyncIterator[EventStream]:
+        """POST the job; the events of its run, parsed (proxy.run.WorkerClient)."""
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         try:
-            async with self.session.post(self.base_url + "/run", json=plan,
+            async with self.session.post(self.base_url + "/run", json=job.to_wire(),
                                          timeout=timeout) as r:
                 r.raise_for_status()
                 self.streams.add(r)
                 try:
-                    yield r
+                    yield EventStream(r, self.name)
                 finally:
                     self.streams.discard(r)
         except _UNREACHABLE as e:
@@ -224,13 +248,8 @@ class Pool:
     # --- local workers ---------------------------------------------------------------------
 
     def _command(self, w: Worker) -> list[str]:
-        c = self.cfg
-        cmd = [sys.executable, "-m", "backend.worker", "--socket", str(w.socket_path),
-               "--model", c.model_path, "--n-ctx", str(c.n_ctx),
-               "--n-gpu-layers", str(c.n_gpu_layers), "--worker-id", str(w.worker_id),
-               "--cache-dir", str(c.cache_path), "--threads", str(c.threads)]
-        cmd.append("--flash-attn" if c.flash_attn else "--no-flash-attn")
-        return cmd
+        return [sys.executable, "-m", "proxy.cli", "worker", "--socket", str(w.socket_path),
+                "--worker-id", str(w.worker_id), *worker_argv(self.cfg)]
 
     async def _spawn(self, w: Worker) -> None:
         w.ready = False
@@ -432,6 +451,8 @@ class Pool:
             # a worker that restarted or went down while running this request holds nothing
             fresh = w.ready and w.restarts == w.acquired_at_restarts
             w.live_ids = live_ids if fresh else []
-            w.live_tenant = tenant
+            # an empty view belongs to nobody: a run that failed before the worker ran it
+            # leaves the previous tenant's KV there, which the failing tenant must not reuse
+            w.live_tenant = tenant if w.live_ids else ""
             w.busy = False
             self._cond.notify_all()

@@ -42,7 +42,7 @@ def test_oracle_totals() -> None:
 def test_oracle_with_the_proxys_tokenizer(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # an append-only trace rendered as the proxy renders it: each turn's fresh tokens are
     # exactly its growth, because the old prompt ends where the new assistant message begins
-    from bench.prompts import PromptBuilder
+    from bench.prompts import load_builder, render
     from bench.trace import load_trace
 
     rows, messages = [], []
@@ -61,8 +61,8 @@ def test_oracle_with_the_proxys_tokenizer(tmp_path) -> None:  # type: ignore[no-
                                     "command": {"type": "string"}}}}]})
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    builder = PromptBuilder()
-    ids = [builder.render(b).ids for b in load_trace(trace)]
+    builder = load_builder()
+    ids = [render(builder, b).ids for b in load_trace(trace)]
     oracle = compute_oracle(ids)
     assert oracle.fresh_tokens == (len(ids[0]), len(ids[1]) - len(ids[0]),
                                    len(ids[2]) - len(ids[1]))

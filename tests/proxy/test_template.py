@@ -222,23 +222,19 @@ def test_bos_is_prepended_once_when_the_model_adds_one(
 def test_a_template_that_refuses_the_messages_is_a_400(tok: Tokenizer) -> None:
     """Templates raise on conversations they do not accept (e.g. roles that do not alternate):
     the request gets a 400 that quotes the template, not a 500."""
+    from policies.scope import Scope
     from proxy.chat import ChatRequest
-    from proxy.config import Config
     from proxy.errors import BadRequest
-    from proxy.gateway import Gateway
-    from proxy.metrics import Metrics
-    from proxy.workers import Pool
+    from proxy.prompt import PromptBuilder
 
     strict = ChatTemplate(
         "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
         "{{ m['content'] }}{% endfor %}", "", "")
-    cfg = Config(disk_prefix_cache="off")
-    gw = Gateway(cfg, strict, tok, Pool(cfg), None, Metrics(),
-                 {"model_path": MODEL, "n_ctx": cfg.n_ctx, "type_k": "f16", "type_v": "f16",
-                  "flash_attn": False, "lib_version": "test"})
-    ok = gw.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},)))
+    builder = PromptBuilder(strict, tok)
+    off = Scope("off")
+    ok = builder.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},)), 4096, off)
     assert len(ok.rendered.ids) > 0
     with pytest.raises(BadRequest, match="roles must alternate"):
-        gw.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},
-                                          {"role": "user", "content": "Again"})))
+        builder.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},
+                                               {"role": "user", "content": "Again"})), 4096, off)

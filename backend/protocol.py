@@ -1,0 +1,169 @@
+"""The worker protocol: what the proxy sends a worker (a :class:`Job`) and the events it streams
+back, each a frozen value, encoded and parsed here and nowhere else.
+
+    POST /run     body: Job.to_wire()      -> NDJSON, one event per line (encode_event)
+    POST /cancel  {"run_id"}               -> {"cancelled": bool}
+    GET  /health                           -> see backend/worker.py
+
+Events of one run, in order:
+
+    Start        once, first: tokens kept live, tokens restored from disk, broken files skipped
+    Prefill      after each prefill batch: how many prompt tokens the KV holds now
+    Token        one per generated token (``id`` None for text held back and flushed at the end)
+    Done         generation ended: why, which stop string matched, how many saves were started
+    Cancelled    instead of Done, after a /cancel: what the KV holds
+    Saved        a state file is durable (may come before or after Done)
+    SaveFailed   a state file could not be written
+    Error        the run failed; nothing more follows
+
+The stream ends after ``Done`` or ``Cancelled`` once the ``pending_saves`` announced there have
+all been reported as ``Saved`` or ``SaveFailed``, or after ``Error``.
+
+Both sides parse strictly: a missing field is a ``ValueError`` (a bug), never a default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from policies.decide import Plan
+
+FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    run_id: str  # for /cancel
+    ids: tuple[int, ...]  # the whole prompt
+    plan: Plan
+    sampling: Mapping[str, Any]  # backend.engine.Sampling fields
+    max_tokens: int
+    stop: tuple[str, ...]
+    grammar: str | None  # GBNF constraining the output (forced tool calls)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "ids": list(self.ids), "plan": self.plan.to_wire(),
+                "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
+                "stop": list(self.stop), "grammar": self.grammar}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Job:
+        try:
+            job = cls(run_id=str(d["run_id"]), ids=tuple(int(i) for i in d["ids"]),
+                      plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
+                      max_tokens=int(d["max_tokens"]), stop=tuple(str(s) for s in d["stop"]),
+                      grammar=d["grammar"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
+        if job.grammar is not None and not isinstance(job.grammar, str):
+            raise ValueError("malformed job: grammar must be a string or null")
+        return job
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    reason: str  # store.CacheFault reasons, or "corrupt"
+    message: str
+    file: str
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    keep: int  # prompt tokens reused (live or restored)
+    restored: int  # n_tokens of the restored entry, 0 for none
+    restore_s: float
+    faults: tuple[Fault, ...]  # entries tried and found broken
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    n_live: int
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    id: int | None
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: FinishReason
+    stop: str | None  # the stop string that matched (finish_reason "stop_sequence")
+    n_gen: int
+    n_live: int  # tokens the KV holds exactly (prompt and generated)
+    prefill_s: float
+    decode_s: float
+    pending_saves: int  # saves this run started, all reported before the stream ends
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    n_live: int
+    pending_saves: int
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    n_tokens: int
+    key: str  # hex
+    reason: str
+    file: str
+    size_bytes: int
+    checksum: int
+    save_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SaveFailed:
+    n_tokens: int
+    key: str
+    reason: str
+    fault: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    message: str
+
+
+Event = Start | Prefill | Token | Done | Cancelled | Saved | SaveFailed | Error
+
+_NAMES: dict[type, str] = {Start: "start", Prefill: "prefill", Token: "token", Done: "done",
+                           Cancelled: "cancelled", Saved: "saved", SaveFailed: "save_failed",
+                           Error: "error"}
+_TYPES: dict[str, type] = {name: t for t, name in _NAMES.items()}
+
+
+def _start(d: Mapping[str, Any]) -> Start:
+    return Start(int(d["keep"]), int(d["restored"]), float(d["restore_s"]),
+                 tuple(Fault(str(f["reason"]), str(f["message"]), str(f["file"]))
+                       for f in d["faults"]))
+
+
+_PARSERS: dict[type, Callable[[Mapping[str, Any]], Any]] = {Start: _start}
+
+
+def encode_event(ev: Event) -> bytes:
+    body = {"event": _NAMES[type(ev)], **asdict(ev)}
+    return json.dumps(body, ensure_ascii=False).encode() + b"\n"
+
+
+def parse_event(line: bytes | str) -> Event:
+    """One NDJSON line -> its event; ``ValueError`` for anything else."""
+    try:
+        d = json.loads(line)
+        t = _TYPES[d["event"]]
+        parse = _PARSERS.get(t)
+        if parse is not None:
+            ev: Event = parse(d)
+        else:
+            ev = t(**{f.name: d[f.name] for f in fields(t)})
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"malformed worker event {line[:200]!r}: {type(e).__name__} {e}"
+                         ) from None
+    return ev

@@ -1,0 +1,193 @@
+"""decide(): the whole cache decision for one request, from one read of the index, as one value.
+
+    decide(facts, stored, worker, recent, knobs) -> Plan
+
+Inputs, all plain data:
+
+- ``facts`` (:class:`Facts`): the prompt's token ids, its safe boundaries and message starts,
+  and the effective scope (``off`` when the proxy runs without a disk cache).
+- ``stored`` (:class:`Stored`): one read of the index for this prompt: the key of every
+  candidate position (``candidate_positions``), the stored entries among them longest first (at
+  most ``RESTORE_CANDIDATES``: the hit and its fallbacks), and the set of stored positions.
+- ``worker`` (:class:`WorkerFacts`): what the chosen worker's live KV holds of this prompt, and
+  whether it may be reused at all (the live KV is this tenant's).
+- ``recent``: this tenant's recent prompts, most recent first (the ring; only ``auto`` reads
+  it, its first ``scope.window`` entries).
+- ``knobs``: :class:`policies.plan.CacheKnobs`.
+
+Rules (the positions themselves are ``policies.plan``'s):
+
+1. The worker always evaluates the last two prompt tokens: ``keep_max = n - 2``.
+2. ``off``: nothing is restored or saved; ``lookup = "off"``.
+3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window; the reusable
+   prefix is the longer of the live reuse and the longest stored entry; ``reuse_limit`` may cap
+   ``keep_max`` at the boundary so that it can still be snapshotted; ``plan_saves`` picks the
+   save points for what is then prefilled (``growing`` when a recent prompt is a whole prefix).
+4. ``restore``: the stored entries longer than the live reuse, longest first; the worker tries
+   them in order, so a broken file falls back to the next one.
+5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
+   last message start), ``partial`` for a shorter one (e.g. only the anchor), ``miss`` for none.
+
+The :class:`Plan` has one wire form (``to_wire`` / ``from_wire``), shared by proxy and worker;
+``from_wire`` takes every field or raises ``ValueError``: the worker has no defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from policies.plan import (
+    CacheKnobs,
+    MessageStart,
+    Reason,
+    anchor_position,
+    choose_scope_boundary,
+    extends_recent,
+    plan_saves,
+    reuse_limit,
+)
+from policies.scope import Scope
+
+Lookup = Literal["hit", "partial", "miss", "off"]
+
+RESTORE_FALLBACKS = 2  # shorter entries the worker may try after a broken one
+RESTORE_CANDIDATES = 1 + RESTORE_FALLBACKS  # stored entries read per request, longest first
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    ids: tuple[int, ...]
+    boundaries: tuple[int, ...]  # safe cut positions, ascending
+    message_starts: tuple[MessageStart, ...]
+    scope: Scope  # effective: "off" when there is no disk cache
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    n_tokens: int  # the entry holds KV for exactly this many tokens
+    key: bytes
+    file: str  # relative to the cache directory
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    keys: Mapping[int, bytes] = field(default_factory=dict)  # candidate position -> key
+    hits: tuple[Hit, ...] = ()  # stored candidates, longest first
+    positions: frozenset[int] = frozenset()  # every stored candidate position
+
+    @property
+    def longest(self) -> int:
+        return self.hits[0].n_tokens if self.hits else 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFacts:
+    live_n: int  # tokens of this prompt the worker's live KV holds
+    live_ok: bool  # the live KV is this tenant's: it may be reused
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    n_tokens: int
+    key: bytes
+    file: str
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    n_tokens: int
+    key: bytes
+    reason: Reason
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    restore: tuple[Restore, ...]  # longest first, each longer than the live reuse
+    saves: tuple[Save, ...]  # ascending n_tokens
+    keep_max: int  # reuse (live or restored) at most this many tokens
+    live_ok: bool  # the worker may keep its live KV
+    lookup: Lookup
+    boundary: int | None  # the scope boundary, for the log line
+    anchor_skipped: str | None  # why a cold anchor was not saved, for the log line
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "restore": [{"n_tokens": r.n_tokens, "key": r.key.hex(), "file": r.file}
+                        for r in self.restore],
+            "saves": [{"n_tokens": s.n_tokens, "key": s.key.hex(), "reason": s.reason}
+                      for s in self.saves],
+            "keep_max": self.keep_max,
+            "live_ok": self.live_ok,
+            "lookup": self.lookup,
+            "boundary": self.boundary,
+            "anchor_skipped": self.anchor_skipped,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Plan:
+        """The plan a proxy sent; every field is required (``ValueError`` otherwise)."""
+        try:
+            lookup = d["lookup"]
+            if lookup not in get_args(Lookup):
+                raise ValueError(f"unknown lookup {lookup!r}")
+            saves = tuple(Save(int(s["n_tokens"]), bytes.fromhex(s["key"]), s["reason"])
+                          for s in d["saves"])
+            if any(s.reason not in get_args(Reason) for s in saves):
+                raise ValueError("unknown save reason")
+            return cls(
+                restore=tuple(Restore(int(r["n_tokens"]), bytes.fromhex(r["key"]), str(r["file"]))
+                              for r in d["restore"]),
+                saves=saves,
+                keep_max=int(d["keep_max"]),
+                live_ok=_strict_bool(d["live_ok"]),
+                lookup=lookup,
+                boundary=None if d["boundary"] is None else int(d["boundary"]),
+                anchor_skipped=d["anchor_skipped"],
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed plan: {type(e).__name__} {e}") from None
+
+
+def _strict_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
+
+
+def decide(
+    facts: Facts,
+    stored: Stored,
+    worker: WorkerFacts,
+    recent: Sequence[Sequence[int]],
+    knobs: CacheKnobs,
+) -> Plan:
+    """The plan for one request; the rules are in the module docstring."""
+    ids, scope = facts.ids, facts.scope
+    n = len(ids)
+    keep_max = max(n - 2, 0)
+    live_n = worker.live_n if worker.live_ok else 0
+    if scope.kind == "off":
+        return Plan((), (), keep_max, worker.live_ok, "off", None, None)
+    window = recent[: scope.window] if scope.kind == "auto" else ()
+    boundary = choose_scope_boundary(ids, facts.boundaries, scope, window, knobs)
+    reusable = max(live_n, stored.longest)
+    keep_max = min(reuse_limit(reusable, boundary, stored.positions), keep_max)
+    saves = plan_saves(n, min(reusable, keep_max), scope, boundary,
+                       anchor_position(facts.message_starts), stored.positions, knobs,
+                       growing=extends_recent(ids, window))
+    target = boundary or max((s.pos for s in facts.message_starts), default=n)
+    disk_n = stored.longest
+    lookup: Lookup = "miss" if disk_n == 0 else "hit" if disk_n >= target else "partial"
+    return Plan(
+        restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in stored.hits
+                      if h.n_tokens > live_n),
+        saves=tuple(Save(s.n_tokens, stored.keys[s.n_tokens], s.reason) for s in saves.saves
+                    if s.n_tokens in stored.keys),
+        keep_max=keep_max,
+        live_ok=worker.live_ok,
+        lookup=lookup,
+        boundary=boundary,
+        anchor_skipped=saves.anchor_skipped,
+    )

@@ -1,0 +1,584 @@
+"""Steps 5 and 6 of a request: one run on one worker, and what its events commit.
+
+`RunState` is a pure state machine: ``apply(event) -> effects``. It is fed the worker's events
+(backend/protocol.py) and three of the proxy's own: `StreamLost` (the worker's stream failed or
+ended early), `Abandon` (the client went away) and `Shutdown` (the proxy is stopping). It
+returns what must happen, as values; `Run` performs them. No I/O, clock or logging in the state
+machine; tests drive it with tables of events and compare the effects exactly.
+
+Rules of the state machine:
+- `Start` comes first: broken entries the worker skipped are dropped (`Drop`), a restored entry
+  counts a hit (`Touch`); `cached_tokens` is what the worker kept or restored, its source disk
+  or live; `created_tokens` the prefilled tokens a planned save will cover.
+- `Token` text goes to the consumer (`Emit`) unless the client left.
+- The run *ends* once: at `Done` (outcome ok, or cancelled when the client left in the
+  meantime), `Cancelled`, a worker `Error` or `StreamLost` (outcome error, or cancelled), a
+  `Shutdown`. Ending counts the outcome (`Record` for ok: metrics and the request's log line;
+  `Count` otherwise, unless the cancel was counted when it was asked for), ends the consumer's
+  stream (`Finish`, or `Fail` on an error) and releases the worker (`Release`) with what its KV
+  holds exactly: prompt and generated tokens up to `Done.n_live`, the prompt up to the last
+  `Prefill` otherwise, nothing after a shutdown.
+- Snapshots are committed as their `Saved` arrive (`Commit`), also after the end: the run is
+  *closed* once the saves announced by `Done`/`Cancelled` are all in. After a failure, saves
+  still missing are lost (`LostSaves`).
+- `Abandon` before the end: count it cancelled once, ask the worker to stop (`SendCancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backend.protocol import (
+    Cancelled,
+    Done,
+    Error,
+    Event,
+    Fault,
+    Job,
+    Prefill,
+    Saved,
+    SaveFailed,
+    Start,
+    Token,
+)
+from policies.decide import Plan
+from policies.scope import format_scope
+from proxy.errors import WorkerFailed
+from proxy.metrics import Metrics
+from proxy.prompt import Prepared
+
+log = logging.getLogger("prefixgate")
+
+PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
+
+
+# --- the proxy's own events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLost:
+    message: str  # the worker's stream failed or ended early (the worker died, or went down)
+
+
+@dataclass(frozen=True, slots=True)
+class Abandon:
+    pass  # the client went away
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass  # the proxy is stopping: the worker is going away too
+
+
+RunEvent = Event | StreamLost | Abandon | Shutdown
+
+
+# --- effects ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    pass  # the consumer's text ends
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    message: str  # the consumer gets a WorkerFailed
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    saved: Saved
+
+
+@dataclass(frozen=True, slots=True)
+class SaveFailure:
+    failed: SaveFailed
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    fault: Fault
+    key: bytes | None  # the plan's entry for that file (None: not one of the plan's)
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    key: bytes
+    restore_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    n_live: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    pass  # a served request: its metrics and its log line
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    outcome: str  # requests_total{outcome}, and a short log line
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    live_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendCancel:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class LostSaves:
+    message: str
+
+
+Effect = (Emit | Finish | Fail | Commit | SaveFailure | Drop | Touch | Progress | Record | Count
+          | Release | SendCancel | LostSaves)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # not prefilled: live KV kept or restored from disk
+    source: str = "none"  # "live" | "disk" | "none"
+    created_tokens: int = 0  # prefilled tokens covered by a new snapshot
+    completion_tokens: int = 0
+
+    @property
+    def input_tokens(self) -> int:  # Anthropic: prefilled and not newly snapshotted
+        return self.prompt_tokens - self.cached_tokens - self.created_tokens
+
+
+# --- the state machine -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunState:
+    ids: tuple[int, ...]
+    plan: Plan
+    usage: Usage = field(init=False)
+    finish_reason: str = "length"  # "stop" | "length" (the API edge adds tool_calls)
+    stop: str | None = None  # the stop string that ended the text
+    gen_ids: list[int] = field(default_factory=list)
+    live_n: int = 0  # prompt tokens the worker's KV holds so far
+    timings: dict[str, float] = field(default_factory=dict)
+    started: bool = False
+    ended: bool = False  # the worker was released
+    abandoned: bool = False
+    outcome: str = ""
+    saves_seen: int = 0
+    saves_expected: int | None = None  # announced by Done/Cancelled
+    _finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(prompt_tokens=len(self.ids))
+
+    @property
+    def closed(self) -> bool:
+        """Nothing more will come: ended, and every announced save reported (or given up)."""
+        return self.ended and self.saves_expected is not None \
+            and self.saves_seen >= self.saves_expected
+
+    def apply(self, ev: RunEvent) -> list[Effect]:
+        return _HANDLERS[type(ev)](self, ev)
+
+    # --- handlers --------------------------------------------------------------------------
+
+    def _start(self, ev: Start) -> list[Effect]:
+        self.started = True
+        by_file = {r.file: r for r in self.plan.restore}
+        fx: list[Effect] = [Drop(f, by_file[f.file].key if f.file in by_file else None)
+                            for f in ev.faults]
+        u = self.usage
+        u.cached_tokens = self.live_n = ev.keep
+        if ev.restored:
+            u.source = "disk"
+            fx += [Touch(r.key, ev.restore_s) for r in self.plan.restore
+                   if r.n_tokens == ev.restored]
+        elif ev.keep:
+            u.source = "live"
+        saves = [s.n_tokens for s in self.plan.saves if s.n_tokens >= u.cached_tokens]
+        u.created_tokens = max(saves, default=u.cached_tokens) - u.cached_tokens
+        self.timings["restore_s"] = ev.restore_s
+        return fx
+
+    def _prefill(self, ev: Prefill) -> list[Effect]:
+        self.live_n = ev.n_live
+        return [Progress(ev.n_live)]
+
+    def _token(self, ev: Token) -> list[Effect]:
+        if ev.id is not None:
+            self.gen_ids.append(ev.id)
+        return [Emit(ev.text)] if ev.text and not self.abandoned else []
+
+    def _done(self, ev: Done) -> list[Effect]:
+        self.finish_reason = "stop" if ev.finish_reason == "stop_sequence" else ev.finish_reason
+        self.stop = ev.stop
+        self.usage.completion_tokens = ev.n_gen
+        self.timings.update(prefill_s=ev.prefill_s, decode_s=ev.decode_s)
+        self.saves_expected = ev.pending_saves
+        live = (*self.ids, *self.gen_ids)[: ev.n_live]
+        # abandoned: the cancel came too late, the run finished anyway
+        return self._end("cancelled" if self.abandoned else "ok", live)
+
+    def _cancelled(self, ev: Cancelled) -> list[Effect]:
+        self.live_n = ev.n_live
+        self.saves_expected = ev.pending_saves
+        return self._end("cancelled", self.ids[: self.live_n])
+
+    def _saved(self, ev: Saved) -> list[Effect]:
+        self.saves_seen += 1
+        return [Commit(ev)]
+
+    def _save_failed(self, ev: SaveFailed) -> list[Effect]:
+        self.saves_seen += 1
+        return [SaveFailure(ev)]
+
+    def _failed(self, ev: Error | StreamLost) -> list[Effect]:
+        pending = self.saves_expected is not None and self.saves_seen < self.saves_expected
+        self.saves_expected = self.saves_seen  # saves still missing are not awaited
+        if not self.started:  # the worker refused the job: the caller fails and releases
+            self.ended = True
+            return [Fail(ev.message)]
+        if self.ended:
+            return [LostSaves(ev.message)] if pending else []
+        return self._end("cancelled" if self.abandoned else "error", self.ids[: self.live_n],
+                         failure=ev.message)
+
+    def _shutdown(self, ev: Shutdown) -> list[Effect]:
+        self.saves_expected = self.saves_seen
+        return self._end("cancelled", ())
+
+    def _abandon(self, ev: Abandon) -> list[Effect]:
+        if self.abandoned or self.ended:
+            return []
+        self.abandoned = True
+        return [Count("cancelled"), SendCancel()]
+
+    def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None
+             ) -> list[Effect]:
+        if self.ended:
+            return []
+        self.ended = True
+        self.outcome = outcome
+        fx: list[Effect] = []
+        if not self._finished:
+            self._finished = True
+            fx.append(Fail(failure) if failure is not None else Finish())
+        if outcome == "ok":
+            fx.append(Record())
+        elif not self.abandoned:  # a cancel was counted when it was asked for
+            fx.append(Count(outcome))
+        fx.append(Release(tuple(live)))
+        return fx
+
+
+_HANDLERS: dict[type, Callable[[RunState, Any], list[Effect]]] = {
+    Start: RunState._start, Prefill: RunState._prefill, Token: RunState._token,
+    Done: RunState._done, Cancelled: RunState._cancelled, Saved: RunState._saved,
+    SaveFailed: RunState._save_failed, Error: RunState._failed, StreamLost: RunState._failed,
+    Shutdown: RunState._shutdown, Abandon: RunState._abandon,
+}
+
+
+# --- the seams the driver works through ----------------------------------------------------
+
+
+class EventStream(Protocol):
+    async def next(self) -> Event:
+        """The next event; raises WorkerFailed when the stream fails or ends early."""
+
+    def close(self) -> None: ...
+
+
+class WorkerClient(Protocol):
+    """What a run needs of a worker: `proxy.workers.Worker` over HTTP, or a test's fake."""
+
+    worker_id: int
+
+    def run(self, job: Job, timeout_s: float
+            ) -> contextlib.AbstractAsyncContextManager[EventStream]: ...
+
+    async def cancel(self, run_id: str) -> bool: ...
+
+
+class Releaser(Protocol):
+    async def release(self, w: Any, live_ids: list[int], tenant: str = "") -> None: ...
+
+
+class Committer(Protocol):
+    """What a run commits to (proxy.cache.DiskCache); None when there is no disk cache."""
+
+    async def write(self, fn: Callable[..., Any], *args: object) -> Any: ...
+
+    def commit(self, saved: Saved, tenant: str, keyed: Mapping[int, bytes]) -> None: ...
+
+    def touch(self, key: bytes, now_s: float) -> None: ...
+
+    def drop(self, key: bytes) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunDeps:
+    """What a run needs from the proxy, and nothing more."""
+
+    pool: Releaser
+    cache: Committer | None
+    metrics: Metrics
+    spawn: Callable[[Any], None]  # run a background task the proxy awaits at shutdown
+    timeout_s: float  # a worker run longer than this fails
+
+
+# --- the driver --------------------------------------------------------------------------
+
+
+class Run:
+    """One request on one worker. `open()`, then iterate `pieces()`; `usage`, `finish_reason`
+    and `stop` are final after it ends. `aclose()` abandons a run the client left.
+
+    One reader task owns the worker's event stream from `Start` to its end and performs the
+    state machine's effects; the consumer reads text from a queue."""
+
+    def __init__(self, deps: RunDeps, prep: Prepared, worker: WorkerClient, plan: Plan,
+                 keyed: Mapping[int, bytes], tenant: str) -> None:
+        self.deps, self.prep, self.worker, self.plan = deps, prep, worker, plan
+        self.keyed, self.tenant = keyed, tenant
+        self.run_id = uuid.uuid4().hex
+        self.state = RunState(prep.rendered.ids, plan)
+        self.ttft_s: float | None = None
+        self._cm: contextlib.AbstractAsyncContextManager[EventStream] | None = None
+        self._stream: EventStream | None = None
+        self._queue: asyncio.Queue[str | BaseException | None] = asyncio.Queue()
+        self._progress_logged_s = prep.arrived_s
+
+    @property
+    def usage(self) -> Usage:
+        return self.state.usage
+
+    @property
+    def finish_reason(self) -> str:
+        return self.state.finish_reason
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.state.timings
+
+    @property
+    def done(self) -> bool:
+        return self.state.ended
+
+    def job(self) -> Job:
+        p = self.prep
+        return Job(self.run_id, p.rendered.ids, self.plan, p.req.sampling, p.max_tokens,
+                   p.req.stop, p.grammar)
+
+    async def open(self) -> None:
+        """Send the job and wait for its `Start`: any failure is known before a response is
+        prepared. On failure the caller releases the worker."""
+        self._cm = self.worker.run(self.job(), self.deps.timeout_s)
+        try:
+            self._stream = await self._cm.__aenter__()
+            ev = await self._next()
+            for fx in self.state.apply(ev):
+                if isinstance(fx, Fail):
+                    raise WorkerFailed(f"worker {self.worker.worker_id}: {fx.message}")
+                await self._perform(fx)
+        except BaseException:
+            await self._close_stream()
+            raise
+        self.deps.spawn(self._read())
+
+    async def _next(self) -> RunEvent:
+        assert self._stream is not None
+        try:
+            return await self._stream.next()
+        except WorkerFailed as e:
+            return StreamLost(e.message)
+
+    async def _read(self) -> None:
+        try:
+            while not self.state.closed:
+                ev = await self._next()
+                if self.ttft_s is None and isinstance(ev, Token | Done):
+                    self.ttft_s = time.perf_counter() - self.prep.arrived_s
+                for fx in self.state.apply(ev):
+                    await self._perform(fx)
+        except asyncio.CancelledError:  # shutdown: the worker is going away too
+            for fx in self.state.apply(Shutdown()):
+                await self._perform(fx)
+            raise
+        except Exception as e:  # a bug here must not leave the worker taken for good
+            log.exception("run on worker %d failed", self.worker.worker_id)
+            for fx in self.state.apply(StreamLost(f"{type(e).__name__}: {e}")):
+                with contextlib.suppress(Exception):
+                    await self._perform(fx)
+        finally:
+            await self._close_stream()
+
+    # --- effects ---------------------------------------------------------------------------
+
+    async def _perform(self, fx: Effect) -> None:
+        await _PERFORM[type(fx)](self, fx)
+
+    async def _emit(self, fx: Emit) -> None:
+        self._queue.put_nowait(fx.text)
+
+    async def _finish(self, fx: Finish) -> None:
+        self._queue.put_nowait(None)
+
+    async def _fail(self, fx: Fail) -> None:
+        self._queue.put_nowait(WorkerFailed(f"worker {self.worker.worker_id}: {fx.message}"))
+
+    async def _commit(self, fx: Commit) -> None:
+        m, s = self.deps.metrics, fx.saved
+        try:
+            assert self.deps.cache is not None, "a save without a disk cache"
+            await self.deps.cache.write(self.deps.cache.commit, s, self.tenant, self.keyed)
+        except Exception as e:  # a cache fault never fails the request
+            m.faults.labels("index").inc()
+            log.warning("cache entry at %d tokens not recorded: %s: %s", s.n_tokens,
+                        type(e).__name__, e)
+            return
+        m.saves.labels(s.reason, "ok").inc()
+        m.save_seconds.observe(s.save_s)
+
+    async def _save_failure(self, fx: SaveFailure) -> None:
+        f = fx.failed
+        self.deps.metrics.saves.labels(f.reason, "failed").inc()
+        self.deps.metrics.faults.labels(f.fault).inc()
+        log.warning("cache save failed (%s at %d tokens): %s", f.reason, f.n_tokens, f.message)
+
+    async def _drop(self, fx: Drop) -> None:
+        self.deps.metrics.faults.labels(fx.fault.reason).inc()
+        log.warning("cache fault (%s), entry dropped: %s", fx.fault.reason, fx.fault.message)
+        if fx.key is not None and self.deps.cache is not None:
+            try:
+                await self.deps.cache.write(self.deps.cache.drop, fx.key)
+            except Exception as e:
+                log.warning("broken entry not dropped: %s: %s", type(e).__name__, e)
+
+    async def _touch(self, fx: Touch) -> None:
+        self.deps.metrics.restore_seconds.observe(fx.restore_s)
+        if self.deps.cache is not None:
+            try:
+                await self.deps.cache.write(self.deps.cache.touch, fx.key, time.time())
+            except Exception as e:
+                log.warning("hit not recorded: %s: %s", type(e).__name__, e)
+
+    async def _progress(self, fx: Progress) -> None:
+        """A long prefill logs its progress every PROGRESS_LOG_S."""
+        now = time.perf_counter()
+        if now - self._progress_logged_s < PROGRESS_LOG_S:
+            return
+        self._progress_logged_s = now
+        n, cached = self.usage.prompt_tokens, self.usage.cached_tokens
+        rate = (fx.n_live - cached) / max(now - self.prep.arrived_s, 1e-9)
+        log.info("%s prefilling %d/%d tokens (%d cached, %.0f tokens/s) worker=%d",
+                 self.prep.req.api, fx.n_live, n, cached, rate, self.worker.worker_id)
+
+    async def _record(self, fx: Record) -> None:
+        u, m, api, plan = self.usage, self.deps.metrics, self.prep.req.api, self.plan
+        m.requests.labels(api, "ok").inc()
+        m.prompt_tokens.inc(u.prompt_tokens)
+        if u.cached_tokens:
+            m.cached_tokens.labels(u.source).inc(u.cached_tokens)
+        m.prefilled_tokens.inc(u.prompt_tokens - u.cached_tokens)
+        m.generated_tokens.inc(u.completion_tokens)
+        if plan.lookup != "off":
+            m.lookups.labels(plan.lookup).inc()
+        m.prefill_seconds.observe(self.timings.get("prefill_s", 0.0))
+        if self.ttft_s is not None:
+            m.ttft_seconds.labels(api).observe(self.ttft_s)
+        saves = ",".join(f"{s.reason}@{s.n_tokens}" for s in plan.saves) or "-"
+        log.info(
+            "%s prompt=%d cached=%d source=%s scope=%s boundary=%s lookup=%s saves=%s "
+            "prefill_s=%.3f decode_s=%.3f ttft_s=%.3f gen=%d finish=%s worker=%d%s",
+            api, u.prompt_tokens, u.cached_tokens, u.source, format_scope(self.prep.scope),
+            plan.boundary if plan.boundary is not None else "-", plan.lookup, saves,
+            self.timings.get("prefill_s", 0.0), self.timings.get("decode_s", 0.0),
+            self.ttft_s or 0.0, u.completion_tokens, self.finish_reason,
+            self.worker.worker_id,
+            f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
+
+    async def _count(self, fx: Count) -> None:
+        self.deps.metrics.requests.labels(self.prep.req.api, fx.outcome).inc()
+
+    async def _release(self, fx: Release) -> None:
+        st = self.state
+        if st.outcome != "ok":
+            u = self.usage
+            log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d",
+                     self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source, st.outcome,
+                     len(fx.live_ids), self.worker.worker_id)
+        await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant)
+
+    async def _send_cancel(self, fx: SendCancel) -> None:
+        """The worker stops at its next prefill batch or token and keeps what it prefilled; a
+        worker that does not take the cancel has its stream closed, which cancels the run too
+        (its snapshots are then lost)."""
+        if not await self.worker.cancel(self.run_id) and not self.state.ended:
+            await self._close_stream()  # the reader sees the stream end and releases
+
+    async def _lost_saves(self, fx: LostSaves) -> None:
+        log.warning("saves of this request lost: %s", fx.message)
+
+    async def _close_stream(self) -> None:
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            if self._stream is not None:
+                self._stream.close()
+            with contextlib.suppress(Exception):  # closing a failed stream
+                await cm.__aexit__(None, None, None)
+
+    # --- the consumer side -----------------------------------------------------------------
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Generated text; ends at `Done`. Saves are committed in the background after."""
+        ended = False
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    ended = True
+                    return
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield item
+        finally:
+            if not ended:  # the consumer stopped early: the client went away
+                await self.aclose()
+
+    async def text(self) -> str:
+        return "".join([p async for p in self.pieces()])
+
+    async def aclose(self) -> None:
+        """Abandon the run (the client went away); its snapshots are still committed."""
+        for fx in self.state.apply(Abandon()):
+            await self._perform(fx)
+
+
+_PERFORM: dict[type, Callable[[Run, Any], Any]] = {
+    Emit: Run._emit, Finish: Run._finish, Fail: Run._fail, Commit: Run._commit,
+    SaveFailure: Run._save_failure, Drop: Run._drop, Touch: Run._touch,
+    Progress: Run._progress, Record: Run._record, Count: Run._count, Release: Run._release,
+    SendCancel: Run._send_cancel, LostSaves: Run._lost_saves,
+}
