@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import Counter
@@ -47,11 +48,10 @@ class DiskCache:
                  budget_bytes: int, metrics: Metrics) -> None:
         self.index = index
         self.identity = identity
-        self.fingerprint = identity.fingerprint()
         self.knobs = knobs
         self.budget_bytes = budget_bytes
         self.metrics = metrics
-        self._salts: dict[str, bytes] = {"": identity.salt()}
+        self._salts: dict[str, bytes] = {}  # tenant -> salt (reads the model file once)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._entries: dict[bytes, Entry] = {}  # the mirror (see the module rules)
         self._extended: Counter[bytes] = Counter()  # key -> entries whose prefix_of it is
@@ -80,6 +80,10 @@ class DiskCache:
                  len(self._entries), self._total_bytes, report)
         self.metrics.cache_budget_bytes.set(self.budget_bytes)
         self.evict()
+
+    @functools.cached_property
+    def fingerprint(self) -> bytes:
+        return keys.fingerprint(self.salt(""))
 
     def salt(self, tenant: str) -> bytes:
         if tenant not in self._salts:
