@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -174,12 +173,9 @@ CORPUS_NAMES = [
 ]  # fmt: skip
 
 
-def test_metadata_reads_fast_and_complete(metadata: dict[str, Any]) -> None:
-    t0 = time.perf_counter()
-    again = read_metadata(MODEL)
-    elapsed_s = time.perf_counter() - t0
-    assert elapsed_s < 0.5
-    assert again == metadata
+def test_metadata_is_complete_and_the_same_on_every_read(metadata: dict[str, Any]) -> None:
+    """What the tokenizer and template need; the read's speed is measured by bench.micro."""
+    assert read_metadata(MODEL) == metadata
     assert metadata["general.architecture"] == "llama"
     assert metadata["tokenizer.ggml.model"] == "gpt2"
     assert metadata["tokenizer.ggml.pre"] == "smollm"
