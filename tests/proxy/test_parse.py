@@ -1,0 +1,204 @@
+"""Parsing of both APIs into the internal ChatRequest, as tables: request bodies in, the exact
+messages, tools and settings out, or the 400 and the field it names. No server, no model: the
+real-model tests in test_openai.py and test_anthropic.py check the same edges end to end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy import anthropic_api, openai_api
+from proxy.errors import ApiError, BadRequest, ContextOverflow, WorkerFailed, anthropic_body, openai_body
+
+USER = {"role": "user", "content": "Hi"}
+SHELL = {"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}
+
+# body -> (messages, other expected fields of the ChatRequest)
+OPENAI: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str, Any]]] = {
+    # the least: one user message; everything else at its default
+    "minimal": ({"messages": [USER]}, ({"role": "user", "content": "Hi"},),
+                {"max_tokens": None, "stream": False, "stop": (), "scope": None,
+                 "tool_choice": "auto", "sampling": {}}),
+    # developer is a system message; text parts are joined
+    "developer and parts": (
+        {"messages": [{"role": "developer", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text", "text": "b"}]}]},
+        ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}), {}),
+    # an earlier tool call: its JSON arguments are parsed; the tool's answer keeps its call id
+    "tool history": (
+        {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "shell", "arguments": "{\"cmd\": \"ls\"}"}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "a.py"}],
+         "tools": [SHELL]},
+        ({"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "c1", "type": "function",
+              "function": {"name": "shell", "arguments": {"cmd": "ls"}}}]},
+         {"role": "tool", "content": "a.py", "tool_call_id": "c1"}),
+        {"tools": (SHELL,)}),
+    # max_completion_tokens wins over max_tokens; settings and the cache scope come through
+    "settings": (
+        {"messages": [USER], "max_tokens": 5, "max_completion_tokens": 7, "stream": True,
+         "stream_options": {"include_usage": True}, "stop": "\n", "temperature": 0,
+         "seed": -1, "prefix_cache": {"scope": "auto:8", "window": 4}},
+        ({"role": "user", "content": "Hi"},),
+        {"max_tokens": 7, "stream": True, "include_usage": True, "stop": ("\n",),
+         "sampling": {"temperature": 0.0, "seed": 0xFFFFFFFF}, "scope": "auto:8",
+         "window": 4}),
+    # a forced call names a declared tool
+    "named tool choice": (
+        {"messages": [USER], "tools": [SHELL],
+         "tool_choice": {"type": "function", "function": {"name": "shell"}}},
+        ({"role": "user", "content": "Hi"},), {"tool_choice": {"name": "shell"}}),
+}
+
+
+@pytest.mark.parametrize("body,messages,fields", OPENAI.values(), ids=OPENAI.keys())
+def test_openai_parse(body: dict[str, Any], messages: tuple[dict[str, Any], ...],
+                      fields: dict[str, Any]) -> None:
+    req = openai_api.parse_chat(body, "key-1")
+    assert (req.api, req.tenant, req.messages) == ("openai", "key-1", messages)
+    assert {k: getattr(req, k) for k in fields} == fields
+
+
+# body -> the param the 400 names
+OPENAI_BAD: dict[str, tuple[Any, str | None]] = {
+    "not an object": ([USER], None),
+    "no messages": ({}, "messages"),
+    "empty messages": ({"messages": []}, "messages"),
+    "unknown role": ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    "an image": ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    "temperature out of range": ({"messages": [USER], "temperature": 3}, "temperature"),
+    "max_tokens zero": ({"messages": [USER], "max_tokens": 0}, "max_tokens"),
+    "stop not strings": ({"messages": [USER], "stop": [1]}, "stop"),
+    "bad scope window": ({"messages": [USER], "prefix_cache": {"window": 0}},
+                         "prefix_cache.window"),
+    "forced call, no tools": ({"messages": [USER], "tool_choice": "required"}, "tool_choice"),
+    "forced call, unknown tool": ({"messages": [USER], "tools": [SHELL],
+                                   "tool_choice": {"function": {"name": "rm"}}}, "tool_choice"),
+    "tool parameters not a schema": ({"messages": [USER], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+}
+
+
+@pytest.mark.parametrize("body,param", OPENAI_BAD.values(), ids=OPENAI_BAD.keys())
+def test_openai_rejects(body: Any, param: str | None) -> None:
+    with pytest.raises(BadRequest) as e:
+        openai_api.parse_chat(body, "")
+    assert e.value.param == param
+
+
+def test_openai_completion_prompt() -> None:
+    req = openai_api.parse_completion({"prompt": ["Once upon"], "max_tokens": 3}, "")
+    assert (req.api, req.prompt, req.messages, req.max_tokens) == \
+        ("completions", "Once upon", (), 3)
+    with pytest.raises(BadRequest):
+        openai_api.parse_completion({"prompt": ""}, "")
+
+
+TOOL = {"name": "shell", "description": "Run.", "input_schema": {"type": "object"}}
+ANTHROPIC: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str, Any]]] = {
+    # system blocks join by blank lines and lead; consecutive user turns merge
+    "system and merged users": (
+        {"system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
+         "messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]},
+        ({"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "one\n\ntwo"}),
+        {"continue_final": False}),
+    # tool_use becomes a call; tool_result a tool message carrying the tool's name; thinking is
+    # dropped; is_error marks the result
+    "tool round trip": (
+        {"tools": [TOOL], "messages": [
+            {"role": "user", "content": "list"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "tool_use", "id": "t1", "name": "shell", "input": {"cmd": "ls"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": "denied", "is_error": True}]}]},
+        ({"role": "user", "content": "list"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "t1", "type": "function",
+              "function": {"name": "shell", "arguments": {"cmd": "ls"}}}]},
+         {"role": "tool", "tool_call_id": "t1", "content": "Error: denied", "name": "shell"}),
+        {"tools": ({"type": "function", "function": {"name": "shell", "description": "Run.",
+                                                     "parameters": {"type": "object"}}},)}),
+    # a system message inside messages (Claude Code sends them) becomes user text
+    "system inside messages": (
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "system", "content": "reminder"}]},
+        ({"role": "user", "content": "hi\n\nreminder"},), {}),
+    # a final assistant turn with text is continued
+    "prefill": (
+        {"messages": [USER, {"role": "assistant", "content": "The answer is"}]},
+        ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}),
+        {"continue_final": True}),
+    # any -> required; server tools are ignored; stop_sequences and sampling come through
+    "choice and settings": (
+        {"messages": [USER], "tools": [TOOL, {"type": "web_search_20250305", "name": "web"}],
+         "tool_choice": {"type": "any"}, "stop_sequences": ["\n\nHuman:"], "top_k": 5},
+        ({"role": "user", "content": "Hi"},),
+        {"tool_choice": "required", "stop": ("\n\nHuman:",), "sampling": {"top_k": 5}}),
+}
+
+
+@pytest.mark.parametrize("body,messages,fields", ANTHROPIC.values(), ids=ANTHROPIC.keys())
+def test_anthropic_parse(body: dict[str, Any], messages: tuple[dict[str, Any], ...],
+                         fields: dict[str, Any]) -> None:
+    req = anthropic_api.parse_request({"max_tokens": 16, **body}, "key-1")
+    assert (req.api, req.tenant, req.max_tokens, req.messages) == \
+        ("anthropic", "key-1", 16, messages)
+    assert {k: getattr(req, k) for k in fields} == fields
+
+
+ANTHROPIC_BAD: dict[str, tuple[dict[str, Any], str | None]] = {
+    "no max_tokens": ({"messages": [USER]}, "max_tokens"),
+    "no messages": ({"max_tokens": 4}, "messages"),
+    "an image": ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+    "trailing whitespace in a prefill": (
+        {"max_tokens": 4, "messages": [USER, {"role": "assistant", "content": "So "}]},
+        "messages.1.content"),
+    "bad tool_choice": ({"max_tokens": 4, "messages": [USER], "tool_choice": {"type": "x"}},
+                        "tool_choice"),
+    "tool without a schema": ({"max_tokens": 4, "messages": [USER],
+                               "tools": [{"name": "f"}]}, "tools[0].input_schema"),
+}
+
+
+@pytest.mark.parametrize("body,param", ANTHROPIC_BAD.values(), ids=ANTHROPIC_BAD.keys())
+def test_anthropic_rejects(body: dict[str, Any], param: str | None) -> None:
+    with pytest.raises(BadRequest) as e:
+        anthropic_api.parse_request(body, "")
+    assert e.value.param == param
+
+
+def test_count_tokens_needs_no_max_tokens() -> None:
+    req = anthropic_api.parse_request({"messages": [USER]}, "", count_only=True)
+    assert (req.max_tokens, req.stream) == (None, False)
+
+
+# each error in each API's own shape
+ERRORS = [
+    (BadRequest("send text", param="messages"),
+     {"error": {"message": "send text", "type": "invalid_request_error", "param": "messages",
+                "code": None}},
+     {"type": "error", "error": {"type": "invalid_request_error", "message": "send text"}}),
+    (ContextOverflow(5000, 4096),
+     {"error": {"message": ContextOverflow(5000, 4096).message, "type": "invalid_request_error",
+                "param": "messages", "code": "context_length_exceeded"}},
+     {"type": "error", "error": {"type": "invalid_request_error",
+                                 "message": "prompt is too long: 5000 tokens > 4096 maximum"}}),
+    (WorkerFailed("worker 0 failed"),
+     {"error": {"message": "worker 0 failed", "type": "api_error", "param": None, "code": None}},
+     {"type": "error", "error": {"type": "overloaded_error", "message": "worker 0 failed"}}),
+]
+
+
+@pytest.mark.parametrize("error,openai_shape,anthropic_shape", ERRORS)
+def test_error_shapes(error: ApiError, openai_shape: dict[str, Any],
+                      anthropic_shape: dict[str, Any]) -> None:
+    assert openai_body(error) == openai_shape
+    assert anthropic_body(error) == anthropic_shape
