@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from proxy import anthropic_api, openai_api
-from proxy.errors import ApiError, BadRequest, ContextOverflow, WorkerFailed, anthropic_body, openai_body
+from proxy.errors import (
+    ApiError,
+    BadRequest,
+    ContextOverflow,
+    WorkerFailed,
+    anthropic_body,
+    openai_body,
+)
 
 USER = {"role": "user", "content": "Hi"}
 SHELL = {"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}
