@@ -60,6 +60,10 @@ class Job:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
         if job.grammar is not None and not isinstance(job.grammar, str):
             raise ValueError("malformed job: grammar must be a string or null")
+        if not 0 <= job.plan.keep_max <= max(len(job.ids) - 2, 0):
+            # the last two prompt tokens are always evaluated: logits are not in a snapshot
+            raise ValueError(f"malformed job: keep_max {job.plan.keep_max} for a prompt of "
+                             f"{len(job.ids)} tokens")
         return job
 
 

@@ -84,9 +84,9 @@ class Worker:
     def execute(self, job: Job, emit: Emit, cancel: Cancel) -> None:
         eng, plan, ids = self.engine, job.plan, list(job.ids)
         t0 = time.perf_counter()
-        # the last two prompt tokens are always evaluated (plan.keep_max says so); the proxy may
-        # cap reuse lower so that a scope boundary that reuse passed can still be snapshotted
-        last = min(max(len(ids) - 2, 0), plan.keep_max)
+        # at most n - 2 (Job checks it: the last two prompt tokens are always evaluated), and
+        # lower when a scope boundary that reuse passed must still be snapshotted
+        last = plan.keep_max
 
         def live() -> int:  # what the live KV holds of this prompt that may be kept
             return min(eng.live_prefix(ids), last) if plan.live_ok else 0

@@ -8,7 +8,7 @@ simulator looks the prompt up as `proxy.cache.DiskCache.lookup` does (candidate 
 `keys.prefix_keys`, the stored entries longest first) against an in-memory disk, calls the real
 `policies.decide.decide` with its `policies.ring.Ring`, then applies the worker's rules to the
 plan (backend/worker.py: keep the live prefix, restore the first planned entry longer than it;
-reuse capped at `n - 2` and at the plan's `keep_max`). Every planned save succeeds and nothing is
+reuse capped at the plan's `keep_max`). Every planned save succeeds and nothing is
 evicted (the default budget is 20 GiB).
 
 Modes (what survives between two requests):
@@ -115,7 +115,7 @@ class Simulator:
             self.ring.push(_TENANT, ids)
             self.ring_log = [*self.ring_log, ids][-RING_CAPACITY:]
         # the worker: keep the live prefix, restore the first entry longer than it
-        last = min(max(n - 2, 0), plan.keep_max)
+        last = plan.keep_max
         keep = min(live_n, last)
         restored = next((r.n_tokens for r in plan.restore if r.n_tokens > keep), 0)
         cached = min(restored, last) if restored else keep
