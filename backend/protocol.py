@@ -52,14 +52,18 @@ class Job:
     @classmethod
     def from_wire(cls, d: Any) -> Job:
         try:
-            job = cls(run_id=str(d["run_id"]), ids=tuple(int(i) for i in d["ids"]),
+            grammar = d["grammar"]
+            if not isinstance(d["sampling"], dict) or not (grammar is None
+                                                           or isinstance(grammar, str)):
+                raise ValueError("sampling must be an object, grammar a string or null")
+            job = cls(run_id=_check(d["run_id"], "str"),
+                      ids=tuple(_check(i, "int") for i in _check(d["ids"], "list")),
                       plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
-                      max_tokens=int(d["max_tokens"]), stop=tuple(str(s) for s in d["stop"]),
-                      grammar=d["grammar"])
+                      max_tokens=_check(d["max_tokens"], "int"),
+                      stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),
+                      grammar=grammar)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
-        if job.grammar is not None and not isinstance(job.grammar, str):
-            raise ValueError("malformed job: grammar must be a string or null")
         if not 0 <= job.plan.keep_max <= max(len(job.ids) - 2, 0):
             # the last two prompt tokens are always evaluated: logits are not in a snapshot
             raise ValueError(f"malformed job: keep_max {job.plan.keep_max} for a prompt of "
@@ -143,10 +147,33 @@ _NAMES: dict[type, str] = {Start: "start", Prefill: "prefill", Token: "token", D
 _TYPES: dict[str, type] = {name: t for t, name in _NAMES.items()}
 
 
+# what each annotation of an event field admits (bool is not an int here)
+_ADMITS: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "list": lambda v: isinstance(v, list),
+    "FinishReason": lambda v: v in ("stop", "length", "stop_sequence"),
+}
+_ADMITS["int | None"] = lambda v: v is None or _ADMITS["int"](v)
+_ADMITS["str | None"] = lambda v: v is None or isinstance(v, str)
+_ADMITS["tuple[Fault, ...]"] = _ADMITS["list"]
+
+
+def _check(v: Any, annotation: str) -> Any:
+    if not _ADMITS[annotation](v):
+        raise ValueError(f"expected {annotation}, got {v!r}")
+    return v
+
+
+def _fields(t: type, d: Mapping[str, Any]) -> dict[str, Any]:
+    return {f.name: _check(d[f.name], str(f.type)) for f in fields(t)}
+
+
 def _start(d: Mapping[str, Any]) -> Start:
-    return Start(int(d["keep"]), int(d["restored"]), float(d["restore_s"]),
-                 tuple(Fault(str(f["reason"]), str(f["message"]), str(f["file"]))
-                       for f in d["faults"]))
+    ev = _fields(Start, d)
+    ev["faults"] = tuple(Fault(**_fields(Fault, f)) for f in ev["faults"])
+    return Start(**ev)
 
 
 _PARSERS: dict[type, Callable[[Mapping[str, Any]], Any]] = {Start: _start}
@@ -166,7 +193,7 @@ def parse_event(line: bytes | str) -> Event:
         if parse is not None:
             ev: Event = parse(d)
         else:
-            ev = t(**{f.name: d[f.name] for f in fields(t)})
+            ev = t(**_fields(t, d))
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"malformed worker event {line[:200]!r}: {type(e).__name__} {e}"
                          ) from None

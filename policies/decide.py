@@ -17,14 +17,16 @@ Inputs, all plain data:
 
 Rules (the positions themselves are ``policies.plan``'s):
 
-1. The worker always evaluates the last two prompt tokens: ``keep_max = n - 2``.
-2. ``off``: nothing is restored or saved; ``lookup = "off"``.
+1. The worker always evaluates the last two prompt tokens: ``keep_max`` is at most ``n - 2``.
+2. ``off``: nothing is restored or saved; ``lookup = "off"``; ``keep_max = n - 2`` (whatever is
+   live may be kept).
 3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window; the reusable
    prefix is the longer of the live reuse and the longest stored entry; ``reuse_limit`` may cap
    ``keep_max`` at the boundary so that it can still be snapshotted; ``plan_saves`` picks the
    save points for what is then prefilled (``growing`` when a recent prompt is a whole prefix).
-4. ``restore``: the stored entries longer than the live reuse, longest first; the worker tries
-   them in order, so a broken file falls back to the next one.
+4. ``restore``: the stored entries longer than the live reuse, longest first (none when the
+   live reuse already reaches ``keep_max``: a restore would be cut back to what is live); the
+   worker tries them in order, so a broken file falls back to the next one.
 5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
    last message start), ``partial`` for a shorter one (e.g. only the anchor), ``miss`` for none.
 
@@ -126,33 +128,51 @@ class Plan:
         }
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Plan:
-        """The plan a proxy sent; every field is required (``ValueError`` otherwise)."""
+    def from_wire(cls, d: Any) -> Plan:
+        """The plan a proxy sent; every field is required and typed (``ValueError`` otherwise)."""
         try:
             lookup = d["lookup"]
             if lookup not in get_args(Lookup):
                 raise ValueError(f"unknown lookup {lookup!r}")
-            saves = tuple(Save(int(s["n_tokens"]), bytes.fromhex(s["key"]), s["reason"])
-                          for s in d["saves"])
+            saves = tuple(Save(_int(s["n_tokens"]), bytes.fromhex(_str(s["key"])), s["reason"])
+                          for s in _list(d["saves"]))
             if any(s.reason not in get_args(Reason) for s in saves):
                 raise ValueError("unknown save reason")
             return cls(
-                restore=tuple(Restore(int(r["n_tokens"]), bytes.fromhex(r["key"]), str(r["file"]))
-                              for r in d["restore"]),
+                restore=tuple(Restore(_int(r["n_tokens"]), bytes.fromhex(_str(r["key"])),
+                                      _str(r["file"])) for r in _list(d["restore"])),
                 saves=saves,
-                keep_max=int(d["keep_max"]),
-                live_ok=_strict_bool(d["live_ok"]),
+                keep_max=_int(d["keep_max"]),
+                live_ok=_bool(d["live_ok"]),
                 lookup=lookup,
-                boundary=None if d["boundary"] is None else int(d["boundary"]),
-                anchor_skipped=d["anchor_skipped"],
+                boundary=None if d["boundary"] is None else _int(d["boundary"]),
+                anchor_skipped=None if d["anchor_skipped"] is None else _str(d["anchor_skipped"]),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed plan: {type(e).__name__} {e}") from None
 
 
-def _strict_bool(v: Any) -> bool:
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"expected an integer, got {v!r}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
+
+
+def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"expected true or false, got {v!r}")
+    return v
+
+
+def _list(v: Any) -> list[Any]:
+    if not isinstance(v, list):
+        raise ValueError(f"expected a list, got {v!r}")
     return v
 
 
@@ -182,7 +202,7 @@ def decide(
     lookup: Lookup = "miss" if disk_n == 0 else "hit" if disk_n >= target else "partial"
     return Plan(
         restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in stored.hits
-                      if h.n_tokens > live_n),
+                      if h.n_tokens > live_n and live_n < keep_max),
         saves=tuple(Save(s.n_tokens, stored.keys[s.n_tokens], s.reason) for s in saves.saves
                     if s.n_tokens in stored.keys),
         keep_max=keep_max,

@@ -1,0 +1,241 @@
+"""The worker protocol: a Job and every event survive their wire form, and a malformed one is a
+ValueError, never a default."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Any, get_args
+
+import pytest
+
+from backend.protocol import (
+    Cancelled,
+    Done,
+    Error,
+    Event,
+    Fault,
+    Job,
+    Prefill,
+    Saved,
+    SaveFailed,
+    Start,
+    Token,
+    encode_event,
+    parse_event,
+)
+from policies.decide import Plan, Restore, Save
+
+PLAN = Plan(
+    restore=(Restore(30, b"\x01\x02", "ab/0102.state"), Restore(10, b"\x03", "03.state")),
+    saves=(Save(20, b"\xaa", "scoped"), Save(40, b"\xbb\xcc", "growing")),
+    keep_max=30,
+    live_ok=True,
+    lookup="partial",
+    boundary=20,
+    anchor_skipped=None,
+)
+IDS = tuple(range(1000, 1040))
+
+JOBS = [
+    # A forced tool call: a grammar, stop strings, nested sampling values.
+    Job(run_id="r1", ids=IDS, plan=PLAN,
+        sampling={"temperature": 0.7, "top_k": 40, "seed": None, "logit_bias": {"5": -1.5}},
+        max_tokens=256, stop=("</tool>", "\n\nUser:"), grammar='root ::= "{" [^}]* "}"'),
+    # The off plan keeping all it may (n - 2).
+    Job(run_id="r2", ids=IDS, plan=Plan((), (), 38, False, "off", None, None),
+        sampling={"temperature": 0.0}, max_tokens=1, stop=(), grammar=None),
+    # No grammar, no stop strings, an empty prompt: nothing to keep.
+    Job(run_id="", ids=(), plan=Plan((), (), 0, True, "off", None, None), sampling={},
+        max_tokens=0, stop=(), grammar=None),
+]
+
+
+def job_wire() -> dict[str, Any]:
+    d: dict[str, Any] = json.loads(json.dumps(JOBS[0].to_wire()))
+    return d
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_job_round_trip(job: Job) -> None:
+    assert Job.from_wire(json.loads(json.dumps(job.to_wire()))) == job
+
+
+@pytest.mark.parametrize("field", [f.name for f in fields(Job)])
+def test_job_missing_field(field: str) -> None:
+    d = job_wire()
+    del d[field]
+    with pytest.raises(ValueError):
+        Job.from_wire(d)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        # the plan is parsed strictly too
+        ("plan", {}),
+        ("plan", None),
+        # a grammar is a string or null
+        ("grammar", 5),
+        ("grammar", ["root"]),
+        # lists of the wrong things
+        ("ids", None),
+        ("ids", ["x"]),
+        ("stop", None),
+        ("sampling", None),
+        ("max_tokens", None),
+    ],
+)
+def test_job_bad_value(field: str, value: Any) -> None:
+    d = job_wire()
+    d[field] = value
+    with pytest.raises(ValueError):
+        Job.from_wire(d)
+
+
+@pytest.mark.parametrize(
+    ("n_ids", "keep_max", "ok"),
+    [
+        # the last two prompt tokens are always evaluated: keep_max is at most n - 2...
+        (40, 38, True),
+        (40, 39, False),
+        (40, 40, False),
+        (40, 0, True),
+        # ...and never negative
+        (40, -1, False),
+        # prompts of fewer than two tokens keep nothing
+        (1, 0, True),
+        (1, 1, False),
+        (0, 0, True),
+        (0, 1, False),
+    ],
+)
+def test_job_keep_max_leaves_the_last_two_tokens(n_ids: int, keep_max: int, ok: bool) -> None:
+    d = job_wire()
+    d["ids"] = list(range(n_ids))
+    d["plan"]["keep_max"] = keep_max
+    if ok:
+        assert Job.from_wire(d).plan.keep_max == keep_max
+    else:
+        with pytest.raises(ValueError):
+            Job.from_wire(d)
+
+
+def test_job_plan_missing_field() -> None:
+    d = job_wire()
+    del d["plan"]["live_ok"]
+    with pytest.raises(ValueError):
+        Job.from_wire(d)
+
+
+@pytest.mark.parametrize("d", [None, [], "job", 5])
+def test_job_not_an_object(d: Any) -> None:
+    with pytest.raises(ValueError):
+        Job.from_wire(d)
+
+
+EVENTS: list[Event] = [
+    Start(keep=30, restored=30, restore_s=0.25, faults=()),
+    # Entries tried and found broken, in order.
+    Start(keep=0, restored=0, restore_s=0.5,
+          faults=(Fault("checksum", "bad checksum", "ab/01.state"),
+                  Fault("corrupt", "truncated", "cd/02.state"))),
+    Prefill(n_live=512),
+    Token(id=42, text="héllo ✓"),
+    # Text held back and flushed at the end; a newline stays inside one NDJSON line.
+    Token(id=None, text="a\nb"),
+    Done(finish_reason="stop", stop=None, n_gen=17, n_live=57, prefill_s=0.125, decode_s=1.5,
+         pending_saves=2),
+    Done(finish_reason="stop_sequence", stop="</tool>", n_gen=3, n_live=43, prefill_s=0.0,
+         decode_s=0.75, pending_saves=0),
+    Cancelled(n_live=100, pending_saves=1),
+    Saved(n_tokens=40, key="6b3430", reason="growing", file="6b/6b3430.state", size_bytes=12345,
+          checksum=987654321, save_s=0.0625),
+    SaveFailed(n_tokens=20, key="6b3230", reason="scoped", fault="disk_full",
+               message="No space left on device"),
+    Error(message="llama_decode failed: -1"),
+]
+
+
+def test_events_cover_every_event_type() -> None:
+    assert {type(ev) for ev in EVENTS} == set(get_args(Event))
+
+
+@pytest.mark.parametrize("ev", EVENTS)
+def test_event_round_trip(ev: Event) -> None:
+    line = encode_event(ev)
+    # One NDJSON line: a single newline, at the end.
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert parse_event(line) == ev
+    assert parse_event(line.decode()) == ev
+
+
+def event_field_cases() -> list[tuple[Event, str]]:
+    return [(ev, f.name) for ev in EVENTS for f in fields(ev)] + [(ev, "event") for ev in EVENTS]
+
+
+@pytest.mark.parametrize(("ev", "field"), event_field_cases())
+def test_event_missing_field(ev: Event, field: str) -> None:
+    d = json.loads(encode_event(ev))
+    del d[field]
+    with pytest.raises(ValueError):
+        parse_event(json.dumps(d))
+
+
+@pytest.mark.parametrize("field", ["reason", "message", "file"])
+def test_start_fault_missing_field(field: str) -> None:
+    d = json.loads(encode_event(EVENTS[1]))
+    del d["faults"][0][field]
+    with pytest.raises(ValueError):
+        parse_event(json.dumps(d))
+
+
+@pytest.mark.parametrize("name", ["bogus", "Start", "", None, 3])
+def test_unknown_event(name: Any) -> None:
+    d = json.loads(encode_event(Prefill(5)))
+    d["event"] = name
+    with pytest.raises(ValueError):
+        parse_event(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"", b"\n", b"{", b"{not json}", b'{"event": "prefill", "n_live": 5',
+     b"[1, 2]", b"null", b"5", b'"prefill"', b"\xff\xfe"],
+)
+def test_invalid_line(line: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_event(line)
+
+
+# Typed, not coerced: a value of the wrong JSON type is a malformed message, never converted
+# (int("7"), a string taken as a list of characters, a bool taken as an int).
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "7"), ("max_tokens", True), ("ids", "123"), ("stop", "</s>"),
+    ("run_id", None), ("sampling", [["temperature", 0]]),
+])
+def test_job_values_are_not_coerced(field: str, value: Any) -> None:
+    with pytest.raises(ValueError):
+        Job.from_wire({**job_wire(), field: value})
+
+
+@pytest.mark.parametrize("plan_field,value", [
+    ("keep_max", 3.9), ("keep_max", "7"), ("boundary", True), ("anchor_skipped", 5),
+    ("saves", {}), ("restore", ""),
+])
+def test_plan_values_are_not_coerced(plan_field: str, value: Any) -> None:
+    with pytest.raises(ValueError):
+        Plan.from_wire({**PLAN.to_wire(), plan_field: value})
+
+
+@pytest.mark.parametrize("line", [
+    b'{"event": "token", "id": "x", "text": "a"}',
+    b'{"event": "token", "id": 1, "text": 5}',
+    b'{"event": "prefill", "n_live": null}',
+    b'{"event": "done", "finish_reason": "maybe", "stop": null, "n_gen": 0, "n_live": 0, '
+    b'"prefill_s": 0, "decode_s": 0, "pending_saves": 0}',
+    b'{"event": "start", "keep": 0, "restored": 0, "restore_s": 0, "faults": {}}',
+])
+def test_event_values_are_not_coerced(line: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_event(line)

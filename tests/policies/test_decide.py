@@ -1,0 +1,547 @@
+"""decide(): the whole cache decision for one request as one Plan value; the Plan's wire form."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, get_args
+
+import pytest
+
+from policies.decide import (
+    RESTORE_CANDIDATES,
+    Facts,
+    Hit,
+    Lookup,
+    Plan,
+    Restore,
+    Save,
+    Stored,
+    WorkerFacts,
+    decide,
+)
+from policies.plan import REFILL_MAX_TOKENS, CacheKnobs, MessageStart, Reason
+from policies.scope import Scope, parse_scope
+
+S, U, A = "system", "user", "assistant"
+
+# A 40-token prompt: the system prompt at 0, a first user message at 5, a second one at 10 (the
+# anchor: the last user message before the first reply), the reply at 20, the next user turn at 30
+# (the last message start: the lookup target when there is no scope boundary), and the prompt end
+# at 40, a safe boundary as proxy.template always makes it. Every id is >= 1000, so the filler 9
+# of diverge() never matches one.
+N = 40
+STARTS = (MessageStart(0, S), MessageStart(5, U), MessageStart(10, U), MessageStart(20, A),
+          MessageStart(30, U))
+ANCHOR, LAST_START = 10, 30
+# Small knobs: boundaries from 4 tokens, a cold anchor up to 1000, no continued checkpoints.
+K = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=0)
+K15 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=15)
+K10 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=10)
+
+
+def prompt(n: int = N) -> tuple[int, ...]:
+    return tuple(range(1000, 1000 + n))
+
+
+IDS = prompt()
+
+
+def diverge(at: int, n: int = N) -> tuple[int, ...]:
+    """A prompt as long as this one that shares exactly its first ``at`` ids."""
+    return prompt(n)[:at] + (9,) * (n - at)
+
+
+def facts(spec: str | Scope, n: int = N) -> Facts:
+    scope = parse_scope(spec) if isinstance(spec, str) else spec
+    boundaries = tuple(sorted({p for p in (0, 5, 10, 20, 30) if p < n} | {n}))
+    return Facts(prompt(n), boundaries, tuple(s for s in STARTS if s.pos < n), scope)
+
+
+def key(p: int) -> bytes:
+    return b"k%d" % p
+
+
+def file(p: int) -> str:
+    return f"{p}.state"
+
+
+# A key for every candidate position any case below uses: the safe boundaries, fixed 25, and the
+# continued checkpoints 15 and 30.
+KEYS: Mapping[int, bytes] = {p: key(p) for p in (5, 10, 15, 20, 25, 30, 40)}
+
+
+def stored(*positions: int, keys: Mapping[int, bytes] = KEYS) -> Stored:
+    """The index holds entries at ``positions``; as in proxy.cache, ``hits`` are the longest
+    ``RESTORE_CANDIDATES`` of them and ``positions`` all of them."""
+    longest = sorted(positions, reverse=True)[:RESTORE_CANDIDATES]
+    return Stored(keys, tuple(Hit(p, key(p), file(p)) for p in longest), frozenset(positions))
+
+
+def restores(*positions: int) -> tuple[Restore, ...]:
+    return tuple(Restore(p, key(p), file(p)) for p in positions)
+
+
+def saves(*points: tuple[int, Reason]) -> tuple[Save, ...]:
+    return tuple(Save(p, key(p), reason) for p, reason in points)
+
+
+COLD = WorkerFacts(live_n=0, live_ok=True)
+NO_KEY_10 = {p: k for p, k in KEYS.items() if p != 10}
+NO_KEY_40 = {p: k for p, k in KEYS.items() if p != 40}
+
+# A prompt long enough to pass its scope boundary 30 by more than REFILL_MAX_TOKENS.
+N_LONG = 30 + REFILL_MAX_TOKENS + 22
+
+DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, CacheKnobs, Plan]] = [
+    # --- off: no disk cache for this request --------------------------------------------------
+    # Nothing restored or saved, whatever the ring and the live KV hold; the worker may keep its
+    # live KV up to the last two tokens; live_ok is passed through.
+    (
+        facts("off"), [IDS[:30]], stored(), WorkerFacts(25, True), K,
+        Plan(restore=(), saves=(), keep_max=38, live_ok=True, lookup="off", boundary=None,
+             anchor_skipped=None),
+    ),
+    # ...and another tenant's live KV stays unusable.
+    (
+        facts("off"), [], stored(), WorkerFacts(25, False), K,
+        Plan(restore=(), saves=(), keep_max=38, live_ok=False, lookup="off", boundary=None,
+             anchor_skipped=None),
+    ),
+    # off ignores stored entries too (the proxy does not read the index then anyway).
+    (
+        facts("off"), [], stored(10, 30), COLD, K,
+        Plan(restore=(), saves=(), keep_max=38, live_ok=True, lookup="off", boundary=None,
+             anchor_skipped=None),
+    ),
+    # A one-token prompt: keep_max is 0, never negative.
+    (
+        facts("off", n=1), [], stored(), WorkerFacts(1, True), K,
+        Plan(restore=(), saves=(), keep_max=0, live_ok=True, lookup="off", boundary=None,
+             anchor_skipped=None),
+    ),
+    # --- cold prompts ------------------------------------------------------------------------
+    # full, nothing reusable: the cold anchor and the prompt end; nothing to keep.
+    (
+        facts("full"), [], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # full does not read the ring: a recent prompt that is a whole prefix adds no growing save.
+    (
+        facts("full"), [IDS[:30]], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # A cold prompt over cold max: no anchor, and the plan says why.
+    (
+        facts("full"), [], stored(), COLD, CacheKnobs(4, 39, 0),
+        Plan(restore=(), saves=saves((40, "full")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=40, anchor_skipped="prompt of 40 tokens exceeds cold max 39"),
+    ),
+    # Exactly at cold max: the anchor is still saved.
+    (
+        facts("full"), [], stored(), COLD, CacheKnobs(4, 40, 0),
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # Over cold max but not cold (an entry at 5, short of the anchor): the anchor is refreshed.
+    (
+        facts("full"), [], stored(5), COLD, CacheKnobs(4, 39, 0),
+        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (40, "full")), keep_max=5,
+             live_ok=True, lookup="partial", boundary=40, anchor_skipped=None),
+    ),
+    # fixed 25: exactly 25 (not aligned), scoped, plus the cold anchor.
+    (
+        facts("25"), [], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (25, "scoped")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=25, anchor_skipped=None),
+    ),
+    # fixed 50, past the prompt end: no boundary, the anchor only.
+    (
+        facts("50"), [], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=None, anchor_skipped=None),
+    ),
+    # --- auto: the boundary comes from the ring ----------------------------------------------
+    # First prompt of a tenant, empty ring: no boundary, the anchor only.
+    (
+        facts("auto"), [], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=None, anchor_skipped=None),
+    ),
+    # 25 tokens shared with a recent prompt align down to the reply's start, 20: scoped save.
+    (
+        facts("auto"), [diverge(25)], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (20, "scoped")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=20, anchor_skipped=None),
+    ),
+    # 19 shared align down to 10, the anchor too: one save there, scoped outranks cold.
+    (
+        facts("auto"), [diverge(19)], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "scoped")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=10, anchor_skipped=None),
+    ),
+    # 7 shared align down to 5, which clears min tokens 4: a boundary before the anchor...
+    (
+        facts("auto"), [diverge(7)], stored(), COLD, K,
+        Plan(restore=(), saves=saves((5, "scoped"), (10, "cold")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=5, anchor_skipped=None),
+    ),
+    # ...but not min tokens 6: no boundary.
+    (
+        facts("auto"), [diverge(7)], stored(), COLD, CacheKnobs(6, 1000, 0),
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=None, anchor_skipped=None),
+    ),
+    # The previous turn (a whole prefix, 30 tokens): scoped at 30, and growing at the prompt end,
+    # which the next turn will share.
+    (
+        facts("auto"), [IDS[:30]], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=0,
+             live_ok=True, lookup="miss", boundary=30, anchor_skipped=None),
+    ),
+    # auto:1 sees only the most recent prompt (3 shared: no boundary, not a prefix), so neither
+    # the scope boundary nor the growing save come from the previous turn behind it...
+    (
+        facts("auto:1"), [diverge(3), IDS[:30]], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=None, anchor_skipped=None),
+    ),
+    # ...auto:2 reaches it.
+    (
+        facts("auto:2"), [diverge(3), IDS[:30]], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=0,
+             live_ok=True, lookup="miss", boundary=30, anchor_skipped=None),
+    ),
+    # The same prompt again (a retry) with its KV live: boundary 40, not growing (not shorter);
+    # reuse is capped at n - 2 and the end is snapshotted from there.
+    (
+        facts("auto"), [IDS], stored(), WorkerFacts(40, True), K,
+        Plan(restore=(), saves=saves((40, "scoped")), keep_max=38, live_ok=True, lookup="miss",
+             boundary=40, anchor_skipped=None),
+    ),
+    # The usual agent loop after a restart: the previous turn's end (30) and anchor are stored;
+    # restore 30 (10 as the fallback), hit, and save the growing end.
+    (
+        facts("auto"), [IDS[:30]], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=saves((40, "growing")), keep_max=30, live_ok=True,
+             lookup="hit", boundary=30, anchor_skipped=None),
+    ),
+    # The same loop with the live KV holding 32 tokens: nothing to restore, the growing end only.
+    (
+        facts("auto"), [IDS[:30]], stored(10, 30), WorkerFacts(32, True), K,
+        Plan(restore=(), saves=saves((40, "growing")), keep_max=32, live_ok=True, lookup="hit",
+             boundary=30, anchor_skipped=None),
+    ),
+    # ...and when the previous turn's save was lost: reuse stops at 30 to snapshot it again.
+    (
+        facts("auto"), [IDS[:30]], stored(10), WorkerFacts(32, True), K,
+        Plan(restore=(), saves=saves((30, "scoped"), (40, "growing")), keep_max=30, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # --- disk hits ---------------------------------------------------------------------------
+    # full, the whole prompt stored: a hit; the restore lists the hit and its two fallbacks,
+    # longest first (10 is stored too, but only RESTORE_CANDIDATES entries are read); nothing to
+    # save; keep_max stays n - 2.
+    (
+        facts("full"), [], stored(10, 20, 30, 40), COLD, K,
+        Plan(restore=restores(40, 30, 20), saves=(), keep_max=38, live_ok=True, lookup="hit",
+             boundary=40, anchor_skipped=None),
+    ),
+    # full, stored up to the last turn only: partial, the new end is saved.
+    (
+        facts("full"), [], stored(5, 10, 20, 30), COLD, K,
+        Plan(restore=restores(30, 20, 10), saves=saves((40, "full")), keep_max=30, live_ok=True,
+             lookup="partial", boundary=40, anchor_skipped=None),
+    ),
+    # auto, an entry exactly at the scope boundary 30: a hit, nothing to save.
+    (
+        facts("auto"), [diverge(35)], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=(), keep_max=30, live_ok=True, lookup="hit",
+             boundary=30, anchor_skipped=None),
+    ),
+    # auto, the longest entry (20) short of the boundary 30: partial, restore it with its
+    # fallbacks, save the boundary.
+    (
+        facts("auto"), [diverge(35)], stored(5, 10, 20), COLD, K,
+        Plan(restore=restores(20, 10, 5), saves=saves((30, "scoped")), keep_max=20, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # Only an entry shorter than the anchor: partial, and the stale anchor is refreshed in the
+    # same prefill as the scope boundary.
+    (
+        facts("auto"), [diverge(25)], stored(5), COLD, K,
+        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (20, "scoped")), keep_max=5,
+             live_ok=True, lookup="partial", boundary=20, anchor_skipped=None),
+    ),
+    # Only the anchor: partial, the anchor is fresh, the boundary is saved.
+    (
+        facts("auto"), [diverge(25)], stored(10), COLD, K,
+        Plan(restore=restores(10), saves=saves((20, "scoped")), keep_max=10, live_ok=True,
+             lookup="partial", boundary=20, anchor_skipped=None),
+    ),
+    # No scope boundary: the lookup target is the last message start, 30: an entry there is a
+    # hit...
+    (
+        facts("auto"), [], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=(), keep_max=30, live_ok=True, lookup="hit",
+             boundary=None, anchor_skipped=None),
+    ),
+    # ...the anchor alone is partial.
+    (
+        facts("auto"), [], stored(10), COLD, K,
+        Plan(restore=restores(10), saves=(), keep_max=10, live_ok=True, lookup="partial",
+             boundary=None, anchor_skipped=None),
+    ),
+    # A disk entry past an unstored scope boundary: reuse_limit caps keep_max at the boundary so
+    # it can be snapshotted; still a hit (the entry reaches the boundary).
+    (
+        facts("auto"), [diverge(25)], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=saves((20, "scoped")), keep_max=20, live_ok=True,
+             lookup="hit", boundary=20, anchor_skipped=None),
+    ),
+    # --- live reuse --------------------------------------------------------------------------
+    # Live reuse of 25 between the stored entries: restore only lists the one longer than it.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(25, True), K,
+        Plan(restore=restores(30), saves=(), keep_max=30, live_ok=True, lookup="hit",
+             boundary=30, anchor_skipped=None),
+    ),
+    # Live reuse exactly as long as the longest entry (30): an entry must be longer to be listed.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(30, True), K,
+        Plan(restore=(), saves=(), keep_max=30, live_ok=True, lookup="hit", boundary=30,
+             anchor_skipped=None),
+    ),
+    # Live reuse of 36, longer than every entry: nothing to restore, but the lookup (which is
+    # about the disk) is still a hit; the boundary is stored, so no cap.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(36, True), K,
+        Plan(restore=(), saves=(), keep_max=36, live_ok=True, lookup="hit", boundary=30,
+             anchor_skipped=None),
+    ),
+    # Live reuse of 34 past the unstored boundary 30: capped at 30, which is then saved.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20), WorkerFacts(34, True), K,
+        Plan(restore=(), saves=saves((30, "scoped")), keep_max=30, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # Live reuse ending exactly on the unstored boundary: no cap needed, snapshot at once.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20), WorkerFacts(30, True), K,
+        Plan(restore=(), saves=saves((30, "scoped")), keep_max=30, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # Live 25 past the unstored boundary 20, and a disk entry at 30 longer than both: capped at
+    # 20, which the live KV already covers, so nothing is restored (a restore would be cut back
+    # to the same 20 tokens).
+    (
+        facts("auto"), [diverge(25)], stored(10, 30), WorkerFacts(25, True), K,
+        Plan(restore=(), saves=saves((20, "scoped")), keep_max=20, live_ok=True,
+             lookup="hit", boundary=20, anchor_skipped=None),
+    ),
+    # --- live_ok false: the live KV is another tenant's --------------------------------------
+    # The 34 live tokens count as 0: restore every hit, plan saves from the disk reuse (20);
+    # live_ok false goes to the worker.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20), WorkerFacts(34, False), K,
+        Plan(restore=restores(20, 10), saves=saves((30, "scoped")), keep_max=20, live_ok=False,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # The same as the live-25 case above, but not this tenant's: all three hits are listed.
+    (
+        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(25, False), K,
+        Plan(restore=restores(30, 20, 10), saves=(), keep_max=30, live_ok=False, lookup="hit",
+             boundary=30, anchor_skipped=None),
+    ),
+    # Nothing stored: the prefill is cold, so the cold anchor is saved.
+    (
+        facts("full"), [], stored(), WorkerFacts(38, False), K,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=False,
+             lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # --- reuse_limit and REFILL_MAX_TOKENS (a 2100-token prompt, boundary 30 not stored) -------
+    # Live reuse exactly REFILL_MAX_TOKENS past the boundary: still capped there and saved.
+    (
+        facts("auto", n=N_LONG), [diverge(35, n=N_LONG)], stored(10, 20),
+        WorkerFacts(30 + REFILL_MAX_TOKENS, True), K,
+        Plan(restore=(), saves=saves((30, "scoped")), keep_max=30, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # One token further: the refill would cost too much; keep it all, save nothing.
+    (
+        facts("auto", n=N_LONG), [diverge(35, n=N_LONG)], stored(10, 20),
+        WorkerFacts(30 + REFILL_MAX_TOKENS + 1, True), K,
+        Plan(restore=(), saves=(), keep_max=30 + REFILL_MAX_TOKENS + 1, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # --- save points without a key -----------------------------------------------------------
+    # The anchor is not a keyed candidate position: its save is dropped.
+    (
+        facts("full"), [], stored(keys=NO_KEY_10), COLD, K,
+        Plan(restore=(), saves=saves((40, "full")), keep_max=0, live_ok=True, lookup="miss",
+             boundary=40, anchor_skipped=None),
+    ),
+    # The prompt end is not keyed (auto does not list it unless it is a boundary): no growing.
+    (
+        facts("auto"), [IDS[:30]], stored(keys=NO_KEY_40), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped")), keep_max=0, live_ok=True,
+             lookup="miss", boundary=30, anchor_skipped=None),
+    ),
+    # --- continued checkpoints -----------------------------------------------------------------
+    # Every 15: 15 and 30 on a cold full prompt, between the anchor and the end.
+    (
+        facts("full"), [], stored(), COLD, K15,
+        Plan(restore=(), saves=saves((10, "cold"), (15, "continued"), (30, "continued"),
+                                     (40, "full")),
+             keep_max=0, live_ok=True, lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # Every 10: the anchor and the end keep their stronger reasons (cold, full).
+    (
+        facts("full"), [], stored(), COLD, K10,
+        Plan(restore=(), saves=saves((10, "cold"), (20, "continued"), (30, "continued"),
+                                     (40, "full")),
+             keep_max=0, live_ok=True, lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # Restored from the checkpoint at 15: only the checkpoints past it (30), plus the boundary.
+    (
+        facts("auto"), [diverge(25)], stored(15), COLD, K15,
+        Plan(restore=restores(15), saves=saves((20, "scoped"), (30, "continued")), keep_max=15,
+             live_ok=True, lookup="partial", boundary=20, anchor_skipped=None),
+    ),
+    # Reuse of the stored checkpoint 30 stops at the unstored boundary 20 (reuse_limit); the
+    # checkpoint 30 then lies ahead of the reuse but is stored already: not saved again.
+    (
+        facts("auto"), [diverge(25)], stored(30), COLD, K15,
+        Plan(restore=restores(30), saves=saves((20, "scoped")), keep_max=20, live_ok=True,
+             lookup="hit", boundary=20, anchor_skipped=None),
+    ),
+]
+
+
+@pytest.mark.parametrize(("facts_", "recent", "stored_", "worker", "knobs", "expected"),
+                         DECIDE_CASES)
+def test_decide(facts_: Facts, recent: Sequence[Sequence[int]], stored_: Stored,
+                worker: WorkerFacts, knobs: CacheKnobs, expected: Plan) -> None:
+    assert decide(facts_, stored_, worker, recent, knobs) == expected
+
+
+# --- the wire form ----------------------------------------------------------------------------
+
+WIRE_PLAN = Plan(
+    restore=restores(30, 20),
+    saves=(Save(10, b"\x00\xff", "anchor-refresh"), Save(40, key(40), "full")),
+    keep_max=20,
+    live_ok=False,
+    lookup="partial",
+    boundary=40,
+    anchor_skipped="prompt of 41000 tokens exceeds cold max 30000",
+)
+EXTRA_PLANS = [
+    WIRE_PLAN,
+    Plan((), (), 0, True, "off", None, None),
+    Plan((), saves((10, "cold"), (15, "continued"), (20, "scoped"), (40, "growing")), 0, True,
+         "miss", None, None),
+    Plan(restores(40), (), 38, True, "hit", 40, None),
+]
+WIRE_PLANS = [case[-1] for case in DECIDE_CASES] + EXTRA_PLANS
+
+
+def test_wire_plans_cover_every_lookup_and_reason() -> None:
+    assert {p.lookup for p in WIRE_PLANS} == set(get_args(Lookup))
+    assert {s.reason for p in WIRE_PLANS for s in p.saves} == set(get_args(Reason))
+
+
+def test_to_wire_shape() -> None:
+    # Keys as hex, tuples as lists, None as null: plain JSON.
+    assert WIRE_PLAN.to_wire() == {
+        "restore": [{"n_tokens": 30, "key": "6b3330", "file": "30.state"},
+                    {"n_tokens": 20, "key": "6b3230", "file": "20.state"}],
+        "saves": [{"n_tokens": 10, "key": "00ff", "reason": "anchor-refresh"},
+                  {"n_tokens": 40, "key": "6b3430", "reason": "full"}],
+        "keep_max": 20,
+        "live_ok": False,
+        "lookup": "partial",
+        "boundary": 40,
+        "anchor_skipped": "prompt of 41000 tokens exceeds cold max 30000",
+    }
+
+
+@pytest.mark.parametrize("plan", WIRE_PLANS)
+def test_plan_round_trip(plan: Plan) -> None:
+    assert Plan.from_wire(json.loads(json.dumps(plan.to_wire()))) == plan
+
+
+def wire() -> dict[str, Any]:
+    """A fresh JSON copy of WIRE_PLAN's wire form, to break."""
+    d: dict[str, Any] = json.loads(json.dumps(WIRE_PLAN.to_wire()))
+    return d
+
+
+@pytest.mark.parametrize("field", list(WIRE_PLAN.to_wire()))
+def test_from_wire_missing_field(field: str) -> None:
+    d = wire()
+    del d[field]
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
+
+
+@pytest.mark.parametrize(
+    ("part", "field"),
+    [("restore", "n_tokens"), ("restore", "key"), ("restore", "file"),
+     ("saves", "n_tokens"), ("saves", "key"), ("saves", "reason")],
+)
+def test_from_wire_missing_nested_field(part: str, field: str) -> None:
+    d = wire()
+    del d[part][0][field]
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        # lookups and reasons outside their literals
+        ("lookup", "maybe"),
+        ("lookup", None),
+        ("lookup", "HIT"),
+        # live_ok must be a JSON boolean, not something truthy or falsy
+        ("live_ok", "true"),
+        ("live_ok", 1),
+        ("live_ok", 0),
+        ("live_ok", None),
+        # restore and saves must be lists of objects
+        ("restore", None),
+        ("saves", [None]),
+        ("saves", [7]),
+        ("keep_max", None),
+    ],
+)
+def test_from_wire_bad_value(field: str, value: Any) -> None:
+    d = wire()
+    d[field] = value
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
+
+
+@pytest.mark.parametrize("reason", ["warm", "", None, "Full"])
+def test_from_wire_unknown_save_reason(reason: Any) -> None:
+    d = wire()
+    d["saves"][1]["reason"] = reason
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
+
+
+@pytest.mark.parametrize("key_hex", ["zz", "abc", None])
+def test_from_wire_bad_key(key_hex: Any) -> None:
+    d = wire()
+    d["restore"][0]["key"] = key_hex
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
+
+
+@pytest.mark.parametrize("d", [None, [], "plan", 5])
+def test_from_wire_not_an_object(d: Any) -> None:
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
