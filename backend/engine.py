@@ -31,7 +31,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ class Sampling:
     frequency_penalty: float = 0.0
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Sampling:
+    def from_json(cls, d: Mapping[str, Any]) -> Sampling:
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 

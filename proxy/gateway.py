@@ -26,6 +26,7 @@ from policies.prefix import common_prefix_len
 from policies.ring import Ring
 from policies.scope import Scope, parse_scope
 from proxy.cache import DiskCache
+from proxy.chat import ChatRequest
 from proxy.config import Config
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared, PromptBuilder
@@ -75,7 +76,7 @@ class Gateway:
             for tenant, ids in await self.cache.read(self.cache.ring_load):
                 self.ring.push(tenant, ids)
 
-    def prepare(self, req: Any) -> Prepared:
+    def prepare(self, req: ChatRequest) -> Prepared:
         return self.prompts.prepare(req, self.cfg.n_ctx, self.default_scope)
 
     async def start(self, prep: Prepared) -> Run:
