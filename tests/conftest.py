@@ -1,4 +1,11 @@
-"""Shared fixtures: a real prefixgate server (real worker processes, the real default model)."""
+"""Shared fixtures: a real prefixgate server (real worker processes, the real default model).
+
+The suite runs in two layers (`make test`): first the exact tables that need no model process
+(policies, parsing, the run state machine, the cache on real LMDB, keys, files), in seconds;
+then the `model` layer: real worker processes on the real model, driven by the official SDKs.
+A test is in the model layer when it uses a server fixture below or its module is marked
+`pytestmark = pytest.mark.model` (modules that start their own servers or workers).
+"""
 
 from __future__ import annotations
 
@@ -103,14 +110,24 @@ def running(tmp: Path, *args: str, **kw: object) -> Iterator[Server]:
         srv.stop()
 
 
-@pytest.fixture(scope="module")
+MODEL_FIXTURES = {"server", "cold_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Two workers, the default disk cache policy."""
+    """Two workers, the default disk cache policy; shared by every test that does not need a
+    server of its own."""
     with running(tmp_path_factory.mktemp("srv"), "--workers", "2") as srv:
         yield srv
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cold_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One worker, no disk cache: the reference for cold runs."""
     with running(tmp_path_factory.mktemp("cold"), "--workers", "1",

@@ -30,9 +30,9 @@ from tests.conftest import ROOT, Server, free_port, http_get, running
 DEPLOY = ROOT / "deploy"
 GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "15s", "$__range": "1h"}
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.model, pytest.mark.skipif(
     shutil.which("prometheus") is None,
-    reason="the prometheus server is not installed: apt-get install -y prometheus (.ci/run does)")
+    reason="the prometheus server is not installed: apt-get install -y prometheus (.ci/run does)")]
 
 
 def with_bool(expr: str) -> str:

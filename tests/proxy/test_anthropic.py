@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import N_CTX, Server, running, start_server
 
+pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
+
 SYSTEM = (
     "You are a careful assistant for a small software team. Answer briefly and precisely. "
     "The project is a reverse proxy written in Python with aiohttp; it forwards requests to "
@@ -364,16 +366,27 @@ def test_api_keys(strict: Server) -> None:
     assert status == 200
 
 
-def test_pings_while_a_long_prefill_runs(strict: Server) -> None:
-    text = " ".join(f"Line {i}: the proxy keeps the prefix of request {i * 7}." for i in range(40))
-    status, _, raw = post_raw(strict, "/v1/messages", {
-        "model": "m", "max_tokens": 2, "stream": True, "temperature": 0,
-        "messages": [{"role": "user", "content": text}]}, {"x-api-key": "good-key"})
-    assert status == 200
-    names = [e for e, _ in sse_events(raw)]
-    first_block = names.index("content_block_start")
-    assert names[0] == "message_start"
-    assert names[1:first_block].count("ping") >= 3, names  # ~2 s of prefill at 0.2 s
+def test_pings_flow_while_a_long_prefill_runs(strict: Server) -> None:
+    """After message_start comes one ping at once; after that, until the first content block
+    (the first token, which only the end of the prefill brings), a ping goes out each silent
+    interval: a ping in between was sent while the prefill ran. A faster machine needs a longer
+    prompt for its prefill to outlast one interval (0.2 s here), so the prompt grows until it
+    does; each starts differently, so none reuses the previous one's live prefix."""
+    for n_lines in (40, 80, 160):  # about 700, 1,400 and 2,800 tokens
+        text = f"Take {n_lines}. " + " ".join(
+            f"Line {i}: the proxy keeps the prefix of request {i * 7}." for i in range(n_lines))
+        status, _, raw = post_raw(strict, "/v1/messages", {
+            "model": "m", "max_tokens": 2, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": text}]}, {"x-api-key": "good-key"})
+        assert status == 200
+        names = [e for e, _ in sse_events(raw)]
+        first_block = names.index("content_block_start")
+        assert names[:2] == ["message_start", "ping"], names
+        assert set(names[2:first_block]) <= {"ping"}, names
+        assert names[-1] == "message_stop", names
+        if first_block > 2:
+            return  # pings went out during the prefill
+    pytest.fail(f"no ping while {n_lines} lines were prefilled: {names}")
 
 
 def test_worker_dying_mid_stream_is_an_error_event(tmp_path: Path) -> None:

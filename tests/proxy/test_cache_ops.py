@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from backend.index import Index
 from tests.conftest import ROOT, running
 from tests.proxy.test_disk_cache import ask, convo, entries
+
+pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
 
 
 def cache_cli(*args: str) -> subprocess.CompletedProcess[str]:

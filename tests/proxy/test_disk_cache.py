@@ -17,6 +17,8 @@ from backend import store
 from backend.index import Index
 from tests.conftest import N_CTX, Server, running
 
+pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
+
 # ~300 tokens of stable preamble, like an agent's system prompt.
 SYSTEM = " ".join(
     f"Rule {i}: keep answers short, cite the file you read, and never invent an API." for i in

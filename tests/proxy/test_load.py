@@ -6,17 +6,39 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
+import pytest
 
-from tests.conftest import running
+from tests.conftest import Server, running
+
+pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
 
 LONG = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=120)
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.time() + timeout_s
+    while not check():
+        assert time.time() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+def busy(srv: Server) -> bool:
+    return any(w["busy"] for w in srv.get_json("/health")["workers"])
+
+
+def queue_depth(srv: Server) -> float:
+    for line in srv.get("/metrics")[1].splitlines():
+        if line.startswith("prefixgate_queue_depth "):
+            return float(line.split()[1])
+    raise AssertionError("no prefixgate_queue_depth in /metrics")
 
 
 def test_queue_is_bounded_with_429_and_retry_after(tmp_path: Path) -> None:
@@ -31,10 +53,14 @@ def test_queue_is_bounded_with_429_and_retry_after(tmp_path: Path) -> None:
             except openai.RateLimitError as e:
                 outcomes.append(e)
 
+        # in order: one runs, one waits, the rest find the queue full
         threads = [threading.Thread(target=one) for _ in range(4)]
-        for t in threads:
+        threads[0].start()
+        wait_for(lambda: busy(srv), "the first request runs")
+        threads[1].start()
+        wait_for(lambda: queue_depth(srv) == 1, "the second request waits")
+        for t in threads[2:]:
             t.start()
-            time.sleep(0.15)  # in order: one runs, one waits, the rest find the queue full
         for t in threads:
             t.join()
         limited = [o for o in outcomes if not isinstance(o, str)]
@@ -51,26 +77,27 @@ def test_a_worker_that_dies_fails_its_request_cleanly_and_comes_back(tmp_path: P
     with running(tmp_path, "--workers", "1") as srv:
         client(srv.v1).chat.completions.create(model="m", messages=LONG, max_tokens=4)
         errors: list[Exception] = []
+        generating = threading.Event()
 
-        def long_request() -> None:
+        def long_request() -> None:  # greedy, this story runs to max_tokens
             try:
-                client(srv.v1).chat.completions.create(model="m", messages=LONG,
-                                                       max_tokens=2000, temperature=0.9)
+                for chunk in client(srv.v1).chat.completions.create(
+                        model="m", messages=LONG, max_tokens=2000, temperature=0, stream=True):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        generating.set()
             except openai.APIError as e:
                 errors.append(e)
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.0)
+        assert generating.wait(120), errors  # killed mid-generation, not before or after it
         pids = [int(line.split("pid ")[1].split(",")[0]) for line in srv.log().splitlines()
                 if "worker 0 ready (pid" in line]
         os.kill(pids[-1], signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "the request must not hang"
         assert errors and isinstance(errors[0], openai.APIStatusError | openai.APIError)
-        deadline = time.time() + 60
-        while srv.get("/health")[0] != 200 and time.time() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: srv.get("/health")[0] == 200, "the worker is back")
         r = client(srv.v1).chat.completions.create(model="m", messages=LONG, max_tokens=4)
         assert r.choices[0].message.content is not None
         assert "exited" in srv.log() and "restarting" in srv.log()

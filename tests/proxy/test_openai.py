@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import urllib.request
 
@@ -199,29 +198,24 @@ def test_a_prefill_cut_short_by_the_client_is_kept_for_its_retry(server: Server)
 
 
 def test_two_workers_serve_two_requests_concurrently(server: Server) -> None:
-    results: dict[int, str] = {}
-    seen_both_busy = threading.Event()
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            if all(w["busy"] for w in server.get_json("/health")["workers"]):
-                seen_both_busy.set()
-            time.sleep(0.05)
-
-    def one(i: int) -> None:
-        _, headers = chat(server, [{"role": "user", "content": f"Count to {20 + i} slowly."}],
-                          max_tokens=48)
-        results[i] = headers["x-prefixgate-worker"]
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done.set()
-    watcher.join()
-    assert sorted(results.values()) == ["0", "1"]
-    assert seen_both_busy.is_set()
+    """The second request arrives while the first is generating: it goes to the other worker
+    and both run at once (each stream is read up to its first token before the next step)."""
+    messages = [{"role": "user", "content": "Write a long story about a cat."}]
+    streams = []
+    for _ in range(2):
+        stream = client(server).chat.completions.create(
+            model="m", messages=messages, max_tokens=2000, temperature=0, stream=True)
+        streams.append(stream)  # greedy, this story runs to max_tokens: the worker stays busy
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+    both_busy = all(w["busy"] for w in server.get_json("/health")["workers"])
+    workers = sorted(s.response.headers["x-prefixgate-worker"] for s in streams)
+    for s in streams:
+        s.close()  # cancels both runs
+    deadline = time.time() + 30
+    while any(w["busy"] for w in server.get_json("/health")["workers"]):
+        assert time.time() < deadline, "the closed streams still hold their workers"
+        time.sleep(0.1)
+    assert workers == ["0", "1"]
+    assert both_busy

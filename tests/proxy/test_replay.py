@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import ROOT, running
 
+pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
+
 TRACE = ROOT.parent / "shared" / "traces" / "luce_tool_6turn_replay.jsonl"
 
 
