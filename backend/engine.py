@@ -21,6 +21,8 @@ Rules this module keeps:
   prefilled as 400 or as 100 + 300 differed by up to 3.0, and a cache hit's greedy output
   differed from a cold run's). The engine loads the model without them (`use_extra_bufts`).
 - Cancellation is checked between prefill batches and between generated tokens.
+- A grammar llama.cpp cannot parse is a ValueError before the first sample (its sampler comes
+  back NULL), never a crash of the worker.
 """
 
 from __future__ import annotations
@@ -202,10 +204,27 @@ class Engine:
         n = llama_cpp.llama_state_seq_get_data(ctx, dst, size, 0)
         return memoryview(out)[:n]
 
-    def restore(self, ids: Sequence[int], state: bytes) -> None:
+    def snapshot_behind(self, p: int) -> memoryview:
+        """A snapshot of exactly the first p < n_live tokens, taken from the live KV: cut back
+        to p, copied, then the whole live state put back (plain attention can be cut back to
+        any position; the state put back is the one copied, so nothing changes). Costs two
+        copies and a restore, no prefill."""
+        assert 0 < p < self.n_live <= self.exact_n, (p, self.n_live, self.exact_n)
+        live_ids = self.live_ids()
+        whole = self.snapshot()
+        self.truncate(p)
+        part = self.snapshot()
+        self.restore(live_ids, whole)
+        return part
+
+    def restore(self, ids: Sequence[int], state: bytes | memoryview) -> None:
         """Load a snapshot of exactly len(ids) tokens into sequence 0 (read in place)."""
         self.truncate(0)
-        src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+        if isinstance(state, bytes):
+            src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+        else:  # a snapshot of ours: point at its buffer, no copy
+            src = np.frombuffer(state, dtype=np.uint8).ctypes.data_as(
+                ctypes.POINTER(ctypes.c_uint8))
         if llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, src, len(state), 0) == 0:
             self.truncate(0)
             raise ValueError("llama_state_seq_set_data refused the state")
@@ -267,6 +286,10 @@ class Engine:
             frequency_penalty=sampling.frequency_penalty,
             grammar=grammar,
         )
+        if grammar is not None and not _chain_complete(sampler):
+            sampler.close()
+            raise ValueError("llama.cpp could not build a sampler from the grammar (it does not "
+                             "parse); nothing was generated")
         for i in range(max_tokens):
             if cancel.is_set:
                 raise Cancelled()
@@ -279,6 +302,15 @@ class Engine:
                 llm.eval([token])
             elif llm.n_tokens >= self.n_ctx:
                 return
+
+
+def _chain_complete(sampler: Any) -> bool:
+    """Whether every sampler in the chain exists: llama.cpp's grammar sampler comes back NULL
+    for a grammar it cannot parse, llama-cpp-python adds it to the chain all the same, and the
+    first sample would dereference it (a SIGSEGV that kills the worker)."""
+    chain = sampler.sampler
+    return all(llama_cpp.llama_sampler_chain_get(chain, i)
+               for i in range(llama_cpp.llama_sampler_chain_n(chain)))
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

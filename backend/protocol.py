@@ -38,6 +38,7 @@ FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
 class Job:
     run_id: str  # for /cancel
     ids: tuple[int, ...]  # the whole prompt
+    salt: bytes  # the cache salt (identity and tenant) the worker keys its saves with
     plan: Plan
     sampling: Mapping[str, Any]  # backend.engine.Sampling fields
     max_tokens: int
@@ -45,7 +46,8 @@ class Job:
     grammar: str | None  # GBNF constraining the output (forced tool calls)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "ids": list(self.ids), "plan": self.plan.to_wire(),
+        return {"run_id": self.run_id, "ids": list(self.ids), "salt": self.salt.hex(),
+                "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
                 "stop": list(self.stop), "grammar": self.grammar}
 
@@ -58,6 +60,7 @@ class Job:
                 raise ValueError("sampling must be an object, grammar a string or null")
             job = cls(run_id=_check(d["run_id"], "str"),
                       ids=tuple(_check(i, "int") for i in _check(d["ids"], "list")),
+                      salt=bytes.fromhex(_check(d["salt"], "str")),
                       plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
                       max_tokens=_check(d["max_tokens"], "int"),
                       stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),

@@ -19,6 +19,8 @@ Rules:
   :func:`write_state_file` is complete and durable; a crash leaves only a temp file, which
   ``Index.reconcile`` sweeps at startup. The index entry is committed after the rename, by the
   proxy, never before.
+- Only a regular file is opened (without blocking, then checked): a FIFO or device where a
+  state file should be is a ``corrupt`` fault, a miss, never a hang.
 - Verify before trust: :func:`read_state_file` checks magic, version, fingerprint, length,
   checksum, and that the stored ids equal the prompt's first n ids. Every failure is a
   :class:`CacheFault` with a reason from :data:`FAULT_REASONS`; callers treat it as a miss.
@@ -32,6 +34,7 @@ import contextlib
 import io
 import logging
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -206,12 +209,24 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _open(path: Path) -> io.BufferedReader:
+    """``path`` opened for reading if it is a regular file. The open does not block
+    (O_NONBLOCK: a FIFO would wait for a writer forever) and anything else is refused."""
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as e:
         raise CacheFault("missing", f"{path}: no such state file", path) from e
     except OSError as e:
         raise CacheFault("io", f"{path}: cannot open: {e}", path) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CacheFault("corrupt", f"{path}: not a regular file "
+                                        f"(mode {stat.filemode(mode)})", path)
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _read_head(f: io.BufferedReader, path: Path) -> tuple[StateHeader, bytes]:
@@ -320,3 +335,15 @@ def _unpack_u32(data: bytes | memoryview) -> array[int]:
     if sys.byteorder == "big":
         ids.byteswap()
     return ids
+
+
+def read_ids(path: Path) -> tuple[int, ...]:
+    """The token ids a state file's header names (the state bytes are not read): what a cache
+    that lost an entry's path rebuilds it from."""
+    with _open(path) as f:
+        header, head = _read_head(f, path)
+    ids = array("i")
+    ids.frombytes(head[_FIXED.size : _FIXED.size + 4 * header.n_tokens])
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return tuple(ids)

@@ -114,13 +114,16 @@ class Worker:
         saves = {s.n_tokens: s for s in plan.saves}
         pending: list[Future[None]] = []
 
-        def snapshot_at(p: int) -> None:
-            state = eng.snapshot()
-            pending.append(self.writer_thread.submit(self._write, saves[p], ids[:p], state, emit))
+        def write(p: int, state: memoryview) -> None:
+            key = keys.prefix_keys(job.salt, ids, [p])[p]
+            pending.append(self.writer_thread.submit(self._write, saves[p], key, ids[:p], state,
+                                                     emit))
 
+        for p in sorted(p for p in saves if p < eng.n_live):  # behind the reuse: from the KV
+            write(p, eng.snapshot_behind(p))
         try:
-            eng.prefill(ids, list(saves), snapshot_at, cancel,
-                        lambda n: emit(Prefill(n)))
+            eng.prefill(ids, [p for p in saves if p >= eng.n_live],
+                        lambda p: write(p, eng.snapshot()), cancel, lambda n: emit(Prefill(n)))
             self._generate(job, emit, cancel, t0, pending)
         except Cancelled:  # what it prefilled stays live; snapshots taken are still written
             emit(CancelledEvent(eng.exact_n, len(pending)))
@@ -153,16 +156,17 @@ class Worker:
 
     # --- runs on the writer thread ---------------------------------------------------------
 
-    def _write(self, save: Save, ids: list[int], state: bytes, emit: Emit) -> None:
+    def _write(self, save: Save, key: keys.CacheKey, ids: list[int], state: memoryview,
+               emit: Emit) -> None:
         t0 = time.perf_counter()
         try:
             path, size, checksum = store.write_state_file(
-                self.cache_dir, keys.CacheKey(save.key), self.fingerprint, ids, state
+                self.cache_dir, key, self.fingerprint, ids, state
             )
         except store.CacheFault as e:
-            emit(SaveFailed(len(ids), save.key.hex(), save.reason, e.reason, str(e)))
+            emit(SaveFailed(len(ids), key.hex(), save.reason, e.reason, str(e)))
             return
-        emit(Saved(len(ids), save.key.hex(), save.reason, str(path.relative_to(self.cache_dir)),
+        emit(Saved(len(ids), key.hex(), save.reason, str(path.relative_to(self.cache_dir)),
                    size, checksum, time.perf_counter() - t0))
 
     # --- HTTP ------------------------------------------------------------------------------

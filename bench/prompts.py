@@ -2,8 +2,9 @@
 boundaries and message starts the proxy computes for it.
 
 `load_builder(model)` is `proxy.prompt.PromptBuilder.load` with the default Config's volatile
-patterns (what `proxy.app` builds); `prepare` and `render` parse with `openai_api.parse_chat` and
-call the builder's real `prepare`, without a context limit (the oracle does not refuse a long
+patterns and layout (what `proxy.app` builds); `prepare` and `render` parse with the API's own
+parser (`anthropic_api.parse_request` for an Anthropic row, `openai_api.parse_chat` otherwise)
+and call the builder's real `prepare`, without a context limit (the oracle does not refuse a long
 prompt). The oracle, the simulator, the replay and the overhead benchmark all read prompts here.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from policies.scope import parse_scope
-from proxy import openai_api
+from proxy import anthropic_api, openai_api
 from proxy.config import Config
 from proxy.prompt import Prepared, PromptBuilder
 from proxy.template import Rendered
@@ -20,15 +21,20 @@ from proxy.template import Rendered
 UNBOUNDED_CTX = 1 << 30
 
 
-def load_builder(model: str = "") -> PromptBuilder:
+def load_builder(model: str = "", stable_layout: bool = True) -> PromptBuilder:
+    """As the proxy builds it by default (`stable_layout=False`: the layout before it moved
+    volatile blocks and tools, for comparisons)."""
     cfg = Config(model=model)
-    return PromptBuilder.load(cfg.model_path, cfg.volatile_patterns)
+    return PromptBuilder.load(cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
+                              stable_layout)
 
 
-def prepare(builder: PromptBuilder, body: dict[str, Any]) -> Prepared:
-    return builder.prepare(openai_api.parse_chat(body, ""), UNBOUNDED_CTX,
-                           parse_scope(Config().disk_prefix_cache))
+def prepare(builder: PromptBuilder, body: dict[str, Any], fmt: str = "openai") -> Prepared:
+    """`fmt`: 'openai' (a chat completions body) or 'anthropic' (a Messages body)."""
+    req = anthropic_api.parse_request(body, "") if fmt == "anthropic" else \
+        openai_api.parse_chat(body, "")
+    return builder.prepare(req, UNBOUNDED_CTX, parse_scope(Config().disk_prefix_cache))
 
 
-def render(builder: PromptBuilder, body: dict[str, Any]) -> Rendered:
-    return prepare(builder, body).rendered
+def render(builder: PromptBuilder, body: dict[str, Any], fmt: str = "openai") -> Rendered:
+    return prepare(builder, body, fmt).rendered

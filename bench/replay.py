@@ -16,7 +16,10 @@ Arms:
   and its workers are stopped and started again before every turn (the cache directory kept),
   so only a disk cache can help.
 
-Each row is one stateless, streaming request. The arms run side by side: every server stays up,
+Each row is one stateless, streaming request, sent to prefixgate as a client sends it: an
+Anthropic row (the traces in shared/traces/, `bench.synth`) to `/v1/messages` as it is, an OpenAI
+row to `/v1/chat/completions`; the oracle and the simulator render it through the same parser.
+The arms run side by side: every server stays up,
 and for each turn every arm sends that turn (the order rotated per turn), so noise from other
 work on the machine spreads over all arms alike. Time to first token (TTFT) is the time to the
 first streamed content; the request's `tool_choice` is set to `none` by default (`--tool-choice
@@ -270,8 +273,31 @@ class Reply:
     headers: dict[str, str]
 
 
+def _openai_event(ev: dict[str, Any], got: dict[str, Any]) -> bool:
+    """One OpenAI stream chunk into `got` (usage); whether it carried content."""
+    if ev.get("usage"):
+        got["usage"] = ev["usage"]
+    return any((ch.get("delta") or {}).get("content") or (ch.get("delta") or {}).get("tool_calls")
+               or ch.get("text") for ch in ev.get("choices") or ())
+
+
+def _anthropic_event(ev: dict[str, Any], got: dict[str, Any]) -> bool:
+    """One Anthropic stream event into `got` (usage in OpenAI's terms); whether it carried
+    content."""
+    u = (ev.get("message") or {}).get("usage") or ev.get("usage")
+    if u:
+        cached = int(u.get("cache_read_input_tokens") or 0)
+        prompt = int(u.get("input_tokens", 0)) + cached + \
+            int(u.get("cache_creation_input_tokens") or 0)
+        got["usage"] = {"prompt_tokens": prompt, "completion_tokens": u.get("output_tokens", 0),
+                        "prompt_tokens_details": {"cached_tokens": cached}}
+    return ev.get("type") == "content_block_delta"
+
+
 def stream_request(port: int, path: str, body: dict[str, Any], timeout_s: float) -> Reply:
-    """POST a streaming request; time to the first content chunk and to the end."""
+    """POST a streaming request (OpenAI or Anthropic SSE, by path); time to the first content
+    chunk and to the end."""
+    on_event = _anthropic_event if path.startswith("/v1/messages") else _openai_event
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         t0 = time.perf_counter()
@@ -282,7 +308,7 @@ def stream_request(port: int, path: str, body: dict[str, Any], timeout_s: float)
             raise BenchError(f"HTTP {resp.status} from {path}: {resp.read()[:2000]!r}")
         headers = {k.lower(): v for k, v in resp.getheaders()}
         ttft: float | None = None
-        usage = None
+        got: dict[str, Any] = {}
         chunks = 0
         while True:
             line = resp.readline()
@@ -297,15 +323,14 @@ def stream_request(port: int, path: str, body: dict[str, Any], timeout_s: float)
             ev = json.loads(data)
             if "error" in ev:
                 raise BenchError(f"error event from {path}: {ev['error']}")
-            for ch in ev.get("choices") or ():
-                delta = ch.get("delta") or {}
-                if delta.get("content") or delta.get("tool_calls") or ch.get("text"):
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-            if ev.get("usage"):
-                usage = ev["usage"]
+            if on_event(ev, got):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+            if ev.get("type") == "message_stop":
+                break
         total = time.perf_counter() - t0
+        usage = got.get("usage")
     finally:
         conn.close()
     n_gen = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage \
@@ -332,24 +357,29 @@ def peer_cache_stats(log: str, n_prompt: int) -> tuple[int, str]:
 # --- the run --------------------------------------------------------------------------------
 
 
-def request_body(arm: Arm, body: dict[str, Any], text: str, max_tokens: int,
+def request_body(arm: Arm, body: dict[str, Any], kind: str, text: str, max_tokens: int,
                  tool_choice: str) -> tuple[str, dict[str, Any]]:
     common = {"max_tokens": max_tokens, "temperature": body.get("temperature", 0.0),
               "stream": True}
     if arm.server == "peer":
         return "/v1/completions", {"prompt": text, **common}
+    if kind == "anthropic":
+        out = {**body, **common}
+        if tool_choice != "keep" and out.get("tools"):
+            out["tool_choice"] = {"type": tool_choice}
+        return "/v1/messages", out
     out = {**body, **common, "stream_options": {"include_usage": True}}
     if tool_choice != "keep" and out.get("tools"):
         out["tool_choice"] = tool_choice
     return "/v1/chat/completions", out
 
 
-def run_turn(srv: ServerProc, turn: int, body: dict[str, Any], text: str, n_prompt: int,
-             args: argparse.Namespace) -> dict[str, Any]:
+def run_turn(srv: ServerProc, turn: int, body: dict[str, Any], kind: str, text: str,
+             n_prompt: int, args: argparse.Namespace) -> dict[str, Any]:
     arm = srv.arm
     if arm.restart and turn > 0:
         srv.restart()
-    path, req = request_body(arm, body, text, args.max_tokens, args.tool_choice)
+    path, req = request_body(arm, body, kind, text, args.max_tokens, args.tool_choice)
     if arm.server == "peer":
         srv.new_log()
     r = stream_request(srv.port, path, req, args.request_timeout_s)
@@ -478,14 +508,17 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     from bench.oracle import compute_oracle
     from bench.prompts import load_builder, render
     from bench.simulate import SimPrompt, simulate
-    from bench.trace import load_trace
+    from bench.trace import load_rows, to_openai
     from proxy.config import Config
 
     arms = [parse_arm(s) for s in args.arms.split(",") if s.strip()]
     builder = load_builder(args.model)
     settings = Settings(Config(model=args.model).model_path, args.n_ctx, args.threads)
-    bodies = load_trace(args.trace, args.format, args.tool_blocks, args.turns)
-    rendered = [render(builder, b) for b in bodies]
+    rows = load_rows(args.trace, args.format, args.turns)
+    if args.tool_blocks == "text":  # tool blocks as text: converted to OpenAI bodies
+        rows = [("openai", to_openai(row, kind, "text")) for kind, row in rows]
+    bodies = [row for _, row in rows]
+    rendered = [render(builder, row, kind) for kind, row in rows]
     too_long = [i for i, r in enumerate(rendered) if len(r.ids) + args.max_tokens > args.n_ctx]
     if too_long:
         raise SystemExit(f"turns {too_long[:5]} do not fit --n-ctx {args.n_ctx} with "
@@ -510,7 +543,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for srv in servers:
             srv.start()
-        for turn, (body, r) in enumerate(zip(bodies, rendered, strict=True)):
+        for turn, ((kind, body), r) in enumerate(zip(rows, rendered, strict=True)):
             elapsed_min = (time.perf_counter() - t_start) / 60
             if args.time_budget_min and turn and elapsed_min > args.time_budget_min:
                 stopped = (f"Stopped after {turn} of {len(bodies)} turns: the time budget of "
@@ -519,7 +552,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
                 break
             k = turn % len(servers)
             for srv in servers[k:] + servers[:k]:  # rotate who goes first
-                row = run_turn(srv, turn, body, r.text, len(r.ids), args)
+                row = run_turn(srv, turn, body, kind, r.text, len(r.ids), args)
                 row["oracle_fresh_tokens"] = oracle.fresh_tokens[turn]
                 if srv.arm.name in predicted:
                     row["predicted_fresh_tokens"] = predicted[srv.arm.name][turn]

@@ -4,12 +4,12 @@
 
 Each row of the trace is rendered and tokenized exactly as the proxy does (`bench.prompts`), then
 fed, in order, to one simulated proxy with one worker. The decisions are the proxy's own: the
-simulator looks the prompt up as `proxy.cache.DiskCache.lookup` does (candidate positions,
-`keys.prefix_keys`, the stored entries longest first) against an in-memory disk, calls the real
-`policies.decide.decide` with its `policies.ring.Ring`, then applies the worker's rules to the
-plan (backend/worker.py: keep the live prefix, restore the first planned entry longer than it;
-reuse capped at the plan's `keep_max`). Every planned save succeeds and nothing is
-evicted (the default budget is 20 GiB).
+simulator looks the prompt up as `proxy.cache.DiskCache.lookup` does (a `policies.radix` tree of
+the stored entries' token ids) on an in-memory disk, calls the real `policies.decide.decide` with
+its `policies.ring.Ring`, then applies the worker's rules to the plan (backend/worker.py: keep
+the live prefix, restore the first planned entry longer than it, reuse capped at the plan's
+`keep_max`; a save point behind the reuse is snapshotted from the KV held). Every planned save
+succeeds and nothing is evicted (the default budget is 20 GiB).
 
 Modes (what survives between two requests):
 
@@ -37,8 +37,9 @@ from typing import Any
 from backend import keys
 from bench.oracle import Oracle, compute_oracle
 from policies.decide import RESTORE_CANDIDATES, Facts, Hit, Stored, WorkerFacts, decide
-from policies.plan import CacheKnobs, MessageStart, candidate_positions
+from policies.plan import CacheKnobs, MessageStart
 from policies.prefix import common_prefix_len
+from policies.radix import RadixTree
 from policies.ring import Ring
 from policies.scope import format_scope, parse_scope
 from proxy.config import Config
@@ -80,7 +81,7 @@ class Simulator:
         self.knobs = knobs or CacheKnobs()
         self.scope = parse_scope(policy)
         self.policy = format_scope(self.scope)
-        self.disk: dict[bytes, int] = {}  # key -> n_tokens: the state files, survive restarts
+        self.disk = RadixTree()  # the stored entries' token ids: survive restarts
         self.ring_log: list[tuple[int, ...]] = []  # the persisted ring, oldest first
         self.ring = Ring(RING_CAPACITY)
         self.live_ids: tuple[int, ...] = ()
@@ -95,18 +96,13 @@ class Simulator:
 
     def lookup(self, facts: Facts) -> Stored:
         """`proxy.cache.DiskCache.lookup` on the in-memory disk."""
-        positions = candidate_positions(len(facts.ids), facts.boundaries, facts.scope,
-                                        self.knobs)
-        keyed = keys.prefix_keys(_SALT, facts.ids, positions)
-        stored = {p for p, k in keyed.items() if k in self.disk}
-        hits = [Hit(p, keyed[p], "") for p in sorted(stored, reverse=True)
-                if self.disk[keyed[p]] == p]  # the exactness invariant, as Index checks
-        return Stored(keyed, tuple(hits[:RESTORE_CANDIDATES]), frozenset(stored))
+        found = self.disk.match(facts.ids)
+        return Stored(tuple(Hit(n, k, "") for n, k in found[:RESTORE_CANDIDATES]),
+                      frozenset(n for n, _ in found))
 
     def step(self, p: SimPrompt, live: bool = True) -> SimTurn:
         ids, n, scope = p.ids, len(p.ids), self.scope
-        facts = Facts(ids, p.boundaries, tuple(MessageStart(q, r) for q, r in p.message_starts),
-                      scope)
+        facts = Facts(ids, tuple(MessageStart(q, r) for q, r in p.message_starts), scope)
         stored = self.lookup(facts) if scope.kind != "off" else Stored()
         live_n = common_prefix_len(self.live_ids, ids) if live else 0
         recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
@@ -119,10 +115,10 @@ class Simulator:
         keep = min(live_n, last)
         restored = next((r.n_tokens for r in plan.restore if r.n_tokens > keep), 0)
         cached = min(restored, last) if restored else keep
-        saves = tuple((s.n_tokens, str(s.reason)) for s in plan.saves if cached <= s.n_tokens <= n)
+        saves = tuple((s.n_tokens, str(s.reason)) for s in plan.saves)
         for s in plan.saves:
-            if cached <= s.n_tokens <= n:
-                self.disk[s.key] = s.n_tokens
+            self.disk.insert(ids[: s.n_tokens], keys.prefix_keys(_SALT, ids, [s.n_tokens])[
+                s.n_tokens])
         self.live_ids = ids  # the worker's exact live KV after the prefill: the prompt
         source = "disk" if restored else "live" if cached else "none"
         return SimTurn(n, cached, source, stored.longest, live_n, saves)
@@ -175,6 +171,7 @@ class SimResult:
         if oracle is not None:
             out["oracle_fresh_tokens"] = oracle.total_fresh
             out["excess_over_oracle_tokens"] = self.fresh - oracle.total_fresh
+            out["fresh_over_oracle"] = self.fresh / max(oracle.total_fresh, 1)
             out["oracle_mean_hit_ratio"] = oracle.mean_hit_ratio
         return out
 
@@ -197,14 +194,20 @@ def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
 
 
 def render_trace(path: str, fmt: str = "auto", tool_blocks: str = "openai",
-                 turns: int | None = None, model: str = "") -> list[SimPrompt]:
+                 turns: int | None = None, model: str = "", stable_layout: bool = True
+                 ) -> list[SimPrompt]:
     from bench.prompts import load_builder, render
-    from bench.trace import load_trace
+    from bench.trace import load_rows, to_openai
 
-    builder = load_builder(model)
+    builder = load_builder(model, stable_layout)
     out = []
-    for body in load_trace(path, fmt, tool_blocks, turns):
-        r = render(builder, body)
+    for kind, row in load_rows(path, fmt, turns):
+        # as a client sends it: an Anthropic row through the Anthropic parser; `tool_blocks`
+        # text: converted to OpenAI with tool blocks as text (templates without tool support)
+        if kind == "anthropic" and tool_blocks == "text":
+            r = render(builder, to_openai(row, kind, tool_blocks))
+        else:
+            r = render(builder, row, kind)
         out.append(SimPrompt(r.ids, r.boundaries, r.message_starts))
     return out
 
@@ -215,6 +218,7 @@ COLUMNS = (
     ("tokens_cached_per_hit", "tokens cached / hit", "{:.0f}"),
     ("fresh_tokens", "fresh tokens", "{}"),
     ("excess_over_oracle_tokens", "excess over oracle", "{:+}"),
+    ("fresh_over_oracle", "x oracle", "{:.3f}"),
     ("mean_hit_ratio", "mean hit ratio", "{:.1%}"), ("saves", "snapshots", "{}"),
     ("snapshot_tokens", "snapshot tokens", "{}"),
 )
@@ -270,9 +274,15 @@ def main(argv: list[str] | None = None) -> None:
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
     prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
     oracle, rows = run(prompts, policies, modes, knobs)
+    # the same trace laid out as the client sent it: what the stable-first layout gains
+    old = compute_oracle([p.ids for p in render_trace(a.trace, a.format, a.tool_blocks,
+                                                       a.turns, a.model, stable_layout=False)])
     head = (f"trace {Path(a.trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
             f"tokens; oracle: {oracle.total_fresh} fresh tokens, mean hit ratio "
-            f"{oracle.mean_hit_ratio:.1%}\nknobs: min {knobs.min_tokens}, cold max "
+            f"{oracle.mean_hit_ratio:.1%} (stable-first layout; the oracle of the client's own "
+            f"layout, volatile blocks in place and tools after the system text: "
+            f"{old.total_fresh} fresh tokens, {old.mean_hit_ratio:.1%})\n"
+            f"knobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
             "tokens; one worker; no eviction. mode restart = proxy and worker restarted before "
             "every request, only the disk (index, state files, persisted ring) survives: the "
@@ -292,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
                       "continued_interval_tokens": knobs.continued_interval_tokens},
             "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
                        "mean_hit_ratio": oracle.mean_hit_ratio},
+            "oracle_client_layout": {"prompt_tokens": old.total_prompt,
+                                     "fresh_tokens": old.total_fresh,
+                                     "mean_hit_ratio": old.mean_hit_ratio},
             "results": rows}, indent=2) + "\n")
         print(f"\nwrote {out / stem}.json and .md", file=sys.stderr)
 

@@ -2,7 +2,7 @@
 
     python -m bench.synth --out FILE [--seed 0] [--sessions 4] [--parallel 2] [--turns 20]
         [--prefix-tokens 8000] [--tools 6] [--tail-tokens 300] [--rewrite-share 0.25]
-        [--rewrite-every 6]
+        [--rewrite-every 6] [--shape env|clients]
 
 The shape is a coding agent's: every session starts from the same large stable prefix (a system
 prompt with an environment block near its top, then AGENTS.md-like project notes, plus tool
@@ -23,6 +23,11 @@ Knobs:
   (a commit), the others change the date line once, halfway (a session across midnight). Either
   change sits in the first lines of the system prompt, so everything after it stops matching.
 - `--sessions` in all, `--parallel` of them open at once, their rows interleaved at random.
+- `--shape`: `env` (the above); `clients`, the system prompt as Claude Code and Hermes send it:
+  a `Conversation started: <date>` line near the top (sessions start on different days, a new
+  one every `--rewrite-every` sessions), the project notes, then a per-session `gitStatus:`
+  block at the end (branch, changed files, recent commits: different in every session), and the
+  tool schemas after the system text. `--rewrite-share` does not apply to it.
 
 Deterministic: the same arguments and `--seed` give the same bytes (one `random.Random(seed)`,
 no clock, no `hash()`).
@@ -54,7 +59,11 @@ _WORDS = (
     "always never must should may only each every before after first last new old same"
 ).split()
 _TOOL_NAMES = ("shell", "read_file", "write_file", "edit_file", "grep", "glob", "list_dir",
-               "run_tests", "git_diff", "web_fetch", "todo_write", "ask_user")
+               "run_tests", "git_diff", "web_fetch", "todo_write", "ask_user", "multi_edit",
+               "notebook_edit", "web_search", "task", "exit_plan_mode", "bash_output",
+               "kill_shell", "slash_command", "skill", "list_mcp_resources",
+               "read_mcp_resource", "ask_question")
+SHAPES = ("env", "clients")
 
 
 def _words(rng: random.Random, n_chars: int) -> str:
@@ -92,6 +101,17 @@ def _hex(rng: random.Random, n: int = 7) -> str:
     return "".join(rng.choice("0123456789abcdef") for _ in range(n))
 
 
+def _git_status(rng: random.Random) -> str:
+    """Claude Code's block, as it ends its system prompt: one per session."""
+    files = "\n".join(f"M src/{rng.choice(_WORDS)}_{rng.choice(_WORDS)}.py"
+                      for _ in range(rng.randrange(1, 5)))
+    commits = "\n".join(f"{_hex(rng)} {_words(rng, 40)}" for _ in range(5))
+    return ("gitStatus: This is the git status at the start of the conversation. Note that this "
+            "status is a snapshot in time, and will not update during the conversation.\n"
+            f"Current branch: main\n\nMain branch (you will usually use this for PRs): main\n\n"
+            f"Status:\n{files}\n\nRecent commits:\n{commits}")
+
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     sessions: int = 4
@@ -103,8 +123,11 @@ class Knobs:
     rewrite_share: float = 0.25
     rewrite_every: int = 6
     max_tokens: int = 256
+    shape: str = "env"  # env | clients (see the module docstring)
 
     def check(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"--shape must be one of {', '.join(SHAPES)}")
         if not 0 < self.prefix_tokens <= MAX_PREFIX_TOKENS:
             raise ValueError(f"--prefix-tokens must be 1..{MAX_PREFIX_TOKENS}")
         if not 0 <= self.rewrite_share <= 1:
@@ -152,11 +175,16 @@ class Session:
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     def system(self) -> str:
+        if self.k.shape == "clients":
+            return (f"{self.base.header}\n\nConversation started: {self.date}\n\n"
+                    f"{self.base.notes}\n\n{self.git}")
         env = (f"<env>\nWorking directory: /work/repo\nToday's date: {self.date}\n"
                f"git status: {self.git}\n</env>")
         return f"{self.base.header}\n\n{env}\n\n{self.base.notes}"
 
     def _rewrite(self) -> None:
+        if self.k.shape == "clients":
+            return  # set when the session starts, as the clients do
         if self.rewrite == "git" and self.turn % self.k.rewrite_every == 0:
             self.git = f"branch main, {self.rng.randrange(1, 9)} files changed, HEAD " \
                        f"{_hex(self.rng)}"
@@ -206,6 +234,10 @@ def generate(k: Knobs, seed: int = 0) -> Iterator[dict[str, Any]]:
     kinds = {sid: ("git" if i % 2 == 0 else "date") for i, sid in enumerate(sorted(rewriting))}
     pending = [Session(sid, kinds.get(sid, ""), base, random.Random(rng.getrandbits(64)), k,
                        git=base.git, date=base.date) for sid in range(k.sessions)]
+    if k.shape == "clients":
+        for s in pending:
+            s.date = f"2026-03-{14 + s.sid // k.rewrite_every:02d}"
+            s.git = _git_status(s.rng)
     active: list[Session] = []
     while pending or active:
         while pending and len(active) < k.parallel:
@@ -231,9 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rewrite-share", type=float, default=d.rewrite_share)
     p.add_argument("--rewrite-every", type=int, default=d.rewrite_every)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--shape", default=d.shape, choices=SHAPES)
     a = p.parse_args(argv)
     k = Knobs(a.sessions, a.parallel, a.turns, a.prefix_tokens, a.tools, a.tail_tokens,
-              a.rewrite_share, a.rewrite_every, a.max_tokens)
+              a.rewrite_share, a.rewrite_every, a.max_tokens, a.shape)
     try:
         rows = list(generate(k, a.seed))
     except ValueError as e:

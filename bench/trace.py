@@ -148,6 +148,25 @@ def to_openai(row: dict[str, Any], fmt: str = "auto", tool_blocks: str = "openai
     raise ValueError(f"unknown trace format {fmt!r}: use auto, anthropic or openai")
 
 
+def load_rows(path: str | Path, fmt: str = "auto", turns: int | None = None
+              ) -> list[tuple[str, dict[str, Any]]]:
+    """The rows of a JSONL trace as they are, each with its format ('anthropic' or 'openai'):
+    what a client sends, for `/v1/messages` or `/v1/chat/completions`."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not JSON: {e}") from None
+            rows.append((detect_format(row) if fmt == "auto" else fmt, row))
+            if turns is not None and len(rows) >= turns:
+                break
+    return rows
+
+
 def load_trace(path: str | Path, fmt: str = "auto", tool_blocks: str = "openai",
                turns: int | None = None) -> list[dict[str, Any]]:
     """The rows of a JSONL trace as OpenAI chat bodies, in order (the first `turns` only)."""

@@ -4,11 +4,11 @@
 
 Inputs, all plain data:
 
-- ``facts`` (:class:`Facts`): the prompt's token ids, its safe boundaries and message starts,
-  and the effective scope (``off`` when the proxy runs without a disk cache).
-- ``stored`` (:class:`Stored`): one read of the index for this prompt: the key of every
-  candidate position (``candidate_positions``), the stored entries among them longest first (at
-  most ``RESTORE_CANDIDATES``: the hit and its fallbacks), and the set of stored positions.
+- ``facts`` (:class:`Facts`): the prompt's token ids and message starts, and the effective scope
+  (``off`` when the proxy runs without a disk cache).
+- ``stored`` (:class:`Stored`): one read of the cache for this prompt: every stored entry that is
+  a prefix of it (the radix tree, ``policies.radix``): the longest few as hits (at most
+  ``RESTORE_CANDIDATES``: the hit and its fallbacks), and the set of their positions.
 - ``worker`` (:class:`WorkerFacts`): what the chosen worker's live KV holds of this prompt, and
   whether it may be reused at all (the live KV is this tenant's).
 - ``recent``: this tenant's recent prompts, most recent first (the ring; only ``auto`` reads
@@ -17,18 +17,21 @@ Inputs, all plain data:
 
 Rules (the positions themselves are ``policies.plan``'s):
 
-1. The worker always evaluates the last two prompt tokens: ``keep_max`` is at most ``n - 2``.
-2. ``off``: nothing is restored or saved; ``lookup = "off"``; ``keep_max = n - 2`` (whatever is
-   live may be kept).
-3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window; the reusable
-   prefix is the longer of the live reuse and the longest stored entry; ``reuse_limit`` may cap
-   ``keep_max`` at the boundary so that it can still be snapshotted; ``plan_saves`` picks the
-   save points for what is then prefilled (``growing`` when a recent prompt is a whole prefix).
+1. The worker always evaluates the last two prompt tokens: ``keep_max = n - 2``.
+2. ``off``: nothing is restored or saved; ``lookup = "off"``.
+3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window (exactly the
+   longest shared token prefix, for ``auto``); the reused prefix is the longer of the live reuse
+   and the longest stored entry; ``plan_saves`` picks the save points (``growing`` when a recent
+   prompt is a whole prefix), including any behind the reuse, which the worker snapshots from
+   the KV it holds.
 4. ``restore``: the stored entries longer than the live reuse, longest first (none when the
-   live reuse already reaches ``keep_max``: a restore would be cut back to what is live); the
-   worker tries them in order, so a broken file falls back to the next one.
+   live reuse already reaches ``keep_max``); the worker tries them in order, so a broken file
+   falls back to the next one.
 5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
    last message start), ``partial`` for a shorter one (e.g. only the anchor), ``miss`` for none.
+
+A save names its position and reason; the worker keys the file (``backend.keys``, salted with the
+job's salt), and its ``Saved`` event tells the proxy the key.
 
 The :class:`Plan` has one wire form (``to_wire`` / ``from_wire``), shared by proxy and worker;
 ``from_wire`` takes every field or raises ``ValueError``: the worker has no defaults.
@@ -36,8 +39,8 @@ The :class:`Plan` has one wire form (``to_wire`` / ``from_wire``), shared by pro
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from policies.plan import (
@@ -48,7 +51,6 @@ from policies.plan import (
     choose_scope_boundary,
     extends_recent,
     plan_saves,
-    reuse_limit,
 )
 from policies.scope import Scope
 
@@ -61,7 +63,6 @@ RESTORE_CANDIDATES = 1 + RESTORE_FALLBACKS  # stored entries read per request, l
 @dataclass(frozen=True, slots=True)
 class Facts:
     ids: tuple[int, ...]
-    boundaries: tuple[int, ...]  # safe cut positions, ascending
     message_starts: tuple[MessageStart, ...]
     scope: Scope  # effective: "off" when there is no disk cache
 
@@ -75,9 +76,8 @@ class Hit:
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    keys: Mapping[int, bytes] = field(default_factory=dict)  # candidate position -> key
-    hits: tuple[Hit, ...] = ()  # stored candidates, longest first
-    positions: frozenset[int] = frozenset()  # every stored candidate position
+    hits: tuple[Hit, ...] = ()  # stored prefixes of the prompt, longest first (a few)
+    positions: frozenset[int] = frozenset()  # every stored prefix's position
 
     @property
     def longest(self) -> int:
@@ -100,7 +100,6 @@ class Restore:
 @dataclass(frozen=True, slots=True)
 class Save:
     n_tokens: int
-    key: bytes
     reason: Reason
 
 
@@ -118,8 +117,7 @@ class Plan:
         return {
             "restore": [{"n_tokens": r.n_tokens, "key": r.key.hex(), "file": r.file}
                         for r in self.restore],
-            "saves": [{"n_tokens": s.n_tokens, "key": s.key.hex(), "reason": s.reason}
-                      for s in self.saves],
+            "saves": [{"n_tokens": s.n_tokens, "reason": s.reason} for s in self.saves],
             "keep_max": self.keep_max,
             "live_ok": self.live_ok,
             "lookup": self.lookup,
@@ -134,8 +132,7 @@ class Plan:
             lookup = d["lookup"]
             if lookup not in get_args(Lookup):
                 raise ValueError(f"unknown lookup {lookup!r}")
-            saves = tuple(Save(_int(s["n_tokens"]), bytes.fromhex(_str(s["key"])), s["reason"])
-                          for s in _list(d["saves"]))
+            saves = tuple(Save(_int(s["n_tokens"]), s["reason"]) for s in _list(d["saves"]))
             if any(s.reason not in get_args(Reason) for s in saves):
                 raise ValueError("unknown save reason")
             return cls(
@@ -191,20 +188,17 @@ def decide(
     if scope.kind == "off":
         return Plan((), (), keep_max, worker.live_ok, "off", None, None)
     window = recent[: scope.window] if scope.kind == "auto" else ()
-    boundary = choose_scope_boundary(ids, facts.boundaries, scope, window, knobs)
-    reusable = max(live_n, stored.longest)
-    keep_max = min(reuse_limit(reusable, boundary, stored.positions), keep_max)
-    saves = plan_saves(n, min(reusable, keep_max), scope, boundary,
-                       anchor_position(facts.message_starts), stored.positions, knobs,
-                       growing=extends_recent(ids, window))
-    target = boundary or max((s.pos for s in facts.message_starts), default=n)
+    boundary = choose_scope_boundary(ids, scope, window, knobs)
     disk_n = stored.longest
+    cached_n = min(max(live_n, disk_n), keep_max)
+    saves = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
+                       stored.positions, knobs, growing=extends_recent(ids, window))
+    target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = "miss" if disk_n == 0 else "hit" if disk_n >= target else "partial"
     return Plan(
         restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in stored.hits
                       if h.n_tokens > live_n and live_n < keep_max),
-        saves=tuple(Save(s.n_tokens, stored.keys[s.n_tokens], s.reason) for s in saves.saves
-                    if s.n_tokens in stored.keys),
+        saves=tuple(Save(s.n_tokens, s.reason) for s in saves.saves),
         keep_max=keep_max,
         live_ok=worker.live_ok,
         lookup=lookup,

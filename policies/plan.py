@@ -13,19 +13,19 @@ Rules:
 
   - ``off``: none.
   - ``full``: the whole prompt, ``len(ids)`` (none for an empty prompt).
-  - ``fixed`` N: exactly N (not aligned) if ``min_tokens <= N <= len(ids)``, else none.
-  - ``auto:N``: ``L`` = the longest ``common_prefix_len(ids, r)`` over the first N prompts of
-    ``recent`` (which excludes this prompt), aligned down to a safe boundary; none if that is 0
-    or below ``min_tokens``. A wider window finds older shared prefixes (an agent switching
-    between sessions) at the cost of more comparisons.
+  - ``fixed`` N: exactly N if ``min_tokens <= N <= len(ids)``, else none.
+  - ``auto:N``: exactly ``L`` = the longest ``common_prefix_len(ids, r)`` over the first N prompts
+    of ``recent`` (which excludes this prompt); none if that is below ``min_tokens``. Not aligned
+    to a message start: sessions often share a prefix that ends inside a message (a system
+    prompt up to its per-session block), and the KV of any token prefix is exact. A wider window
+    finds older shared prefixes (an agent switching between sessions) at the cost of more
+    comparisons.
 
-- **Candidate positions** (``candidate_positions``), computable from the prompt and config alone:
-  the safe boundaries, the fixed N, every multiple of the continued interval, and the prompt end
-  for ``full``; only ``0 < p <= n_prompt``, ascending, unique. ``off``: none. The longest stored
-  key among them is the disk hit.
 - **Save points** (``plan_saves``), with ``cached_n`` the tokens not prefilled (the longer of the
-  live reuse and the disk restore). A save point ``p`` needs ``p > 0``,
-  ``cached_n <= p <= n_prompt`` and ``p`` not already stored. ``off``: none. Otherwise:
+  live reuse and the disk restore). A save point ``p`` needs ``0 < p <= n_prompt`` and ``p`` not
+  already stored; it may lie behind ``cached_n``: the worker then snapshots it from the KV it
+  holds (cut back to ``p``, copied, and put back), which is exact and costs no prefill.
+  ``off``: none. Otherwise:
 
   - the scope boundary (reason ``scoped``); for ``full`` the prompt end (reason ``full``);
   - the cold anchor: a cold prefill (``cached_n == 0``) of at most ``cold_max_tokens`` saves the
@@ -42,12 +42,6 @@ Rules:
     there: it is where the *previous* prompt ended, so every turn after a restart would prefill
     the last two turns instead of one.
 
-- **Reuse limit** (``reuse_limit``): a save point below what is reused cannot be snapshotted,
-  so when the scope boundary is not stored yet and the live KV or a disk entry reaches past it,
-  reuse stops at the boundary and the few tokens past it are prefilled again, provided that costs
-  at most ``REFILL_MAX_TOKENS``. Live reuse usually ends a few tokens past the boundary (inside
-  the turn that changed), so this is what lets ``auto`` persist the stable prefix it found.
-
   One reason per position, the strongest: ``full`` > ``scoped``/``growing`` >
   ``cold``/``anchor-refresh`` > ``continued``. Save points come out ascending, so the worker
   prefills in segments that stop exactly at each one.
@@ -59,7 +53,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from policies.prefix import align_down, common_prefix_len
+from policies.prefix import common_prefix_len
 from policies.scope import Scope
 
 Reason = Literal["cold", "anchor-refresh", "scoped", "growing", "continued", "full"]
@@ -125,7 +119,6 @@ def _longest_recent_prefix(ids: Sequence[int], recent: Sequence[Sequence[int]]) 
 
 def choose_scope_boundary(
     ids: Sequence[int],
-    boundaries: Sequence[int],
     scope: Scope,
     recent: Sequence[Sequence[int]],
     knobs: CacheKnobs,
@@ -139,8 +132,7 @@ def choose_scope_boundary(
         n = scope.n_tokens
         return n if knobs.min_tokens <= n <= len(ids) and n > 0 else None
     shared = _longest_recent_prefix(ids, recent[: scope.window])
-    boundary = align_down(shared, boundaries)
-    return boundary if boundary > 0 and boundary >= knobs.min_tokens else None
+    return shared if shared > 0 and shared >= knobs.min_tokens else None
 
 
 def extends_recent(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> bool:
@@ -158,21 +150,6 @@ def _continued(start_after: int, n_prompt: int, interval: int) -> range:
     return range(first, n_prompt + 1, interval)
 
 
-def candidate_positions(
-    n_prompt: int, boundaries: Sequence[int], scope: Scope, knobs: CacheKnobs
-) -> list[int]:
-    """Positions where a stored entry for this prompt could be, ascending and unique."""
-    if scope.kind == "off":
-        return []
-    positions = set(boundaries)
-    positions.update(_continued(0, n_prompt, knobs.continued_interval_tokens))
-    if scope.kind == "fixed":
-        positions.add(scope.n_tokens)
-    if scope.kind == "full":
-        positions.add(n_prompt)
-    return sorted(p for p in positions if 0 < p <= n_prompt)
-
-
 def _anchor_reason(
     n_prompt: int, cached_n: int, anchor: int, knobs: CacheKnobs
 ) -> tuple[Reason | None, str | None]:
@@ -184,18 +161,6 @@ def _anchor_reason(
     if cached_n < anchor:
         return "anchor-refresh", None
     return None, None
-
-
-REFILL_MAX_TOKENS = 2048  # most tokens re-prefilled to snapshot a scope boundary reuse passed
-
-
-def reuse_limit(reusable_n: int, scope_boundary: int | None, stored: Collection[int]) -> int:
-    """How many of the ``reusable_n`` tokens (live or disk) to reuse: all of them, or the scope
-    boundary when it still needs a snapshot and lies a short refill behind."""
-    if (scope_boundary is not None and scope_boundary not in stored
-            and 0 < scope_boundary < reusable_n <= scope_boundary + REFILL_MAX_TOKENS):
-        return scope_boundary
-    return reusable_n
 
 
 def plan_saves(
@@ -214,7 +179,7 @@ def plan_saves(
         return SavePlan((), None)
 
     def savable(p: int) -> bool:
-        return 0 < p and cached_n <= p <= n_prompt and p not in stored
+        return 0 < p <= n_prompt and p not in stored
 
     wanted: list[tuple[int, Reason]] = [
         (p, "continued") for p in _continued(cached_n, n_prompt, knobs.continued_interval_tokens)

@@ -1,4 +1,4 @@
-"""Token-prefix arithmetic: how long two prompts agree, and where a cut may fall.
+"""Token-prefix arithmetic: how long two prompts agree.
 
 Rules:
 
@@ -9,14 +9,10 @@ Rules:
   bisects that chunk with slice comparisons, and finishes the last few ids one by one: about
   ``L / CHUNK_TOKENS + log2(CHUNK_TOKENS)`` Python steps; each shared id is compared once in C.
   (Comparing the whole span first does not pay: on a mismatch it compares the shared part twice.)
-- ``align_down(pos, boundaries)`` is the greatest safe boundary at or below ``pos`` (boundaries
-  sorted ascending), or 0 when there is none. A cache cut is only ever made at a safe boundary
-  (a message start or the end of a role header), never inside a message.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 
 # Ids compared per slice while walking forward: big enough that the Python loop runs ~30 times
@@ -52,9 +48,3 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     while ta[lo] == tb[lo]:
         lo += 1
     return lo
-
-
-def align_down(pos: int, boundaries: Sequence[int]) -> int:
-    """Greatest boundary ``<= pos`` (boundaries sorted ascending), or 0 if there is none."""
-    i = bisect_right(boundaries, pos)
-    return boundaries[i - 1] if i > 0 else 0

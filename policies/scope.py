@@ -5,10 +5,10 @@ surrounding blanks ignored:
 
 - ``off``: no disk cache for this request (no lookup, no save).
 - ``full``: the whole prompt, plus the cold anchor and continued checkpoints.
-- ``auto`` (same as ``auto:30``): the longest common token prefix between this prompt and each of
-  the last N prompts in the ring, aligned down to a safe boundary, at least min tokens.
+- ``auto`` (same as ``auto:30``): exactly the longest common token prefix between this prompt and
+  each of the last N prompts in the ring, at least min tokens.
 - ``auto:N`` (N >= 1): as ``auto`` with a window of the last N prompts.
-- ``N`` (N >= 1): exactly the first N tokens (not aligned).
+- ``N`` (N >= 1): exactly the first N tokens.
 
 ``window`` (the per-request ``prefix_cache.window``), when given, replaces auto's N and is only
 valid with ``auto``/``auto:N``. Anything else raises ``ValueError`` with a message that lists what

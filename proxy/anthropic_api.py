@@ -65,8 +65,12 @@ from proxy.edge import (
     cache_headers,
     check_auth,
     client_gone,
+    failed,
+    gone,
     model_card,
+    prepare,
     read_json,
+    reject,
     serve,
     sse_response,
 )
@@ -455,12 +459,15 @@ async def count_tokens(request: web.Request) -> web.Response:
         tenant = check_auth(request)
         req = parse_request(await read_json(request), tenant, count_only=True)
         try:
-            n = len(gw.prepare(req).rendered.ids)
+            n = len(prepare(gw, req).rendered.ids)
         except ContextOverflow as e:  # counting a prompt too long to run is still counting
             n = e.n_prompt
     except ApiError as e:
-        log.info("count_tokens rejected %d: %s", e.status, e.message)
-        return anthropic_response(e)
+        return reject(request, "count_tokens", e, anthropic_response)
+    except Exception as e:
+        if isinstance(e, ConnectionError) and client_gone(request):
+            return gone(request)
+        return failed(request, "count_tokens", e, anthropic_response)
     return web.json_response({"input_tokens": n})
 
 

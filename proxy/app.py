@@ -5,6 +5,10 @@
 `make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
 tokenizer), the disk cache (LMDB index, reconciled with the files), the gateway and the worker
 pool, and closes them in reverse order on shutdown, after pending cache commits landed.
+
+With --api-keys, /metrics and /props need a key as the APIs do; /health stays open
+(orchestrators probe it). The middleware answers every error in the shape of the API the path
+belongs to: an exception that is not an ApiError is a bug, a 500 logged once with its traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 
 from backend.index import Index
@@ -30,6 +35,9 @@ from proxy.edge import (
     METRICS,
     MODEL_ID,
     POOL,
+    check_auth,
+    client_gone,
+    gone,
     model_id_of,
 )
 from proxy.errors import (
@@ -37,9 +45,11 @@ from proxy.errors import (
     MethodNotAllowed,
     NotFound,
     anthropic_response,
+    internal_error,
     openai_response,
 )
 from proxy.gateway import Gateway, knobs_of
+from proxy.limits import LIMITS
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.workers import Pool
@@ -67,6 +77,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    check_auth(request)
     m = request.app[METRICS]
     for w in request.app[POOL].workers:
         m.workers_up.labels(str(w.worker_id)).set(1 if w.ready else 0)
@@ -77,6 +88,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def props(request: web.Request) -> web.Response:
+    check_auth(request)
     cfg, gw, m = request.app[CONFIG], request.app[GATEWAY], request.app[METRICS]
     cache = request.app.get(CACHE)
     prompt = m.prompt_tokens._value.get()
@@ -97,6 +109,8 @@ async def props(request: web.Request) -> web.Response:
             "lifetime_hit_ratio": cached / prompt if prompt else 0.0,
         },
         "volatile_patterns": list(gw.prompts.normalizer.patterns),
+        "stable_layout": cfg.stable_layout,
+        "volatile_blocks": list(gw.prompts.layout.patterns),
     })
 
 
@@ -115,6 +129,31 @@ async def error_middleware(request: web.Request,
     except web.HTTPMethodNotAllowed:
         return error_response(request, MethodNotAllowed(
             f"{request.method} is not allowed on {request.path}"))
+    except web.HTTPException:
+        raise
+    except Exception as e:
+        if isinstance(e, ConnectionError) and client_gone(request):
+            return gone(request)
+        if request.writer is not None and request.writer.output_size:
+            raise  # the response started: aiohttp logs it (once) and drops the connection
+        log.error("%s %s: internal error", request.method, request.path, exc_info=e)
+        return error_response(request, internal_error(e))
+
+
+class OneLineRefusals(logging.Filter):
+    """aiohttp answers a request its HTTP parser refuses (a malformed chunk, an encoding it
+    cannot decode) with a 400 of its own before any handler runs, and logs it with a
+    traceback: the client's error, one line is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and exc.code == 400:
+            record.msg = f"{record.msg}: refused: {exc.message}"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+ONE_LINE_REFUSALS = OneLineRefusals()
 
 
 # --- lifecycle ---------------------------------------------------------------------------
@@ -123,7 +162,8 @@ async def error_middleware(request: web.Request,
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     t0 = time.perf_counter()
-    prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path, cfg.volatile_patterns)
+    prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path, cfg.volatile_patterns,
+                                      cfg.volatile_blocks, cfg.stable_layout)
     identity = await asyncio.to_thread(cache_identity, cfg)
     cache = None
     if cfg.disk_prefix_cache != "off":
@@ -158,7 +198,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def make_app(cfg: Config) -> web.Application:
-    app = web.Application(client_max_size=256 << 20, middlewares=[error_middleware])
+    app = web.Application(client_max_size=LIMITS.max_body_bytes, middlewares=[error_middleware])
+    logging.getLogger("aiohttp.server").addFilter(ONE_LINE_REFUSALS)  # once, however many apps
     app[CONFIG] = cfg
     app[METRICS] = Metrics()
     app[MODEL_ID] = model_id_of(cfg.model_path)

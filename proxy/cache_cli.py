@@ -1,6 +1,8 @@
 """`prefixgate cache stats|ls|verify|clear --cache-dir DIR`: look into a cache without a server.
 
 Run it while no prefixgate writes the same cache directory (`clear` and `verify --fix` change it).
+A damaged index is reported, not opened (exit status 1); `verify --fix` moves it aside and
+rebuilds it from the state files, as a starting prefixgate does.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from pathlib import Path
 
 from backend import store
-from backend.index import Index
+from backend.index import Index, find_damage
 
 log = logging.getLogger("prefixgate.cache")
 
@@ -42,7 +44,16 @@ def main(argv: list[str]) -> None:
     cache_dir = Path(os.path.expanduser(args.cache_dir))
     if not (cache_dir / "index.lmdb").exists():
         raise SystemExit(f"no prefixgate cache in {cache_dir}")
+    damage = find_damage(cache_dir)
+    if damage is not None and not (args.action == "verify" and args.fix):
+        out(f"DAMAGED index {cache_dir / 'index.lmdb'}: {damage}")
+        out("The state files are not affected. prefixgate moves the damaged index aside and "
+            "rebuilds it from them when it starts; `prefixgate cache verify --fix` does it now.")
+        raise SystemExit(1)
     with Index(cache_dir) as index:
+        if index.damaged is not None:
+            out(f"index was damaged ({damage}): moved to {index.damaged.name}; rebuilt from the "
+                f"state files: {index.reconcile()}")
         entries = sorted(index.entries(), key=lambda ke: ke[1].created_s)
         if args.action == "stats":
             by_reason: dict[str, int] = {}

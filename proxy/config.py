@@ -16,9 +16,19 @@ from typing import Any
 from backend.keys import CacheIdentity
 
 DEFAULT_VOLATILE = (
-    # Claude Code's per-request billing line in the first system block: `cch=` changes on
-    # every request and would end the shared prefix after ~22 tokens.
-    r"x-anthropic-billing-header:[^\n]*\n?",
+    # Claude Code's per-request billing line, its own first system block: `cch=` changes on
+    # every request and would end the shared prefix after ~22 tokens. The blank lines after it
+    # go too, so a request renders the same with it and without it
+    # (CLAUDE_CODE_ATTRIBUTION_HEADER=0).
+    r"(?m)^x-anthropic-billing-header:[^\n]*(?:\n+|\Z)",
+)
+
+DEFAULT_VOLATILE_BLOCKS = (
+    # Claude Code ends its system prompt with the repository's git status (branch, changed
+    # files, recent commits): different in every session after an edit or a commit.
+    r"(?s)\s*gitStatus: .*\Z",
+    # Hermes's date line, ahead of its tool schemas: different every day.
+    r"(?m)^Conversation started: [^\n]*(?:\n|\Z)",
 )
 
 
@@ -62,6 +72,12 @@ class Config:
     ping_interval_s: float = 10.0  # Anthropic streams: a ping after this many silent seconds
     # regexes of volatile bytes stripped from system and user text before templating
     volatile_patterns: tuple[str, ...] = field(default=DEFAULT_VOLATILE)
+    # regexes of volatile blocks of the system prompt, moved to the start of the first user
+    # message (stable first: the model still sees them, after the stable part)
+    volatile_blocks: tuple[str, ...] = field(default=DEFAULT_VOLATILE_BLOCKS)
+    # stable first: tool schemas before the system text where prefixgate writes them, and the
+    # volatile blocks moved behind the stable part; off: the client's layout as it is
+    stable_layout: bool = True
     debug_trace: bool = False  # log the first mismatching token of a miss
     log_level: str = "INFO"
 
@@ -80,6 +96,9 @@ _HELP = {
     "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
+    "volatile_blocks": "regex of a volatile system-prompt block to move behind the stable part "
+                       "(repeatable)",
+    "stable_layout": "tools before system text, volatile blocks moved behind the stable part",
     "worker_url": "URL of a remote worker instead of --workers (repeatable; env comma-separated)",
 }
 
@@ -94,8 +113,9 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (env {env}, default {f.default})"
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        elif f.name == "volatile_patterns":
-            p.add_argument("--volatile-pattern", dest=f.name, action="append", default=None,
+        elif f.name in ("volatile_patterns", "volatile_blocks"):
+            p.add_argument("--" + f.name[:-1].replace("_", "-"), dest=f.name, action="append",
+                           default=None,
                            help=help_)
         elif f.name == "worker_url":
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help_)

@@ -4,18 +4,23 @@ SSE responses, the cache headers, the model card, and noticing a client that lef
 An API module (openai_api.py, anthropic_api.py) owns its routes, its parsing into a
 `ChatRequest` and its rendering; each handler is `serve(request, api, parse, error, respond)`:
 
-    check the key -> read the JSON body -> parse -> prepare (render, tokenize) -> start the run
-    (decide, reach the worker)  ...any ApiError so far: counted, logged, rendered in the API's
-    own error shape...  -> respond (JSON or SSE), abandoning the run if the client goes away
+    check the key -> read the JSON body (within proxy/limits.py's bounds) -> parse -> prepare
+    (render, tokenize) -> start the run (decide, reach the worker)  ...any ApiError so far:
+    counted, logged, rendered in the API's own error shape...  -> respond (JSON or SSE),
+    abandoning the run if the client goes away
 
 A response is prepared only after the worker accepted the job: a `StreamResponse` cannot change
 its status after `prepare()`.
+
+Nothing a client sends is a 500 or a traceback: an exception raised inside the model's chat
+template, of any type, is a 400 that names the template; any other exception that is not an
+ApiError is a bug, a 500 in the API's own shape, logged once with its traceback; a client that
+left is one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -24,12 +29,14 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import limits
 from proxy.cache import DiskCache
 from proxy.chat import ChatRequest
 from proxy.config import Config
-from proxy.errors import ApiError, BadRequest, Unauthorized
+from proxy.errors import ApiError, BadRequest, TooLarge, Unauthorized, internal_error
 from proxy.gateway import Gateway
 from proxy.metrics import Metrics
+from proxy.prompt import Prepared
 from proxy.run import Run
 from proxy.workers import Pool
 
@@ -53,13 +60,22 @@ def model_id_of(path: str) -> str:
 
 
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    """The JSON body, parsed and checked against proxy/limits.py's bounds."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise TooLarge(f"the request body is over {limits.LIMITS.max_body_bytes} bytes (limit "
+                       "max_body_bytes)") from None
+    except web.RequestPayloadError:  # e.g. Content-Encoding: gzip on a body that is not gzip
+        request.content.feed_eof()  # handled: aiohttp does not log it again after the response
+        encoding = request.headers.get("Content-Encoding", "")
+        raise BadRequest(f"the request body could not be decoded as Content-Encoding "
+                         f"{encoding!r}; send it uncompressed or correctly encoded") from None
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    body = limits.load(raw)
+    limits.check_request(body)
+    return body
 
 
 def api_key_of(request: web.Request) -> str:
@@ -73,6 +89,10 @@ def api_key_of(request: web.Request) -> str:
 def check_auth(request: web.Request) -> str:
     """The tenant: the API key, checked against --api-keys when given."""
     key = api_key_of(request)
+    try:
+        key.encode()
+    except UnicodeEncodeError:  # aiohttp keeps a header's invalid UTF-8 as lone surrogates
+        raise Unauthorized("invalid API key: it is not valid UTF-8") from None
     allowed = request.app.get(ALLOWED_KEYS)
     if allowed is not None and key not in allowed:
         raise Unauthorized("invalid API key: send one of the keys in the --api-keys file as "
@@ -107,6 +127,56 @@ def model_card(app: web.Application) -> dict[str, Any]:
             "context_length": cfg.n_ctx, "max_model_len": cfg.n_ctx}
 
 
+def prepare(gw: Gateway, req: ChatRequest) -> Prepared:
+    """`gw.prepare`, where an exception of any type raised inside the model's chat template
+    (untrusted code from the model file: a division by zero, an include, unbounded recursion)
+    is a 400 naming the template, as a jinja2.TemplateError already is."""
+    try:
+        return gw.prepare(req)
+    except ApiError:
+        raise
+    except Exception as e:
+        if not _raised_in_template(e):
+            raise
+        raise BadRequest(f"the model's chat template failed on these messages: "
+                         f"{type(e).__name__}: {e}", param="messages") from None
+
+
+def _raised_in_template(e: BaseException) -> bool:
+    """Jinja compiles a template from a string to code whose file name is "<template>"."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def reject(request: web.Request, api: str, e: ApiError, error: ErrorResponse
+           ) -> web.Response:
+    """An error before the response started: counted, logged, in the API's own shape."""
+    request.app[METRICS].requests.labels(api, f"error_{e.status}").inc()
+    log.info("%s rejected %d: %s", api, e.status, e.message)
+    resp = error(e)
+    if request.content.exception() is not None:  # the body could not be read to its end
+        resp.force_close()
+    return resp
+
+
+def failed(request: web.Request, api: str, e: Exception, error: ErrorResponse) -> web.Response:
+    """An exception that is not an ApiError: a bug. A 500 in the API's own shape, logged once
+    with its traceback."""
+    log.error("%s %s: internal error", request.method, request.path, exc_info=e)
+    request.app[METRICS].requests.labels(api, "error_500").inc()
+    return error(internal_error(e))
+
+
+def gone(request: web.Request) -> web.Response:
+    """The client left: one log line; the response is never sent (aiohttp drops it)."""
+    log.info("%s %s: the client went away", request.method, request.path)
+    return web.Response(status=499)
+
+
 async def _watch_disconnect(request: web.Request, run: Run) -> None:
     """A client gone mid-request cancels its run at once (even during a long prefill)."""
     while not client_gone(request):
@@ -121,16 +191,25 @@ async def serve(request: web.Request, api: str, parse: Parse, error: ErrorRespon
     try:
         tenant = check_auth(request)
         req = parse(await read_json(request), tenant)
-        run = await gw.start(gw.prepare(req))
+        run = await gw.start(prepare(gw, req))
     except ApiError as e:
-        request.app[METRICS].requests.labels(api, f"error_{e.status}").inc()
-        log.info("%s rejected %d: %s", api, e.status, e.message)
-        return error(e)
+        return reject(request, api, e, error)
+    except Exception as e:
+        if isinstance(e, ConnectionError) and client_gone(request):
+            return gone(request)
+        return failed(request, api, e, error)
     watch = asyncio.create_task(_watch_disconnect(request, run))
     try:
         return await respond(request, req, run)
-    except (ConnectionError, asyncio.CancelledError):
+    except ConnectionError:
         await run.aclose()
+        if client_gone(request):
+            return gone(request)
+        raise
+    except asyncio.CancelledError:
+        await run.aclose()
+        if client_gone(request):
+            log.info("%s %s: the client went away", request.method, request.path)
         raise
     finally:
         watch.cancel()

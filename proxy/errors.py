@@ -1,8 +1,9 @@
 """Errors that reach a client. Each knows its HTTP status; each API renders it in its own shape.
 
-    ApiError (500, api_error)
+    ApiError (500, api_error)                        internal_error(exc): a bug, not the client's
     ├── BadRequest (400, invalid_request_error)      the message says what to fix
-    │   └── ContextOverflow (400, context_length_exceeded)
+    │   ├── ContextOverflow (400, context_length_exceeded)
+    │   └── TooLarge (413; Anthropic: request_too_large)   the body is over max_body_bytes
     ├── Unauthorized (401, authentication_error)
     ├── NotFound (404, not_found_error)
     ├── MethodNotAllowed (405, invalid_request_error)
@@ -50,6 +51,15 @@ class ContextOverflow(BadRequest):
         )
         self.n_prompt = n_prompt
         self.n_ctx = n_ctx
+
+
+class TooLarge(BadRequest):
+    status = 413
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """What a client sees of an exception that is not an ApiError: its type, nothing more."""
+    return ApiError(f"internal error: {type(exc).__name__}; this is a bug, please report it")
 
 
 class Unauthorized(ApiError):
@@ -103,6 +113,8 @@ def anthropic_body(e: ApiError) -> dict[str, Any]:
         message = f"prompt is too long: {e.n_prompt} tokens > {e.n_ctx} maximum"
     if e.status == 503:
         return {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+    if e.status == 413:
+        return {"type": "error", "error": {"type": "request_too_large", "message": message}}
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES[e.kind], "message": message}}
 
 

@@ -52,8 +52,7 @@ def knobs_of(cfg: Config) -> CacheKnobs:
 
 def facts_of(prep: Prepared, scope: Scope) -> Facts:
     r = prep.rendered
-    return Facts(r.ids, r.boundaries, tuple(MessageStart(p, role) for p, role in r.message_starts),
-                 scope)
+    return Facts(r.ids, tuple(MessageStart(p, role) for p, role in r.message_starts), scope)
 
 
 class Gateway:
@@ -102,7 +101,8 @@ class Gateway:
                 if self.cache is not None:
                     self.spawn(self.cache.write(self.cache.ring_push, tenant, ids,
                                                 RING_CAPACITY))
-            run = Run(self.deps, prep, worker, plan, stored.keys, tenant)
+            salt = b"" if self.cache is None else await self.cache.read(self.cache.salt, tenant)
+            run = Run(self.deps, prep, worker, plan, salt, tenant)
             await run.open()
             return run
         except BaseException:

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import limits
 from proxy import tools as tools_mod
 from proxy.chat import (
     ROLES,
@@ -87,14 +88,15 @@ def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise BadRequest(f"messages[{i}].tool_calls must be a list", param="tool_calls")
     calls = []
-    for c in raw:
+    for j, c in enumerate(raw):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest(f"messages[{i}].tool_calls entries need function.name",
                              param="tool_calls")
         args = fn.get("arguments", "{}")
-        try:
-            parsed = json.loads(args) if isinstance(args, str) else args
+        try:  # JSON inside a string: the same bounds as the body's
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            parsed = limits.parse(args, where=where) if isinstance(args, str) else args
         except json.JSONDecodeError:
             parsed = args
         calls.append({"id": c.get("id", ""), "type": "function",

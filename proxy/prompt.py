@@ -1,14 +1,25 @@
-"""Steps 2 and 3 of a request: normalize, then render and tokenize. One `PromptBuilder` per
-model, used alike by the app, the benchmarks and the tests.
+"""Steps 2 and 3 of a request: normalize and lay out, then render and tokenize. One
+`PromptBuilder` per model, used alike by the app, the benchmarks and the tests.
 
-    PromptBuilder.load(model_path)        the GGUF's metadata, tokenizer and chat template
-    builder.prepare(req, ...) -> Prepared  normalize volatile bytes, tools into the prompt, render
-                                           the template, tokenize; reject what does not fit
+    PromptBuilder.load(model_path, ...)    the GGUF's metadata, tokenizer and chat template
+    builder.prepare(req, ...) -> Prepared  normalize volatile bytes, lay the prompt out stable
+                                           first, tools into the prompt, render the template,
+                                           tokenize; reject what does not fit
 
 Rules:
 - Normalization strips the volatile patterns (regexes) from system, developer and user text
   before templating: bytes that change on every request but mean nothing to the model (Claude
-  Code's billing line). Nothing else is rewritten.
+  Code's billing line). A system message that held nothing else is dropped, so a request renders
+  the same with and without such a block.
+- Stable first (`stable_layout`): a prefix cache can only reuse what comes before the first
+  difference, so what changes between sessions goes behind what does not. The volatile blocks
+  (regexes: Claude Code's `gitStatus:` block at the end of its system prompt, Hermes's
+  `Conversation started:` date line) are cut out of the system message and put at the start of
+  the first user message, where Claude Code already puts the date; and where prefixgate writes
+  the tools section itself (a template without tool support), it comes before the system text
+  (proxy/tools.py). The model still sees everything; history renders the same every turn, so
+  each turn still extends the last. Anthropic's own cache orders a request the same way: tools,
+  system, messages.
 - A prompt of zero tokens, or of at least n_ctx tokens, is a 400 (`ContextOverflow` for the
   latter, in the shape clients compact on). A template that raises is a 400 that quotes it.
 - `max_tokens` is what the request asked for, capped at the room left in the context.
@@ -60,27 +71,64 @@ class Normalizer:
             c = m.get("content")
             if (self._res and m.get("role") in ("system", "developer", "user")
                     and isinstance(c, str)):
-                m = {**m, "content": self.text(c)}
+                text = self.text(c)
+                if c and not text and m.get("role") == "system":
+                    continue  # it held only volatile bytes
+                m = {**m, "content": text}
             out.append(m)
+        return out
+
+
+class Layout:
+    """Moves the volatile blocks of the first system message to the start of the first user
+    message (see the module rules)."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        self.patterns = patterns
+        self._res = [re.compile(p) for p in patterns]
+
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        roles = [m.get("role") for m in messages]
+        if "system" not in roles or "user" not in roles:
+            return messages
+        s, u = roles.index("system"), roles.index("user")
+        system, user = messages[s].get("content"), messages[u].get("content")
+        if s > u or not isinstance(system, str) or not isinstance(user, str):
+            return messages
+        blocks: list[str] = []
+        for r in self._res:
+            blocks += [b.strip() for b in r.findall(system)]
+            system = r.sub("", system)
+        blocks = [b for b in blocks if b]
+        if not blocks:
+            return messages
+        out = list(messages)
+        out[s] = {**messages[s], "content": system.rstrip()}
+        out[u] = {**messages[u], "content": "\n\n".join([*blocks, user])}
         return out
 
 
 class PromptBuilder:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer,
-                 volatile_patterns: tuple[str, ...] = ()) -> None:
+                 volatile_patterns: tuple[str, ...] = (), volatile_blocks: tuple[str, ...] = (),
+                 stable_layout: bool = False) -> None:
         self.template = template
         self.tok = tokenizer
         self.normalizer = Normalizer(volatile_patterns)
+        self.layout = Layout(volatile_blocks if stable_layout else ())
+        self.stable_layout = stable_layout
 
     @classmethod
-    def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = ()) -> PromptBuilder:
+    def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = (),
+             volatile_blocks: tuple[str, ...] = (), stable_layout: bool = False
+             ) -> PromptBuilder:
         """The model's own tokenizer and chat template, read from its GGUF (blocking)."""
         meta = read_metadata(model_path)
         tok = load_tokenizer(model_path, meta)
         template = ChatTemplate(meta.get("tokenizer.chat_template") or "",
                                 tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                                 tok.decode([tok.eos_id]) if tok.eos_id is not None else "")
-        return cls(template, tok, volatile_patterns)
+        return cls(template, tok, volatile_patterns, volatile_blocks, stable_layout)
 
     def render(self, req: ChatRequest) -> tuple[Rendered, str | None]:
         """(the rendered, tokenized prompt, the forced-call grammar or None)."""
@@ -89,9 +137,10 @@ class PromptBuilder:
             if self.tok.add_bos and self.tok.bos_id is not None:
                 ids = (self.tok.bos_id, *ids)
             return Rendered(req.prompt, ids, (len(ids),), ()), None
-        messages, tools, grammar = tool_prompt(self.template.supports_tools,
-                                               self.normalizer.messages(req.messages),
-                                               req.tools, req.tool_choice)
+        messages, tools, grammar = tool_prompt(
+            self.template.supports_tools,
+            self.layout.messages(self.normalizer.messages(req.messages)), req.tools,
+            req.tool_choice, tools_first=self.stable_layout)
         try:
             return render_prompt(self.template, self.tok, messages, tools,
                                  req.continue_final), grammar

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -329,7 +329,7 @@ class Committer(Protocol):
 
     async def write(self, fn: Callable[..., Any], *args: object) -> Any: ...
 
-    def commit(self, saved: Saved, tenant: str, keyed: Mapping[int, bytes]) -> None: ...
+    def commit(self, saved: Saved, tenant: str, ids: Sequence[int]) -> None: ...
 
     def touch(self, key: bytes, now_s: float) -> None: ...
 
@@ -358,9 +358,9 @@ class Run:
     state machine's effects; the consumer reads text from a queue."""
 
     def __init__(self, deps: RunDeps, prep: Prepared, worker: WorkerClient, plan: Plan,
-                 keyed: Mapping[int, bytes], tenant: str) -> None:
+                 salt: bytes, tenant: str) -> None:
         self.deps, self.prep, self.worker, self.plan = deps, prep, worker, plan
-        self.keyed, self.tenant = keyed, tenant
+        self.salt, self.tenant = salt, tenant
         self.run_id = uuid.uuid4().hex
         self.state = RunState(prep.rendered.ids, plan)
         self.ttft_s: float | None = None
@@ -387,8 +387,8 @@ class Run:
 
     def job(self) -> Job:
         p = self.prep
-        return Job(self.run_id, p.rendered.ids, self.plan, p.req.sampling, p.max_tokens,
-                   p.req.stop, p.grammar)
+        return Job(self.run_id, p.rendered.ids, self.salt, self.plan, p.req.sampling,
+                   p.max_tokens, p.req.stop, p.grammar)
 
     async def open(self) -> None:
         """Send the job and wait for its `Start`: any failure is known before a response is
@@ -451,7 +451,8 @@ class Run:
         m, s = self.deps.metrics, fx.saved
         try:
             assert self.deps.cache is not None, "a save without a disk cache"
-            await self.deps.cache.write(self.deps.cache.commit, s, self.tenant, self.keyed)
+            await self.deps.cache.write(self.deps.cache.commit, s, self.tenant,
+                                        self.prep.rendered.ids)
         except Exception as e:  # a cache fault never fails the request
             m.faults.labels("index").inc()
             log.warning("cache entry at %d tokens not recorded: %s: %s", s.n_tokens,

@@ -13,13 +13,23 @@ Rules:
   no-op ``{% generation %}`` block, ``raise_exception``, ``strftime_now``,
   ``bos_token``/``eos_token`` and a ``tojson`` filter with HF's semantics (``ensure_ascii=False``,
   optional ``indent``, no HTML escaping). The template is compiled once.
-- Where message i starts: render ``messages[:i]`` without a generation prompt; when that text is
-  a prefix of the full rendering, its length is the start. Otherwise (templates that re-render
-  history depending on later turns) the position is skipped. The same for ``messages[:n]``
-  gives where the generation prompt starts: n + 2 renders for a new conversation. A start found
-  once is remembered per template, keyed on (tools, messages[:i]) and re-checked against the new
-  text by hashing the text since the previous start, so a conversation re-sent with one more
-  turn renders only the new prefixes.
+- Where message i starts, by definition: render ``messages[:i]`` without a generation prompt;
+  when that text is a prefix of the full rendering (and not shorter than the previous start),
+  its length is the start. Otherwise (templates that re-render history depending on later
+  turns) the position is skipped. The same for ``messages[:n]`` gives where the generation
+  prompt starts. Rendering every prefix is quadratic in the messages (3,000 took 13-19 s), so
+  the starts are read off one *traced* rendering instead: the messages are given to the
+  template as a list and dicts equal to them that record how much text was out when the
+  template reached each message. Those starts are trusted only when they are ordered and a
+  sample of them (message 0, every power of two, the last two, and the first position of each
+  pair of neighbouring message shapes) renders exactly as predicted; otherwise, or when tracing
+  fails, every prefix is rendered as the definition says. A sample is not a proof: a template
+  whose history changes with later turns at positions the sample misses could keep a start the
+  definition skips. That costs at most a useless save point, never a wrong answer: a key names
+  exactly the tokens before its position. A start checked by rendering is remembered
+  per template, keyed on (tools, messages[:i]) and re-checked against the new text by hashing
+  the text since the previous start, so a conversation re-sent with one more turn renders only
+  the new prefixes.
 - A role header ends where the message's content begins in the rendered text, when found there.
 - Character offsets become token positions through the per-segment tokenization: an offset at a
   special token's edge maps exactly, one inside text aligns down to the last token that ends at
@@ -34,7 +44,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -63,6 +73,8 @@ CHATML_TEMPLATE = (
 _PREFIX_CACHE_ENTRIES = 65536
 # how much of a message's content is searched for to find where its role header ends
 _CONTENT_NEEDLE_CHARS = 64
+# at most this many pairs of neighbouring message shapes get a sampled check of their start
+_SHAPE_SAMPLES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,13 +182,25 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
     ) -> str:
         """The template's text for ``messages``; raises ``jinja2.TemplateError`` subclasses."""
-        return self._template.render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        return self._template.render(self._context(messages, tools, add_generation_prompt))
+
+    def generate(
+        self, messages: list[Any], tools: list[dict[str, Any]] | None = None
+    ) -> Iterator[str]:
+        """The text of ``render(messages, tools, add_generation_prompt=False)`` in the pieces the
+        template writes it in, each produced when the consumer asks for it."""
+        return self._template.generate(self._context(messages, tools, False))
+
+    def _context(
+        self, messages: list[Any], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> dict[str, Any]:
+        return {
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
 
 
 def load_template(metadata: dict[str, Any]) -> ChatTemplate:
@@ -253,31 +277,230 @@ def _message_char_starts(
     tools: list[dict[str, Any]] | None,
     text: str,
 ) -> dict[int, int]:
-    """Message index (len(messages): the generation prompt) -> char offset where it starts.
-
-    A prefix already located in an earlier request (same tools, same messages[:i]) is taken
-    from the template's prefix cache when the text between it and the previous start hashes
-    as it did then; only the others are rendered.
+    """Message index (len(messages): the generation prompt) -> char offset where it starts:
+    the traced starts when a sample checks out, else every prefix rendered (module docstring).
     """
+    keys = _chain_keys(messages, tools)
+    for candidate in _traced_starts(template, messages, tools, text):
+        starts = _checked(template, messages, tools, text, keys, candidate)
+        if starts is not None:
+            return starts
+    return _rendered_starts(template, messages, tools, text, keys)
+
+
+def _rendered_starts(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    keys: Sequence[int],
+) -> dict[int, int]:
+    """The definition: every prefix rendered, but one located in an earlier request (same
+    tools, same messages[:i]) is taken from the template's prefix cache when the text between
+    it and the previous start hashes as it did then."""
     starts: dict[int, int] = {}
     last = 0
-    key = hash(("tools", _fingerprint(tools)))
     for i in range(len(messages) + 1):
-        if i:
-            key = hash((key, _fingerprint(messages[i - 1])))
-        hit = template.prefixes.get(key)
+        hit = template.prefixes.get(keys[i])
         if hit is not None and hit[0] >= last and hash(text[last : hit[0]]) == hit[1]:
             starts[i] = last = hit[0]
             continue
-        try:
-            prefix = template.render(messages[:i], tools, add_generation_prompt=False)
-        except Exception as exc:  # a template may refuse a partial conversation
-            log.debug("template refused the first %d messages: %s", i, exc)
-            continue
-        if len(prefix) >= last and text.startswith(prefix):
-            template.prefixes.put(key, (len(prefix), hash(text[last : len(prefix)])))
-            starts[i] = last = len(prefix)
+        start = _render_start(template, messages, tools, text, i)
+        if start is not None and start >= last:
+            template.prefixes.put(keys[i], (start, hash(text[last:start])))
+            starts[i] = last = start
     return starts
+
+
+def _render_start(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    i: int,
+) -> int | None:
+    """The length of ``messages[:i]`` rendered, when that rendering is a prefix of ``text``."""
+    try:
+        prefix = template.render(messages[:i], tools, add_generation_prompt=False)
+    except Exception as exc:  # a template may refuse a partial conversation
+        log.debug("template refused the first %d messages: %s", i, exc)
+        return None
+    return len(prefix) if text.startswith(prefix) else None
+
+
+def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prefix cache's key of (tools, messages[:i]) for every i in 0..len(messages)."""
+    keys = [hash(("tools", _fingerprint(tools)))]
+    for message in messages:
+        keys.append(hash((keys[-1], _fingerprint(message))))
+    return keys
+
+
+class _Trace:
+    """How much text a traced rendering had written when it pulled each message from a loop
+    over the messages (the last pull counts), and when it first read the message after that."""
+
+    __slots__ = ("at", "pulled", "read")
+
+    def __init__(self, n_messages: int) -> None:
+        self.at = 0  # characters written so far
+        self.pulled: list[int | None] = [None] * n_messages
+        self.read: list[int | None] = [None] * n_messages
+
+
+class _TracedList(list):  # type: ignore[type-arg]
+    """The messages as a traced rendering sees them: iterating records a pull of each message;
+    a slice (``messages[1:]``) is traced too. The template cannot reach the trace (the sandbox
+    refuses names starting with ``_``)."""
+
+    def __init__(self, items: list[Any], trace: _Trace, indices: range) -> None:
+        super().__init__(items)
+        self._trace = trace
+        self._indices = indices
+
+    def __iter__(self) -> Iterator[Any]:
+        trace = self._trace
+        for i, item in zip(self._indices, list.__iter__(self), strict=True):
+            trace.pulled[i], trace.read[i] = trace.at, None
+            yield item
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return _TracedList(list.__getitem__(self, index), self._trace, self._indices[index])
+        return list.__getitem__(self, index)
+
+
+class _TracedMessage(dict):  # type: ignore[type-arg]
+    """One message, equal to it; the first read of it after a pull is recorded."""
+
+    __slots__ = ("_trace", "_i")
+
+    def __init__(self, message: dict[str, Any], trace: _Trace, i: int) -> None:
+        super().__init__(message)
+        self._trace = trace
+        self._i = i
+
+    def _seen(self) -> None:
+        if self._trace.read[self._i] is None:
+            self._trace.read[self._i] = self._trace.at
+
+    def __getitem__(self, key: Any) -> Any:
+        self._seen()
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        self._seen()
+        return dict.__contains__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._seen()
+        return dict.get(self, key, default)
+
+    def keys(self) -> Any:
+        self._seen()
+        return dict.keys(self)
+
+    def values(self) -> Any:
+        self._seen()
+        return dict.values(self)
+
+    def items(self) -> Any:
+        self._seen()
+        return dict.items(self)
+
+
+def _traced_starts(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+) -> list[list[int | None]]:
+    """Candidate starts (index len(messages): the generation prompt) from one traced rendering.
+
+    Two readings of the trace, the likelier first: where the template first read a message
+    after pulling it (a loop that asks ``loop.last`` pulls the next message early), and where
+    it pulled it (a template that writes text before reading the message). A message never
+    pulled has no start. Message 0's start needs no trace: rendering no messages costs nothing
+    (and some templates refuse it). No candidates when the template fails on the traced
+    messages.
+    """
+    if not all(isinstance(m, dict) for m in messages):
+        return []
+    trace = _Trace(len(messages))
+    traced = [_TracedMessage(m, trace, i) for i, m in enumerate(messages)]
+    pieces = []
+    try:
+        for piece in template.generate(_TracedList(traced, trace, range(len(messages))), tools):
+            pieces.append(piece)
+            trace.at += len(piece)
+    except Exception as exc:
+        log.debug("template failed on the traced messages: %s", exc)
+        return []
+    whole = "".join(pieces)
+    end = [len(whole) if text.startswith(whole) else None]
+    read = [r if r is not None and p is not None else p
+            for r, p in zip(trace.read, trace.pulled, strict=True)]
+    candidates = [read + end] + ([trace.pulled + end] if trace.pulled != read else [])
+    if messages:
+        first = _render_start(template, messages, tools, text, 0)
+        for candidate in candidates:
+            candidate[0] = first
+    return candidates
+
+
+def _checked(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    keys: Sequence[int],
+    candidate: Sequence[int | None],
+) -> dict[int, int] | None:
+    """``candidate``'s starts when they are in order and every sampled one (:func:`_samples`)
+    equals the definition's answer (a rendering, or a start the prefix cache holds); else None.
+    """
+    starts = {i: c for i, c in enumerate(candidate) if c is not None}
+    offsets = list(starts.values())
+    if offsets != sorted(offsets):
+        return None
+    previous = dict(zip(starts, [0, *offsets], strict=False))  # i -> the start before i's
+    for i in _samples(messages):
+        start = candidate[i]
+        if start is not None:
+            hit = template.prefixes.get(keys[i])
+            if hit == (start, hash(text[previous[i] : start])):
+                continue
+        if _render_start(template, messages, tools, text, i) != start:
+            return None
+        if start is not None:
+            template.prefixes.put(keys[i], (start, hash(text[previous[i] : start])))
+    return starts
+
+
+def _samples(messages: Sequence[dict[str, Any]]) -> list[int]:
+    """The positions whose traced start is checked by rendering: 0, the powers of two (the same
+    as the conversation grows, so the next turn finds them in the prefix cache), the last two,
+    and the first position of each pair of neighbouring message shapes (role, content type,
+    keys), up to ``_SHAPE_SAMPLES`` pairs."""
+    n = len(messages)
+    picks = {0, max(n - 1, 0), n}
+    power = 1
+    while power < n:
+        picks.add(power)
+        power *= 2
+    shapes = [_shape(m) for m in messages]
+    seen: set[tuple[Any, Any]] = set()
+    for i in range(n + 1):
+        pair = (shapes[i - 1] if i else None, shapes[i] if i < n else None)
+        if pair not in seen and len(seen) < _SHAPE_SAMPLES:
+            seen.add(pair)
+            picks.add(i)
+    return sorted(picks)
+
+
+def _shape(message: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
+    return (str(message.get("role")), type(message.get("content")).__name__,
+            tuple(sorted(map(str, message))))
 
 
 def _fingerprint(value: Any) -> str:

@@ -21,7 +21,10 @@ How llama.cpp tokenizes, and how this module mirrors it:
 3. **Per-fragment cache.** Because the split on specials comes first, tokenizing fragment by
    fragment and concatenating equals tokenizing the whole text. Fragment ids are kept in an LRU
    keyed on the fragment text, so a 30K-token conversation re-sent with one new turn only
-   tokenizes the new fragments.
+   tokenizes the new fragments. The LRU is bounded by bytes (the key strings and the ids as
+   Python holds them; 64 MiB by default), not by count: every request is tokenized before its
+   length is checked, so a stream of rejected 1 MB prompts must not grow the proxy. A fragment
+   larger than a quarter of the bound is not kept, so one huge prompt cannot flush the rest.
 
 Verify before trust: ``load_tokenizer`` compares the built tokenizer with llama.cpp (special set,
 end-of-generation ids, BOS/EOS, ids of a probe text) when ``llama_cpp`` is importable; any
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
@@ -50,7 +54,11 @@ _ATTR_UNKNOWN, _ATTR_CONTROL, _ATTR_USER_DEFINED = 1 << 0, 1 << 3, 1 << 4
 _ATTR_LSTRIP, _ATTR_RSTRIP = 1 << 7, 1 << 8
 _ATTR_SPECIAL = _ATTR_UNKNOWN | _ATTR_CONTROL | _ATTR_USER_DEFINED
 
-_DEFAULT_CACHE_ENTRIES = 16384
+_DEFAULT_CACHE_BYTES = 64 << 20
+# what a cached id costs beyond the tuple's pointer to it: an int object (ids above 256 are not
+# shared), and what the ordered dict's entry costs beyond its key and value
+_INT_BYTES = 32
+_ENTRY_OVERHEAD_BYTES = 104
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in order,
 # each splitting the pieces of the previous one and keeping matches and gaps alike. llama.cpp's
@@ -205,11 +213,19 @@ def _can_partially_overlap(texts: Sequence[str]) -> bool:
     return any(t[-k:] in prefixes for t in texts for k in range(1, len(t)))
 
 
-class _LRU:
-    """A bounded fragment-text -> ids map, safe to share between threads."""
+def _entry_bytes(key: str, value: tuple[int, ...]) -> int:
+    """What keeping ``key -> value`` costs in memory, about."""
+    return (sys.getsizeof(key) + sys.getsizeof(value) + _INT_BYTES * len(value)
+            + _ENTRY_OVERHEAD_BYTES)
 
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
+
+class _LRU:
+    """A fragment-text -> ids map bounded by bytes (:func:`_entry_bytes`), least recently used
+    out first; safe to share between threads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.size_bytes = 0
         self._data: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -221,11 +237,18 @@ class _LRU:
             return value
 
     def put(self, key: str, value: tuple[int, ...]) -> None:
+        size_bytes = _entry_bytes(key, value)
+        if size_bytes > self.max_bytes // 4:
+            return
         with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.size_bytes -= _entry_bytes(key, old)
             self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.max_entries:
-                self._data.popitem(last=False)
+            self.size_bytes += size_bytes
+            while self.size_bytes > self.max_bytes:
+                evicted, ids = self._data.popitem(last=False)
+                self.size_bytes -= _entry_bytes(evicted, ids)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -246,7 +269,7 @@ class Tokenizer:
         eog_ids: frozenset[int],
         add_bos: bool,
         whole_text: bool = False,
-        cache_entries: int = _DEFAULT_CACHE_ENTRIES,
+        cache_bytes: int = _DEFAULT_CACHE_BYTES,
     ) -> None:
         self.kind = kind
         self.bos_id = bos_id
@@ -260,7 +283,7 @@ class Tokenizer:
         # attributes) make fragments depend on each other, so such models are not split here.
         self._whole_text = whole_text
         self._splitter = _SpecialSplitter(self.special_tokens)
-        self._cache = _LRU(cache_entries)
+        self._cache = _LRU(cache_bytes)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, specials parsed, no BOS added."""
@@ -347,6 +370,11 @@ class Tokenizer:
     def cached_fragments(self) -> int:
         return len(self._cache)
 
+    @property
+    def cached_bytes(self) -> int:
+        """What the fragment cache holds, about (bounded by ``cache_bytes``)."""
+        return self._cache.size_bytes
+
 
 # -- building ------------------------------------------------------------------------------------
 
@@ -356,7 +384,7 @@ def load_tokenizer(
     metadata: dict[str, Any],
     *,
     verify: bool = True,
-    cache_entries: int = _DEFAULT_CACHE_ENTRIES,
+    cache_bytes: int = _DEFAULT_CACHE_BYTES,
 ) -> Tokenizer:
     """The tokenizer of the GGUF at ``model_path`` (``metadata`` from ``gguf.read_metadata``).
 
@@ -365,11 +393,11 @@ def load_tokenizer(
     """
     reason = _why_not_hf(metadata)
     if reason is None:
-        tok = _build_hf_tokenizer(metadata, cache_entries)
+        tok = _build_hf_tokenizer(metadata, cache_bytes)
         if not verify:
             return tok
         try:
-            reference = _build_llama_tokenizer(model_path, cache_entries)
+            reference = _build_llama_tokenizer(model_path, cache_bytes)
         except ImportError:
             log.info("llama_cpp is not importable; tokenizer not verified against llama.cpp")
             return tok
@@ -379,7 +407,7 @@ def load_tokenizer(
         log.warning("tokenizer: using llama.cpp's own tokenizer: built tokenizer %s", reason)
         return reference
     log.warning("tokenizer: using llama.cpp's own tokenizer: %s", reason)
-    return _build_llama_tokenizer(model_path, cache_entries)
+    return _build_llama_tokenizer(model_path, cache_bytes)
 
 
 def _why_not_hf(md: dict[str, Any]) -> str | None:
@@ -450,7 +478,7 @@ def _special_ids(md: dict[str, Any]) -> tuple[dict[str, int], frozenset[int], in
     return specials, frozenset(int(i) for i in eog if i is not None), eos
 
 
-def _build_hf_tokenizer(md: dict[str, Any], cache_entries: int) -> Tokenizer:
+def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
     from tokenizers import Regex, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -517,7 +545,7 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_entries: int) -> Tokenizer:
         eos_id=None if eos is None else int(eos),
         eog_ids=eog,
         add_bos=bool(md.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
-        cache_entries=cache_entries,
+        cache_bytes=cache_bytes,
     )
 
 
@@ -527,7 +555,7 @@ def _checked_piece(pieces: list[bytes], token_id: int) -> bytes:
     return pieces[token_id]
 
 
-def _build_llama_tokenizer(model_path: str, cache_entries: int) -> Tokenizer:
+def _build_llama_tokenizer(model_path: str, cache_bytes: int) -> Tokenizer:
     import ctypes
 
     import llama_cpp
@@ -580,7 +608,7 @@ def _build_llama_tokenizer(model_path: str, cache_entries: int) -> Tokenizer:
         eog_ids=frozenset(eog),
         add_bos=bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
         whole_text=strips,
-        cache_entries=cache_entries,
+        cache_bytes=cache_bytes,
     )
 
 

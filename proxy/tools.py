@@ -22,17 +22,30 @@ Rules:
   own converter) constrains sampling to exactly one `<tool_call>` block whose name is a declared
   tool (the named one) and whose arguments match its schema; a schema the converter cannot
   handle falls back to any JSON object. After the block, the grammar admits only end of turn.
+  Length, item and pattern bounds above GRAMMAR_MAX_REPEAT are left out of the grammar (the
+  converter unrolls them into as many nested groups: ~20,000 overflow llama.cpp's parser).
+  The grammar is parsed here, by llama.cpp, before any worker sees it: one it cannot parse (a
+  `$ref` to itself, an empty `enum` or `anyOf`, a `"` in a name) is a 400 naming the tool,
+  never a NULL sampler in a worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import itertools
 import json
 import logging
+import os
+import re
+import sys
+import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import llama_cpp
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from proxy.errors import BadRequest
@@ -52,6 +65,17 @@ TOOLS_POSTAMBLE = (
 )
 
 _CALL_RULE = "pg-tool-call"  # the converter names rules after properties: keep this unusual
+# larger minLength / maxLength / minItems / maxItems / pattern {n,m} bounds are not in a
+# forced call's grammar (the prompt still shows them)
+GRAMMAR_MAX_REPEAT = 1000
+# deepest ( ) nesting parsed here; llama.cpp's recursive parser overflows an 8 MiB stack near
+# 20,000 (a `"` in a name lets raw grammar through, so this holds whatever the converter does)
+GRAMMAR_MAX_NESTING = 2000
+_REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_DATA_KEYS = ("const", "enum", "default", "examples")
+# what cannot open or close a group: literals, character classes, comments
+_INERT = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*')
 
 
 # --- the request side ----------------------------------------------------------------------
@@ -103,7 +127,7 @@ def strip_schema_noise(value: Any) -> Any:
 
 
 def apply(supports_tools: bool, messages: list[dict[str, Any]],
-          tools: tuple[dict[str, Any], ...], choice: Any
+          tools: tuple[dict[str, Any], ...], choice: Any, tools_first: bool = False
           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str | None]:
     """(messages, tools for the template, grammar) for one request: see the module rules."""
     grammar = call_grammar(tools, choice) if tools else None
@@ -111,7 +135,7 @@ def apply(supports_tools: bool, messages: list[dict[str, Any]],
         return messages, list(tools) or None, grammar
     if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         return messages, None, None
-    return hermes_messages(messages, tools), None, grammar
+    return hermes_messages(messages, tools, tools_first), None, grammar
 
 
 def tools_section(tools: tuple[dict[str, Any], ...]) -> str:
@@ -124,17 +148,18 @@ def call_text(name: str, arguments: Any) -> str:
                                     ensure_ascii=False) + "\n" + CLOSE
 
 
-def hermes_messages(messages: list[dict[str, Any]],
-                    tools: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
-    """Messages for a template without tool support: everything tool-related becomes text."""
+def hermes_messages(messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...],
+                    tools_first: bool = False) -> list[dict[str, Any]]:
+    """Messages for a template without tool support: everything tool-related becomes text.
+    `tools_first`: the tools section before the system text (stable first), else after it."""
     out: list[dict[str, Any]] = []
     if tools:
         section = tools_section(tools)
         if messages and messages[0].get("role") == "system":
             first = messages[0]
             body = first.get("content") or ""
-            out.append({"role": "system", "content": body + "\n\n" + section if body
-                        else section})
+            parts = [section, body] if tools_first else [body, section]
+            out.append({"role": "system", "content": "\n\n".join(p for p in parts if p)})
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": section})
@@ -172,12 +197,28 @@ def call_grammar(tools: tuple[dict[str, Any], ...], choice: Any) -> str | None:
         chosen = [t for t in tools if t["function"]["name"] == choice["name"]]
     else:
         return None
+    grammar = _grammar(chosen)
+    error = grammar_error(grammar)
+    if error is not None:
+        bad = [t for t in chosen if grammar_error(_grammar([t])) is not None] or chosen
+        names = ", ".join(repr(t["function"]["name"][:64]) for t in bad)
+        raise BadRequest(
+            f"tool {names}: its schema cannot be made into a grammar for a forced call (tool "
+            f"choice required or named): llama.cpp's grammar parser says {error!r}. Common "
+            "causes: a $ref to itself, an empty enum or anyOf, a '\"' in the tool name or a "
+            "property name. Fix the schema, or let the model choose (tool choice auto).",
+            param="tools")
+    return grammar
+
+
+def _grammar(chosen: list[dict[str, Any]]) -> str:
     alternatives = [_call_schema(t) for t in chosen]
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
     try:
         body = json_schema_to_gbnf(json.dumps(schema), prop_order=["name", "arguments"])
     except Exception as e:  # the converter does not cover every schema feature
-        log.info("tool schema not convertible to a grammar (%s); forcing any JSON arguments", e)
+        log.info("tool schema not convertible to a grammar (%.200s); forcing any JSON arguments",
+                 e)
         loose = [_call_schema(t, loose=True) for t in chosen]
         schema = loose[0] if len(loose) == 1 else {"anyOf": loose}
         body = json_schema_to_gbnf(json.dumps(schema), prop_order=["name", "arguments"])
@@ -185,14 +226,91 @@ def call_grammar(tools: tuple[dict[str, Any], ...], choice: Any) -> str | None:
     return f'root ::= "{OPEN}\\n" {_CALL_RULE} "\\n{CLOSE}"\n{body}'
 
 
+_CHECKED: dict[bytes, str | None] = {}  # a grammar's SHA-256 -> grammar_error's answer
+_CHECKED_MAX = 1024
+
+
+def grammar_error(grammar: str) -> str | None:
+    """None when llama.cpp's grammar parser accepts `grammar`, else what it says: the same parse
+    a worker's grammar sampler does (no vocabulary is needed to parse), here in the proxy,
+    where a refusal is a 400. Answers are remembered by digest: agents resend the same tools."""
+    key = hashlib.sha256(grammar.encode()).digest()
+    if key not in _CHECKED:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[key] = _parse_error(grammar)
+    return _CHECKED[key]
+
+
+def _parse_error(grammar: str) -> str | None:
+    """Too deep a nesting is refused before it reaches llama.cpp's recursive parser."""
+    depth = _nesting(grammar)
+    if depth > GRAMMAR_MAX_NESTING:
+        return f"groups nested {depth} deep (at most {GRAMMAR_MAX_NESTING} are parsed)"
+    with tempfile.TemporaryFile() as said:
+        with _stderr_to(said.fileno()):
+            sampler = llama_cpp.llama_sampler_init_grammar(None, grammar.encode(), b"root")
+        if sampler:
+            llama_cpp.llama_sampler_free(sampler)
+            return None
+        said.seek(0)
+        lines = said.read(4096).decode(errors="replace").splitlines()
+    return (lines[0] if lines else "failed to parse grammar")[:160]
+
+
+@contextlib.contextmanager
+def _stderr_to(fd: int) -> Iterator[None]:
+    """File descriptor 2 into `fd` meanwhile: on an error llama.cpp's parser prints the whole
+    grammar there (up to megabytes a request). The log handlers are held meanwhile, so no
+    other thread's log line goes to `fd` instead."""
+    handlers = logging.getLogger().handlers
+    for h in handlers:
+        h.acquire()
+    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        for h in reversed(handlers):
+            h.release()
+
+
+def _nesting(grammar: str) -> int:
+    """The deepest nesting of ( ) groups in GBNF."""
+    bare = _INERT.sub("", grammar)
+    steps = (1 if c == "(" else -1 for c in bare if c in "()")
+    return max(itertools.accumulate(steps), default=0)
+
+
 def _call_schema(tool: dict[str, Any], loose: bool = False) -> dict[str, Any]:
     fn = tool["function"]
-    params = strip_schema_noise(fn.get("parameters") or {"type": "object"})
+    params = _without_big_repeats(strip_schema_noise(fn.get("parameters") or {"type": "object"}))
     if loose or not isinstance(params, dict):
         params = {"type": "object"}
     return {"type": "object",
             "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"]}
+
+
+def _without_big_repeats(value: Any) -> Any:
+    """A schema without length, item or pattern bounds above GRAMMAR_MAX_REPEAT (see the module
+    rules); values (const, enum, default, examples) are kept as they are."""
+    if isinstance(value, dict):
+        return {k: v if k in _DATA_KEYS else _without_big_repeats(v)
+                for k, v in value.items() if not _big_repeat(k, v)}
+    if isinstance(value, list):
+        return [_without_big_repeats(v) for v in value]
+    return value
+
+
+def _big_repeat(key: str, value: Any) -> bool:
+    if key == "pattern" and isinstance(value, str):  # a{n}, a{n,m}: unrolled like maxLength
+        bounds = (b for m in _QUANTIFIER.finditer(value) for b in m.groups() if b)
+        return any(len(b) > 6 or int(b) > GRAMMAR_MAX_REPEAT for b in bounds)
+    return key in _REPEAT_KEYS and isinstance(value, int) and value > GRAMMAR_MAX_REPEAT
 
 
 # --- the response side ---------------------------------------------------------------------
@@ -212,7 +330,7 @@ class ToolCall:
 def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer too long, nested too deep
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -220,7 +338,7 @@ def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None

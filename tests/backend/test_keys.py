@@ -27,6 +27,13 @@ SETTINGS: dict[str, Any] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def hashes_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Model file hashes are remembered here, not in the user's ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "prefixgate"
+
+
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     """A 3 MiB stand-in for a GGUF: head, middle and tail MiB are distinct random bytes."""
@@ -126,7 +133,7 @@ def test_tenants_are_separated_and_empty_tenant_is_the_default(model: Path) -> N
     )
 
 
-def test_model_identity_ignores_mtime_but_not_content_or_name(model: Path, tmp_path: Path) -> None:
+def test_model_identity_is_the_content_not_the_name_or_mtime(model: Path, tmp_path: Path) -> None:
     base = make_salt(str(model), **SETTINGS)
     os.utime(model, (1_000_000, 1_000_000))  # touched, same bytes: still a hit
     assert make_salt(str(model), **SETTINGS) == base
@@ -142,8 +149,8 @@ def test_model_identity_ignores_mtime_but_not_content_or_name(model: Path, tmp_p
     assert make_salt(str(model), **SETTINGS) != base
 
     renamed = tmp_path / "other.gguf"
-    renamed.write_bytes(model.read_bytes())
-    assert make_salt(str(renamed), **SETTINGS) != make_salt(str(model), **SETTINGS)
+    renamed.write_bytes(model.read_bytes())  # the same bytes under another name: a hit
+    assert make_salt(str(renamed), **SETTINGS) == make_salt(str(model), **SETTINGS)
 
     grown = tmp_path / "grown.gguf"
     grown.write_bytes(model.read_bytes() + b"\0")

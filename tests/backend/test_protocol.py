@@ -28,7 +28,7 @@ from policies.decide import Plan, Restore, Save
 
 PLAN = Plan(
     restore=(Restore(30, b"\x01\x02", "ab/0102.state"), Restore(10, b"\x03", "03.state")),
-    saves=(Save(20, b"\xaa", "scoped"), Save(40, b"\xbb\xcc", "growing")),
+    saves=(Save(20, "scoped"), Save(40, "growing")),
     keep_max=30,
     live_ok=True,
     lookup="partial",
@@ -39,14 +39,14 @@ IDS = tuple(range(1000, 1040))
 
 JOBS = [
     # A forced tool call: a grammar, stop strings, nested sampling values.
-    Job(run_id="r1", ids=IDS, plan=PLAN,
+    Job(run_id="r1", ids=IDS, salt=b"\x5a" * 16, plan=PLAN,
         sampling={"temperature": 0.7, "top_k": 40, "seed": None, "logit_bias": {"5": -1.5}},
         max_tokens=256, stop=("</tool>", "\n\nUser:"), grammar='root ::= "{" [^}]* "}"'),
     # The off plan keeping all it may (n - 2).
-    Job(run_id="r2", ids=IDS, plan=Plan((), (), 38, False, "off", None, None),
+    Job(run_id="r2", ids=IDS, salt=b"", plan=Plan((), (), 38, False, "off", None, None),
         sampling={"temperature": 0.0}, max_tokens=1, stop=(), grammar=None),
     # No grammar, no stop strings, an empty prompt: nothing to keep.
-    Job(run_id="", ids=(), plan=Plan((), (), 0, True, "off", None, None), sampling={},
+    Job(run_id="", ids=(), salt=b"", plan=Plan((), (), 0, True, "off", None, None), sampling={},
         max_tokens=0, stop=(), grammar=None),
 ]
 
@@ -212,7 +212,7 @@ def test_invalid_line(line: bytes) -> None:
 # (int("7"), a string taken as a list of characters, a bool taken as an int).
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "7"), ("max_tokens", True), ("ids", "123"), ("stop", "</s>"),
-    ("run_id", None), ("sampling", [["temperature", 0]]),
+    ("run_id", None), ("sampling", [["temperature", 0]]), ("salt", 5), ("salt", "not hex"),
 ])
 def test_job_values_are_not_coerced(field: str, value: Any) -> None:
     with pytest.raises(ValueError):

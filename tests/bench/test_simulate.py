@@ -108,7 +108,8 @@ def test_summary_numbers() -> None:
         "hit_rate": 0.75, "tokens_cached_per_hit": 72 / 3, "prompt_tokens": 124,
         "cached_tokens": 72, "fresh_tokens": 52, "token_hit_ratio": 72 / 124,
         "mean_hit_ratio": 0, "saves": 5, "snapshot_tokens": 10 + 16 + 26 + 36 + 46,
-        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 6, "oracle_mean_hit_ratio": 0}
+        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 6, "fresh_over_oracle": 52 / 46,
+        "oracle_mean_hit_ratio": 0}
     assert auto["mean_hit_ratio"] == pytest.approx((0 + 10 / 26 + 26 / 36 + 36 / 46) / 4)
     assert auto["oracle_mean_hit_ratio"] == pytest.approx((0 + 16 / 26 + 26 / 36 + 36 / 46) / 4)
     full = simulate(PROMPTS, "full", "restart", KNOBS).summary(oracle)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, get_args
 
 import pytest
@@ -20,7 +20,7 @@ from policies.decide import (
     WorkerFacts,
     decide,
 )
-from policies.plan import REFILL_MAX_TOKENS, CacheKnobs, MessageStart, Reason
+from policies.plan import CacheKnobs, MessageStart, Reason
 from policies.scope import Scope, parse_scope
 
 S, U, A = "system", "user", "assistant"
@@ -28,8 +28,8 @@ S, U, A = "system", "user", "assistant"
 # A 40-token prompt: the system prompt at 0, a first user message at 5, a second one at 10 (the
 # anchor: the last user message before the first reply), the reply at 20, the next user turn at 30
 # (the last message start: the lookup target when there is no scope boundary), and the prompt end
-# at 40, a safe boundary as proxy.template always makes it. Every id is >= 1000, so the filler 9
-# of diverge() never matches one.
+# at 40. Every id is >= 1000, so the filler 9 of diverge() never matches one. keep_max is always
+# n - 2 = 38 (never capped: a save point behind the reuse is snapshotted from the KV held).
 N = 40
 STARTS = (MessageStart(0, S), MessageStart(5, U), MessageStart(10, U), MessageStart(20, A),
           MessageStart(30, U))
@@ -54,8 +54,7 @@ def diverge(at: int, n: int = N) -> tuple[int, ...]:
 
 def facts(spec: str | Scope, n: int = N) -> Facts:
     scope = parse_scope(spec) if isinstance(spec, str) else spec
-    boundaries = tuple(sorted({p for p in (0, 5, 10, 20, 30) if p < n} | {n}))
-    return Facts(prompt(n), boundaries, tuple(s for s in STARTS if s.pos < n), scope)
+    return Facts(prompt(n), tuple(s for s in STARTS if s.pos < n), scope)
 
 
 def key(p: int) -> bytes:
@@ -66,16 +65,11 @@ def file(p: int) -> str:
     return f"{p}.state"
 
 
-# A key for every candidate position any case below uses: the safe boundaries, fixed 25, and the
-# continued checkpoints 15 and 30.
-KEYS: Mapping[int, bytes] = {p: key(p) for p in (5, 10, 15, 20, 25, 30, 40)}
-
-
-def stored(*positions: int, keys: Mapping[int, bytes] = KEYS) -> Stored:
-    """The index holds entries at ``positions``; as in proxy.cache, ``hits`` are the longest
-    ``RESTORE_CANDIDATES`` of them and ``positions`` all of them."""
+def stored(*positions: int) -> Stored:
+    """The cache holds entries at ``positions`` (all prefixes of the prompt); as in proxy.cache,
+    ``hits`` are the longest ``RESTORE_CANDIDATES`` of them and ``positions`` all of them."""
     longest = sorted(positions, reverse=True)[:RESTORE_CANDIDATES]
-    return Stored(keys, tuple(Hit(p, key(p), file(p)) for p in longest), frozenset(positions))
+    return Stored(tuple(Hit(p, key(p), file(p)) for p in longest), frozenset(positions))
 
 
 def restores(*positions: int) -> tuple[Restore, ...]:
@@ -83,15 +77,13 @@ def restores(*positions: int) -> tuple[Restore, ...]:
 
 
 def saves(*points: tuple[int, Reason]) -> tuple[Save, ...]:
-    return tuple(Save(p, key(p), reason) for p, reason in points)
+    return tuple(Save(p, reason) for p, reason in points)
 
 
 COLD = WorkerFacts(live_n=0, live_ok=True)
-NO_KEY_10 = {p: k for p, k in KEYS.items() if p != 10}
-NO_KEY_40 = {p: k for p, k in KEYS.items() if p != 40}
 
-# A prompt long enough to pass its scope boundary 30 by more than REFILL_MAX_TOKENS.
-N_LONG = 30 + REFILL_MAX_TOKENS + 22
+# A prompt long enough that live reuse can pass its scope boundary 30 by thousands of tokens.
+N_LONG = 3000
 
 DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, CacheKnobs, Plan]] = [
     # --- off: no disk cache for this request --------------------------------------------------
@@ -108,7 +100,7 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         Plan(restore=(), saves=(), keep_max=38, live_ok=False, lookup="off", boundary=None,
              anchor_skipped=None),
     ),
-    # off ignores stored entries too (the proxy does not read the index then anyway).
+    # off ignores stored entries too (the proxy does not read the cache then anyway).
     (
         facts("off"), [], stored(10, 30), COLD, K,
         Plan(restore=(), saves=(), keep_max=38, live_ok=True, lookup="off", boundary=None,
@@ -121,101 +113,119 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
              anchor_skipped=None),
     ),
     # --- cold prompts ------------------------------------------------------------------------
-    # full, nothing reusable: the cold anchor and the prompt end; nothing to keep.
+    # full, nothing reusable: the cold anchor and the prompt end; keep_max is still n - 2.
     (
         facts("full"), [], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=True,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=38, live_ok=True,
              lookup="miss", boundary=40, anchor_skipped=None),
     ),
     # full does not read the ring: a recent prompt that is a whole prefix adds no growing save.
     (
         facts("full"), [IDS[:30]], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=True,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=38, live_ok=True,
              lookup="miss", boundary=40, anchor_skipped=None),
     ),
     # A cold prompt over cold max: no anchor, and the plan says why.
     (
         facts("full"), [], stored(), COLD, CacheKnobs(4, 39, 0),
-        Plan(restore=(), saves=saves((40, "full")), keep_max=0, live_ok=True, lookup="miss",
+        Plan(restore=(), saves=saves((40, "full")), keep_max=38, live_ok=True, lookup="miss",
              boundary=40, anchor_skipped="prompt of 40 tokens exceeds cold max 39"),
     ),
     # Exactly at cold max: the anchor is still saved.
     (
         facts("full"), [], stored(), COLD, CacheKnobs(4, 40, 0),
-        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=True,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=38, live_ok=True,
              lookup="miss", boundary=40, anchor_skipped=None),
     ),
     # Over cold max but not cold (an entry at 5, short of the anchor): the anchor is refreshed.
     (
         facts("full"), [], stored(5), COLD, CacheKnobs(4, 39, 0),
-        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (40, "full")), keep_max=5,
+        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (40, "full")), keep_max=38,
              live_ok=True, lookup="partial", boundary=40, anchor_skipped=None),
     ),
-    # fixed 25: exactly 25 (not aligned), scoped, plus the cold anchor.
+    # fixed 25: exactly 25 (inside the reply), scoped, plus the cold anchor.
     (
         facts("25"), [], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (25, "scoped")), keep_max=0, live_ok=True,
+        Plan(restore=(), saves=saves((10, "cold"), (25, "scoped")), keep_max=38, live_ok=True,
              lookup="miss", boundary=25, anchor_skipped=None),
     ),
     # fixed 50, past the prompt end: no boundary, the anchor only.
     (
         facts("50"), [], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=38, live_ok=True, lookup="miss",
              boundary=None, anchor_skipped=None),
     ),
     # --- auto: the boundary comes from the ring ----------------------------------------------
     # First prompt of a tenant, empty ring: no boundary, the anchor only.
     (
         facts("auto"), [], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=38, live_ok=True, lookup="miss",
              boundary=None, anchor_skipped=None),
     ),
-    # 25 tokens shared with a recent prompt align down to the reply's start, 20: scoped save.
+    # 25 tokens shared with a recent prompt: the boundary is exactly 25, inside the reply (not
+    # aligned down to its start, 20): scoped save.
     (
         facts("auto"), [diverge(25)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (20, "scoped")), keep_max=0, live_ok=True,
-             lookup="miss", boundary=20, anchor_skipped=None),
+        Plan(restore=(), saves=saves((10, "cold"), (25, "scoped")), keep_max=38, live_ok=True,
+             lookup="miss", boundary=25, anchor_skipped=None),
     ),
-    # 19 shared align down to 10, the anchor too: one save there, scoped outranks cold.
+    # 10 shared: the boundary is the anchor too: one save there, scoped outranks cold.
     (
-        facts("auto"), [diverge(19)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "scoped")), keep_max=0, live_ok=True, lookup="miss",
+        facts("auto"), [diverge(10)], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "scoped")), keep_max=38, live_ok=True, lookup="miss",
              boundary=10, anchor_skipped=None),
     ),
-    # 7 shared align down to 5, which clears min tokens 4: a boundary before the anchor...
+    # 7 shared, which clears min tokens 4: a boundary before the anchor (inside the first user
+    # message)...
     (
         facts("auto"), [diverge(7)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((5, "scoped"), (10, "cold")), keep_max=0, live_ok=True,
-             lookup="miss", boundary=5, anchor_skipped=None),
+        Plan(restore=(), saves=saves((7, "scoped"), (10, "cold")), keep_max=38, live_ok=True,
+             lookup="miss", boundary=7, anchor_skipped=None),
     ),
-    # ...but not min tokens 6: no boundary.
+    # ...but not min tokens 8: no boundary.
     (
-        facts("auto"), [diverge(7)], stored(), COLD, CacheKnobs(6, 1000, 0),
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+        facts("auto"), [diverge(7)], stored(), COLD, CacheKnobs(8, 1000, 0),
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=38, live_ok=True, lookup="miss",
              boundary=None, anchor_skipped=None),
+    ),
+    # NEW (a): a shared prefix that ends inside the system message (a system prompt up to its
+    # per-session block), exactly at min tokens 4: the boundary is exactly 4, not a message start.
+    (
+        facts("auto"), [diverge(4)], stored(), COLD, K,
+        Plan(restore=(), saves=saves((4, "scoped"), (10, "cold")), keep_max=38, live_ok=True,
+             lookup="miss", boundary=4, anchor_skipped=None),
+    ),
+    # NEW (a): 33 shared, inside the last user turn (which starts at 30): boundary 33; the entry
+    # stored at the message start 30 falls short of it: partial, restore 30 (10 as the fallback),
+    # and save 33.
+    (
+        facts("auto"), [diverge(33)], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=saves((33, "scoped")), keep_max=38, live_ok=True,
+             lookup="partial", boundary=33, anchor_skipped=None),
     ),
     # The previous turn (a whole prefix, 30 tokens): scoped at 30, and growing at the prompt end,
     # which the next turn will share.
     (
         facts("auto"), [IDS[:30]], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=0,
+        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=38,
              live_ok=True, lookup="miss", boundary=30, anchor_skipped=None),
     ),
-    # auto:1 sees only the most recent prompt (3 shared: no boundary, not a prefix), so neither
-    # the scope boundary nor the growing save come from the previous turn behind it...
+    # auto:1 sees only the most recent prompt (3 shared: below min tokens, not a prefix), so
+    # neither the scope boundary nor the growing save come from the previous turn behind it...
     (
         facts("auto:1"), [diverge(3), IDS[:30]], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=0, live_ok=True, lookup="miss",
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=38, live_ok=True, lookup="miss",
              boundary=None, anchor_skipped=None),
     ),
     # ...auto:2 reaches it.
     (
         facts("auto:2"), [diverge(3), IDS[:30]], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=0,
+        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=38,
              live_ok=True, lookup="miss", boundary=30, anchor_skipped=None),
     ),
     # The same prompt again (a retry) with its KV live: boundary 40, not growing (not shorter);
-    # reuse is capped at n - 2 and the end is snapshotted from there.
+    # reuse is capped at n - 2 and the end is snapshotted from there; the anchor lies behind the
+    # reuse (a hit past the anchor saves nothing).
     (
         facts("auto"), [IDS], stored(), WorkerFacts(40, True), K,
         Plan(restore=(), saves=saves((40, "scoped")), keep_max=38, live_ok=True, lookup="miss",
@@ -225,25 +235,26 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # restore 30 (10 as the fallback), hit, and save the growing end.
     (
         facts("auto"), [IDS[:30]], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=saves((40, "growing")), keep_max=30, live_ok=True,
+        Plan(restore=restores(30, 10), saves=saves((40, "growing")), keep_max=38, live_ok=True,
              lookup="hit", boundary=30, anchor_skipped=None),
     ),
     # The same loop with the live KV holding 32 tokens: nothing to restore, the growing end only.
     (
         facts("auto"), [IDS[:30]], stored(10, 30), WorkerFacts(32, True), K,
-        Plan(restore=(), saves=saves((40, "growing")), keep_max=32, live_ok=True, lookup="hit",
+        Plan(restore=(), saves=saves((40, "growing")), keep_max=38, live_ok=True, lookup="hit",
              boundary=30, anchor_skipped=None),
     ),
-    # ...and when the previous turn's save was lost: reuse stops at 30 to snapshot it again.
+    # ...and when the previous turn's save was lost: 30 lies behind the live reuse (32) and is
+    # snapshotted from the live KV; reuse is not cut back (keep_max stays n - 2).
     (
         facts("auto"), [IDS[:30]], stored(10), WorkerFacts(32, True), K,
-        Plan(restore=(), saves=saves((30, "scoped"), (40, "growing")), keep_max=30, live_ok=True,
+        Plan(restore=(), saves=saves((30, "scoped"), (40, "growing")), keep_max=38, live_ok=True,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # --- disk hits ---------------------------------------------------------------------------
     # full, the whole prompt stored: a hit; the restore lists the hit and its two fallbacks,
     # longest first (10 is stored too, but only RESTORE_CANDIDATES entries are read); nothing to
-    # save; keep_max stays n - 2.
+    # save.
     (
         facts("full"), [], stored(10, 20, 30, 40), COLD, K,
         Plan(restore=restores(40, 30, 20), saves=(), keep_max=38, live_ok=True, lookup="hit",
@@ -252,142 +263,155 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # full, stored up to the last turn only: partial, the new end is saved.
     (
         facts("full"), [], stored(5, 10, 20, 30), COLD, K,
-        Plan(restore=restores(30, 20, 10), saves=saves((40, "full")), keep_max=30, live_ok=True,
+        Plan(restore=restores(30, 20, 10), saves=saves((40, "full")), keep_max=38, live_ok=True,
              lookup="partial", boundary=40, anchor_skipped=None),
     ),
     # auto, an entry exactly at the scope boundary 30: a hit, nothing to save.
     (
-        facts("auto"), [diverge(35)], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=(), keep_max=30, live_ok=True, lookup="hit",
+        facts("auto"), [diverge(30)], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=(), keep_max=38, live_ok=True, lookup="hit",
              boundary=30, anchor_skipped=None),
     ),
     # auto, the longest entry (20) short of the boundary 30: partial, restore it with its
     # fallbacks, save the boundary.
     (
-        facts("auto"), [diverge(35)], stored(5, 10, 20), COLD, K,
-        Plan(restore=restores(20, 10, 5), saves=saves((30, "scoped")), keep_max=20, live_ok=True,
+        facts("auto"), [diverge(30)], stored(5, 10, 20), COLD, K,
+        Plan(restore=restores(20, 10, 5), saves=saves((30, "scoped")), keep_max=38, live_ok=True,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # Only an entry shorter than the anchor: partial, and the stale anchor is refreshed in the
-    # same prefill as the scope boundary.
+    # same prefill as the scope boundary (25).
     (
         facts("auto"), [diverge(25)], stored(5), COLD, K,
-        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (20, "scoped")), keep_max=5,
-             live_ok=True, lookup="partial", boundary=20, anchor_skipped=None),
+        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (25, "scoped")),
+             keep_max=38, live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
     ),
     # Only the anchor: partial, the anchor is fresh, the boundary is saved.
     (
         facts("auto"), [diverge(25)], stored(10), COLD, K,
-        Plan(restore=restores(10), saves=saves((20, "scoped")), keep_max=10, live_ok=True,
-             lookup="partial", boundary=20, anchor_skipped=None),
+        Plan(restore=restores(10), saves=saves((25, "scoped")), keep_max=38, live_ok=True,
+             lookup="partial", boundary=25, anchor_skipped=None),
     ),
     # No scope boundary: the lookup target is the last message start, 30: an entry there is a
     # hit...
     (
         facts("auto"), [], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=(), keep_max=30, live_ok=True, lookup="hit",
+        Plan(restore=restores(30, 10), saves=(), keep_max=38, live_ok=True, lookup="hit",
              boundary=None, anchor_skipped=None),
     ),
     # ...the anchor alone is partial.
     (
         facts("auto"), [], stored(10), COLD, K,
-        Plan(restore=restores(10), saves=(), keep_max=10, live_ok=True, lookup="partial",
+        Plan(restore=restores(10), saves=(), keep_max=38, live_ok=True, lookup="partial",
              boundary=None, anchor_skipped=None),
     ),
-    # A disk entry past an unstored scope boundary: reuse_limit caps keep_max at the boundary so
-    # it can be snapshotted; still a hit (the entry reaches the boundary).
+    # A disk entry (30) past the unstored scope boundary 25: the boundary is saved behind the
+    # restore, keep_max stays n - 2; still a hit (the entry reaches the boundary).
     (
         facts("auto"), [diverge(25)], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=saves((20, "scoped")), keep_max=20, live_ok=True,
+        Plan(restore=restores(30, 10), saves=saves((25, "scoped")), keep_max=38, live_ok=True,
+             lookup="hit", boundary=25, anchor_skipped=None),
+    ),
+    # NEW (c): the only entry (30) lies past the unstored boundary 20: restore it and save 20
+    # behind it (reason scoped), keep_max n - 2. The anchor (10) is not stored either but is not
+    # saved: a hit past the anchor saves nothing.
+    (
+        facts("auto"), [diverge(20)], stored(30), COLD, K,
+        Plan(restore=restores(30), saves=saves((20, "scoped")), keep_max=38, live_ok=True,
              lookup="hit", boundary=20, anchor_skipped=None),
+    ),
+    # NEW (d): the boundary 20 is stored and lies behind the restored entry 30: not saved again.
+    (
+        facts("auto"), [diverge(20)], stored(10, 20, 30), COLD, K,
+        Plan(restore=restores(30, 20, 10), saves=(), keep_max=38, live_ok=True, lookup="hit",
+             boundary=20, anchor_skipped=None),
     ),
     # --- live reuse --------------------------------------------------------------------------
     # Live reuse of 25 between the stored entries: restore only lists the one longer than it.
     (
-        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(25, True), K,
-        Plan(restore=restores(30), saves=(), keep_max=30, live_ok=True, lookup="hit",
+        facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(25, True), K,
+        Plan(restore=restores(30), saves=(), keep_max=38, live_ok=True, lookup="hit",
              boundary=30, anchor_skipped=None),
     ),
     # Live reuse exactly as long as the longest entry (30): an entry must be longer to be listed.
     (
-        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(30, True), K,
-        Plan(restore=(), saves=(), keep_max=30, live_ok=True, lookup="hit", boundary=30,
+        facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(30, True), K,
+        Plan(restore=(), saves=(), keep_max=38, live_ok=True, lookup="hit", boundary=30,
              anchor_skipped=None),
     ),
     # Live reuse of 36, longer than every entry: nothing to restore, but the lookup (which is
-    # about the disk) is still a hit; the boundary is stored, so no cap.
+    # about the disk) is still a hit; the boundary behind it is stored, so nothing to save.
     (
-        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(36, True), K,
-        Plan(restore=(), saves=(), keep_max=36, live_ok=True, lookup="hit", boundary=30,
+        facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(36, True), K,
+        Plan(restore=(), saves=(), keep_max=38, live_ok=True, lookup="hit", boundary=30,
              anchor_skipped=None),
     ),
-    # Live reuse of 34 past the unstored boundary 30: capped at 30, which is then saved.
+    # Live reuse of 34 past the unstored boundary 30: not cut back; 30 is saved behind it.
     (
-        facts("auto"), [diverge(35)], stored(10, 20), WorkerFacts(34, True), K,
-        Plan(restore=(), saves=saves((30, "scoped")), keep_max=30, live_ok=True,
+        facts("auto"), [diverge(30)], stored(10, 20), WorkerFacts(34, True), K,
+        Plan(restore=(), saves=saves((30, "scoped")), keep_max=38, live_ok=True,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
-    # Live reuse ending exactly on the unstored boundary: no cap needed, snapshot at once.
+    # Live reuse ending exactly on the unstored boundary: snapshot it at once.
     (
-        facts("auto"), [diverge(35)], stored(10, 20), WorkerFacts(30, True), K,
-        Plan(restore=(), saves=saves((30, "scoped")), keep_max=30, live_ok=True,
+        facts("auto"), [diverge(30)], stored(10, 20), WorkerFacts(30, True), K,
+        Plan(restore=(), saves=saves((30, "scoped")), keep_max=38, live_ok=True,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
-    # Live 25 past the unstored boundary 20, and a disk entry at 30 longer than both: capped at
-    # 20, which the live KV already covers, so nothing is restored (a restore would be cut back
-    # to the same 20 tokens).
+    # Live 25 past the unstored boundary 20, and a disk entry at 30 longer than both: restore 30
+    # (the live KV does not reach it) and save 20 behind it.
     (
-        facts("auto"), [diverge(25)], stored(10, 30), WorkerFacts(25, True), K,
-        Plan(restore=(), saves=saves((20, "scoped")), keep_max=20, live_ok=True,
+        facts("auto"), [diverge(20)], stored(10, 30), WorkerFacts(25, True), K,
+        Plan(restore=restores(30), saves=saves((20, "scoped")), keep_max=38, live_ok=True,
              lookup="hit", boundary=20, anchor_skipped=None),
+    ),
+    # NEW (b): live reuse 2870 tokens past the unstored boundary 30 (far more than any refill):
+    # 30 is still saved, from the live KV, and keep_max stays n - 2.
+    (
+        facts("auto", n=N_LONG), [diverge(30, n=N_LONG)], stored(10, 20),
+        WorkerFacts(2900, True), K,
+        Plan(restore=(), saves=saves((30, "scoped")), keep_max=N_LONG - 2, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
+    ),
+    # NEW (d): live reuse 34 past the stored boundary 20: nothing saved, nothing restored.
+    (
+        facts("auto"), [diverge(20)], stored(10, 20, 30), WorkerFacts(34, True), K,
+        Plan(restore=(), saves=(), keep_max=38, live_ok=True, lookup="hit", boundary=20,
+             anchor_skipped=None),
+    ),
+    # --- fixed N behind the reuse ------------------------------------------------------------
+    # NEW (e): fixed 25 behind the live reuse 36: saved from the live KV; the disk has only the
+    # anchor (10 < 25): partial, and 10 is not longer than the live reuse: nothing to restore.
+    (
+        facts("25"), [], stored(10), WorkerFacts(36, True), K,
+        Plan(restore=(), saves=saves((25, "scoped")), keep_max=38, live_ok=True,
+             lookup="partial", boundary=25, anchor_skipped=None),
+    ),
+    # NEW (e): fixed 25 behind a restored entry 30: saved; a hit.
+    (
+        facts("25"), [], stored(10, 30), COLD, K,
+        Plan(restore=restores(30, 10), saves=saves((25, "scoped")), keep_max=38, live_ok=True,
+             lookup="hit", boundary=25, anchor_skipped=None),
     ),
     # --- live_ok false: the live KV is another tenant's --------------------------------------
     # The 34 live tokens count as 0: restore every hit, plan saves from the disk reuse (20);
     # live_ok false goes to the worker.
     (
-        facts("auto"), [diverge(35)], stored(10, 20), WorkerFacts(34, False), K,
-        Plan(restore=restores(20, 10), saves=saves((30, "scoped")), keep_max=20, live_ok=False,
+        facts("auto"), [diverge(30)], stored(10, 20), WorkerFacts(34, False), K,
+        Plan(restore=restores(20, 10), saves=saves((30, "scoped")), keep_max=38, live_ok=False,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # The same as the live-25 case above, but not this tenant's: all three hits are listed.
     (
-        facts("auto"), [diverge(35)], stored(10, 20, 30), WorkerFacts(25, False), K,
-        Plan(restore=restores(30, 20, 10), saves=(), keep_max=30, live_ok=False, lookup="hit",
+        facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(25, False), K,
+        Plan(restore=restores(30, 20, 10), saves=(), keep_max=38, live_ok=False, lookup="hit",
              boundary=30, anchor_skipped=None),
     ),
     # Nothing stored: the prefill is cold, so the cold anchor is saved.
     (
         facts("full"), [], stored(), WorkerFacts(38, False), K,
-        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=0, live_ok=False,
+        Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=38, live_ok=False,
              lookup="miss", boundary=40, anchor_skipped=None),
-    ),
-    # --- reuse_limit and REFILL_MAX_TOKENS (a 2100-token prompt, boundary 30 not stored) -------
-    # Live reuse exactly REFILL_MAX_TOKENS past the boundary: still capped there and saved.
-    (
-        facts("auto", n=N_LONG), [diverge(35, n=N_LONG)], stored(10, 20),
-        WorkerFacts(30 + REFILL_MAX_TOKENS, True), K,
-        Plan(restore=(), saves=saves((30, "scoped")), keep_max=30, live_ok=True,
-             lookup="partial", boundary=30, anchor_skipped=None),
-    ),
-    # One token further: the refill would cost too much; keep it all, save nothing.
-    (
-        facts("auto", n=N_LONG), [diverge(35, n=N_LONG)], stored(10, 20),
-        WorkerFacts(30 + REFILL_MAX_TOKENS + 1, True), K,
-        Plan(restore=(), saves=(), keep_max=30 + REFILL_MAX_TOKENS + 1, live_ok=True,
-             lookup="partial", boundary=30, anchor_skipped=None),
-    ),
-    # --- save points without a key -----------------------------------------------------------
-    # The anchor is not a keyed candidate position: its save is dropped.
-    (
-        facts("full"), [], stored(keys=NO_KEY_10), COLD, K,
-        Plan(restore=(), saves=saves((40, "full")), keep_max=0, live_ok=True, lookup="miss",
-             boundary=40, anchor_skipped=None),
-    ),
-    # The prompt end is not keyed (auto does not list it unless it is a boundary): no growing.
-    (
-        facts("auto"), [IDS[:30]], stored(keys=NO_KEY_40), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (30, "scoped")), keep_max=0, live_ok=True,
-             lookup="miss", boundary=30, anchor_skipped=None),
     ),
     # --- continued checkpoints -----------------------------------------------------------------
     # Every 15: 15 and 30 on a cold full prompt, between the anchor and the end.
@@ -395,27 +419,27 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         facts("full"), [], stored(), COLD, K15,
         Plan(restore=(), saves=saves((10, "cold"), (15, "continued"), (30, "continued"),
                                      (40, "full")),
-             keep_max=0, live_ok=True, lookup="miss", boundary=40, anchor_skipped=None),
+             keep_max=38, live_ok=True, lookup="miss", boundary=40, anchor_skipped=None),
     ),
     # Every 10: the anchor and the end keep their stronger reasons (cold, full).
     (
         facts("full"), [], stored(), COLD, K10,
         Plan(restore=(), saves=saves((10, "cold"), (20, "continued"), (30, "continued"),
                                      (40, "full")),
-             keep_max=0, live_ok=True, lookup="miss", boundary=40, anchor_skipped=None),
+             keep_max=38, live_ok=True, lookup="miss", boundary=40, anchor_skipped=None),
     ),
     # Restored from the checkpoint at 15: only the checkpoints past it (30), plus the boundary.
     (
         facts("auto"), [diverge(25)], stored(15), COLD, K15,
-        Plan(restore=restores(15), saves=saves((20, "scoped"), (30, "continued")), keep_max=15,
-             live_ok=True, lookup="partial", boundary=20, anchor_skipped=None),
+        Plan(restore=restores(15), saves=saves((25, "scoped"), (30, "continued")), keep_max=38,
+             live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
     ),
-    # Reuse of the stored checkpoint 30 stops at the unstored boundary 20 (reuse_limit); the
-    # checkpoint 30 then lies ahead of the reuse but is stored already: not saved again.
+    # Restored from the checkpoint 30, past the unstored boundary 25: the boundary is saved
+    # behind the restore; no checkpoint lies ahead (the next would be 45 > 40).
     (
         facts("auto"), [diverge(25)], stored(30), COLD, K15,
-        Plan(restore=restores(30), saves=saves((20, "scoped")), keep_max=20, live_ok=True,
-             lookup="hit", boundary=20, anchor_skipped=None),
+        Plan(restore=restores(30), saves=saves((25, "scoped")), keep_max=38, live_ok=True,
+             lookup="hit", boundary=25, anchor_skipped=None),
     ),
 ]
 
@@ -431,8 +455,8 @@ def test_decide(facts_: Facts, recent: Sequence[Sequence[int]], stored_: Stored,
 
 WIRE_PLAN = Plan(
     restore=restores(30, 20),
-    saves=(Save(10, b"\x00\xff", "anchor-refresh"), Save(40, key(40), "full")),
-    keep_max=20,
+    saves=(Save(10, "anchor-refresh"), Save(40, "full")),
+    keep_max=38,
     live_ok=False,
     lookup="partial",
     boundary=40,
@@ -454,13 +478,14 @@ def test_wire_plans_cover_every_lookup_and_reason() -> None:
 
 
 def test_to_wire_shape() -> None:
-    # Keys as hex, tuples as lists, None as null: plain JSON.
+    # Keys as hex, tuples as lists, None as null: plain JSON; a save has no key (the worker
+    # keys the file).
     assert WIRE_PLAN.to_wire() == {
         "restore": [{"n_tokens": 30, "key": "6b3330", "file": "30.state"},
                     {"n_tokens": 20, "key": "6b3230", "file": "20.state"}],
-        "saves": [{"n_tokens": 10, "key": "00ff", "reason": "anchor-refresh"},
-                  {"n_tokens": 40, "key": "6b3430", "reason": "full"}],
-        "keep_max": 20,
+        "saves": [{"n_tokens": 10, "reason": "anchor-refresh"},
+                  {"n_tokens": 40, "reason": "full"}],
+        "keep_max": 38,
         "live_ok": False,
         "lookup": "partial",
         "boundary": 40,
@@ -490,7 +515,7 @@ def test_from_wire_missing_field(field: str) -> None:
 @pytest.mark.parametrize(
     ("part", "field"),
     [("restore", "n_tokens"), ("restore", "key"), ("restore", "file"),
-     ("saves", "n_tokens"), ("saves", "key"), ("saves", "reason")],
+     ("saves", "n_tokens"), ("saves", "reason")],
 )
 def test_from_wire_missing_nested_field(part: str, field: str) -> None:
     d = wire()

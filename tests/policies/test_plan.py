@@ -1,4 +1,4 @@
-"""Plan: the anchor, the scope boundary (auto over the ring), candidate positions, save points."""
+"""Plan: the anchor, the scope boundary (auto over the ring), save points."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from policies.plan import (
     SavePlan,
     SavePoint,
     anchor_position,
-    candidate_positions,
     choose_scope_boundary,
     plan_saves,
 )
@@ -44,10 +43,10 @@ def test_anchor_position(starts: list[tuple[int, str]], expected: int | None) ->
     assert anchor_position([MessageStart(pos, role) for pos, role in starts]) == expected
 
 
-# A 3000-token prompt with messages starting at these positions. Every id is >= 1000, so the
-# filler 9 never matches: diverge(at) shares exactly `at` tokens with PROMPT.
+# A 3000-token prompt (think of messages starting at 0, 300, 700, 1500 and 2400; the boundary
+# never looks at them). Every id is >= 1000, so the filler 9 never matches: diverge(at) shares
+# exactly `at` tokens with PROMPT.
 PROMPT = list(range(1000, 4000))
-BOUNDARIES = (0, 300, 700, 1500, 2400)
 KNOBS = CacheKnobs(min_tokens=256)
 
 
@@ -62,7 +61,7 @@ def diverge(at: int) -> tuple[int, ...]:
         ("off", [diverge(3000)], KNOBS, None),
         # full: the whole prompt, ring or not.
         ("full", [], KNOBS, 3000),
-        # fixed N: exactly N, even off a message boundary.
+        # fixed N: exactly N, even inside a message.
         ("1000", [], KNOBS, 1000),
         ("256", [], KNOBS, 256),
         ("3000", [], KNOBS, 3000),
@@ -72,33 +71,35 @@ def diverge(at: int) -> tuple[int, ...]:
         ("255", [], KNOBS, None),
         # auto, empty ring (first prompt of a tenant): nothing shared.
         ("auto", [], KNOBS, None),
-        # auto: 1600 shared tokens align down to the message starting at 1500.
-        ("auto", [diverge(1600)], KNOBS, 1500),
-        # auto: a shared prefix ending exactly on a boundary keeps it.
-        ("auto", [diverge(1500)], KNOBS, 1500),
-        # auto: one token short of that boundary falls back a whole message.
-        ("auto", [diverge(1499)], KNOBS, 700),
-        # auto: 350 shared aligns to 300, which clears min tokens 256...
-        ("auto", [diverge(350)], KNOBS, 300),
+        # auto: exactly the 1600 shared tokens, inside the message starting at 1500 (not aligned).
+        ("auto", [diverge(1600)], KNOBS, 1600),
+        # auto: one token short of a message start: exactly that, not a whole message back.
+        ("auto", [diverge(1499)], KNOBS, 1499),
+        # auto: 350 shared clears min tokens 256...
+        ("auto", [diverge(350)], KNOBS, 350),
         # ...but not min tokens 400.
         ("auto", [diverge(350)], CacheKnobs(min_tokens=400), None),
-        # auto: shared prefix inside the first message aligns to 0: none.
-        ("auto", [diverge(290)], KNOBS, None),
+        # (a) a shared prefix inside the first message (a system prompt up to its
+        # per-session block): exactly 290, not 0.
+        ("auto", [diverge(290)], KNOBS, 290),
+        # NEW: auto's min tokens edge: 256 shared is enough, 255 is not.
+        ("auto", [diverge(256)], KNOBS, 256),
+        ("auto", [diverge(255)], KNOBS, None),
         # auto: the best of several ring entries wins.
-        ("auto", [diverge(800), diverge(2500), diverge(100)], KNOBS, 2400),
-        # auto: an identical earlier prompt shares everything; aligned to the last message start.
-        ("auto", [tuple(PROMPT)], KNOBS, 2400),
+        ("auto", [diverge(800), diverge(2500), diverge(100)], KNOBS, 2500),
+        # auto: an identical earlier prompt shares everything: the whole prompt.
+        ("auto", [tuple(PROMPT)], KNOBS, 3000),
         # auto: an earlier, longer prompt that contains this one.
-        ("auto", [(*PROMPT, 5, 6, 7)], KNOBS, 2400),
+        ("auto", [(*PROMPT, 5, 6, 7)], KNOBS, 3000),
         # auto: an earlier prompt that is a prefix of this one (previous turn of the session).
-        ("auto", [tuple(PROMPT[:1800])], KNOBS, 1500),
+        ("auto", [tuple(PROMPT[:1800])], KNOBS, 1800),
     ],
 )
 def test_choose_scope_boundary(
     spec: str, recent: list[tuple[int, ...]], knobs: CacheKnobs, expected: int | None
 ) -> None:
     scope = parse_scope(spec)
-    assert choose_scope_boundary(PROMPT, BOUNDARIES, scope, recent, knobs) == expected
+    assert choose_scope_boundary(PROMPT, scope, recent, knobs) == expected
 
 
 # The window trade-off: this prompt's best match is the 5th most recent one (the same agent
@@ -109,60 +110,29 @@ RING_5TH_BEST = [diverge(100), diverge(350), diverge(120), diverge(90), diverge(
 @pytest.mark.parametrize(
     ("window", "expected"),
     [
-        # auto:1 sees only a 100-token match: aligned to 0, no boundary.
+        # auto:1 sees only a 100-token match: below min tokens, no boundary.
         (1, None),
         # auto:2 also sees the 350-token match: a short boundary.
-        (2, 300),
+        (2, 350),
         # auto:4 still misses the session's own previous prompt.
-        (4, 300),
+        (4, 350),
         # auto:5 reaches it: the long boundary.
-        (5, 2400),
+        (5, 2500),
         # auto:8 (window longer than the ring) and the default auto:30 find it too.
-        (8, 2400),
-        (30, 2400),
+        (8, 2500),
+        (30, 2500),
     ],
 )
 def test_auto_window_trade_off(window: int, expected: int | None) -> None:
     scope = parse_scope("auto", window=window)
-    assert choose_scope_boundary(PROMPT, BOUNDARIES, scope, RING_5TH_BEST, KNOBS) == expected
+    assert choose_scope_boundary(PROMPT, scope, RING_5TH_BEST, KNOBS) == expected
 
 
 def test_full_of_an_empty_prompt_is_none() -> None:
-    assert choose_scope_boundary([], (), Scope("full"), [], KNOBS) is None
+    assert choose_scope_boundary([], Scope("full"), [], KNOBS) is None
 
 
 INTERVAL_1000 = CacheKnobs(continued_interval_tokens=1000)
-
-
-@pytest.mark.parametrize(
-    ("n_prompt", "spec", "knobs", "expected"),
-    [
-        # off: no lookup at all.
-        (2900, "off", INTERVAL_1000, []),
-        # auto: message boundaries (not 0) and every 1000 (continued frontiers).
-        (2900, "auto", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400]),
-        # full adds the prompt end.
-        (2900, "full", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400, 2900]),
-        # full whose end is also a frontier: listed once.
-        (3000, "full", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400, 3000]),
-        # fixed N adds N, in order.
-        (2900, "1234", INTERVAL_1000, [300, 700, 1000, 1234, 1500, 2000, 2400]),
-        # fixed N on a boundary: listed once.
-        (2900, "700", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400]),
-        # fixed N past the prompt end: not a position of this prompt.
-        (2900, "5000", INTERVAL_1000, [300, 700, 1000, 1500, 2000, 2400]),
-        # A short prompt: boundaries and frontiers past its end are dropped.
-        (1000, "auto", INTERVAL_1000, [300, 700, 1000]),
-        # Default interval 10000: no frontier inside a 2900-token prompt.
-        (2900, "auto", CacheKnobs(), [300, 700, 1500, 2400]),
-        # Interval 0 disables continued frontiers.
-        (2900, "auto", CacheKnobs(continued_interval_tokens=0), [300, 700, 1500, 2400]),
-    ],
-)
-def test_candidate_positions(
-    n_prompt: int, spec: str, knobs: CacheKnobs, expected: list[int]
-) -> None:
-    assert candidate_positions(n_prompt, BOUNDARIES, parse_scope(spec), knobs) == expected
 
 
 AUTO, FULL, OFF = Scope("auto"), Scope("full"), Scope("off")
@@ -269,8 +239,24 @@ def saves(*points: tuple[int, Reason]) -> tuple[SavePoint, ...]:
         (25000, 21000, AUTO, 21000, 4000, set(), SavePlan(saves((21000, "scoped"),), None)),
         # ...and if it is on disk already, nothing.
         (25000, 21000, AUTO, 21000, 4000, {21000}, SavePlan((), None)),
-        # Hit past the scope boundary: nothing left to save.
-        (25000, 22000, AUTO, 21000, 4000, set(), SavePlan((), None)),
+        # Reuse past the unstored scope boundary: it is saved behind the reuse (the worker
+        # snapshots it from the KV it holds).
+        (25000, 22000, AUTO, 21000, 4000, set(), SavePlan(saves((21000, "scoped"),), None)),
+        # NEW (d): reuse past the scope boundary, which is stored already: nothing to save.
+        (25000, 22000, AUTO, 21000, 4000, {21000}, SavePlan((), None)),
+        # NEW (b): reuse 14000 tokens past the unstored boundary 21000: still saved behind it,
+        # plus the frontier ahead (40000); the frontiers behind the reuse (10000 to 30000) and
+        # the anchor are not saved, and a prompt over cold max that is not cold skips nothing.
+        (
+            41000, 35000, AUTO, 21000, 4000, set(),
+            SavePlan(saves((21000, "scoped"), (40000, "continued")), None),
+        ),
+        # NEW (e): fixed N (4000) behind the reuse, not stored: saved, scoped; the anchor on the
+        # same position gives no reason of its own (the hit is past it).
+        (
+            25000, 12000, FIXED_4000, 4000, 4000, set(),
+            SavePlan(saves((4000, "scoped"), (20000, "continued")), None),
+        ),
         # Cold, but the anchor and a frontier are on disk already: skipped.
         (
             25000, 0, AUTO, 21000, 4000, {4000, 20000},
@@ -315,31 +301,6 @@ def test_continued_interval_zero_disables_frontiers() -> None:
     knobs = CacheKnobs(continued_interval_tokens=0)
     plan = plan_saves(25000, 0, AUTO, 21000, 4000, set(), knobs)
     assert plan == SavePlan(saves((4000, "cold"), (21000, "scoped")), None)
-
-
-# --- reuse_limit: snapshot a scope boundary that live/disk reuse already passed ---------------
-from policies.plan import REFILL_MAX_TOKENS, reuse_limit  # noqa: E402
-
-REUSE_CASES = [
-    # reuse passes an unstored boundary by a few tokens: stop at the boundary
-    (398, 394, set(), 394),
-    # the boundary is stored already: reuse everything
-    (398, 394, {394}, 398),
-    # no boundary (scope off, or nothing shared)
-    (398, None, set(), 398),
-    # reuse ends before the boundary: nothing to cap
-    (300, 394, set(), 300),
-    # too far past the boundary: refilling would cost more than the snapshot saves
-    (394 + REFILL_MAX_TOKENS + 1, 394, set(), 394 + REFILL_MAX_TOKENS + 1),
-    # exactly at the refill bound: still worth it
-    (394 + REFILL_MAX_TOKENS, 394, set(), 394),
-]
-
-
-@pytest.mark.parametrize("reusable,boundary,stored,expected", REUSE_CASES)
-def test_reuse_limit(reusable: int, boundary: int | None, stored: set[int],
-                     expected: int) -> None:
-    assert reuse_limit(reusable, boundary, stored) == expected
 
 
 # --- the growing turn: auto on an append-only conversation ---------------------------------

@@ -1,10 +1,10 @@
-"""common_prefix_len and align_down: exact answers, including chunk edges of the fast path."""
+"""common_prefix_len: exact answers, including chunk edges of the fast path."""
 
 from __future__ import annotations
 
 import pytest
 
-from policies.prefix import CHUNK_TOKENS, align_down, common_prefix_len
+from policies.prefix import CHUNK_TOKENS, common_prefix_len
 
 BASE = list(range(1000, 31000))  # a 30K-token prompt; ids >= 1000, so 7 never matches
 
@@ -55,28 +55,3 @@ def test_common_prefix_len_every_mismatch_position_near_chunk_edges() -> None:
     for at in range(len(base)):
         other = tuple(x + 1 - 1 for x in base[:at]) + (7,) + tuple(base[at + 1 :])
         assert common_prefix_len(base, other) == at
-
-
-BOUNDARIES = (0, 300, 700, 1500, 2400)
-
-
-@pytest.mark.parametrize(
-    ("pos", "boundaries", "expected"),
-    [
-        # Inside a message: back to where it starts.
-        (1600, BOUNDARIES, 1500),
-        # Exactly on a boundary: stays.
-        (1500, BOUNDARIES, 1500),
-        # One short of a boundary: the previous one.
-        (1499, BOUNDARIES, 700),
-        # Past the last boundary: the last one.
-        (3000, BOUNDARIES, 2400),
-        # Before the first non-zero boundary: 0.
-        (299, BOUNDARIES, 0),
-        # No boundaries at all, or none at or below pos: 0.
-        (500, (), 0),
-        (50, (100, 200), 0),
-    ],
-)
-def test_align_down(pos: int, boundaries: tuple[int, ...], expected: int) -> None:
-    assert align_down(pos, boundaries) == expected

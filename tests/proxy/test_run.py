@@ -69,7 +69,7 @@ K300, K100, S300, S400 = b"k300" * 4, b"k100" * 4, b"s300" * 4, b"s400" * 4
 # a partial hit: the worker may restore 300 (or fall back to 100); it snapshots the scope
 # boundary at 300 (already stored here, but the plan does not know) and the prompt end
 PLAN = Plan(restore=(Restore(300, K300, "kv/a.kv"), Restore(100, K100, "kv/b.kv")),
-            saves=(Save(300, S300, "scoped"), Save(400, S400, "full")), keep_max=398,
+            saves=(Save(300, "scoped"), Save(400, "full")), keep_max=398,
             live_ok=True, lookup="partial", boundary=300, anchor_skipped=None)
 BROKEN = Fault("checksum", "checksum mismatch", "kv/a.kv")
 SAVED_400 = Saved(400, S400.hex(), "full", "kv/s4.kv", 9000, 7, 0.01)
@@ -277,8 +277,7 @@ class Harness:
     async def run(self, plan: Plan = PLAN) -> Run:
         req = ChatRequest("openai", ({"role": "user", "content": "hi"},))
         prep = Prepared(req, Rendered("", IDS, (400,), ()), Scope("full"), 16, 0.0)
-        keyed = {300: S300, 400: S400, 100: K100}
-        run = Run(self.deps, prep, self.worker, plan, keyed, "")
+        run = Run(self.deps, prep, self.worker, plan, b"salt" * 4, "")
         await run.open()
         return run
 
@@ -343,6 +342,7 @@ async def test_saves_after_done_are_committed_and_a_broken_entry_is_dropped(
         hit = h.index.get(K100)
         assert hit is not None and hit.hits == 1
         assert fake.jobs[0]["plan"] == PLAN.to_wire() and fake.jobs[0]["ids"] == list(IDS)
+        assert fake.jobs[0]["salt"] == (b"salt" * 4).hex()
         assert run.usage.cached_tokens == 100 and run.usage.source == "disk"
         assert h.count("ok") == 1
         await h.close()
