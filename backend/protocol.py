@@ -39,6 +39,7 @@ class Job:
     run_id: str  # for /cancel
     ids: tuple[int, ...]  # the whole prompt
     salt: bytes  # the cache salt (identity and tenant) the worker keys its saves with
+    tenant: str  # whose request this is (a hash; "" without tenant isolation)
     plan: Plan
     sampling: Mapping[str, Any]  # backend.engine.Sampling fields
     max_tokens: int
@@ -47,7 +48,7 @@ class Job:
 
     def to_wire(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "ids": list(self.ids), "salt": self.salt.hex(),
-                "plan": self.plan.to_wire(),
+                "tenant": self.tenant, "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
                 "stop": list(self.stop), "grammar": self.grammar}
 
@@ -61,6 +62,7 @@ class Job:
             job = cls(run_id=_check(d["run_id"], "str"),
                       ids=tuple(_check(i, "int") for i in _check(d["ids"], "list")),
                       salt=bytes.fromhex(_check(d["salt"], "str")),
+                      tenant=_check(d["tenant"], "str"),
                       plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
                       max_tokens=_check(d["max_tokens"], "int"),
                       stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),

@@ -78,6 +78,9 @@ class Worker:
         self.llama_thread = ThreadPoolExecutor(1, thread_name_prefix="llama")
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self.runs: dict[str, Cancel] = {}  # run id -> its cancel flag, while it streams
+        # whose prompt the live KV holds: a job of another tenant never keeps any of it,
+        # whatever its plan says (the proxy's view of a worker can be stale after a failure)
+        self.owner = ""
 
     # --- runs on the llama thread ----------------------------------------------------------
 
@@ -88,8 +91,10 @@ class Worker:
         # lower when a scope boundary that reuse passed must still be snapshotted
         last = plan.keep_max
 
+        mine = plan.live_ok and job.tenant == self.owner
+
         def live() -> int:  # what the live KV holds of this prompt that may be kept
-            return min(eng.live_prefix(ids), last) if plan.live_ok else 0
+            return min(eng.live_prefix(ids), last) if mine else 0
 
         keep, restored, faults = live(), 0, []
         for r in plan.restore:  # longest first: the next one if one is broken
@@ -109,6 +114,7 @@ class Worker:
                 faults.append(Fault("corrupt", str(e), r.file))
             keep = live()  # a failed restore may have cleared the live KV
         eng.truncate(keep)
+        self.owner = job.tenant  # from here on the KV holds (a prefix of) this prompt
         emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults)))
 
         saves = {s.n_tokens: s for s in plan.saves}

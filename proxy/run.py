@@ -387,8 +387,8 @@ class Run:
 
     def job(self) -> Job:
         p = self.prep
-        return Job(self.run_id, p.rendered.ids, self.salt, self.plan, p.req.sampling,
-                   p.max_tokens, p.req.stop, p.grammar)
+        return Job(self.run_id, p.rendered.ids, self.salt, self.tenant, self.plan,
+                   p.req.sampling, p.max_tokens, p.req.stop, p.grammar)
 
     async def open(self) -> None:
         """Send the job and wait for its `Start`: any failure is known before a response is

@@ -39,14 +39,16 @@ IDS = tuple(range(1000, 1040))
 
 JOBS = [
     # A forced tool call: a grammar, stop strings, nested sampling values.
-    Job(run_id="r1", ids=IDS, salt=b"\x5a" * 16, plan=PLAN,
+    Job(run_id="r1", ids=IDS, salt=b"\x5a" * 16, tenant="t" * 32, plan=PLAN,
         sampling={"temperature": 0.7, "top_k": 40, "seed": None, "logit_bias": {"5": -1.5}},
         max_tokens=256, stop=("</tool>", "\n\nUser:"), grammar='root ::= "{" [^}]* "}"'),
     # The off plan keeping all it may (n - 2).
-    Job(run_id="r2", ids=IDS, salt=b"", plan=Plan((), (), 38, False, "off", None, None),
+    Job(run_id="r2", ids=IDS, salt=b"", tenant="", plan=Plan((), (), 38, False, "off", None,
+                                                             None),
         sampling={"temperature": 0.0}, max_tokens=1, stop=(), grammar=None),
     # No grammar, no stop strings, an empty prompt: nothing to keep.
-    Job(run_id="", ids=(), salt=b"", plan=Plan((), (), 0, True, "off", None, None), sampling={},
+    Job(run_id="", ids=(), salt=b"", tenant="", plan=Plan((), (), 0, True, "off", None, None),
+        sampling={},
         max_tokens=0, stop=(), grammar=None),
 ]
 
@@ -213,6 +215,7 @@ def test_invalid_line(line: bytes) -> None:
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "7"), ("max_tokens", True), ("ids", "123"), ("stop", "</s>"),
     ("run_id", None), ("sampling", [["temperature", 0]]), ("salt", 5), ("salt", "not hex"),
+    ("tenant", None),
 ])
 def test_job_values_are_not_coerced(field: str, value: Any) -> None:
     with pytest.raises(ValueError):

@@ -1,0 +1,90 @@
+"""Tenants stay apart in the worker itself: a real `prefixgate worker --listen` process, sent
+jobs directly as a proxy would, including a proxy whose view of the worker is stale (it says
+`live_ok` for the wrong tenant, as after a request that failed before the worker ran it). The
+worker keeps live KV only for the tenant whose prompt it holds: on success, after a cancel,
+after a refused job."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from backend.protocol import Cancelled, Done, Event, Job, Prefill, Start, parse_event
+from policies.decide import Plan
+from tests.conftest import free_port
+from tests.deploy.test_remote_workers import WorkerProcess
+
+pytestmark = pytest.mark.model  # a real worker process (see tests/conftest.py)
+
+SHORT = tuple(range(1000, 1300))  # 300 token ids of the default model's vocabulary
+LONG = tuple(range(2000, 3600))  # long enough that a cancel lands during its prefill
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    w = WorkerProcess(tmp, free_port(), tmp / "cache")
+    yield w
+    w.stop()
+
+
+def job(ids: tuple[int, ...], tenant: str, run_id: str = "r", keep_max: int | None = None
+        ) -> Job:
+    """A job whose plan lets the worker keep any live KV (live_ok): the proxy's view."""
+    plan = Plan((), (), len(ids) - 2 if keep_max is None else keep_max, True, "off", None, None)
+    return Job(run_id, ids, b"", tenant, plan, {"temperature": 0.0}, 1, (), None)
+
+
+def run(w: WorkerProcess, j: Job, cancel_at_prefill: bool = False) -> list[Event]:
+    conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=300)
+    conn.request("POST", "/run", body=json.dumps(j.to_wire()),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        conn.close()
+        return []
+    events: list[Event] = []
+    while line := resp.readline():
+        ev = parse_event(line)
+        events.append(ev)
+        if cancel_at_prefill and isinstance(ev, Prefill) and len(events) == 2:
+            c = http.client.HTTPConnection("127.0.0.1", w.port, timeout=30)
+            c.request("POST", "/cancel", body=json.dumps({"run_id": j.run_id}))
+            assert c.getresponse().status == 200
+            c.close()
+    conn.close()
+    return events
+
+
+def kept(events: list[Event]) -> int:
+    start = events[0]
+    assert isinstance(start, Start), events
+    return start.keep
+
+
+def test_a_tenant_never_keeps_another_tenants_live_kv(worker: WorkerProcess) -> None:
+    assert kept(run(worker, job(SHORT, "a"))) == 0  # cold
+    assert kept(run(worker, job(SHORT, "a"))) == len(SHORT) - 2  # its own live KV
+    # b with a plan that allows live reuse (a stale proxy view): nothing of a's is kept
+    assert kept(run(worker, job(SHORT, "b"))) == 0
+    assert kept(run(worker, job(SHORT, "b"))) == len(SHORT) - 2  # now b's own
+    assert kept(run(worker, job(SHORT, "a"))) == 0
+
+
+def test_a_refused_job_does_not_change_the_owner(worker: WorkerProcess) -> None:
+    run(worker, job(SHORT, "a"))
+    assert run(worker, job(SHORT, "b", keep_max=len(SHORT))) == []  # malformed: a 400
+    assert kept(run(worker, job(SHORT, "b"))) == 0  # the KV is still a's
+    assert kept(run(worker, job(SHORT, "a"))) == 0  # and now b's, not a's
+
+
+def test_after_a_cancel_the_kv_is_the_cancelled_tenants(worker: WorkerProcess) -> None:
+    events = run(worker, job(LONG, "a", run_id="cancel-me"), cancel_at_prefill=True)
+    assert isinstance(events[-1], Cancelled) or isinstance(events[-1], Done), events[-1]
+    live = next(e.n_live for e in events if isinstance(e, Cancelled | Done))
+    assert live > 0
+    assert kept(run(worker, job(LONG, "b"))) == 0  # a's partial prefill is not b's
+    assert kept(run(worker, job(LONG, "b"))) == len(LONG) - 2
