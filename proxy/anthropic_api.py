@@ -68,8 +68,8 @@ from proxy.edge import (
     failed,
     gone,
     model_card,
-    prepare,
-    read_json,
+    parse_body,
+    read_body,
     reject,
     serve,
     sse_response,
@@ -453,13 +453,17 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await serve(request, "anthropic", parse_request, anthropic_response, _respond)
 
 
+def _count_only(body: Any, tenant: str) -> ChatRequest:
+    return parse_request(body, tenant, count_only=True)
+
+
 async def count_tokens(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
         tenant = check_auth(request)
-        req = parse_request(await read_json(request), tenant, count_only=True)
+        req = await gw.offload(parse_body, await read_body(request), tenant, _count_only)
         try:
-            n = len(prepare(gw, req).rendered.ids)
+            n = len((await gw.prepare(req)).rendered.ids)
         except ContextOverflow as e:  # counting a prompt too long to run is still counting
             n = e.n_prompt
     except ApiError as e:

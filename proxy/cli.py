@@ -38,6 +38,9 @@ def serve(cfg: Config) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _listen(cfg.host, cfg.port)
+    # the render thread parses and renders big requests; let it hand the GIL to the event
+    # loop every millisecond (5 by default), so other clients' latency stays low meanwhile
+    sys.setswitchinterval(0.001)
     try:
         web.run_app(make_app(cfg), sock=sock, print=None, access_log=None)
     except StartupError as e:  # a worker that cannot serve this proxy: say why, no traceback

@@ -36,7 +36,6 @@ from proxy.config import Config
 from proxy.errors import ApiError, BadRequest, TooLarge, Unauthorized, internal_error
 from proxy.gateway import Gateway
 from proxy.metrics import Metrics
-from proxy.prompt import Prepared
 from proxy.run import Run
 from proxy.workers import Pool
 
@@ -59,8 +58,8 @@ def model_id_of(path: str) -> str:
     return Path(path).name.removesuffix(".gguf")
 
 
-async def read_json(request: web.Request) -> Any:
-    """The JSON body, parsed and checked against proxy/limits.py's bounds."""
+async def read_body(request: web.Request) -> bytes:
+    """The raw body (size and encoding checked); `parse_body` then parses it off the loop."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -73,9 +72,15 @@ async def read_json(request: web.Request) -> Any:
                          f"{encoding!r}; send it uncompressed or correctly encoded") from None
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
+    return raw
+
+
+def parse_body(raw: bytes, tenant: str, parse: Parse) -> ChatRequest:
+    """JSON, checked against proxy/limits.py's bounds, then the API's own parser (blocking:
+    tens of ms for a large conversation, so the gateway's render thread runs it)."""
     body = limits.load(raw)
     limits.check_request(body)
-    return body
+    return parse(body, tenant)
 
 
 def api_key_of(request: web.Request) -> str:
@@ -127,31 +132,6 @@ def model_card(app: web.Application) -> dict[str, Any]:
             "context_length": cfg.n_ctx, "max_model_len": cfg.n_ctx}
 
 
-def prepare(gw: Gateway, req: ChatRequest) -> Prepared:
-    """`gw.prepare`, where an exception of any type raised inside the model's chat template
-    (untrusted code from the model file: a division by zero, an include, unbounded recursion)
-    is a 400 naming the template, as a jinja2.TemplateError already is."""
-    try:
-        return gw.prepare(req)
-    except ApiError:
-        raise
-    except Exception as e:
-        if not _raised_in_template(e):
-            raise
-        raise BadRequest(f"the model's chat template failed on these messages: "
-                         f"{type(e).__name__}: {e}", param="messages") from None
-
-
-def _raised_in_template(e: BaseException) -> bool:
-    """Jinja compiles a template from a string to code whose file name is "<template>"."""
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<template>":
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def reject(request: web.Request, api: str, e: ApiError, error: ErrorResponse
            ) -> web.Response:
     """An error before the response started: counted, logged, in the API's own shape."""
@@ -190,8 +170,8 @@ async def serve(request: web.Request, api: str, parse: Parse, error: ErrorRespon
     gw = request.app[GATEWAY]
     try:
         tenant = check_auth(request)
-        req = parse(await read_json(request), tenant)
-        run = await gw.start(prepare(gw, req))
+        req = await gw.offload(parse_body, await read_body(request), tenant, parse)
+        run = await gw.start(await gw.prepare(req))
     except ApiError as e:
         return reject(request, api, e, error)
     except Exception as e:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -34,6 +36,8 @@ from proxy.run import Run, RunDeps
 from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")
+
+T = TypeVar("T")
 
 RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
 SHUTDOWN_COMMIT_WAIT_S = 30.0  # how long a stopping proxy waits for snapshots being written
@@ -67,6 +71,7 @@ class Gateway:
         self.default_scope = parse_scope(cfg.disk_prefix_cache)
         self.ring = Ring(RING_CAPACITY)
         self._background: set[asyncio.Task[None]] = set()
+        self._render = ThreadPoolExecutor(1, thread_name_prefix="render")
         self.deps = RunDeps(pool, cache, metrics, self.spawn, cfg.request_timeout_s)
 
     async def open(self) -> None:
@@ -75,8 +80,14 @@ class Gateway:
             for tenant, ids in await self.cache.read(self.cache.ring_load):
                 self.ring.push(tenant, ids)
 
-    def prepare(self, req: ChatRequest) -> Prepared:
-        return self.prompts.prepare(req, self.cfg.n_ctx, self.default_scope)
+    async def offload(self, fn: Callable[..., T], *args: object) -> T:
+        """Run CPU work of a request (parse, render, tokenize) on the render thread: one at a
+        time (the template's and the tokenizer's caches are not shared across threads), never
+        on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._render, fn, *args)
+
+    async def prepare(self, req: ChatRequest) -> Prepared:
+        return await self.offload(self.prompts.prepare, req, self.cfg.n_ctx, self.default_scope)
 
     async def start(self, prep: Prepared) -> Run:
         ids = prep.rendered.ids
@@ -139,3 +150,4 @@ class Gateway:
             for t in late:
                 t.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+        self._render.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,7 @@
     check_request(body, limits)      the fields both APIs share: messages, stop strings, tools
 
 Rules:
-- Every request body goes through here first (proxy/edge.py's `read_json`, used by every
+- Every request body goes through here first (proxy/edge.py's `parse_body`, used by every
   handler that takes a body), so nothing past the edge meets a RecursionError, an integer
   too long to print, a lone surrogate or an unbounded list. Whatever breaks a bound is a
   `BadRequest` (400) whose message says where, the value, the limit and its name.

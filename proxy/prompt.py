@@ -149,8 +149,15 @@ class PromptBuilder:
                              param="messages") from None
         except CannotContinue as e:
             raise BadRequest(str(e), param="messages") from None
+        except Exception as e:  # any other failure inside the template: untrusted code
+            if not _raised_in_template(e):
+                raise
+            raise BadRequest(f"the model's chat template failed on these messages: "
+                             f"{type(e).__name__}: {e}", param="messages") from None
 
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:
+        """Blocking (rendering a long conversation takes milliseconds): the gateway runs it on
+        its render thread."""
         t0 = time.perf_counter()
         try:
             scope = parse_scope(req.scope or format_scope(default_scope), req.window)
@@ -166,3 +173,13 @@ class PromptBuilder:
         room = n_ctx - n
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         return Prepared(req, rendered, scope, max_tokens, t0, grammar)
+
+
+def _raised_in_template(e: BaseException) -> bool:
+    """Jinja compiles a template from a string to code whose file name is "<template>"."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False

@@ -238,3 +238,28 @@ def test_a_template_that_refuses_the_messages_is_a_400(tok: Tokenizer) -> None:
     with pytest.raises(BadRequest, match="roles must alternate"):
         builder.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},
                                                {"role": "user", "content": "Again"})), 4096, off)
+
+
+# Any exception raised inside the model's chat template (untrusted code from the model file) is a
+# 400 naming the template; an exception from prefixgate's own code is not (it is a bug: a 500).
+HOSTILE_TEMPLATES = {
+    "include": '{% include "other.jinja" %}',
+    "import": '{% import "macros.jinja" as m %}',
+    "huge range": "{% for i in range(100001) %}{% endfor %}",
+    "zero division": "{{ 1 / 0 }}",
+    "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    "raise_exception": "{{ raise_exception('roles must alternate') }}",  # a TemplateError
+}
+
+
+@pytest.mark.parametrize("source", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES.keys())
+def test_any_exception_inside_the_template_is_a_400(tok: Tokenizer, source: str) -> None:
+    from policies.scope import Scope
+    from proxy.chat import ChatRequest
+    from proxy.errors import BadRequest
+    from proxy.prompt import PromptBuilder
+
+    builder = PromptBuilder(ChatTemplate(source, "", ""), tok)
+    with pytest.raises(BadRequest, match="chat template"):
+        builder.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},)), 4096,
+                        Scope("off"))
