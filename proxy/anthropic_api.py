@@ -61,6 +61,7 @@ from proxy.chat import (
 from proxy.edge import (
     CONFIG,
     GATEWAY,
+    LIMITS,
     MODEL_ID,
     cache_headers,
     check_auth,
@@ -461,7 +462,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
         tenant = check_auth(request)
-        req = await gw.offload(parse_body, await read_body(request), tenant, _count_only)
+        req = await gw.offload(parse_body, await read_body(request), tenant, _count_only,
+                               request.app[LIMITS])
         try:
             n = len((await gw.prepare(req)).rendered.ids)
         except ContextOverflow as e:  # counting a prompt too long to run is still counting

@@ -24,7 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 
 from backend.index import Index
-from proxy import anthropic_api, openai_api
+from proxy import anthropic_api, limits, openai_api
 from proxy.cache import DiskCache
 from proxy.config import Config, cache_identity
 from proxy.edge import (
@@ -32,6 +32,7 @@ from proxy.edge import (
     CACHE,
     CONFIG,
     GATEWAY,
+    LIMITS,
     METRICS,
     MODEL_ID,
     POOL,
@@ -49,7 +50,6 @@ from proxy.errors import (
     openai_response,
 )
 from proxy.gateway import Gateway, knobs_of
-from proxy.limits import LIMITS
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.workers import Pool
@@ -198,7 +198,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def make_app(cfg: Config) -> web.Application:
-    app = web.Application(client_max_size=LIMITS.max_body_bytes, middlewares=[error_middleware])
+    bounds = limits.with_overrides(cfg.limits)
+    app = web.Application(client_max_size=bounds.max_body_bytes, middlewares=[error_middleware])
+    app[LIMITS] = bounds
     logging.getLogger("aiohttp.server").addFilter(ONE_LINE_REFUSALS)  # once, however many apps
     app[CONFIG] = cfg
     app[METRICS] = Metrics()

@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 
+from proxy import limits
 from proxy.config import WORKER_FIELDS, Config, add_arguments, cache_identity, from_args
 
 
@@ -37,6 +38,10 @@ def serve(cfg: Config) -> None:
 
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        limits.with_overrides(cfg.limits)
+    except ValueError as e:  # said before anything starts
+        raise SystemExit(f"prefixgate: {e}") from None
     sock = _listen(cfg.host, cfg.port)
     # the render thread parses and renders big requests; let it hand the GIL to the event
     # loop every millisecond (5 by default), so other clients' latency stays low meanwhile

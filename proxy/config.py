@@ -78,6 +78,8 @@ class Config:
     # stable first: tool schemas before the system text where prefixgate writes them, and the
     # volatile blocks moved behind the stable part; off: the client's layout as it is
     stable_layout: bool = True
+    # NAME=VALUE overrides of the request bounds (proxy/limits.py, listed in the README)
+    limits: tuple[str, ...] = ()
     debug_trace: bool = False  # log the first mismatching token of a miss
     log_level: str = "INFO"
 
@@ -99,6 +101,8 @@ _HELP = {
     "volatile_blocks": "regex of a volatile system-prompt block to move behind the stable part "
                        "(repeatable)",
     "stable_layout": "tools before system text, volatile blocks moved behind the stable part",
+    "limits": "a request bound NAME=VALUE, e.g. max_messages=50000 (repeatable; env: one per "
+              "line)",
     "worker_url": "URL of a remote worker instead of --workers (repeatable; env comma-separated)",
 }
 
@@ -117,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
             p.add_argument("--" + f.name[:-1].replace("_", "-"), dest=f.name, action="append",
                            default=None,
                            help=help_)
+        elif f.name == "limits":
+            p.add_argument("--limit", dest=f.name, action="append", default=None,
+                           metavar="NAME=VALUE", help=help_)
         elif f.name == "worker_url":
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help_)
         else:

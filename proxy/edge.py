@@ -42,6 +42,7 @@ from proxy.workers import Pool
 log = logging.getLogger("prefixgate")
 
 CONFIG = web.AppKey("config", Config)
+LIMITS = web.AppKey("limits", limits.Limits)
 GATEWAY = web.AppKey("gateway", Gateway)
 METRICS = web.AppKey("metrics", Metrics)
 POOL = web.AppKey("pool", Pool)
@@ -63,8 +64,8 @@ async def read_body(request: web.Request) -> bytes:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise TooLarge(f"the request body is over {limits.LIMITS.max_body_bytes} bytes (limit "
-                       "max_body_bytes)") from None
+        raise TooLarge(f"the request body is over {request.app[LIMITS].max_body_bytes} bytes "
+                       "(limit max_body_bytes)") from None
     except web.RequestPayloadError:  # e.g. Content-Encoding: gzip on a body that is not gzip
         request.content.feed_eof()  # handled: aiohttp does not log it again after the response
         encoding = request.headers.get("Content-Encoding", "")
@@ -75,11 +76,11 @@ async def read_body(request: web.Request) -> bytes:
     return raw
 
 
-def parse_body(raw: bytes, tenant: str, parse: Parse) -> ChatRequest:
+def parse_body(raw: bytes, tenant: str, parse: Parse, bounds: limits.Limits) -> ChatRequest:
     """JSON, checked against proxy/limits.py's bounds, then the API's own parser (blocking:
     tens of ms for a large conversation, so the gateway's render thread runs it)."""
-    body = limits.load(raw)
-    limits.check_request(body)
+    body = limits.load(raw, bounds)
+    limits.check_request(body, bounds)
     return parse(body, tenant)
 
 
@@ -170,7 +171,8 @@ async def serve(request: web.Request, api: str, parse: Parse, error: ErrorRespon
     gw = request.app[GATEWAY]
     try:
         tenant = check_auth(request)
-        req = await gw.offload(parse_body, await read_body(request), tenant, parse)
+        req = await gw.offload(parse_body, await read_body(request), tenant, parse,
+                               request.app[LIMITS])
         run = await gw.start(await gw.prepare(req))
     except ApiError as e:
         return reject(request, api, e, error)

@@ -20,6 +20,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -55,6 +56,20 @@ class Limits:
 
 
 LIMITS = Limits()
+
+
+def with_overrides(pairs: tuple[str, ...], base: Limits = LIMITS) -> Limits:
+    """`--limit NAME=VALUE` (repeatable): the defaults with these bounds replaced. Raises
+    ValueError naming what is wrong."""
+    names = Limits.__dataclass_fields__
+    values: dict[str, int] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name.strip() not in names or not value.strip().isdigit():
+            raise ValueError(f"--limit {pair!r}: use NAME=VALUE with a positive integer, NAME one "
+                             f"of {', '.join(names)}")
+        values[name.strip()] = int(value)
+    return dataclasses.replace(base, **values)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

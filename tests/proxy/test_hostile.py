@@ -30,6 +30,7 @@ from proxy import edge, tools
 from proxy.app import error_middleware
 from proxy.chat import ChatRequest
 from proxy.errors import BadRequest, openai_response
+from proxy.limits import LIMITS
 from proxy.metrics import Metrics
 from tests.conftest import Server, running
 from tests.proxy.test_limits import hostile
@@ -310,6 +311,7 @@ async def test_a_bug_is_a_500_in_the_api_shape(caplog: pytest.LogCaptureFixture)
 
     app[edge.GATEWAY] = SimpleNamespace(offload=offload)  # type: ignore[assignment]
     app[edge.METRICS] = Metrics()
+    app[edge.LIMITS] = LIMITS
     app.router.add_post("/v1/chat/completions", api)
     app.router.add_post("/v1/messages", route)
     app.router.add_get("/props", route)

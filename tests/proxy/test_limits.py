@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -183,3 +184,13 @@ def test_generated_hostile_bodies_are_parsed_or_refused() -> None:
         json.dumps(body, ensure_ascii=False).encode()  # what was parsed can be encoded again
         outcomes["parsed"] += 1
     assert min(outcomes.values()) > 300, outcomes
+
+
+def test_limits_are_configurable_by_name() -> None:
+    from proxy.limits import LIMITS, with_overrides
+
+    assert with_overrides(("max_messages=50000", "max_depth=10")) == \
+        replace(LIMITS, max_messages=50000, max_depth=10)
+    for bad in ("max_messages", "nope=3", "max_depth=-1", "max_depth=ten"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            with_overrides((bad,))
