@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -85,9 +86,37 @@ def with_new_turn(body: dict[str, Any], rep: int) -> dict[str, Any]:
     return {**body, "messages": messages}
 
 
-def measure_proxy(target: int, reps: int) -> dict[str, Any]:
+def fill(cache: Any, prompt: Any, n: int, shape: str, seed: int = 3) -> None:
+    """`n` more stored entries, as other sessions leave them (`shape` "sessions": 200 sessions
+    that share this prompt up to one of its message starts, then go their own way, each with a
+    snapshot at every turn end; "adversarial": every entry branches off this prompt at a
+    different random token, the worst case for the lookup's walk)."""
+    from backend.protocol import Saved
+
+    rng = random.Random(seed)
+    ids, starts = prompt.ids, [p for p, _ in prompt.message_starts] or [len(prompt.ids) // 2]
+
+    def save(i: int, entry: tuple[int, ...]) -> None:
+        key = f"{i:032x}"
+        cache.commit(Saved(len(entry), key, "growing", f"kv/{key}.kv", 1, 0, 0.0), "", entry)
+
+    if shape == "adversarial":
+        for i in range(n):
+            cut = rng.randrange(1, len(ids))
+            save(i, ids[:cut] + tuple(rng.randrange(49_000) for _ in range(50)))
+        return
+    sessions = 200
+    for s in range(sessions):
+        path = ids[: rng.choice(starts)]
+        for t in range(n // sessions):
+            path += tuple(rng.randrange(49_000) for _ in range(300))  # one more turn
+            save(s * (n // sessions) + t, path)
+
+
+def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "sessions"
+                  ) -> dict[str, Any]:
     from backend.index import Index
-    from backend.keys import CacheIdentity
+    from backend.keys import CacheIdentity, prefix_keys
     from backend.protocol import Saved
     from bench.prompts import load_builder, prepare
     from policies.decide import WorkerFacts, decide
@@ -120,10 +149,13 @@ def measure_proxy(target: int, reps: int) -> dict[str, Any]:
             prep = prepare(builder, earlier)
             _, plan = decide_one(prep)
             ring.push("", prep.rendered.ids)
-            for s in plan.saves:
-                cache.commit(Saved(s.n_tokens, s.key.hex(), s.reason, f"kv/{s.key.hex()}.kv",
-                                   1, 0, 0.0), "", {})
+            for s in plan.saves:  # as a worker keys and writes them
+                key = prefix_keys(cache.salt(""), prep.rendered.ids, [s.n_tokens])[s.n_tokens]
+                cache.commit(Saved(s.n_tokens, key.hex(), s.reason, f"kv/{key.hex()}.kv", 1, 0,
+                                   0.0), "", prep.rendered.ids)
         prev_n = len(prepare(builder, rows[-2]).rendered.ids)
+        if entries:  # other sessions' snapshots: the lookup walks a bigger tree
+            fill(cache, prepare(builder, rows[-2]).rendered, entries, fill_shape)
         variants = iter(range(10**6))
 
         def fresh_raw() -> bytes:
@@ -155,6 +187,7 @@ def measure_proxy(target: int, reps: int) -> dict[str, Any]:
     n = len(prep.rendered.ids)
     return {
         "target_tokens": target, "prompt_tokens": n, "messages": len(body["messages"]),
+        "stored_entries": len(cache),
         "uncached_tail_tokens": n - prev_n, "reps": reps,
         "parse_ms": parse, "prepare_ms": prepare_t, "render_ms": render_t,
         "tokenize_ms": tokenize, "decide_ms": decide_t,
@@ -216,11 +249,12 @@ def markdown(res: dict[str, Any]) -> str:
         "other load on the machine); wall ms in parentheses. Worker = prefill of the uncached "
         f"tail + a {DECODE_TOKENS}-token decode on the real model.",
         "",
-        "| prompt tokens | new tail tokens | parse | prepare (render + tokenize + boundaries) "
+        "| prompt tokens | stored entries | new tail tokens | parse "
+        "| prepare (render + tokenize + boundaries) "
         "| of which render | of which tokenize | decide | **proxy total** | worker | "
         "proxy / worker | proxy / worker CPU per thread | **proxy / worker floor** | "
         "cold prepare (new conversation) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(v: Any) -> str:
@@ -232,7 +266,8 @@ def markdown(res: dict[str, Any]) -> str:
         w = r["worker"]
         est = "" if w["measured"] else " (estimated)"
         lines.append(
-            f"| {r['prompt_tokens']} | {r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
+            f"| {r['prompt_tokens']} | {r.get('stored_entries', '-')} | "
+            f"{r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
             f"{ms(r['prepare_ms'])} | {ms(r['render_ms'])} | {ms(r['tokenize_ms'])} | "
             f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {w['worker_ms']:.0f}{est} | "
             f"{r['proxy_fraction_of_worker']:.3%} | "
@@ -259,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker-sizes", default="2000",
                    help="sizes whose worker time is measured on the model (the rest estimated)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--entries", type=int, default=0,
+                   help="fill the cache with this many more entries first (e.g. 10000)")
+    p.add_argument("--fill", default="sessions", choices=["sessions", "adversarial"],
+                   help="how those entries branch off the measured prompt (see fill())")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--markdown-only", action="store_true",
@@ -274,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for size in sizes:
         print(f"proxy stages at {size} tokens ...", file=sys.stderr)
-        rows.append(measure_proxy(size, a.reps))
+        rows.append(measure_proxy(size, a.reps, a.entries, a.fill))
     workers = {}
     for size in sorted(measured_sizes):
         print(f"worker at {size} tokens ...", file=sys.stderr)
