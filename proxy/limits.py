@@ -71,6 +71,7 @@ def with_overrides(pairs: tuple[str, ...], base: Limits = LIMITS) -> Limits:
         values[name.strip()] = int(value)
     return dataclasses.replace(base, **values)
 
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
