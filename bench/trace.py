@@ -170,16 +170,4 @@ def load_rows(path: str | Path, fmt: str = "auto", turns: int | None = None
 def load_trace(path: str | Path, fmt: str = "auto", tool_blocks: str = "openai",
                turns: int | None = None) -> list[dict[str, Any]]:
     """The rows of a JSONL trace as OpenAI chat bodies, in order (the first `turns` only)."""
-    bodies = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not JSON: {e}") from None
-            bodies.append(to_openai(row, fmt, tool_blocks))
-            if turns is not None and len(bodies) >= turns:
-                break
-    return bodies
+    return [to_openai(row, kind, tool_blocks) for kind, row in load_rows(path, fmt, turns)]
