@@ -1,0 +1,119 @@
+"""A worker that dies in the middle of a request, behind a real prefixgate, on both APIs.
+
+The worker is a fake (a real aiohttp app on a loopback port, answering `/health` as a worker of
+this model would and replaying scripted events on `/run`), because a real worker cannot be made
+to die at an exact point of its stream on demand. The proxy is real: it takes it as a remote
+worker (`--worker-url`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from backend.protocol import Prefill, Start, Token, encode_event
+from proxy.config import Config, cache_identity
+from tests.conftest import N_CTX, Server, free_port, running
+
+pytestmark = pytest.mark.model  # a real proxy process (see tests/conftest.py)
+
+
+class DyingWorker:
+    """Answers like a worker of the default model; every run streams a start, a prefill batch
+    and one token, then the connection drops with no end of stream."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.fingerprint = cache_identity(Config(n_ctx=N_CTX)).fingerprint().hex()
+        self.runs = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._started.wait(30)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "worker_id": 0, "n_ctx": N_CTX,
+                                  "fingerprint": self.fingerprint, "boot_id": "fake",
+                                  "model": "fake", "pid": 0, "cache_volume": ""})
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        self.runs += 1
+        job = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        n = len(job["ids"])
+        for ev in (Start(0, 0, 0.0, ()), Prefill(n), Token(42, "Once")):
+            await resp.write(encode_event(ev))
+        assert request.transport is not None
+        request.transport.abort()  # as a killed process: no end of stream
+        return resp
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/run", self.run)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._started.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, DyingWorker]]:
+    worker = DyingWorker()
+    with running(tmp_path_factory.mktemp("dying"), "--worker-url",
+                 f"http://127.0.0.1:{worker.port}", "--disk-prefix-cache", "off") as srv:
+        yield srv, worker
+    worker.stop()
+
+
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def test_openai_a_worker_dying_mid_request_is_a_503(proxy: tuple[Server, DyingWorker]) -> None:
+    srv, worker = proxy
+    c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)  # type: ignore
+    assert e.value.status_code == 503
+    err = e.value.body
+    assert isinstance(err, dict) and err["type"] == "api_error" and "worker" in err["message"]
+    # streamed: the 200 already went out, so the failure is an error event in the stream
+    stream = c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50,  # type: ignore
+                                       stream=True)
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    assert worker.runs == 2
+
+
+def test_anthropic_a_worker_dying_mid_request_is_overloaded(
+        proxy: tuple[Server, DyingWorker]) -> None:
+    srv, _ = proxy
+    c = anthropic.Anthropic(base_url=srv.url, api_key="k", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.APIStatusError) as e:
+        c.messages.create(model="m", max_tokens=50, messages=MESSAGES)  # type: ignore
+    assert e.value.status_code == 503
+    body = e.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "overloaded_error", json.dumps(body)
+
+
+def test_the_proxy_stays_up_and_healthy(proxy: tuple[Server, DyingWorker]) -> None:
+    srv, _ = proxy
+    status, body = srv.get("/health")
+    assert status == 200 and json.loads(body)["workers"][0]["busy"] is False
+    assert "Traceback" not in srv.log()
