@@ -674,7 +674,12 @@ def markdown(res: dict[str, Any], note: str = "") -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # `make bench` installs it; the tables are written either way
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')",
+              file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
