@@ -17,7 +17,8 @@ Rules of the state machine:
   `Count` otherwise, unless the cancel was counted when it was asked for), ends the consumer's
   stream (`Finish`, or `Fail` on an error) and releases the worker (`Release`) with what its KV
   holds exactly: prompt and generated tokens up to `Done.n_live`, the prompt up to the last
-  `Prefill` otherwise, nothing after a shutdown.
+  `Prefill` otherwise, nothing after a shutdown; after a lost stream the worker is *suspect*
+  (it may have died: the pool takes it out until it answers again).
 - Snapshots are committed as their `Saved` arrive (`Commit`), also after the end: the run is
   *closed* once the saves announced by `Done`/`Cancelled` are all in. After a failure, saves
   still missing are lost (`LostSaves`).
@@ -138,6 +139,7 @@ class Count:
 @dataclass(frozen=True, slots=True)
 class Release:
     live_ids: tuple[int, ...]
+    suspect: bool = False  # its stream was lost: it may have died (see Pool.release)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +263,7 @@ class RunState:
         if self.ended:
             return [LostSaves(ev.message)] if pending else []
         return self._end("cancelled" if self.abandoned else "error", self.ids[: self.live_n],
-                         failure=ev.message)
+                         failure=ev.message, suspect=isinstance(ev, StreamLost))
 
     def _shutdown(self, ev: Shutdown) -> list[Effect]:
         self.saves_expected = self.saves_seen
@@ -273,8 +275,8 @@ class RunState:
         self.abandoned = True
         return [Count("cancelled"), SendCancel()]
 
-    def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None
-             ) -> list[Effect]:
+    def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None,
+             suspect: bool = False) -> list[Effect]:
         if self.ended:
             return []
         self.ended = True
@@ -287,7 +289,7 @@ class RunState:
             fx.append(Record())
         elif not self.abandoned:  # a cancel was counted when it was asked for
             fx.append(Count(outcome))
-        fx.append(Release(tuple(live)))
+        fx.append(Release(tuple(live), suspect))
         return fx
 
 
@@ -321,7 +323,8 @@ class WorkerClient(Protocol):
 
 
 class Releaser(Protocol):
-    async def release(self, w: Any, live_ids: list[int], tenant: str = "") -> None: ...
+    async def release(self, w: Any, live_ids: list[int], tenant: str = "",
+                      suspect: bool = False) -> None: ...
 
 
 class Committer(Protocol):
@@ -529,7 +532,7 @@ class Run:
             log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d",
                      self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source, st.outcome,
                      len(fx.live_ids), self.worker.worker_id)
-        await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant)
+        await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect)
 
     async def _send_cancel(self, fx: SendCancel) -> None:
         """The worker stops at its next prefill batch or token and keeps what it prefilled; a

@@ -57,7 +57,9 @@ PROBE_INTERVAL_S = 1.0  # remote health probes
 PROBE_TIMEOUT_S = 3.0
 PROBE_TIMEOUTS_DOWN = 3  # consecutive probe timeouts that mark a remote worker down
 CONNECT_TIMEOUT_S = 10.0  # connecting to a worker for a run
-CANCEL_TIMEOUT_S = 2.0  # a cancel the worker does not answer in time: close the stream instead
+CANCEL_TIMEOUT_S = 2.0
+RECHECK_TRIES = 40  # after a lost stream: health probes before leaving it to its supervisor
+RECHECK_INTERVAL_S = 0.25  # a cancel the worker does not answer in time: close the stream instead
 
 _UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -107,6 +109,7 @@ class Worker:
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
     acquired_at_restarts: int = 0  # `restarts` when acquired: a release after a restart is empty
     streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
+    checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
 
     @property
     def remote(self) -> bool:
@@ -205,6 +208,7 @@ class Pool:
         self._waiting = 0
         self._tmpdir = tempfile.mkdtemp(prefix="prefixgate-")
         self._tasks: list[asyncio.Task[None]] = []
+        self._rechecks: set[asyncio.Task[None]] = set()
         self._closing = False
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -226,9 +230,9 @@ class Pool:
 
     async def close(self) -> None:
         self._closing = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._rechecks]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._rechecks, return_exceptions=True)
         for w in self.workers:
             if w.process and w.process.returncode is None:
                 w.process.terminate()
@@ -399,6 +403,24 @@ class Pool:
             await self._set_ready(w, True)
             log.info("%s is back (pid %s)", w.name, h.get("pid", "-"))
 
+    async def _recheck(self, w: Worker) -> None:
+        boot_id = w.boot_id
+        try:
+            for _ in range(RECHECK_TRIES):
+                if w.process is not None and w.process.returncode is not None:
+                    return  # it died: its supervisor restarts it
+                try:
+                    h = await w.health(PROBE_TIMEOUT_S)
+                except _UNREACHABLE:
+                    await asyncio.sleep(RECHECK_INTERVAL_S)
+                    continue
+                if str(h.get("boot_id", "")) == boot_id and not self._closing:
+                    log.info("%s answers again after a lost stream", w.name)
+                    await self._set_ready(w, True)
+                return  # a new boot id: restarted, its supervisor or watcher takes it back
+        finally:
+            w.checking = False
+
     async def _lose(self, w: Worker, reason: str) -> None:
         await self._set_ready(w, False, reason)
         n = len(w.streams)
@@ -418,7 +440,8 @@ class Pool:
 
     def _check_reachable(self) -> None:
         """503 at once when no worker can take a request and none is coming back by itself."""
-        if self.workers and all(w.remote and not w.ready for w in self.workers):
+        if self.workers and all(w.remote and not w.ready and not w.checking
+                                for w in self.workers):
             why = "; ".join(f"{w.name}: {w.down_reason or 'down'}" for w in self.workers)
             raise WorkerFailed(f"no worker is reachable ({why}); retry when one is back")
 
@@ -446,7 +469,12 @@ class Pool:
         finally:
             self._waiting -= 1
 
-    async def release(self, w: Worker, live_ids: list[int], tenant: str = "") -> None:
+    async def release(self, w: Worker, live_ids: list[int], tenant: str = "",
+                      suspect: bool = False) -> None:
+        """The run is over. `suspect`: its stream was lost, so the worker may have died; it
+        takes no request until its /health answers with the same boot id (`_recheck`), and a
+        local worker that died is restarted by its supervisor meanwhile: requests queued behind
+        a crash wait for it instead of failing on the dead process."""
         async with self._cond:
             # a worker that restarted or went down while running this request holds nothing
             fresh = w.ready and w.restarts == w.acquired_at_restarts
@@ -454,5 +482,10 @@ class Pool:
             # an empty view belongs to nobody: a run that failed before the worker ran it
             # leaves the previous tenant's KV there, which the failing tenant must not reuse
             w.live_tenant = tenant if w.live_ids else ""
+            if suspect and w.ready:
+                w.ready, w.checking, w.live_ids = False, True, []
+                task = asyncio.create_task(self._recheck(w))
+                self._rechecks.add(task)
+                task.add_done_callback(self._rechecks.discard)
             w.busy = False
             self._cond.notify_all()

@@ -88,15 +88,27 @@ def test_a_worker_that_dies_fails_its_request_cleanly_and_comes_back(tmp_path: P
             except openai.APIError as e:
                 errors.append(e)
 
+        queued: list[str | None] = []
+
+        def waiting_request() -> None:  # queued behind the one that will crash
+            r = client(srv.v1).chat.completions.create(model="m", messages=LONG, max_tokens=4)
+            queued.append(r.choices[0].message.content)
+
         t = threading.Thread(target=long_request)
         t.start()
         assert generating.wait(120), errors  # killed mid-generation, not before or after it
+        behind = threading.Thread(target=waiting_request)
+        behind.start()
+        wait_for(lambda: queue_depth(srv) == 1, "the second request waits for the worker")
         pids = [int(line.split("pid ")[1].split(",")[0]) for line in srv.log().splitlines()
                 if "worker 0 ready (pid" in line]
         os.kill(pids[-1], signal.SIGKILL)
         t.join(60)
         assert not t.is_alive(), "the request must not hang"
         assert errors and isinstance(errors[0], openai.APIStatusError | openai.APIError)
+        # the queued request is not handed to the dead process: it waits for the restart
+        behind.join(180)
+        assert not behind.is_alive() and queued and queued[0] is not None
         wait_for(lambda: srv.get("/health")[0] == 200, "the worker is back")
         r = client(srv.v1).chat.completions.create(model="m", messages=LONG, max_tokens=4)
         assert r.choices[0].message.content is not None
