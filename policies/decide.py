@@ -22,8 +22,8 @@ Rules (the positions themselves are ``policies.plan``'s):
 3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window (exactly the
    longest shared token prefix, for ``auto``); the reused prefix is the longer of the live reuse
    and the longest stored entry; ``plan_saves`` picks the save points (``growing`` when a recent
-   prompt is a whole prefix), including any behind the reuse, which the worker snapshots from
-   the KV it holds.
+   prompt is a whole prefix, or the prompt opens a conversation), including any behind the
+   reuse, which the worker snapshots from the KV it holds.
 4. ``restore``: the stored entries longer than the live reuse, longest first (none when the
    live reuse already reaches ``keep_max``); the worker tries them in order, so a broken file
    falls back to the next one.
@@ -50,6 +50,7 @@ from policies.plan import (
     anchor_position,
     choose_scope_boundary,
     extends_recent,
+    opens_conversation,
     plan_saves,
 )
 from policies.scope import Scope
@@ -192,7 +193,9 @@ def decide(
     disk_n = stored.longest
     cached_n = min(max(live_n, disk_n), keep_max)
     saves = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
-                       stored.positions, knobs, growing=extends_recent(ids, window))
+                       stored.positions, knobs,
+                       growing=extends_recent(ids, window)
+                       or opens_conversation(facts.message_starts))
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = "miss" if disk_n == 0 else "hit" if disk_n >= target else "partial"
     return Plan(

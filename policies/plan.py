@@ -38,7 +38,8 @@ Rules:
     disables them;
   - the growing turn (``auto`` only, ``growing``): when a recent prompt in the window is a whole
     prefix of this one (``extends_recent``: an append-only conversation, the usual agent loop),
-    the prompt end, which the next turn will share. The scope boundary alone is one turn behind
+    or when this prompt opens a conversation (``opens_conversation``: messages and no assistant
+    message yet), the prompt end, which the next turn will share. The scope boundary alone is one turn behind
     there: it is where the *previous* prompt ended, so every turn after a restart would prefill
     the last two turns instead of one.
 
@@ -133,6 +134,11 @@ def choose_scope_boundary(
         return n if knobs.min_tokens <= n <= len(ids) and n > 0 else None
     shared = _longest_recent_prefix(ids, recent[: scope.window])
     return shared if shared > 0 and shared >= knobs.min_tokens else None
+
+
+def opens_conversation(starts: Sequence[MessageStart]) -> bool:
+    """Whether the prompt is a conversation's first turn: messages, and no assistant one yet."""
+    return bool(starts) and all(s.role != "assistant" for s in starts)
 
 
 def extends_recent(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> bool:

@@ -64,11 +64,12 @@ def test_the_conversation_is_append_only() -> None:
 
 CASES = [
     # mode, policy, cached per turn, sources, saves per turn
-    # restart, auto:30: the ring is read back from the index after each restart. Turn 2 extends
-    # turn 1, so besides what it shares with turn 1 (16, scoped) it stores its own end
-    # (growing); from turn 3 on each turn restores the whole previous prompt, as full does
-    ("restart", "auto:30", [0, 10, 26, 36], "nddd",
-     [((10, "cold"),), ((16, "scoped"), (26, "growing")), ((36, "growing"),),
+    # restart, auto:30: the ring is read back from the index after each restart. Turn 1 opens
+    # the conversation (no assistant message yet), so its end is stored (growing) besides the
+    # cold anchor; every later turn extends the one before, stores its own end and restores the
+    # whole previous prompt, as full does
+    ("restart", "auto:30", [0, 16, 26, 36], "nddd",
+     [((10, "cold"), (16, "growing")), ((26, "growing"),), ((36, "growing"),),
       ((46, "growing"),)]),
     # restart, full: the whole prompt is saved each turn and is the next prompt's header end
     ("restart", "full", [0, 16, 26, 36], "nddd",
@@ -80,10 +81,9 @@ CASES = [
     # restart, off: nothing survives
     ("restart", "off", [0, 0, 0, 0], "nnnn", [(), (), (), ()]),
     # live, auto:30: the live KV holds the previous prompt; auto's boundary is that prompt's end
-    # (shared with the ring's last prompt), snapshotted right where reuse ends on turn 2, stored
-    # already (as the growing end of the turn before) from turn 3 on
+    # (shared with the ring's last prompt), stored already as that turn's growing end
     ("live", "auto:30", [0, 16, 26, 36], "nlll",
-     [((10, "cold"),), ((16, "scoped"), (26, "growing")), ((36, "growing"),),
+     [((10, "cold"), (16, "growing")), ((26, "growing"),), ((36, "growing"),),
       ((46, "growing"),)]),
     # live, off: live reuse only
     ("live", "off", [0, 16, 26, 36], "nlll", [(), (), (), ()]),
@@ -105,12 +105,12 @@ def test_summary_numbers() -> None:
     auto = simulate(PROMPTS, "auto:30", "restart", KNOBS).summary(oracle)
     assert auto | {"mean_hit_ratio": 0, "oracle_mean_hit_ratio": 0} == {
         "policy": "auto:30", "mode": "restart", "requests": 4, "hits": 3, "disk_hits": 3,
-        "hit_rate": 0.75, "tokens_cached_per_hit": 72 / 3, "prompt_tokens": 124,
-        "cached_tokens": 72, "fresh_tokens": 52, "token_hit_ratio": 72 / 124,
+        "hit_rate": 0.75, "tokens_cached_per_hit": 78 / 3, "prompt_tokens": 124,
+        "cached_tokens": 78, "fresh_tokens": 46, "token_hit_ratio": 78 / 124,
         "mean_hit_ratio": 0, "saves": 5, "snapshot_tokens": 10 + 16 + 26 + 36 + 46,
-        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 6, "fresh_over_oracle": 52 / 46,
+        "oracle_fresh_tokens": 46, "excess_over_oracle_tokens": 0, "fresh_over_oracle": 1.0,
         "oracle_mean_hit_ratio": 0}
-    assert auto["mean_hit_ratio"] == pytest.approx((0 + 10 / 26 + 26 / 36 + 36 / 46) / 4)
+    assert auto["mean_hit_ratio"] == pytest.approx((0 + 16 / 26 + 26 / 36 + 36 / 46) / 4)
     assert auto["oracle_mean_hit_ratio"] == pytest.approx((0 + 16 / 26 + 26 / 36 + 36 / 46) / 4)
     full = simulate(PROMPTS, "full", "restart", KNOBS).summary(oracle)
     assert (full["fresh_tokens"], full["excess_over_oracle_tokens"]) == (46, 0)
@@ -153,10 +153,10 @@ def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-u
     # append-only: the oracle prefills the first prompt and each turn's growth; full matches it
     assert by["full"]["fresh_tokens"] == out["oracle"]["fresh_tokens"]
     assert by["full"]["excess_over_oracle_tokens"] == 0
-    # auto after every restart: turn 2 restores the cold anchor (the system prompt), turn 3
-    # turn 2's whole prompt (its growing end): only turn 2 prefills more than the oracle
+    # auto after every restart: turn 1 opens the conversation and stores its end, so each later
+    # turn restores the whole previous prompt (its growing end), as the oracle does
     assert by["auto:30"]["disk_hits"] == 2
-    assert by["auto:30"]["saves"] == 4  # cold anchor; scoped and growing; growing
-    assert 0 < by["auto:30"]["excess_over_oracle_tokens"] < by["auto:30"]["fresh_tokens"]
+    assert by["auto:30"]["saves"] == 4  # cold anchor and growing; growing; growing
+    assert by["auto:30"]["excess_over_oracle_tokens"] == 0
     assert "| auto:30 | restart |" in capsys.readouterr().out
     assert (tmp_path / "simulate-tiny.md").exists()

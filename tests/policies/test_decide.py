@@ -413,6 +413,21 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         Plan(restore=(), saves=saves((10, "cold"), (40, "full")), keep_max=38, live_ok=False,
              lookup="miss", boundary=40, anchor_skipped=None),
     ),
+    # --- a conversation's opening turn ---------------------------------------------------------
+    # An 18-token prompt with no assistant message yet (a session's first request): auto finds
+    # nothing shared, but the next turn will extend this one, so its end is saved (growing)
+    # beside the cold anchor.
+    (
+        facts("auto", 18), [], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold"), (18, "growing")), keep_max=16, live_ok=True,
+             lookup="miss", boundary=None, anchor_skipped=None),
+    ),
+    # The same under fixed 25 (not auto): no growing save, only the cold anchor.
+    (
+        facts("25", 18), [], stored(), COLD, K,
+        Plan(restore=(), saves=saves((10, "cold")), keep_max=16, live_ok=True,
+             lookup="miss", boundary=None, anchor_skipped=None),
+    ),
     # --- continued checkpoints -----------------------------------------------------------------
     # Every 15: 15 and 30 on a cold full prompt, between the anchor and the end.
     (

@@ -336,3 +336,22 @@ def test_a_growing_auto_prompt_also_snapshots_its_end() -> None:
                       growing=True) == SavePlan(saves((21500, "full"),), None)
     assert plan_saves(21500, 21000, FIXED_4000, 4000, 4000, {4000}, CacheKnobs(),
                       growing=True) == SavePlan((), None)
+
+
+# --- opens_conversation: a conversation's first turn (its end is auto's growing save) ---------
+from policies.plan import opens_conversation  # noqa: E402
+
+
+@pytest.mark.parametrize("starts,expected", [
+    # system and user, no reply yet: a session's first request
+    ((MessageStart(0, "system"), MessageStart(40, "user")), True),
+    # one user message alone
+    ((MessageStart(0, "user"),), True),
+    # a reply in the history: a later turn (extends_recent covers those)
+    ((MessageStart(0, "system"), MessageStart(40, "user"), MessageStart(60, "assistant"),
+      MessageStart(80, "user")), False),
+    # no messages located (a raw /v1/completions prompt): not a conversation
+    ((), False),
+])
+def test_opens_conversation(starts: tuple[MessageStart, ...], expected: bool) -> None:
+    assert opens_conversation(starts) is expected
