@@ -69,6 +69,14 @@ bench: $(BENCH_STAMP)
 		$(if $(TURNS),--turns $(TURNS)) $(if $(MAX_TOKENS),--max-tokens $(MAX_TOKENS)) \
 		$(if $(BUDGET_MIN),--time-budget-min $(BUDGET_MIN))
 
+# hypothesis-generated hostile requests on both APIs against a real server (issue 14):
+# make fuzz [FUZZ_REQUESTS=10000] [FUZZ_SEED=0]; exit status 1 on any 5xx, non-JSON error or crash
+FUZZ_REQUESTS ?= 10000
+FUZZ_SEED     ?= 0
+.PHONY: fuzz
+fuzz: $(STAMP)
+	$(BIN)/python -m bench.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED)
+
 simulate: $(STAMP)
 	$(BIN)/prefixgate simulate --trace $(TRACE) --policies $(POLICIES) --out bench/results
 
@@ -78,6 +86,15 @@ synth: $(STAMP)
 
 overhead: $(BENCH_STAMP)
 	$(BIN)/python -m bench.overhead
+
+# crash loop (issue 14): kill -9 the worker or the proxy at each phase of a save; exits 1 on an
+# answer that differs from a cold run's or a `prefixgate cache verify` that fails
+# make chaos [CHAOS_KILLS=100] [CHAOS_SEED=0]
+CHAOS_KILLS ?= 100
+CHAOS_SEED  ?= 0
+.PHONY: chaos
+chaos: $(STAMP)
+	$(BIN)/python -m bench.chaos --kills $(CHAOS_KILLS) --seed $(CHAOS_SEED)
 
 # --- real agent clients end to end (issue 4): each installs its client under build/e2e/, then
 # runs tests/e2e against a fresh prefixgate (n_ctx 65536). A cold agent prompt (12K-20K tokens)
