@@ -39,9 +39,9 @@ Rules:
   - the growing turn (``auto`` only, ``growing``): when a recent prompt in the window is a whole
     prefix of this one (``extends_recent``: an append-only conversation, the usual agent loop),
     or when this prompt opens a conversation (``opens_conversation``: messages and no assistant
-    message yet), the prompt end, which the next turn will share. The scope boundary alone is one turn behind
-    there: it is where the *previous* prompt ended, so every turn after a restart would prefill
-    the last two turns instead of one.
+    message yet), the prompt end, which the next turn will share. The scope boundary alone is
+    one turn behind there: it is where the *previous* prompt ended, so every turn after a
+    restart would prefill the last two turns instead of one.
 
   One reason per position, the strongest: ``full`` > ``scoped``/``growing`` >
   ``cold``/``anchor-refresh`` > ``continued``. Save points come out ascending, so the worker
