@@ -882,6 +882,7 @@ def main() -> None:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     tmp = Path(tempfile.mkdtemp(prefix="prefixgate-chaos-"))
     tally = None
     try:
