@@ -411,15 +411,20 @@ class Pool:
                     return  # it died: its supervisor restarts it
                 try:
                     h = await w.health(PROBE_TIMEOUT_S)
-                except _UNREACHABLE:
+                except asyncio.TimeoutError:  # slow, not dead: ask again
                     await asyncio.sleep(RECHECK_INTERVAL_S)
                     continue
+                except (aiohttp.ClientError, OSError) as e:  # refused: it is gone
+                    w.down_reason = f"unreachable after a lost stream ({e or type(e).__name__})"
+                    return  # a local one is restarted by its supervisor, a remote one probed
                 if str(h.get("boot_id", "")) == boot_id and not self._closing:
                     log.info("%s answers again after a lost stream", w.name)
                     await self._set_ready(w, True)
                 return  # a new boot id: restarted, its supervisor or watcher takes it back
         finally:
-            w.checking = False
+            async with self._cond:  # waiting requests look again (all remote ones down: 503)
+                w.checking = False
+                self._cond.notify_all()
 
     async def _lose(self, w: Worker, reason: str) -> None:
         await self._set_ready(w, False, reason)
