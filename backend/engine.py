@@ -1,9 +1,15 @@
 """One llama.cpp context and the exact-prefix execution of a plan. Blocking: call from one thread.
 
 Rules this module keeps:
-- The live KV of sequence 0 always holds exactly `llm.input_ids[:llm.n_tokens]`. Every change of
-  `n_tokens` is paired with a `seq_rm` of the positions past it, so a snapshot taken at any moment
-  holds KV for exactly `n_tokens` tokens (the exactness invariant of the cache).
+- The live state of sequence 0 always holds exactly `ids[:n_live]`. Every change of `n_live` is
+  paired with a `seq_rm` of the positions past it whose result is checked, so a snapshot taken
+  at any moment holds KV (and recurrent state) for exactly `n_live` tokens (the exactness
+  invariant of the cache).
+- The memory decides how far back the live state can be cut (`Memory`): plain attention to any
+  position; a real sliding window only while the window's cells are still there; a recurrent or
+  hybrid model not at all (its state exists at its last position only). `live_prefix` offers
+  only what can be kept, and a cut the memory refuses empties the state, never leaves it wrong:
+  the request then restores a snapshot or prefills cold.
 - Prefill runs in segments that stop exactly at each save point; the state is copied there with
   the per-sequence API (`llama_state_seq_get_data`), never `Llama.save_state` (whole context plus
   logits).
@@ -20,25 +26,30 @@ Rules this module keeps:
   on the batch around it (measured on a Sapphire Rapids Xeon: logits after the same 400 tokens
   prefilled as 400 or as 100 + 300 differed by up to 3.0, and a cache hit's greedy output
   differed from a cold run's). The engine loads the model without them (`use_extra_bufts`).
+  A recurrent state is one more reason never to cut back by a token: where the memory cannot,
+  a save point one token past the previous stop is skipped instead.
 - Cancellation is checked between prefill batches and between generated tokens.
 - A grammar llama.cpp cannot parse is a ValueError before the first sample (its sampler comes
   back NULL), never a crash of the worker.
+- Only llama.cpp's C API (the `llama_cpp` bindings) is used: model and context parameters set
+  directly (the KV cache types, flash attention on/off/auto, `swa_full`, no extra buffer types),
+  our own batch, memory calls and sampler chain.
 """
 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import llama_cpp
-import llama_cpp.llama as llama_cpp_llama
 import numpy as np
 
 log = logging.getLogger("prefixgate.engine")
@@ -111,27 +122,41 @@ class StopMatcher:
         return out
 
 
-@contextlib.contextmanager
-def _without_extra_buffer_types() -> Iterator[None]:
-    """`Llama()` takes no `use_extra_bufts` argument: hand it default model params with the
-    extra buffer types off while it loads (see the module rules: batch invariance)."""
-    low = llama_cpp_llama.llama_cpp
-    default = low.llama_model_default_params
+CACHE_TYPES: dict[str, int] = {  # llama.cpp's -ctk/-ctv names -> ggml types
+    "f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20,
+    "q5_0": 6, "q5_1": 7,
+}
+FLASH_ATTN = ("on", "off", "auto")
 
-    def params() -> Any:
-        p = default()
-        p.use_extra_bufts = False
-        return p
+MemoryKind = Literal["plain", "window", "recurrent"]
 
-    low.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        low.llama_model_default_params = default
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What the model's memory lets the live state do.
+
+    - ``plain``: attention KV for every position; cut back to any position.
+    - ``window``: sliding-window attention (``n_swa`` tokens): the window layers may hold only
+      the cells of the last window, so the state can be cut back only while the cells of the new
+      position's window are still there (``llama_memory_seq_pos_min``). With a real window
+      (``full`` false) they drop what falls behind it as the prompt grows; with a full-size
+      cache they keep everything they computed, but a restored snapshot holds only its last
+      window (llama.cpp does not write cells the window masks).
+    - ``recurrent``: a recurrent or hybrid model (Mamba, gated delta net, short conv beside
+      attention): the recurrent state exists only at its last position; never cut back.
+    """
+
+    kind: MemoryKind
+    n_swa: int = 0
+    full: bool = False  # window: a full-size cache for the window layers (--swa-full)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "n_swa": self.n_swa, "swa_full": self.full}
 
 
 class Engine:
-    """Owns one `llama_cpp.Llama`. Not thread-safe: the worker runs it on one thread."""
+    """One llama.cpp model and context, driven through llama.cpp's C API (the `llama_cpp`
+    bindings; no `Llama` object). Not thread-safe: the worker runs it on one thread."""
 
     def __init__(
         self,
@@ -140,79 +165,148 @@ class Engine:
         n_threads: int | None,
         n_gpu_layers: int,
         n_batch: int = 512,
-        flash_attn: bool = False,
+        flash_attn: str = "off",
+        type_k: str = "f16",
+        type_v: str = "f16",
+        swa_full: bool = True,
     ) -> None:
-        with _without_extra_buffer_types():
-            self.llm = llama_cpp.Llama(
-                model_path=model_path,
-                n_ctx=n_ctx,
-                n_batch=n_batch,
-                n_threads=n_threads,
-                n_gpu_layers=n_gpu_layers,
-                flash_attn=flash_attn,
-                verbose=False,
-            )
-        self.n_ctx = self.llm.n_ctx()
+        if flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
+        for t in (type_k, type_v):
+            if t not in CACHE_TYPES:
+                raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
+        _backend_init()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        mp.use_extra_bufts = False  # batch invariance (module rules)
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load the model {model_path}")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, 1
+        cores = os.cpu_count() or 1
+        cp.n_threads = n_threads or max(cores // 2, 1)
+        cp.n_threads_batch = n_threads or cores
+        cp.flash_attn_type = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                              "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[flash_attn]
+        cp.type_k, cp.type_v = CACHE_TYPES[type_k], CACHE_TYPES[type_v]
+        cp.swa_full = swa_full
+        cp.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise ValueError(
+                f"llama.cpp could not create a context (n_ctx {n_ctx}, K {type_k}, V {type_v}, "
+                f"flash attention {flash_attn}; a quantized V cache needs flash attention)")
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_batch = n_batch
-        self._eog = {t for t in range(self.llm.n_vocab()) if self._is_eog(t)}
+        self.memory = _memory_of(self.model, swa_full)
+        self.ids = np.zeros(self.n_ctx, dtype=np.intc)  # ids[:n_live] is what the KV holds
+        self.n_live = 0
         self.exact_n = 0  # leading live tokens whose KV a cold prefill computes identically
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self._eog = {t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
 
-    def _is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_token_is_eog(self.llm._model.vocab, token))
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            self.ctx = None
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character)."""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.llm._model.vocab, token, buf, 64, 0, False)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.llm._model.vocab, token, buf, -n, 0, False)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
         return buf.raw[:n]
 
     # --- live state ------------------------------------------------------------------------
 
-    @property
-    def n_live(self) -> int:
-        return int(self.llm.n_tokens)
-
     def live_ids(self) -> list[int]:
-        return [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+        return [int(t) for t in self.ids[: self.n_live]]
+
+    def floor(self) -> int:
+        """The shortest live prefix (other than none) the memory can be cut back to: 0 for
+        plain attention, the whole live sequence for a recurrent state, and for a real sliding
+        window the first position whose window cells are all still there."""
+        if self.memory.kind == "plain" or self.n_live == 0:
+            return 0
+        if self.memory.kind == "recurrent":
+            return self.n_live
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self.mem, 0))
+        if pos_min <= 0:
+            return 0
+        return min(pos_min + self.memory.n_swa + 1, self.n_live)
 
     def live_prefix(self, ids: Sequence[int]) -> int:
-        """Tokens of `ids` the live KV already holds exactly."""
+        """Tokens of `ids` the live KV holds exactly and can be cut back to."""
         n = min(self.exact_n, len(ids))
         if n == 0:
             return 0
-        diff = np.nonzero(self.llm.input_ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
-        return int(diff[0]) if len(diff) else n
+        diff = np.nonzero(self.ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
+        n = int(diff[0]) if len(diff) else n
+        return n if n == self.n_live or n >= self.floor() else 0
 
-    def truncate(self, n: int) -> None:
-        """Keep exactly the first n live tokens."""
-        self.llm.n_tokens = n
-        self.llm._ctx.kv_cache_seq_rm(0, n, -1)
+    def reusable(self) -> tuple[int, int]:
+        """(live tokens a next request may keep, the shortest of them the memory can be cut
+        back to). Generated tokens are not exact (module rules), so where the memory cannot be
+        cut back to the exact part (a recurrent state after generating), none."""
+        n, floor = self.exact_n, self.floor()
+        if n < self.n_live and n < floor:
+            return 0, 0
+        return n, min(floor, n)
+
+    def truncate(self, n: int) -> int:
+        """Keep exactly the first n live tokens, or, where the memory refuses to cut back
+        there, none. Returns what is kept: never a state that holds anything but ids[:kept]."""
+        n = min(n, self.n_live)
+        if n == self.n_live:
+            self.exact_n = min(self.exact_n, n)
+            return n
+        if n > 0 and n < self.floor():
+            n = 0  # the memory cannot be cut back there (checked, not attempted)
+        if not llama_cpp.llama_memory_seq_rm(self.mem, 0, n, -1):
+            log.warning("llama.cpp refused to cut the live state back to %d of %d tokens; "
+                        "starting from none", n, self.n_live)
+            n = 0
+            llama_cpp.llama_memory_clear(self.mem, True)
+        self.n_live = n
         self.exact_n = min(self.exact_n, n)
+        return n
 
     # --- snapshots -------------------------------------------------------------------------
 
     def snapshot(self) -> memoryview:
-        """A copy of sequence 0's state: KV for exactly `n_live` tokens. One copy into a fresh
-        buffer that is not zeroed first (this runs on the hot path, between prefill segments)."""
-        ctx = self.llm._ctx.ctx
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        """A copy of sequence 0's state: KV (and recurrent state) for exactly `n_live` tokens.
+        One copy into a fresh buffer that is not zeroed first (this runs on the hot path,
+        between prefill segments)."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
         out = np.empty(size, dtype=np.uint8)
         dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = llama_cpp.llama_state_seq_get_data(ctx, dst, size, 0)
+        n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, 0)
         return memoryview(out)[:n]
+
+    def can_snapshot_behind(self, p: int) -> bool:
+        return 0 < p < self.n_live <= self.exact_n and p >= self.floor()
 
     def snapshot_behind(self, p: int) -> memoryview:
         """A snapshot of exactly the first p < n_live tokens, taken from the live KV: cut back
-        to p, copied, then the whole live state put back (plain attention can be cut back to
-        any position; the state put back is the one copied, so nothing changes). Costs two
-        copies and a restore, no prefill."""
-        assert 0 < p < self.n_live <= self.exact_n, (p, self.n_live, self.exact_n)
+        to p, copied, then the whole live state put back (the state put back is the one copied,
+        so nothing changes). Costs two copies and a restore, no prefill. Only where the memory
+        can be cut back to p (`can_snapshot_behind`)."""
+        assert self.can_snapshot_behind(p), (p, self.n_live, self.exact_n, self.floor())
         live_ids = self.live_ids()
         whole = self.snapshot()
-        self.truncate(p)
+        if self.truncate(p) != p:
+            self.restore(live_ids, whole)
+            raise ValueError(f"the live state could not be cut back to {p}")
         part = self.snapshot()
         self.restore(live_ids, whole)
         return part
@@ -225,15 +319,40 @@ class Engine:
         else:  # a snapshot of ours: point at its buffer, no copy
             src = np.frombuffer(state, dtype=np.uint8).ctypes.data_as(
                 ctypes.POINTER(ctypes.c_uint8))
-        if llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, src, len(state), 0) == 0:
-            self.truncate(0)
+        if llama_cpp.llama_state_seq_set_data(self.ctx, src, len(state), 0) == 0:
+            llama_cpp.llama_memory_clear(self.mem, True)
             raise ValueError("llama_state_seq_set_data refused the state")
         n = len(ids)
-        self.llm.input_ids[:n] = ids
-        self.llm.n_tokens = n
-        self.exact_n = n
+        pos_max = int(llama_cpp.llama_memory_seq_pos_max(self.mem, 0))
+        if pos_max != n - 1:  # a state of another length than its header said
+            llama_cpp.llama_memory_clear(self.mem, True)
+            raise ValueError(f"the state holds positions up to {pos_max}, not {n - 1}")
+        self.ids[:n] = ids
+        self.n_live = self.exact_n = n
 
     # --- prefill and generation ------------------------------------------------------------
+
+    def _decode(self, tokens: Sequence[int]) -> None:
+        """Evaluate tokens at the next positions; logits for the last one only."""
+        b, n, start = self._batch, len(tokens), self.n_live
+        assert 0 < n <= self.n_batch and start + n <= self.n_ctx
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 0
+        b.logits[n - 1] = 1
+        b.n_tokens = n
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        if rc != 0:
+            # the positions past n_live may hold part of this batch: cut them off (or, where
+            # the memory cannot, start from none) so the invariant holds
+            self.n_live = start + n
+            self.truncate(start)
+            raise RuntimeError(f"llama_decode failed ({rc})")
+        self.ids[start : start + n] = tokens
+        self.n_live = start + n
 
     def prefill(
         self,
@@ -246,18 +365,21 @@ class Engine:
         """Evaluate ids[n_live:], stopping exactly at each position of `stops_at` to call
         on_stop(position) (a snapshot point), then evaluate the rest. Every batch is exact, so
         a cancelled prefill keeps what it evaluated for the next request; on_batch(n_live)
-        follows each one."""
+        follows each one. A stop one token after the last one is skipped where the memory
+        cannot be cut back by a token (it would need a one-token batch)."""
         points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids))
         for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
             if p - self.n_live == 1 and self.n_live > 0:
-                self.truncate(self.n_live - 1)  # never a one-token batch (see module doc)
+                if p < len(ids) and self.floor() > self.n_live - 1:
+                    continue  # never a one-token batch (see module doc): no stop here
+                self.truncate(self.n_live - 1)
             while self.n_live < p:
                 if cancel.is_set:
                     raise Cancelled()
                 end = min(p, self.n_live + self.n_batch)
                 if p - end == 1:
                     end -= 1  # leave two tokens for the last batch, not one
-                self.llm.eval(ids[self.n_live : end])
+                self._decode(ids[self.n_live : end])
                 self.exact_n = self.n_live
                 if on_batch is not None:
                     on_batch(self.n_live)
@@ -269,48 +391,80 @@ class Engine:
         sampling: Sampling,
         max_tokens: int,
         cancel: Cancel,
-        grammar: llama_cpp.LlamaGrammar | None = None,
+        grammar: str | None = None,
     ) -> Iterator[tuple[int, bytes, bool]]:
         """Yield (token, piece bytes, is_end_of_generation) after a prefill. The caller stops
         iterating on a stop string; the last sampled token is never evaluated."""
-        llm = self.llm
-        if sampling.seed is not None:
-            llm.set_seed(sampling.seed)
-        sampler = llm._init_sampler(
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            temp=sampling.temperature,
-            repeat_penalty=sampling.repeat_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            grammar=grammar,
-        )
-        if grammar is not None and not _chain_complete(sampler):
-            sampler.close()
-            raise ValueError("llama.cpp could not build a sampler from the grammar (it does not "
-                             "parse); nothing was generated")
-        for i in range(max_tokens):
-            if cancel.is_set:
-                raise Cancelled()
-            token = sampler.sample(llm._ctx, -1)
-            if token in self._eog:
-                yield token, b"", True
-                return
-            yield token, self.piece(token), False
-            if i + 1 < max_tokens and llm.n_tokens < self.n_ctx:
-                llm.eval([token])
-            elif llm.n_tokens >= self.n_ctx:
-                return
+        chain = self._sampler(sampling, grammar)
+        try:
+            for i in range(max_tokens):
+                if cancel.is_set:
+                    raise Cancelled()
+                token = int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
+                if token in self._eog:
+                    yield token, b"", True
+                    return
+                yield token, self.piece(token), False
+                if i + 1 < max_tokens and self.n_live < self.n_ctx:
+                    self._decode([token])
+                elif self.n_live >= self.n_ctx:
+                    return
+        finally:
+            llama_cpp.llama_sampler_free(chain)
+
+    def _sampler(self, s: Sampling, grammar: str | None) -> Any:
+        """llama-cpp-python's sampler chain, built with llama.cpp's C API: penalties, the
+        grammar, then greedy (temperature 0) or top-k, typical, top-p, min-p, temperature and
+        a seeded draw. A grammar llama.cpp cannot parse gives a NULL sampler: a ValueError
+        here, never a sample through it (a SIGSEGV that kills the worker)."""
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        add = partial(llama_cpp.llama_sampler_chain_add, chain)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, s.repeat_penalty,
+                                                   s.frequency_penalty, s.presence_penalty))
+        if grammar:
+            g = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+            if not g:
+                llama_cpp.llama_sampler_free(chain)
+                raise ValueError("llama.cpp could not build a sampler from the grammar (it does "
+                                 "not parse); nothing was generated")
+            add(g)
+        if s.temperature <= 0:
+            add(llama_cpp.llama_sampler_init_greedy())
+        else:
+            add(llama_cpp.llama_sampler_init_top_k(s.top_k))
+            add(llama_cpp.llama_sampler_init_typical(1.0, 1))
+            add(llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+            add(llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
+            add(llama_cpp.llama_sampler_init_temp(s.temperature))
+            seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
+            add(llama_cpp.llama_sampler_init_dist(seed))
+        return chain
 
 
-def _chain_complete(sampler: Any) -> bool:
-    """Whether every sampler in the chain exists: llama.cpp's grammar sampler comes back NULL
-    for a grammar it cannot parse, llama-cpp-python adds it to the chain all the same, and the
-    first sample would dereference it (a SIGSEGV that kills the worker)."""
-    chain = sampler.sampler
-    return all(llama_cpp.llama_sampler_chain_get(chain, i)
-               for i in range(llama_cpp.llama_sampler_chain_n(chain)))
+PENALTY_LAST_N = 64  # tokens the repetition penalties look back (llama-cpp-python's default)
+
+_backend_ready = False
+
+
+def _backend_init() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        # llama-cpp-python routes llama.cpp's log through this logger: errors only, as
+        # `Llama(verbose=False)` does, unless prefixgate itself logs at DEBUG
+        if not log.isEnabledFor(logging.DEBUG):
+            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def _memory_of(model: Any, swa_full: bool) -> Memory:
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return Memory("recurrent")
+    n_swa = int(llama_cpp.llama_model_n_swa(model))
+    if n_swa > 0:
+        return Memory("window", n_swa, swa_full)
+    return Memory("plain")
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

@@ -8,8 +8,9 @@ Rules:
 - The salt fingerprints everything that makes a saved state incompatible with the running one:
   the model file's identity (its size and the xxh3_128 of all its bytes: any changed weight
   changes it; not its name, path or mtime, so a copied, renamed or re-downloaded identical file
-  still hits), n_ctx, the K and V cache types, flash-attn, the llama-cpp-python version, and the
-  tenant when isolation is on. Changing any of them makes every key different: a clean miss,
+  still hits), n_ctx, the K and V cache types, flash attention (on/off/auto), a full-size or
+  real sliding window, the llama-cpp-python version, and the tenant when isolation is on.
+  Changing any of them makes every key different: a clean miss,
   never a bad load.
 - The whole file is hashed once (measured 2.4-3.9 GB/s: the 98 MB default model in 26-41 ms,
   so a 20 GB model in 5-8 s, or its disk's read time: 40 s at 500 MB/s); the digest is
@@ -163,9 +164,10 @@ def make_salt(
     n_ctx: int,
     type_k: str,
     type_v: str,
-    flash_attn: bool,
+    flash_attn: str,
     lib_version: str,
     tenant: str = "",
+    swa_full: bool = True,
 ) -> bytes:
     """The 16-byte salt of every key for this model, configuration and tenant.
 
@@ -177,7 +179,8 @@ def make_salt(
         "n_ctx": int(n_ctx),
         "type_k": str(type_k),
         "type_v": str(type_v),
-        "flash_attn": bool(flash_attn),
+        "flash_attn": str(flash_attn),
+        "swa_full": bool(swa_full),
         "lib_version": str(lib_version),
         "tenant": str(tenant),
     }
@@ -195,12 +198,13 @@ class CacheIdentity:
     n_ctx: int  # as configured (llama.cpp pads it; the same setting pads the same)
     type_k: str  # KV cache types
     type_v: str
-    flash_attn: bool
+    flash_attn: str  # on | off | auto
     lib_version: str  # llama-cpp-python's version
+    swa_full: bool = True  # a full-size cache for sliding-window layers (else a real window)
 
     def salt(self, tenant: str = "") -> bytes:
         return make_salt(self.model_path, self.n_ctx, self.type_k, self.type_v, self.flash_attn,
-                         self.lib_version, tenant)
+                         self.lib_version, tenant, self.swa_full)
 
     def fingerprint(self) -> bytes:
         return fingerprint(self.salt())

@@ -107,7 +107,8 @@ class Done:
     finish_reason: FinishReason
     stop: str | None  # the stop string that matched (finish_reason "stop_sequence")
     n_gen: int
-    n_live: int  # tokens the KV holds exactly (prompt and generated)
+    n_live: int  # tokens the KV holds exactly that a next request may keep (prompt, generated)
+    floor: int  # the shortest of them the memory can be cut back to (n_live: only them all)
     prefill_s: float
     decode_s: float
     pending_saves: int  # saves this run started, all reported before the stream ends
@@ -116,6 +117,7 @@ class Done:
 @dataclass(frozen=True, slots=True)
 class Cancelled:
     n_live: int
+    floor: int
     pending_saves: int
 
 

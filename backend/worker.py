@@ -3,6 +3,7 @@
     GET  /health  -> {"ready", "worker_id", "n_ctx" (as configured), "n_ctx_actual" (padded by
                       llama.cpp), "n_live", "fingerprint", "model", "pid",
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
+                      "memory" ({"kind": plain | window | recurrent, "n_swa"}),
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> a `backend.protocol.Job` in, its NDJSON event stream out (the events and
                      their order are in backend/protocol.py; a malformed job is a 400)
@@ -66,7 +67,7 @@ Emit = Callable[[Event], None]
 
 class Worker:
     def __init__(self, engine: Engine, worker_id: int, cache_dir: Path, fingerprint: bytes,
-                 model_path: str, flash_attn: bool = False, n_ctx: int = 0) -> None:
+                 model_path: str, flash_attn: str = "off", n_ctx: int = 0) -> None:
         self.engine = engine
         self.n_ctx = n_ctx or engine.n_ctx  # as configured; llama.cpp may pad it up
         self.worker_id = worker_id
@@ -113,7 +114,7 @@ class Worker:
             except ValueError as e:
                 faults.append(Fault("corrupt", str(e), r.file))
             keep = live()  # a failed restore may have cleared the live KV
-        eng.truncate(keep)
+        keep = eng.truncate(keep)  # what the memory refuses to keep is prefilled again
         self.owner = job.tenant  # from here on the KV holds (a prefix of) this prompt
         emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults)))
 
@@ -125,25 +126,24 @@ class Worker:
             pending.append(self.writer_thread.submit(self._write, saves[p], key, ids[:p], state,
                                                      emit))
 
-        for p in sorted(p for p in saves if p < eng.n_live):  # behind the reuse: from the KV
+        # behind the reuse: copied from the live KV, where the memory can be cut back there
+        for p in sorted(p for p in saves if p < eng.n_live and eng.can_snapshot_behind(p)):
             write(p, eng.snapshot_behind(p))
         try:
             eng.prefill(ids, [p for p in saves if p >= eng.n_live],
                         lambda p: write(p, eng.snapshot()), cancel, lambda n: emit(Prefill(n)))
             self._generate(job, emit, cancel, t0, pending)
         except Cancelled:  # what it prefilled stays live; snapshots taken are still written
-            emit(CancelledEvent(eng.exact_n, len(pending)))
+            emit(CancelledEvent(*eng.reusable(), len(pending)))
 
     def _generate(self, job: Job, emit: Emit, cancel: Cancel, t0: float,
                   pending: list[Future[None]]) -> None:
         eng = self.engine
         t1 = time.perf_counter()
         sampling = Sampling.from_json(job.sampling)
-        grammar = None
-        if job.grammar:
-            grammar = llama_cpp.LlamaGrammar.from_string(job.grammar, verbose=False)
         matcher = StopMatcher(job.stop)
         finish, matched, n_gen = "length", None, 0
+        grammar = job.grammar or None
         for token, piece, eog in eng.generate(sampling, job.max_tokens, cancel, grammar):
             if eog:
                 finish = "stop"
@@ -157,7 +157,7 @@ class Worker:
         tail = matcher.flush() if matched is None else ""
         if tail:
             emit(Token(None, tail))
-        emit(Done(finish, matched, n_gen, eng.exact_n, t1 - t0, time.perf_counter() - t1,
+        emit(Done(finish, matched, n_gen, *eng.reusable(), t1 - t0, time.perf_counter() - t1,
                   len(pending)))
 
     # --- runs on the writer thread ---------------------------------------------------------
@@ -184,6 +184,7 @@ class Worker:
             "n_live": self.engine.n_live, "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
+            "memory": self.engine.memory.to_wire(),
             "cache_volume": volume.read(self.cache_dir),
         })
 
@@ -295,7 +296,10 @@ class WorkerSpec:
     n_ctx: int
     threads: int  # 0 = llama.cpp's default
     n_gpu_layers: int
-    flash_attn: bool
+    flash_attn: str  # on | off | auto
+    type_k: str  # KV cache types
+    type_v: str
+    swa_full: bool
     cache_dir: Path
     identity: keys.CacheIdentity
     worker_id: int = 0
@@ -305,13 +309,15 @@ class WorkerSpec:
 
 def serve(spec: WorkerSpec) -> None:
     engine = Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
-                    flash_attn=spec.flash_attn)
+                    flash_attn=spec.flash_attn, type_k=spec.type_k, type_v=spec.type_v,
+                    swa_full=spec.swa_full)
     worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
                     spec.model_path, spec.flash_attn, spec.n_ctx)
     if spec.listen is not None:
         host, port = spec.listen
-        log.info("worker %d listening on %s:%d (model %s, n_ctx %d, cache %s)", spec.worker_id,
-                 host, port, spec.model_path, engine.n_ctx, spec.cache_dir)
+        log.info("worker %d listening on %s:%d (model %s, n_ctx %d, memory %s, cache %s)",
+                 spec.worker_id, host, port, spec.model_path, engine.n_ctx, engine.memory.kind,
+                 spec.cache_dir)
         web.run_app(make_app(worker), host=host, port=port, print=None, handle_signals=True,
                     access_log=None)
         return

@@ -134,7 +134,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
     knobs = knobs_of(cfg)
     ring = Ring(RING_CAPACITY)
     with tempfile.TemporaryDirectory(prefix="prefixgate-overhead-") as tmp:
-        identity = CacheIdentity(cfg.model_path, 65536, "f16", "f16", False, "bench")
+        identity = CacheIdentity(cfg.model_path, 65536, "f16", "f16", "off", "bench")
         cache = DiskCache(Index(Path(tmp)), identity, knobs, cfg.cache_max_bytes, Metrics())
 
         def decide_one(prep: Any) -> Any:

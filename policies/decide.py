@@ -9,8 +9,9 @@ Inputs, all plain data:
 - ``stored`` (:class:`Stored`): one read of the cache for this prompt: every stored entry that is
   a prefix of it (the radix tree, ``policies.radix``): the longest few as hits (at most
   ``RESTORE_CANDIDATES``: the hit and its fallbacks), and the set of their positions.
-- ``worker`` (:class:`WorkerFacts`): what the chosen worker's live KV holds of this prompt, and
-  whether it may be reused at all (the live KV is this tenant's).
+- ``worker`` (:class:`WorkerFacts`): what the chosen worker's live KV holds of this prompt (what
+  its memory can keep of it), whether it may be reused at all (the live KV is this tenant's),
+  and whether its memory is a recurrent state that cannot be cut back at all.
 - ``recent``: this tenant's recent prompts, most recent first (the ring; only ``auto`` reads
   it, its first ``scope.window`` entries).
 - ``knobs``: :class:`policies.plan.CacheKnobs`.
@@ -28,7 +29,14 @@ Rules (the positions themselves are ``policies.plan``'s):
    live reuse already reaches ``keep_max``); the worker tries them in order, so a broken file
    falls back to the next one.
 5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
-   last message start), ``partial`` for a shorter one (e.g. only the anchor), ``miss`` for none.
+   last message start) or ``keep_max``, ``partial`` for a shorter one (e.g. only the anchor),
+   ``miss`` for none.
+6. A recurrent state (``worker.recurrent``) cannot be cut back, so an entry past ``keep_max``
+   could never be used: it is not offered for restore (the next shorter one is), and a save
+   point past ``keep_max`` (the prompt end of a growing conversation, ``full``) is taken at
+   ``keep_max`` instead: the next turn, which extends the prompt, restores it and prefills two
+   more tokens, and the same prompt sent again can use it too. No save behind the reuse is
+   planned (it would need the live state cut back).
 
 A save names its position and reason; the worker keys the file (``backend.keys``, salted with the
 job's salt), and its ``Saved`` event tells the proxy the key.
@@ -44,9 +52,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from policies.plan import (
+    REASON_RANK,
     CacheKnobs,
     MessageStart,
     Reason,
+    SavePoint,
     anchor_position,
     choose_scope_boundary,
     extends_recent,
@@ -87,8 +97,9 @@ class Stored:
 
 @dataclass(frozen=True, slots=True)
 class WorkerFacts:
-    live_n: int  # tokens of this prompt the worker's live KV holds
+    live_n: int  # tokens of this prompt the worker's live KV holds (and its memory can keep)
     live_ok: bool  # the live KV is this tenant's: it may be reused
+    recurrent: bool = False  # its memory cannot be cut back (a recurrent or hybrid model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,21 +201,41 @@ def decide(
         return Plan((), (), keep_max, worker.live_ok, "off", None, None)
     window = recent[: scope.window] if scope.kind == "auto" else ()
     boundary = choose_scope_boundary(ids, scope, window, knobs)
-    disk_n = stored.longest
+    hits = [h for h in stored.hits if not worker.recurrent or h.n_tokens <= keep_max]
+    positions = stored.positions if not worker.recurrent else frozenset(
+        p for p in stored.positions if p <= keep_max)  # entries it can use
+    disk_n = hits[0].n_tokens if hits else 0
     cached_n = min(max(live_n, disk_n), keep_max)
-    saves = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
-                       stored.positions, knobs,
-                       growing=extends_recent(ids, window)
-                       or opens_conversation(facts.message_starts))
+    planned = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
+                         positions, knobs,
+                         growing=extends_recent(ids, window)
+                         or opens_conversation(facts.message_starts))
+    saves, anchor_skipped = planned.saves, planned.anchor_skipped
+    if worker.recurrent:
+        saves = _within(saves, keep_max, cached_n, positions)
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
-    lookup: Lookup = "miss" if disk_n == 0 else "hit" if disk_n >= target else "partial"
+    lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
+                      else "partial")
     return Plan(
-        restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in stored.hits
+        restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in hits
                       if h.n_tokens > live_n and live_n < keep_max),
-        saves=tuple(Save(s.n_tokens, s.reason) for s in saves.saves),
+        saves=tuple(Save(s.n_tokens, s.reason) for s in saves),
         keep_max=keep_max,
         live_ok=worker.live_ok,
         lookup=lookup,
         boundary=boundary,
-        anchor_skipped=saves.anchor_skipped,
+        anchor_skipped=anchor_skipped,
     )
+
+
+def _within(saves: Sequence[SavePoint], keep_max: int, cached_n: int,
+            stored: frozenset[int]) -> tuple[SavePoint, ...]:
+    """Rule 6: save points past ``keep_max`` taken at ``keep_max``, none behind the reuse."""
+    best: dict[int, SavePoint] = {}
+    for s in saves:
+        p = min(s.n_tokens, keep_max)
+        if p <= cached_n or p in stored:
+            continue
+        if p not in best or REASON_RANK[s.reason] > REASON_RANK[best[p].reason]:
+            best[p] = SavePoint(p, s.reason)
+    return tuple(best[p] for p in sorted(best))

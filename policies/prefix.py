@@ -9,6 +9,10 @@ Rules:
   bisects that chunk with slice comparisons, and finishes the last few ids one by one: about
   ``L / CHUNK_TOKENS + log2(CHUNK_TOKENS)`` Python steps; each shared id is compared once in C.
   (Comparing the whole span first does not pay: on a mismatch it compares the shared part twice.)
+- ``live_reuse(shared, live_n, floor)``: what a worker's live state can keep of a prompt that
+  shares ``shared`` tokens with its ``live_n`` live ones, when its memory can be cut back no
+  further than ``floor`` (0 for plain attention, ``live_n`` for a recurrent state: only the whole
+  live sequence): ``shared`` if it is all of them or at least ``floor``, else nothing.
 """
 
 from __future__ import annotations
@@ -48,3 +52,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     while ta[lo] == tb[lo]:
         lo += 1
     return lo
+
+
+def live_reuse(shared: int, live_n: int, floor: int) -> int:
+    """Tokens a live state of ``live_n`` tokens, cut back no further than ``floor``, can keep
+    of a prompt sharing ``shared`` of them."""
+    return shared if shared == live_n or shared >= floor else 0

@@ -72,7 +72,8 @@ def worker(argv: list[str]) -> None:
         description="One llama.cpp context behind the worker API. The proxy spawns these itself "
         "on Unix sockets; for separate containers start one with --listen HOST:PORT and give the "
         "proxy --worker-url http://HOST:PORT. Proxy and worker must use the same model file, "
-        "--n-ctx and --flash-attn, and share --cache-dir (one volume). Flags default to the "
+        "--n-ctx, --flash-attn, --cache-type-k/-v and --swa-full, and share --cache-dir (one "
+        "volume). Flags default to the "
         "PREFIXGATE_* environment variables the proxy reads.")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", help="Unix socket path (how the proxy runs local workers)")
@@ -87,8 +88,8 @@ def worker(argv: list[str]) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
-                     Path(cfg.cache_path), cache_identity(cfg), ns.worker_id, ns.socket,
-                     ns.listen))
+                     cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, Path(cfg.cache_path),
+                     cache_identity(cfg), ns.worker_id, ns.socket, ns.listen))
 
 
 def main(argv: list[str] | None = None) -> None:

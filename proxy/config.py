@@ -58,7 +58,14 @@ class Config:
     n_ctx: int = 65536  # context tokens per worker (Hermes refuses models under 64K)
     threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
     n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 = all)
-    flash_attn: bool = False  # flash attention in the workers
+    flash_attn: str = "off"  # flash attention in the workers: on | off | auto
+    # KV cache types (llama.cpp's -ctk / -ctv): f16, q8_0, q4_0, ... (a quantized V needs
+    # flash attention)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    # sliding-window models: a full-size cache for the window layers (exact reuse anywhere);
+    # --no-swa-full: a real window (less memory; see the README's models section)
+    swa_full: bool = True
     cache_dir: str = "~/.cache/prefixgate"  # state files and the LMDB index
     disk_prefix_cache: str = "auto:30"  # off | full | auto | auto:N | N
     kv_cache_min_tokens: int = 256  # smallest scope worth a snapshot, tokens
@@ -96,6 +103,10 @@ _HELP = {
     "host": "listen address", "port": "listen port", "model": "GGUF model path",
     "workers": "worker processes", "n_ctx": "context tokens per worker",
     "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
+    "flash_attn": "flash attention: on | off | auto",
+    "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
+    "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
+    "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
     "volatile_blocks": "regex of a volatile system-prompt block to move behind the stable part "
@@ -130,8 +141,23 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
             p.add_argument(flag, default=None, help=help_)
 
 
+# what the worker's engine accepts (backend/engine.py: CACHE_TYPES, FLASH_ATTN)
+_CHOICES = {
+    "flash_attn": ("on", "off", "auto"),
+    "cache_type_k": ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"),
+}
+_CHOICES["cache_type_v"] = _CHOICES["cache_type_k"]
+_ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+
+
 def _coerce(name: str, value: Any) -> Any:
     default = Config.__dataclass_fields__[name].default
+    if name in _CHOICES:
+        v = str(value).strip().lower()
+        v = _ON_OFF.get(v, v) if name == "flash_attn" else v
+        if v not in _CHOICES[name]:
+            raise ValueError(f"one of {', '.join(_CHOICES[name])}")
+        return v
     if isinstance(value, str):
         if isinstance(default, bool):
             return value.strip().lower() in ("1", "true", "yes", "on")
@@ -152,8 +178,8 @@ def _coerce(name: str, value: Any) -> Any:
 
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
-WORKER_FIELDS = ("model", "n_ctx", "threads", "n_gpu_layers", "flash_attn", "cache_dir",
-                 "log_level")
+WORKER_FIELDS = ("model", "n_ctx", "threads", "n_gpu_layers", "flash_attn", "cache_type_k",
+                 "cache_type_v", "swa_full", "cache_dir", "log_level")
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -171,8 +197,9 @@ def worker_argv(cfg: Config) -> list[str]:
 
 def cache_identity(cfg: Config) -> CacheIdentity:
     """The one cache identity of this configuration: the proxy and every worker key with it."""
-    return CacheIdentity(cfg.model_path, cfg.n_ctx, "f16", "f16", cfg.flash_attn,
-                         importlib.metadata.version("llama-cpp-python"))
+    return CacheIdentity(cfg.model_path, cfg.n_ctx, cfg.cache_type_k, cfg.cache_type_v,
+                         cfg.flash_attn, importlib.metadata.version("llama-cpp-python"),
+                         cfg.swa_full)
 
 
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
@@ -185,6 +212,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if v is not None:
             try:
                 values[f.name] = _coerce(f.name, v)
-            except ValueError:
-                raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {v!r}") from None
+            except ValueError as e:
+                why = f" ({e})" if f.name in _CHOICES else ""
+                raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {v!r}{why}"
+                                 ) from None
     return Config(**values)

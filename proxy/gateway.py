@@ -103,7 +103,8 @@ class Gateway:
             recent = self.ring.recent(tenant, facts.scope.window) \
                 if facts.scope.kind == "auto" else []
             plan = decide(facts, stored, WorkerFacts(worker.live_prefix(ids, tenant),
-                                                     worker.live_tenant == tenant),
+                                                     worker.live_tenant == tenant,
+                                                     worker.memory == "recurrent"),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":
                 self._trace_miss(ids, tenant)

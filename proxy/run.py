@@ -140,6 +140,7 @@ class Count:
 class Release:
     live_ids: tuple[int, ...]
     suspect: bool = False  # its stream was lost: it may have died (see Pool.release)
+    floor: int = 0  # the shortest prefix of live_ids the worker's memory can be cut back to
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,12 +240,12 @@ class RunState:
         self.saves_expected = ev.pending_saves
         live = (*self.ids, *self.gen_ids)[: ev.n_live]
         # abandoned: the cancel came too late, the run finished anyway
-        return self._end("cancelled" if self.abandoned else "ok", live)
+        return self._end("cancelled" if self.abandoned else "ok", live, floor=ev.floor)
 
     def _cancelled(self, ev: Cancelled) -> list[Effect]:
         self.live_n = ev.n_live
         self.saves_expected = ev.pending_saves
-        return self._end("cancelled", self.ids[: self.live_n])
+        return self._end("cancelled", self.ids[: self.live_n], floor=ev.floor)
 
     def _saved(self, ev: Saved) -> list[Effect]:
         self.saves_seen += 1
@@ -276,7 +277,7 @@ class RunState:
         return [Count("cancelled"), SendCancel()]
 
     def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None,
-             suspect: bool = False) -> list[Effect]:
+             suspect: bool = False, floor: int = 0) -> list[Effect]:
         if self.ended:
             return []
         self.ended = True
@@ -289,7 +290,7 @@ class RunState:
             fx.append(Record())
         elif not self.abandoned:  # a cancel was counted when it was asked for
             fx.append(Count(outcome))
-        fx.append(Release(tuple(live), suspect))
+        fx.append(Release(tuple(live), suspect, floor))
         return fx
 
 
@@ -324,7 +325,7 @@ class WorkerClient(Protocol):
 
 class Releaser(Protocol):
     async def release(self, w: Any, live_ids: list[int], tenant: str = "",
-                      suspect: bool = False) -> None: ...
+                      suspect: bool = False, floor: int = 0) -> None: ...
 
 
 class Committer(Protocol):
@@ -532,7 +533,8 @@ class Run:
             log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d",
                      self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source, st.outcome,
                      len(fx.live_ids), self.worker.worker_id)
-        await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect)
+        await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect,
+                                     fx.floor)
 
     async def _send_cancel(self, fx: SendCancel) -> None:
         """The worker stops at its next prefill batch or token and keeps what it prefilled; a

@@ -44,7 +44,7 @@ import aiohttp
 
 from backend import volume
 from backend.protocol import Event, Job, parse_event
-from policies.prefix import common_prefix_len
+from policies.prefix import common_prefix_len, live_reuse
 from policies.router import WorkerView, choose_worker
 from proxy.config import Config, worker_argv
 from proxy.errors import QueueFull, WorkerFailed
@@ -100,10 +100,12 @@ class Worker:
     process: asyncio.subprocess.Process | None = None
     live_ids: list[int] = field(default_factory=list)  # the proxy's view of its live KV
     live_tenant: str = ""  # whose prompt the live KV holds (tenant isolation)
+    live_floor: int = 0  # the shortest prefix of live_ids its memory can be cut back to
     busy: bool = False
     ready: bool = False
     n_ctx: int = 0
     fingerprint: str = ""
+    memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
     restarts: int = 0
     boot_id: str = ""  # the worker process's id from /health; a new one = a restart
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
@@ -125,10 +127,13 @@ class Worker:
         return aiohttp.ClientSession()
 
     def live_prefix(self, ids: list[int] | tuple[int, ...], tenant: str) -> int:
-        """Tokens of `ids` its live KV holds that this tenant may reuse."""
+        """Tokens of `ids` its live KV holds that this tenant may reuse: all it shares, or
+        none where the worker's memory cannot be cut back that far (a recurrent state: only
+        the whole live sequence; a sliding window: not behind the window)."""
         if tenant != self.live_tenant:
             return 0
-        return common_prefix_len(self.live_ids, ids)
+        return live_reuse(common_prefix_len(self.live_ids, ids), len(self.live_ids),
+                          self.live_floor)
 
     def view(self, ids: list[int], tenant: str) -> WorkerView:
         return WorkerView(self.worker_id, self.live_prefix(ids, tenant), self.busy, self.ready)
@@ -331,6 +336,7 @@ class Pool:
 
     def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
         w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
+        w.memory = str(h.get("memory", {}).get("kind", "plain"))
         w.boot_id = str(h.get("boot_id", ""))
 
     async def _first_contact(self, w: Worker) -> None:
@@ -356,7 +362,8 @@ class Pool:
             raise StartupError(f"{w.name}: {problem}")
         self._adopt(w, h)
         await self._set_ready(w, True)
-        log.info("%s ready (pid %s, n_ctx %d)", w.name, h.get("pid", "-"), w.n_ctx)
+        log.info("%s ready (pid %s, n_ctx %d, memory %s)", w.name, h.get("pid", "-"), w.n_ctx,
+                 w.memory)
 
     async def _set_ready(self, w: Worker, ready: bool, reason: str = "") -> None:
         async with self._cond:
@@ -475,7 +482,7 @@ class Pool:
             self._waiting -= 1
 
     async def release(self, w: Worker, live_ids: list[int], tenant: str = "",
-                      suspect: bool = False) -> None:
+                      suspect: bool = False, floor: int = 0) -> None:
         """The run is over. `suspect`: its stream was lost, so the worker may have died; it
         takes no request until its /health answers with the same boot id (`_recheck`), and a
         local worker that died is restarted by its supervisor meanwhile: requests queued behind
@@ -484,6 +491,7 @@ class Pool:
             # a worker that restarted or went down while running this request holds nothing
             fresh = w.ready and w.restarts == w.acquired_at_restarts
             w.live_ids = live_ids if fresh else []
+            w.live_floor = min(floor, len(w.live_ids))
             # an empty view belongs to nobody: a run that failed before the worker ran it
             # leaves the previous tenant's KV there, which the failing tenant must not reuse
             w.live_tenant = tenant if w.live_ids else ""

@@ -22,7 +22,7 @@ SETTINGS: dict[str, Any] = {
     "n_ctx": 4096,
     "type_k": "f16",
     "type_v": "f16",
-    "flash_attn": False,
+    "flash_attn": "off",
     "lib_version": "0.3.16",
 }
 
@@ -94,7 +94,7 @@ def test_salt_is_stable_across_calls_and_processes(model: Path) -> None:
     assert make_salt(str(model), **SETTINGS) == salt
     code = (
         "import sys; from backend.keys import make_salt; "
-        "sys.stdout.write(make_salt(sys.argv[1], 4096, 'f16', 'f16', False, '0.3.16').hex())"
+        "sys.stdout.write(make_salt(sys.argv[1], 4096, 'f16', 'f16', 'off', '0.3.16').hex())"
     )
     child = subprocess.run(
         [sys.executable, "-c", code, str(model)],
@@ -112,7 +112,8 @@ def test_salt_is_stable_across_calls_and_processes(model: Path) -> None:
         {"n_ctx": 8192},
         {"type_k": "q8_0"},
         {"type_v": "q8_0"},
-        {"flash_attn": True},
+        {"flash_attn": "on"},
+        {"swa_full": False},
         {"lib_version": "0.3.17"},
         {"tenant": "acme"},
     ],

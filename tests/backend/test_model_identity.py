@@ -21,7 +21,7 @@ from backend.keys import file_digest, make_salt, model_identity
 from proxy.config import default_model
 
 REPO = Path(__file__).resolve().parents[2]
-SETTINGS = {"n_ctx": 4096, "type_k": "f16", "type_v": "f16", "flash_attn": False,
+SETTINGS = {"n_ctx": 4096, "type_k": "f16", "type_v": "f16", "flash_attn": "off",
             "lib_version": "0.3.16"}
 MIB = 1 << 20
 

@@ -40,6 +40,9 @@ K15 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=1
 K10 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=10)
 
 
+RECURRENT = WorkerFacts(0, True, recurrent=True)
+
+
 def prompt(n: int = N) -> tuple[int, ...]:
     return tuple(range(1000, 1000 + n))
 
@@ -455,6 +458,41 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         facts("auto"), [diverge(25)], stored(30), COLD, K15,
         Plan(restore=restores(30), saves=saves((25, "scoped")), keep_max=38, live_ok=True,
              lookup="hit", boundary=25, anchor_skipped=None),
+    ),
+    # --- a recurrent state (rule 6): nothing is cut back ---------------------------------------
+    # The opening turn: the growing save at the prompt end 18 is taken at keep_max 16, so the
+    # same prompt sent again can restore it (and the next turn too, prefilling two more tokens).
+    (
+        facts("auto", 18), [], stored(), RECURRENT, K,
+        Plan(restore=(), saves=saves((10, "cold"), (16, "growing")), keep_max=16, live_ok=True,
+             lookup="miss", boundary=None, anchor_skipped=None),
+    ),
+    # full: the prompt end 40 is taken at 38; the stored whole prompt (40) is never offered
+    # (it could not be cut back to 38): the anchor is restored instead.
+    (
+        facts("full"), [], stored(10, 40), RECURRENT, K,
+        Plan(restore=restores(10), saves=saves((38, "full")), keep_max=38, live_ok=True,
+             lookup="partial", boundary=40, anchor_skipped=None),
+    ),
+    # The same prompt again after that: the entry at 38 is the hit, nothing more to save.
+    (
+        facts("full"), [], stored(10, 38), RECURRENT, K,
+        Plan(restore=restores(38, 10), saves=(), keep_max=38, live_ok=True, lookup="hit",
+             boundary=40, anchor_skipped=None),
+    ),
+    # fixed 25 behind the restored 30: plain attention snapshots it from the live KV (above); a
+    # recurrent state cannot be cut back there, so no save is planned.
+    (
+        facts("25"), [], stored(10, 30), RECURRENT, K,
+        Plan(restore=restores(30, 10), saves=(), keep_max=38, live_ok=True, lookup="hit",
+             boundary=25, anchor_skipped=None),
+    ),
+    # A live state the worker can keep whole (the prompt extends it: live_n 34) is used as is;
+    # the boundary 36 ahead of it is saved.
+    (
+        facts("auto"), [diverge(36)], stored(10), WorkerFacts(34, True, recurrent=True), K,
+        Plan(restore=(), saves=saves((36, "scoped")), keep_max=38, live_ok=True,
+             lookup="partial", boundary=36, anchor_skipped=None),
     ),
 ]
 

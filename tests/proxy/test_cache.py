@@ -30,7 +30,7 @@ UNIT = 64 << 10  # state files are sized in these (a header's ids add at most 4 
 def identity(tmp_path: Path) -> CacheIdentity:
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF weights of a test model")
-    return CacheIdentity(str(model), 4096, "f16", "f16", False, "test")
+    return CacheIdentity(str(model), 4096, "f16", "f16", "off", "test")
 
 
 def open_cache(tmp_path: Path, identity: CacheIdentity, budget: int = 1 << 30) -> DiskCache:
@@ -164,7 +164,7 @@ def test_another_models_entries_are_kept_but_never_found(tmp_path: Path,
     close(cache)
     other_model = tmp_path / "other.gguf"
     other_model.write_bytes(b"GGUF other weights")
-    other = open_cache(tmp_path, CacheIdentity(str(other_model), 4096, "f16", "f16", False,
+    other = open_cache(tmp_path, CacheIdentity(str(other_model), 4096, "f16", "f16", "off",
                                                "test"))
     assert found(other, IDS) == [] and len(other) == 1  # kept for when that model is back
     close(other)

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from backend import store
+from backend.engine import Engine
 from backend.index import Index
 from tests.conftest import N_CTX, Server, running
 
@@ -89,17 +90,17 @@ def test_every_entry_holds_exactly_its_token_count(tmp_path: Path, model_path: s
             ask(srv, convo(q, history=2))
     found = entries(srv.cache_dir, until=lambda f: len(f) >= 2)
     assert {"cold", "scoped"} <= {e.reason for e in found}
-    llm = llama_cpp.Llama(model_path, n_ctx=N_CTX, verbose=False)
-    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    eng = Engine(model_path, N_CTX, 2, 0)
+    mem = llama_cpp.llama_get_memory(eng.ctx)
     for e in found:
         header = store.read_header(srv.cache_dir / e.file)
         assert header.n_tokens == e.n_tokens
         with open(srv.cache_dir / e.file, "rb") as f:
             f.seek(header.state_offset)
             state = f.read(header.state_len)
-        llm._ctx.kv_cache_clear()
+        llama_cpp.llama_memory_clear(mem, True)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        assert llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(state), 0) > 0
+        assert llama_cpp.llama_state_seq_set_data(eng.ctx, buf, len(state), 0) > 0
         # positions 0..n-1 are in the KV, none beyond
         assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == e.n_tokens - 1
 

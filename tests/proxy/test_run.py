@@ -79,7 +79,7 @@ FAILED_400 = SaveFailed(400, S400.hex(), "full", "disk_full", "no space left")
 
 def done(n_gen: int, n_live: int, pending: int, finish: str = "length",
          stop: str | None = None) -> Done:
-    return Done(finish, stop, n_gen, n_live, 0.5, 0.1, pending)
+    return Done(finish, stop, n_gen, n_live, 0, 0.5, 0.1, pending)
 
 
 # (events, expected effects of each event in turn, expected final facts)
@@ -107,7 +107,7 @@ CASES: dict[str, tuple[list[Any], list[list[Any]], dict[str, Any]]] = {
     # the client left during the prefill: one cancel counted and sent; the worker stops, keeps
     # what it prefilled, and the snapshot it already took is still committed
     "cancel": (
-        [Start(0, 0, 0.0, ()), Prefill(128), Abandon(), Cancelled(300, 1), SAVED_300],
+        [Start(0, 0, 0.0, ()), Prefill(128), Abandon(), Cancelled(300, 0, 1), SAVED_300],
         [[], [Progress(128)], [Count("cancelled"), SendCancel()],
          [Finish(), Release(IDS[:300])], [Commit(SAVED_300)]],
         {"outcome": "cancelled", "closed": True, "cached": 0, "source": "none"},
@@ -260,7 +260,7 @@ class Harness:
         self.index = Index(tmp_path)
         model = tmp_path / "model.gguf"  # the identity hashes a model file: any file will do
         model.write_bytes(b"GGUF fake weights")
-        self.cache = DiskCache(self.index, CacheIdentity(str(model), 4096, "f16", "f16", False,
+        self.cache = DiskCache(self.index, CacheIdentity(str(model), 4096, "f16", "f16", "off",
                                                          "t"),
                                CacheKnobs(), 1 << 30, self.metrics)
         self.pool = Pool(Config())
@@ -353,7 +353,7 @@ async def test_a_client_that_leaves_cancels_the_run_and_its_snapshot_is_kept(
     async def script(resp: web.StreamResponse, cancelled: asyncio.Event) -> None:
         await send(resp, Start(0, 0, 0.0, ()), Prefill(300))
         await asyncio.wait_for(cancelled.wait(), 30)  # until the proxy sends /cancel
-        await send(resp, Cancelled(300, 1), SAVED_300)
+        await send(resp, Cancelled(300, 0, 1), SAVED_300)
 
     async with fake_worker(script) as (_, url):
         h = Harness(tmp_path / "cache", url)
