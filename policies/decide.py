@@ -11,7 +11,8 @@ Inputs, all plain data:
   ``RESTORE_CANDIDATES``: the hit and its fallbacks), and the set of their positions.
 - ``worker`` (:class:`WorkerFacts`): what the chosen worker's live KV holds of this prompt (what
   its memory can keep of it), whether it may be reused at all (the live KV is this tenant's),
-  and whether its memory is a recurrent state that cannot be cut back at all.
+  and whether its memory can cut a restored snapshot back (not a recurrent state, not a
+  sliding window: a snapshot holds only the window behind its last position).
 - ``recent``: this tenant's recent prompts, most recent first (the ring; only ``auto`` reads
   it, its first ``scope.window`` entries).
 - ``knobs``: :class:`policies.plan.CacheKnobs`.
@@ -31,12 +32,13 @@ Rules (the positions themselves are ``policies.plan``'s):
 5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
    last message start) or ``keep_max``, ``partial`` for a shorter one (e.g. only the anchor),
    ``miss`` for none.
-6. A recurrent state (``worker.recurrent``) cannot be cut back, so an entry past ``keep_max``
-   could never be used: it is not offered for restore (the next shorter one is), and a save
-   point past ``keep_max`` (the prompt end of a growing conversation, ``full``) is taken at
-   ``keep_max`` instead: the next turn, which extends the prompt, restores it and prefills two
-   more tokens, and the same prompt sent again can use it too. No save behind the reuse is
-   planned (it would need the live state cut back).
+6. A memory that cannot cut a restored snapshot back (``worker.cut_back`` false: a recurrent
+   state exists only at its last position, a window snapshot holds only the window behind it)
+   could never use an entry past ``keep_max``: it is not offered for restore (the next shorter
+   one is), and a save point past ``keep_max`` (the prompt end of a growing conversation,
+   ``full``) is taken at ``keep_max`` instead: the next turn, which extends the prompt,
+   restores it and prefills two more tokens, and the same prompt sent again can use it too.
+   No save behind the reuse is planned (it would need the live state cut back).
 
 A save names its position and reason; the worker keys the file (``backend.keys``, salted with the
 job's salt), and its ``Saved`` event tells the proxy the key.
@@ -99,7 +101,7 @@ class Stored:
 class WorkerFacts:
     live_n: int  # tokens of this prompt the worker's live KV holds (and its memory can keep)
     live_ok: bool  # the live KV is this tenant's: it may be reused
-    recurrent: bool = False  # its memory cannot be cut back (a recurrent or hybrid model)
+    cut_back: bool = True  # its memory can cut a restored snapshot back (plain attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +203,8 @@ def decide(
         return Plan((), (), keep_max, worker.live_ok, "off", None, None)
     window = recent[: scope.window] if scope.kind == "auto" else ()
     boundary = choose_scope_boundary(ids, scope, window, knobs)
-    hits = [h for h in stored.hits if not worker.recurrent or h.n_tokens <= keep_max]
-    positions = stored.positions if not worker.recurrent else frozenset(
+    hits = [h for h in stored.hits if worker.cut_back or h.n_tokens <= keep_max]
+    positions = stored.positions if worker.cut_back else frozenset(
         p for p in stored.positions if p <= keep_max)  # entries it can use
     disk_n = hits[0].n_tokens if hits else 0
     cached_n = min(max(live_n, disk_n), keep_max)
@@ -211,7 +213,7 @@ def decide(
                          growing=extends_recent(ids, window)
                          or opens_conversation(facts.message_starts))
     saves, anchor_skipped = planned.saves, planned.anchor_skipped
-    if worker.recurrent:
+    if not worker.cut_back:
         saves = _within(saves, keep_max, cached_n, positions)
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)

@@ -104,7 +104,7 @@ class Gateway:
                 if facts.scope.kind == "auto" else []
             plan = decide(facts, stored, WorkerFacts(worker.live_prefix(ids, tenant),
                                                      worker.live_tenant == tenant,
-                                                     worker.memory == "recurrent"),
+                                                     worker.memory == "plain"),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":
                 self._trace_miss(ids, tenant)

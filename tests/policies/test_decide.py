@@ -40,7 +40,7 @@ K15 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=1
 K10 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=10)
 
 
-RECURRENT = WorkerFacts(0, True, recurrent=True)
+RECURRENT = WorkerFacts(0, True, cut_back=False)  # a recurrent state or a sliding window
 
 
 def prompt(n: int = N) -> tuple[int, ...]:
@@ -490,7 +490,7 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # A live state the worker can keep whole (the prompt extends it: live_n 34) is used as is;
     # the boundary 36 ahead of it is saved.
     (
-        facts("auto"), [diverge(36)], stored(10), WorkerFacts(34, True, recurrent=True), K,
+        facts("auto"), [diverge(36)], stored(10), WorkerFacts(34, True, cut_back=False), K,
         Plan(restore=(), saves=saves((36, "scoped")), keep_max=38, live_ok=True,
              lookup="partial", boundary=36, anchor_skipped=None),
     ),
