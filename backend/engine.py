@@ -177,7 +177,8 @@ class Engine:
                 raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
         _backend_init()
         mp = llama_cpp.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
+        # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
+        mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
         mp.use_extra_bufts = False  # batch invariance (module rules)
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
         if not self.model:

@@ -263,7 +263,10 @@ class Pool:
     async def _spawn(self, w: Worker) -> None:
         w.ready = False
         w.live_ids = []
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        # the proxy's own tree first, then whatever the proxy was given
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         w.process = await asyncio.create_subprocess_exec(*self._command(w), env=env)
         await self._wait_ready(w)
 

@@ -88,7 +88,8 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
            "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *args]
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
+                                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     srv = Server(f"http://127.0.0.1:{port}", port, cache_dir, proc, log_path)
     deadline = time.time() + timeout_s
     while time.time() < deadline:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,17 @@ MODELS = ("smollm2", "gemma3", "qwen35")
 MEMORY = {"smollm2": "plain", "gemma3": "window", "qwen35": "recurrent"}
 
 
+# On a machine where these cannot be carried (the GPU check, bench/gpu_check.sh), each can be
+# replaced by another model of the same memory: PREFIXGATE_TEST_MODEL_<NAME>=path.GGUF; the engine
+# tests offload PREFIXGATE_TEST_GPU_LAYERS layers (the servers read PREFIXGATE_N_GPU_LAYERS).
+GPU_LAYERS = int(os.environ.get("PREFIXGATE_TEST_GPU_LAYERS", "0"))
+FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read it too
+
+
 def model_file(name: str) -> str:
+    override = os.environ.get(f"PREFIXGATE_TEST_MODEL_{name.upper()}")
+    if override:
+        return override
     if name == "smollm2":
         from proxy.config import default_model
 

@@ -11,7 +11,7 @@ import llama_cpp
 import pytest
 
 from backend.engine import Cancel, Engine, Sampling
-from tests.models import MEMORY, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
@@ -36,7 +36,8 @@ def name(request: pytest.FixtureRequest) -> str:
 
 
 def _engine(name: str, **kw: object) -> Engine:
-    return Engine(model_file(name), N_CTX, 2, 0, **kw)  # type: ignore[arg-type]
+    return Engine(model_file(name), N_CTX, 2, GPU_LAYERS, flash_attn=FLASH_ATTN,
+                  **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
