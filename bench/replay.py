@@ -526,7 +526,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     oracle = compute_oracle([r.ids for r in rendered])
     prompts = [SimPrompt(r.ids, r.boundaries, r.message_starts) for r in rendered]
     predicted = {a.name: [t.fresh for t in simulate(prompts, a.scope,
-                                                    "restart" if a.restart else "live").turns]
+                                                    "restart" if a.restart else "live",
+                                                    memory=args.memory).turns]
                  for a in arms if a.server == "prefixgate"}
     load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="prefixgate-bench-"))
@@ -730,6 +731,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="", help="GGUF path (default: the embedded SmolLM2)")
+    p.add_argument("--memory", default="plain", choices=["plain", "window", "recurrent"],
+                   help="the model's memory, for the simulator column (window: Gemma 3, "
+                   "gpt-oss; recurrent: Qwen3.5, hybrids)")
     p.add_argument("--format", default="auto", choices=["auto", "anthropic", "openai"])
     p.add_argument("--tool-blocks", default="openai", choices=["openai", "text"])
     p.add_argument("--tool-choice", default="none", choices=["none", "auto", "keep"])

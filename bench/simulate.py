@@ -77,8 +77,12 @@ class SimTurn:
 class Simulator:
     """One proxy and one worker, as far as the cache decisions go."""
 
-    def __init__(self, policy: str, knobs: CacheKnobs | None = None) -> None:
+    def __init__(self, policy: str, knobs: CacheKnobs | None = None,
+                 memory: str = "plain") -> None:
         self.knobs = knobs or CacheKnobs()
+        # the worker's memory (backend.engine.Memory): a recurrent state is never reused live
+        # after generating; a recurrent state or a window cannot cut a restored snapshot back
+        self.memory = memory
         self.scope = parse_scope(policy)
         self.policy = format_scope(self.scope)
         self.disk = RadixTree()  # the stored entries' token ids: survive restarts
@@ -104,9 +108,11 @@ class Simulator:
         ids, n, scope = p.ids, len(p.ids), self.scope
         facts = Facts(ids, tuple(MessageStart(q, r) for q, r in p.message_starts), scope)
         stored = self.lookup(facts) if scope.kind != "off" else Stored()
-        live_n = common_prefix_len(self.live_ids, ids) if live else 0
+        live_n = common_prefix_len(self.live_ids, ids) if live and self.memory != "recurrent" \
+            else 0
         recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
-        plan = decide(facts, stored, WorkerFacts(live_n, True), recent, self.knobs)
+        plan = decide(facts, stored, WorkerFacts(live_n, True, self.memory == "plain"), recent,
+                      self.knobs)
         if scope.kind != "off":  # as Gateway.start: the ring, and its persisted copy
             self.ring.push(_TENANT, ids)
             self.ring_log = [*self.ring_log, ids][-RING_CAPACITY:]
@@ -177,11 +183,12 @@ class SimResult:
 
 
 def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
-             knobs: CacheKnobs | None = None) -> SimResult:
-    """Replay `prompts` in order through one simulated proxy under `policy` and `mode`."""
+             knobs: CacheKnobs | None = None, memory: str = "plain") -> SimResult:
+    """Replay `prompts` in order through one simulated proxy under `policy` and `mode`, on a
+    worker with this `memory` (plain, window or recurrent)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    sim = Simulator(policy, knobs)
+    sim = Simulator(policy, knobs, memory)
     turns = []
     for i, p in enumerate(prompts):
         if mode == "restart" and i:
