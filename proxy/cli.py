@@ -42,6 +42,7 @@ def serve(cfg: Config) -> None:
         limits.with_overrides(cfg.limits)
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
+    _check_model(cfg.model_path)
     sock = _listen(cfg.host, cfg.port)
     # the render thread parses and renders big requests; let it hand the GIL to the event
     # loop every millisecond (5 by default), so other clients' latency stays low meanwhile
@@ -50,6 +51,17 @@ def serve(cfg: Config) -> None:
         web.run_app(make_app(cfg), sock=sock, print=None, access_log=None)
     except StartupError as e:  # a worker that cannot serve this proxy: say why, no traceback
         raise SystemExit(f"prefixgate: {e}") from None
+
+
+def _check_model(path: str) -> None:
+    """A model path that is not a readable GGUF file is said at once, not as a traceback."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise SystemExit(f"prefixgate: cannot read the model {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise SystemExit(f"prefixgate: {path} is not a GGUF model file")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -85,6 +97,7 @@ def worker(argv: list[str]) -> None:
     if not ns.listen and not ns.socket:
         p.error("give --listen HOST:PORT (or --socket PATH)")
     cfg = from_args(ns)
+    _check_model(cfg.model_path)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,

@@ -45,3 +45,31 @@ def test_a_taken_port_fails_at_once_with_a_clear_message() -> None:
     assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
     assert "Traceback" not in r.stderr
     assert "llama_context" not in r.stderr, "it fails before any worker loads the model"
+
+
+def test_kv_settings_flags_and_variables() -> None:
+    cfg = parse([], {})
+    assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full) == \
+        ("off", "f16", "f16", True)
+    cfg = parse(["--flash-attn", "auto", "--cache-type-k", "q8_0", "--no-swa-full"],
+                {"PREFIXGATE_CACHE_TYPE_V": "Q8_0", "PREFIXGATE_FLASH_ATTN": "on"})
+    assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full) == \
+        ("auto", "q8_0", "q8_0", False)
+    # the old boolean spellings of flash attention still work
+    assert parse([], {"PREFIXGATE_FLASH_ATTN": "true"}).flash_attn == "on"
+    assert parse([], {"PREFIXGATE_FLASH_ATTN": "false"}).flash_attn == "off"
+
+
+def test_bad_settings_and_a_missing_model_are_said_without_a_traceback(tmp_path) -> None:
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("hello")
+    for argv, said in (
+        (["--flash-attn", "maybe"], "invalid value for --flash-attn: 'maybe' (one of on, off, "
+                                    "auto)"),
+        (["--cache-type-k", "q3"], "invalid value for --cache-type-k: 'q3'"),
+        (["--model", str(tmp_path / "missing.gguf")], "cannot read the model"),
+        (["--model", str(not_gguf)], "is not a GGUF model file"),
+    ):
+        r = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--port", "0", *argv],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
