@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import jinja2
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
@@ -52,7 +53,7 @@ from proxy.errors import (
 from proxy.gateway import Gateway, knobs_of
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
-from proxy.workers import Pool
+from proxy.workers import Pool, StartupError
 
 log = logging.getLogger("prefixgate")
 
@@ -162,8 +163,14 @@ ONE_LINE_REFUSALS = OneLineRefusals()
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     t0 = time.perf_counter()
-    prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path, cfg.volatile_patterns,
-                                      cfg.volatile_blocks, cfg.stable_layout)
+    try:
+        prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path,
+                                          cfg.volatile_patterns, cfg.volatile_blocks,
+                                          cfg.stable_layout, cfg.chat_template_file)
+    except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
+        where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
+        line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
+        raise StartupError(f"the chat template in {where} cannot be used:{line} {e}") from None
     identity = await asyncio.to_thread(cache_identity, cfg)
     cache = None
     if cfg.disk_prefix_cache != "off":

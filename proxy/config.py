@@ -51,6 +51,7 @@ class Config:
     host: str = "127.0.0.1"  # listen address
     port: int = 8080  # listen port
     model: str = ""  # GGUF path; "" = the embedded default model
+    chat_template_file: str = ""  # a Jinja chat template used instead of the GGUF's own
     workers: int = 1  # worker processes, one llama context each
     # remote workers (`prefixgate worker --listen`) used instead of spawning --workers;
     # repeatable flag, the variable comma-separated; () = spawn local workers
@@ -101,6 +102,7 @@ class Config:
 
 _HELP = {
     "host": "listen address", "port": "listen port", "model": "GGUF model path",
+    "chat_template_file": "a Jinja chat template file used instead of the model's own",
     "workers": "worker processes", "n_ctx": "context tokens per worker",
     "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
     "flash_attn": "flash attention: on | off | auto",

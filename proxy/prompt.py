@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -120,12 +121,16 @@ class PromptBuilder:
 
     @classmethod
     def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = (),
-             volatile_blocks: tuple[str, ...] = (), stable_layout: bool = False
-             ) -> PromptBuilder:
-        """The model's own tokenizer and chat template, read from its GGUF (blocking)."""
+             volatile_blocks: tuple[str, ...] = (), stable_layout: bool = False,
+             template_file: str = "") -> PromptBuilder:
+        """The model's own tokenizer and chat template, read from its GGUF (blocking);
+        `template_file`: a chat template used instead of the GGUF's (users fix broken templates
+        this way). A template that does not compile raises `jinja2.TemplateSyntaxError`."""
         meta = read_metadata(model_path)
         tok = load_tokenizer(model_path, meta)
-        template = ChatTemplate(meta.get("tokenizer.chat_template") or "",
+        source = Path(template_file).read_text(encoding="utf-8") if template_file else \
+            meta.get("tokenizer.chat_template") or ""
+        template = ChatTemplate(source,
                                 tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                                 tok.decode([tok.eos_id]) if tok.eos_id is not None else "")
         return cls(template, tok, volatile_patterns, volatile_blocks, stable_layout)

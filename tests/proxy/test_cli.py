@@ -73,3 +73,28 @@ def test_bad_settings_and_a_missing_model_are_said_without_a_traceback(tmp_path)
         r = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--port", "0", *argv],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_chat_template_file_replaces_the_models(tmp_path) -> None:
+    from proxy.chat import ChatRequest
+    from proxy.config import default_model
+    from proxy.prompt import PromptBuilder
+
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    builder = PromptBuilder.load(default_model(), template_file=str(tpl))
+    rendered, _ = builder.render(ChatRequest("openai", ({"role": "user", "content": "hi"},)))
+    assert rendered.text == "<<user>>hi\n<<assistant>>"
+    assert rendered.ids == tuple(builder.tok.encode(rendered.text))
+
+
+def test_a_chat_template_that_cannot_be_used_is_said_in_one_line(tmp_path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    for path, said in ((bad, "line 1: unexpected '}'"), (tmp_path / "gone.jinja", "No such file")):
+        r = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--port", "0",
+                            "--chat-template-file", str(path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "cannot be used" in r.stderr and said in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
