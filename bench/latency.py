@@ -8,7 +8,7 @@ Starts one prefixgate (one worker, the default model, n_ctx 4096) and measures t
 by side in one run:
 
 - idle: nothing else running;
-- under load: two client threads send, back to back, requests the proxy must render and then
+- under load: two client processes send, back to back, requests the proxy must render and then
   reject: a conversation of `--messages` messages (it renders to more than n_ctx tokens: a 400
   after rendering), and a request with 200 large tool schemas (a heavy render and tool section).
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,14 +33,23 @@ from typing import Any
 from tests.conftest import running
 
 
-def post(url: str, body: dict[str, Any]) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def post(url: str, data: bytes) -> int:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def load(url: str, data: bytes, stop: Any, results: Any) -> None:
+    """A load generator process: posts `data` back to back until `stop`."""
+    done: list[tuple[int, float]] = []
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        status = post(url, data)
+        done.append((status, time.perf_counter() - t0))
+    results.put(done)
 
 
 def probe(url: str, n: int) -> list[float]:
@@ -82,23 +91,23 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="prefixgate-latency-") as tmp, \
             running(Path(tmp), "--workers", "1", "--disk-prefix-cache", "off") as srv:
         idle = probe(srv.url, a.probes)
-        stop = threading.Event()
-        rejected: list[tuple[int, float]] = []
-
-        def load(body: dict[str, Any]) -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                status = post(srv.v1 + "/chat/completions", body)
-                rejected.append((status, time.perf_counter() - t0))
-
-        threads = [threading.Thread(target=load, args=(b,)) for b in heavy_bodies(a.messages)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)  # both are in flight
+        # the load comes from other processes, its bodies encoded once: the probe's own
+        # process holds no GIL contention of the load generator's making
+        ctx = multiprocessing.get_context("spawn")
+        stop, results = ctx.Event(), ctx.Queue()
+        loaders = [ctx.Process(target=load, args=(srv.v1 + "/chat/completions",
+                                                  json.dumps(b).encode(), stop, results))
+                   for b in heavy_bodies(a.messages)]
+        for proc in loaders:
+            proc.start()
+        time.sleep(2.0)  # both are in flight
         loaded = probe(srv.url, a.probes)
         stop.set()
-        for t in threads:
-            t.join()
+        rejected: list[tuple[int, float]] = []
+        for _ in loaders:
+            rejected += results.get(timeout=600)
+        for proc in loaders:
+            proc.join()
     statuses = sorted({s for s, _ in rejected})
     print("| phase | /health p50 ms | p95 ms | max ms |\n|---|---:|---:|---:|")
     print(f"| idle | {stats(idle)} |")
