@@ -32,6 +32,7 @@ fi
 python3 -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__,
   'GPU offload:', llama_cpp.llama_supports_gpu_offload())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+[ -z "${BUILD_ONLY:-}" ] || exit 0
 models=$build/models
 for arch in llama gemma3 qwen35; do
   [ -f "$models/$arch.gguf" ] || python3 -m bench.random_model --arch "$arch" --window 512 \
