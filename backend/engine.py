@@ -28,6 +28,12 @@ Rules this module keeps:
   differed from a cold run's). The engine loads the model without them (`use_extra_bufts`).
   A recurrent state is one more reason never to cut back by a token: where the memory cannot,
   a save point one token past the previous stop is skipped instead.
+- Batch invariance does not hold for llama.cpp's CUDA kernels: on an H100, a prefill split at
+  300 tokens changed the last logits by up to 2.3, one split at 512 (a batch edge) by 0.0. Where
+  layers are offloaded to a GPU, reuse and snapshots happen only at multiples of the batch size
+  (`align`; the plan's positions are multiples already, `policies.decide` rule 7), so a hit runs
+  the same batches, of the same shapes at the same positions, as a cold run. The CPU rules
+  about one-token batches do not apply there: both runs make the same ones.
 - Cancellation is checked between prefill batches and between generated tokens.
 - A grammar llama.cpp cannot parse is a ValueError before the first sample (its sampler comes
   back NULL), never a crash of the worker.
@@ -169,6 +175,7 @@ class Engine:
         type_k: str = "f16",
         type_v: str = "f16",
         swa_full: bool = True,
+        align: int | None = None,
     ) -> None:
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
@@ -205,6 +212,9 @@ class Engine:
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_batch = n_batch
         self.memory = _memory_of(self.model, swa_full)
+        # reuse only at batch edges where the kernels are not batch-invariant (module rules)
+        offloaded = n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
+        self.align = align if align is not None else n_batch if offloaded else 1
         self.ids = np.zeros(self.n_ctx, dtype=np.intc)  # ids[:n_live] is what the KV holds
         self.n_live = 0
         self.exact_n = 0  # leading live tokens whose KV a cold prefill computes identically
@@ -253,6 +263,7 @@ class Engine:
             return 0
         diff = np.nonzero(self.ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
         n = int(diff[0]) if len(diff) else n
+        n = n // self.align * self.align
         return n if n == self.n_live or n >= self.floor() else 0
 
     def reusable(self) -> tuple[int, int]:
@@ -370,7 +381,7 @@ class Engine:
         cannot be cut back by a token (it would need a one-token batch)."""
         points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids))
         for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
-            if p - self.n_live == 1 and self.n_live > 0:
+            if p - self.n_live == 1 and self.n_live > 0 and self.align == 1:
                 if p < len(ids) and self.floor() > self.n_live - 1:
                     continue  # never a one-token batch (see module doc): no stop here
                 self.truncate(self.n_live - 1)
@@ -378,7 +389,7 @@ class Engine:
                 if cancel.is_set:
                     raise Cancelled()
                 end = min(p, self.n_live + self.n_batch)
-                if p - end == 1:
+                if p - end == 1 and self.align == 1:
                     end -= 1  # leave two tokens for the last batch, not one
                 self._decode(ids[self.n_live : end])
                 self.exact_n = self.n_live

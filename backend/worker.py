@@ -4,6 +4,7 @@
                       llama.cpp), "n_live", "fingerprint", "model", "pid",
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
                       "memory" ({"kind": plain | window | recurrent, "n_swa"}),
+                      "align" (reuse only at multiples of this: the batch size on a GPU),
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> a `backend.protocol.Job` in, its NDJSON event stream out (the events and
                      their order are in backend/protocol.py; a malformed job is a 400)
@@ -184,7 +185,7 @@ class Worker:
             "n_live": self.engine.n_live, "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
-            "memory": self.engine.memory.to_wire(),
+            "memory": self.engine.memory.to_wire(), "align": self.engine.align,
             "cache_volume": volume.read(self.cache_dir),
         })
 

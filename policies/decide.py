@@ -19,7 +19,12 @@ Inputs, all plain data:
 
 Rules (the positions themselves are ``policies.plan``'s):
 
-1. The worker always evaluates the last two prompt tokens: ``keep_max = n - 2``.
+1. The worker always evaluates the last two prompt tokens: ``keep_max = n - 2``. On a worker
+   whose kernels give the same bits only for the same batch shapes (``worker.align`` > 1: a
+   GPU, where splitting a prefill anywhere but at a batch edge changes the KV), every reuse,
+   restore and save point is a multiple of ``align`` (the batch size), so a hit replays the
+   cold run's batches: ``keep_max`` is the last multiple below ``n``, the live reuse is rounded
+   down, only aligned entries are offered, and save points are rounded down (7).
 2. ``off``: nothing is restored or saved; ``lookup = "off"``.
 3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window (exactly the
    longest shared token prefix, for ``auto``); the reused prefix is the longer of the live reuse
@@ -39,6 +44,8 @@ Rules (the positions themselves are ``policies.plan``'s):
    ``full``) is taken at ``keep_max`` instead: the next turn, which extends the prompt,
    restores it and prefills two more tokens, and the same prompt sent again can use it too.
    No save behind the reuse is planned (it would need the live state cut back).
+7. With ``align`` > 1, each save point is rounded down to a multiple of ``align`` (none at 0,
+   none already stored), the strongest reason kept per position.
 
 A save names its position and reason; the worker keys the file (``backend.keys``, salted with the
 job's salt), and its ``Saved`` event tells the proxy the key.
@@ -102,6 +109,7 @@ class WorkerFacts:
     live_n: int  # tokens of this prompt the worker's live KV holds (and its memory can keep)
     live_ok: bool  # the live KV is this tenant's: it may be reused
     cut_back: bool = True  # its memory can cut a restored snapshot back (plain attention)
+    align: int = 1  # reuse only at multiples of this (its batch size on a GPU; 1: anywhere)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,15 +205,18 @@ def decide(
     """The plan for one request; the rules are in the module docstring."""
     ids, scope = facts.ids, facts.scope
     n = len(ids)
-    keep_max = max(n - 2, 0)
-    live_n = worker.live_n if worker.live_ok else 0
+    a = max(worker.align, 1)
+    keep_max = max(n - 2, 0) if a == 1 else (max(n - 1, 0) // a) * a
+    live_n = (worker.live_n if worker.live_ok else 0) // a * a
     if scope.kind == "off":
         return Plan((), (), keep_max, worker.live_ok, "off", None, None)
     window = recent[: scope.window] if scope.kind == "auto" else ()
     boundary = choose_scope_boundary(ids, scope, window, knobs)
-    hits = [h for h in stored.hits if worker.cut_back or h.n_tokens <= keep_max]
-    positions = stored.positions if worker.cut_back else frozenset(
-        p for p in stored.positions if p <= keep_max)  # entries it can use
+    hits = [h for h in stored.hits
+            if (worker.cut_back or h.n_tokens <= keep_max) and h.n_tokens % a == 0]
+    positions = stored.positions if worker.cut_back and a == 1 else frozenset(
+        p for p in stored.positions
+        if (worker.cut_back or p <= keep_max) and p % a == 0)  # entries it can use
     disk_n = hits[0].n_tokens if hits else 0
     cached_n = min(max(live_n, disk_n), keep_max)
     planned = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
@@ -215,6 +226,8 @@ def decide(
     saves, anchor_skipped = planned.saves, planned.anchor_skipped
     if not worker.cut_back:
         saves = _within(saves, keep_max, cached_n, positions)
+    if a > 1:
+        saves = _aligned(saves, a, positions)
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
                       else "partial")
@@ -237,6 +250,19 @@ def _within(saves: Sequence[SavePoint], keep_max: int, cached_n: int,
     for s in saves:
         p = min(s.n_tokens, keep_max)
         if p <= cached_n or p in stored:
+            continue
+        if p not in best or REASON_RANK[s.reason] > REASON_RANK[best[p].reason]:
+            best[p] = SavePoint(p, s.reason)
+    return tuple(best[p] for p in sorted(best))
+
+
+def _aligned(saves: Sequence[SavePoint], a: int, stored: frozenset[int]
+             ) -> tuple[SavePoint, ...]:
+    """Rule 7: save points rounded down to multiples of ``a``."""
+    best: dict[int, SavePoint] = {}
+    for s in saves:
+        p = s.n_tokens // a * a
+        if p == 0 or p in stored:
             continue
         if p not in best or REASON_RANK[s.reason] > REASON_RANK[best[p].reason]:
             best[p] = SavePoint(p, s.reason)

@@ -104,7 +104,8 @@ class Gateway:
                 if facts.scope.kind == "auto" else []
             plan = decide(facts, stored, WorkerFacts(worker.live_prefix(ids, tenant),
                                                      worker.live_tenant == tenant,
-                                                     worker.memory == "plain"),
+                                                     worker.memory == "plain",
+                                                     worker.align),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":
                 self._trace_miss(ids, tenant)

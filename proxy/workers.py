@@ -106,6 +106,7 @@ class Worker:
     n_ctx: int = 0
     fingerprint: str = ""
     memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
+    align: int = 1  # it reuses only at multiples of this (its batch size on a GPU)
     restarts: int = 0
     boot_id: str = ""  # the worker process's id from /health; a new one = a restart
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
@@ -340,6 +341,7 @@ class Pool:
     def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
         w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
         w.memory = str(h.get("memory", {}).get("kind", "plain"))
+        w.align = int(h.get("align", 1))
         w.boot_id = str(h.get("boot_id", ""))
 
     async def _first_contact(self, w: Worker) -> None:

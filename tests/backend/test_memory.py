@@ -163,3 +163,28 @@ def test_a_real_window_cuts_back_only_inside_it() -> None:
     assert _answer(eng, other) == _cold(ref, other)
     eng.close()
     ref.close()
+
+
+def test_a_gpu_engine_reuses_only_at_batch_edges() -> None:
+    """Where the kernels are not batch-invariant (a GPU: `align` = the batch size) the live reuse
+    is rounded down to a batch edge and no batch is shortened to dodge a one-token one, so a hit
+    runs the cold run's batches. Forced here on the CPU with 64-token batches."""
+    eng = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64, align=64)
+    ref = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64, align=64)
+    assert Engine(model_file("smollm2"), 256, 2, 0).align == 1  # no GPU layers: anywhere
+    prompt = _ids("smollm2", 300, seed=9)
+    eng.prefill(prompt, [], lambda p: None, Cancel())
+    other = prompt[:250] + _ids("smollm2", 60, seed=10)
+    assert eng.live_prefix(other) == 192
+    assert eng.truncate(192) == 192
+    assert _answer(eng, other) == _cold(ref, other)
+    snaps: dict[int, memoryview] = {}
+    eng.truncate(0)
+    batches: list[int] = []
+    eng.prefill(prompt, [128, 256], lambda p: snaps.__setitem__(p, eng.snapshot()), Cancel(),
+                batches.append)
+    assert batches == [64, 128, 192, 256, 300]
+    eng.restore(prompt[:256], snaps[256])
+    assert _answer(eng, prompt) == _cold(ref, prompt)
+    eng.close()
+    ref.close()

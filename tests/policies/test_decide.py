@@ -41,6 +41,7 @@ K10 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=1
 
 
 RECURRENT = WorkerFacts(0, True, cut_back=False)  # a recurrent state or a sliding window
+ALIGNED = WorkerFacts(0, True, align=8)  # reuses only at multiples of 8 (a GPU's batch edges)
 
 
 def prompt(n: int = N) -> tuple[int, ...]:
@@ -493,6 +494,27 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         facts("auto"), [diverge(36)], stored(10), WorkerFacts(34, True, cut_back=False), K,
         Plan(restore=(), saves=saves((36, "scoped")), keep_max=38, live_ok=True,
              lookup="partial", boundary=36, anchor_skipped=None),
+    ),
+    # --- a worker that reuses only at batch edges (rule 7: align 8 here, its batch on a GPU) ---
+    # Cold, full: keep_max is the last multiple of 8 below 40 (32); the anchor 10 is saved at 8,
+    # the prompt end 40 is a multiple already.
+    (
+        facts("full"), [], stored(), ALIGNED, K,
+        Plan(restore=(), saves=saves((8, "cold"), (40, "full")), keep_max=32, live_ok=True,
+             lookup="miss", boundary=40, anchor_skipped=None),
+    ),
+    # Only the aligned entry (24) is offered, not 10; the boundary 30 rounds down to 24, which
+    # is stored: nothing to save.
+    (
+        facts("auto"), [diverge(30)], stored(10, 24), ALIGNED, K,
+        Plan(restore=restores(24), saves=(), keep_max=32, live_ok=True, lookup="partial",
+             boundary=30, anchor_skipped=None),
+    ),
+    # The live reuse 37 counts as 32; the boundary 36 is saved at 32.
+    (
+        facts("auto"), [diverge(36)], stored(), WorkerFacts(37, True, align=8), K,
+        Plan(restore=(), saves=saves((32, "scoped")), keep_max=32, live_ok=True, lookup="miss",
+             boundary=36, anchor_skipped=None),
     ),
 ]
 
