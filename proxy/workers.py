@@ -292,8 +292,9 @@ class Pool:
         async with self._cond:
             w.ready = True
             self._cond.notify_all()
-        log.info("worker %d ready (pid %s, n_ctx %d)", w.worker_id,
-                 w.process.pid if w.process else "-", w.n_ctx)
+        log.info("worker %d ready (pid %s, n_ctx %d, memory %s%s)", w.worker_id,
+                 w.process.pid if w.process else "-", w.n_ctx, w.memory,
+                 f", reuse at multiples of {w.align}" if w.align > 1 else "")
 
     async def _supervise(self, w: Worker) -> None:
         """Restart a worker process that exits; its in-flight request fails on its own."""
