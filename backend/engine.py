@@ -58,6 +58,8 @@ from typing import Any, Literal
 import llama_cpp
 import numpy as np
 
+from policies.prefix import live_reuse
+
 log = logging.getLogger("prefixgate.engine")
 
 
@@ -263,8 +265,7 @@ class Engine:
             return 0
         diff = np.nonzero(self.ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
         n = int(diff[0]) if len(diff) else n
-        n = n // self.align * self.align
-        return n if n == self.n_live or n >= self.floor() else 0
+        return live_reuse(n // self.align * self.align, self.n_live, self.floor())
 
     def reusable(self) -> tuple[int, int]:
         """(live tokens a next request may keep, the shortest of them the memory can be cut
@@ -282,8 +283,7 @@ class Engine:
         if n == self.n_live:
             self.exact_n = min(self.exact_n, n)
             return n
-        if n > 0 and n < self.floor():
-            n = 0  # the memory cannot be cut back there (checked, not attempted)
+        n = live_reuse(n, self.n_live, self.floor())  # none where the memory cannot cut back
         if not llama_cpp.llama_memory_seq_rm(self.mem, 0, n, -1):
             log.warning("llama.cpp refused to cut the live state back to %d of %d tokens; "
                         "starting from none", n, self.n_live)

@@ -24,16 +24,7 @@ from typing import Any
 import llama_cpp
 
 from backend.engine import Cancel, Engine
-from proxy.config import default_model
-
-FIXTURES = Path(__file__).resolve().parent.parent / "build" / "fixtures" / "models"
-
-
-def model_file(name: str) -> str:
-    if name == "smollm2":
-        return default_model()
-    return str(FIXTURES / {"gemma3": "gemma-3-270m-q4_k_m.gguf",
-                           "qwen35": "qwen35-random.gguf"}[name])
+from tests.models import model_file
 
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [  # (model, label, engine settings)
     ("smollm2", "f16", {}),

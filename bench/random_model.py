@@ -79,27 +79,52 @@ class _Tensors:
         self.writer.add_tensor(name, data)
 
 
+def _start(w: gguf.GGUFWriter, t: _Tensors, arch: str, n_vocab: int, n_embd: int, n_ff: int,
+           n_layer: int, n_head: int, n_head_kv: int, eps: float, context: int,
+           extra: dict[str, Any]) -> None:
+    """The keys every architecture here has, then `extra`; the embeddings and the output norm."""
+    _put(w, arch, {
+        "context_length": context, "embedding_length": n_embd, "block_count": n_layer,
+        "feed_forward_length": n_ff, "attention.head_count": n_head,
+        "attention.head_count_kv": n_head_kv, "attention.layer_norm_rms_epsilon": eps,
+        **extra,
+    })
+    t.add("token_embd.weight", (n_embd, n_vocab))
+    t.add("output_norm.weight", (n_embd,), "norm")
+
+
+def _qkv(t: _Tensors, b: str, n_embd: int, q: int, kv: int) -> None:
+    t.add(f"{b}.attn_q.weight", (n_embd, q))
+    t.add(f"{b}.attn_k.weight", (n_embd, kv))
+    t.add(f"{b}.attn_v.weight", (n_embd, kv))
+
+
+def _qk_norms(t: _Tensors, b: str, head: int) -> None:
+    t.add(f"{b}.attn_q_norm.weight", (head,), "norm")
+    t.add(f"{b}.attn_k_norm.weight", (head,), "norm")
+
+
+def _ffn(t: _Tensors, b: str, n_embd: int, n_ff: int) -> None:
+    t.add(f"{b}.ffn_gate.weight", (n_embd, n_ff))
+    t.add(f"{b}.ffn_up.weight", (n_embd, n_ff))
+    t.add(f"{b}.ffn_down.weight", (n_ff, n_embd))
+
+
 def _qwen35(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace) -> None:
     arch = "qwen35"
     n_embd, n_head, n_ff, n_layer = 256, 2, 384, a.layers
     head = n_embd // n_head
     d_state, n_group, dt_rank, d_conv, d_inner = 128, 2, n_head, 4, 256
     interval = 2  # every 2nd layer full attention: recurrent, attention, recurrent, ...
-    kv: dict[str, Any] = {
-        "context_length": 262144, "embedding_length": n_embd, "block_count": n_layer,
-        "feed_forward_length": n_ff, "attention.head_count": n_head,
-        "attention.head_count_kv": n_head, "attention.layer_norm_rms_epsilon": 1e-6,
+    key_dim, value_dim = d_state * n_group, d_state * dt_rank
+    _start(w, t, arch, n_vocab, n_embd, n_ff, n_layer, n_head, n_head, 1e-6, 262144, {
         "attention.key_length": head, "attention.value_length": head,
         "rope.dimension_count": head, "rope.freq_base": 10_000_000.0,
         "ssm.conv_kernel": d_conv, "ssm.inner_size": d_inner, "ssm.state_size": d_state,
         "ssm.time_step_rank": dt_rank, "ssm.group_count": n_group,
         "full_attention_interval": interval,
-    }
-    _put(w, arch, kv)
+    })
     w.add_array(f"{arch}.rope.dimension_sections", [head // 4] * 4)
-    key_dim, value_dim = d_state * n_group, d_state * dt_rank
-    t.add("token_embd.weight", (n_embd, n_vocab))
-    t.add("output_norm.weight", (n_embd,), "norm")
     for il in range(n_layer):
         b = f"blk.{il}"
         t.add(f"{b}.attn_norm.weight", (n_embd,), "norm")
@@ -115,69 +140,42 @@ def _qwen35(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace
             t.add(f"{b}.ssm_norm.weight", (d_state,), "norm")
             t.add(f"{b}.ssm_out.weight", (value_dim, n_embd))
         else:
-            t.add(f"{b}.attn_q.weight", (n_embd, head * n_head * 2))  # query and its gate
-            t.add(f"{b}.attn_k.weight", (n_embd, head * n_head))
-            t.add(f"{b}.attn_v.weight", (n_embd, head * n_head))
+            _qkv(t, b, n_embd, head * n_head * 2, head * n_head)  # the query and its gate
             t.add(f"{b}.attn_output.weight", (head * n_head, n_embd))
-            t.add(f"{b}.attn_q_norm.weight", (head,), "norm")
-            t.add(f"{b}.attn_k_norm.weight", (head,), "norm")
-        t.add(f"{b}.ffn_gate.weight", (n_embd, n_ff))
-        t.add(f"{b}.ffn_up.weight", (n_embd, n_ff))
-        t.add(f"{b}.ffn_down.weight", (n_ff, n_embd))
+            _qk_norms(t, b, head)
+        _ffn(t, b, n_embd, n_ff)
 
 
 def _llama(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace) -> None:
-    arch = "llama"
     n_embd, n_head, n_head_kv, n_ff, n_layer = 256, 4, 2, 384, a.layers
     head = n_embd // n_head
-    _put(w, arch, {
-        "context_length": 32768, "embedding_length": n_embd, "block_count": n_layer,
-        "feed_forward_length": n_ff, "attention.head_count": n_head,
-        "attention.head_count_kv": n_head_kv, "attention.layer_norm_rms_epsilon": 1e-5,
-        "rope.dimension_count": head, "rope.freq_base": 10000.0,
-    })
-    t.add("token_embd.weight", (n_embd, n_vocab))
-    t.add("output_norm.weight", (n_embd,), "norm")
+    _start(w, t, "llama", n_vocab, n_embd, n_ff, n_layer, n_head, n_head_kv, 1e-5, 32768,
+           {"rope.dimension_count": head, "rope.freq_base": 10000.0})
     for il in range(n_layer):
         b = f"blk.{il}"
         t.add(f"{b}.attn_norm.weight", (n_embd,), "norm")
-        t.add(f"{b}.attn_q.weight", (n_embd, head * n_head))
-        t.add(f"{b}.attn_k.weight", (n_embd, head * n_head_kv))
-        t.add(f"{b}.attn_v.weight", (n_embd, head * n_head_kv))
+        _qkv(t, b, n_embd, head * n_head, head * n_head_kv)
         t.add(f"{b}.attn_output.weight", (head * n_head, n_embd))
         t.add(f"{b}.ffn_norm.weight", (n_embd,), "norm")
-        t.add(f"{b}.ffn_gate.weight", (n_embd, n_ff))
-        t.add(f"{b}.ffn_up.weight", (n_embd, n_ff))
-        t.add(f"{b}.ffn_down.weight", (n_ff, n_embd))
+        _ffn(t, b, n_embd, n_ff)
 
 
 def _gemma3(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace) -> None:
-    arch = "gemma3"
     n_embd, n_head, n_head_kv, n_ff, n_layer = 256, 4, 1, 384, a.layers
     head = 64
-    _put(w, arch, {
-        "context_length": 32768, "embedding_length": n_embd, "block_count": n_layer,
-        "feed_forward_length": n_ff, "attention.head_count": n_head,
-        "attention.head_count_kv": n_head_kv, "attention.layer_norm_rms_epsilon": 1e-6,
+    _start(w, t, "gemma3", n_vocab, n_embd, n_ff, n_layer, n_head, n_head_kv, 1e-6, 32768, {
         "attention.key_length": head, "attention.value_length": head,
         "attention.sliding_window": a.window, "rope.freq_base": 1_000_000.0,
     })
-    t.add("token_embd.weight", (n_embd, n_vocab))
-    t.add("output_norm.weight", (n_embd,), "norm")
     for il in range(n_layer):
         b = f"blk.{il}"
         t.add(f"{b}.attn_norm.weight", (n_embd,), "norm")
-        t.add(f"{b}.attn_q.weight", (n_embd, head * n_head))
-        t.add(f"{b}.attn_k.weight", (n_embd, head * n_head_kv))
-        t.add(f"{b}.attn_v.weight", (n_embd, head * n_head_kv))
-        t.add(f"{b}.attn_q_norm.weight", (head,), "norm")
-        t.add(f"{b}.attn_k_norm.weight", (head,), "norm")
+        _qkv(t, b, n_embd, head * n_head, head * n_head_kv)
+        _qk_norms(t, b, head)
         t.add(f"{b}.attn_output.weight", (head * n_head, n_embd))
         t.add(f"{b}.post_attention_norm.weight", (n_embd,), "norm")
         t.add(f"{b}.ffn_norm.weight", (n_embd,), "norm")
-        t.add(f"{b}.ffn_gate.weight", (n_embd, n_ff))
-        t.add(f"{b}.ffn_up.weight", (n_embd, n_ff))
-        t.add(f"{b}.ffn_down.weight", (n_ff, n_embd))
+        _ffn(t, b, n_embd, n_ff)
         t.add(f"{b}.post_ffw_norm.weight", (n_embd,), "norm")
 
 

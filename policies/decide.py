@@ -61,16 +61,15 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from policies.plan import (
-    REASON_RANK,
     CacheKnobs,
     MessageStart,
     Reason,
-    SavePoint,
     anchor_position,
     choose_scope_boundary,
     extends_recent,
     opens_conversation,
     plan_saves,
+    strongest,
 )
 from policies.scope import Scope
 
@@ -224,10 +223,12 @@ def decide(
                          growing=extends_recent(ids, window)
                          or opens_conversation(facts.message_starts))
     saves, anchor_skipped = planned.saves, planned.anchor_skipped
-    if not worker.cut_back:
-        saves = _within(saves, keep_max, cached_n, positions)
-    if a > 1:
-        saves = _aligned(saves, a, positions)
+    if not worker.cut_back:  # rule 6: past keep_max taken at keep_max, none behind the reuse
+        saves = strongest((p, s.reason) for s in saves
+                          if (p := min(s.n_tokens, keep_max)) > cached_n and p not in positions)
+    if a > 1:  # rule 7: rounded down to multiples of `a`
+        saves = strongest((p, s.reason) for s in saves
+                          if (p := s.n_tokens // a * a) > 0 and p not in positions)
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
                       else "partial")
@@ -242,28 +243,3 @@ def decide(
         anchor_skipped=anchor_skipped,
     )
 
-
-def _within(saves: Sequence[SavePoint], keep_max: int, cached_n: int,
-            stored: frozenset[int]) -> tuple[SavePoint, ...]:
-    """Rule 6: save points past ``keep_max`` taken at ``keep_max``, none behind the reuse."""
-    best: dict[int, SavePoint] = {}
-    for s in saves:
-        p = min(s.n_tokens, keep_max)
-        if p <= cached_n or p in stored:
-            continue
-        if p not in best or REASON_RANK[s.reason] > REASON_RANK[best[p].reason]:
-            best[p] = SavePoint(p, s.reason)
-    return tuple(best[p] for p in sorted(best))
-
-
-def _aligned(saves: Sequence[SavePoint], a: int, stored: frozenset[int]
-             ) -> tuple[SavePoint, ...]:
-    """Rule 7: save points rounded down to multiples of ``a``."""
-    best: dict[int, SavePoint] = {}
-    for s in saves:
-        p = s.n_tokens // a * a
-        if p == 0 or p in stored:
-            continue
-        if p not in best or REASON_RANK[s.reason] > REASON_RANK[best[p].reason]:
-            best[p] = SavePoint(p, s.reason)
-    return tuple(best[p] for p in sorted(best))

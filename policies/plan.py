@@ -50,7 +50,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -202,8 +202,13 @@ def plan_saves(
     if scope.kind == "auto" and growing:
         wanted.append((n_prompt, "growing"))
 
+    return SavePlan(strongest((p, reason) for p, reason in wanted if savable(p)), skipped)
+
+
+def strongest(points: Iterable[tuple[int, Reason]]) -> tuple[SavePoint, ...]:
+    """One save point per position, with its strongest reason (``REASON_RANK``), ascending."""
     best: dict[int, Reason] = {}
-    for p, reason in wanted:
-        if savable(p) and (p not in best or REASON_RANK[reason] > REASON_RANK[best[p]]):
+    for p, reason in points:
+        if p not in best or REASON_RANK[reason] > REASON_RANK[best[p]]:
             best[p] = reason
-    return SavePlan(tuple(SavePoint(p, best[p]) for p in sorted(best)), skipped)
+    return tuple(SavePoint(p, best[p]) for p in sorted(best))

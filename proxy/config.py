@@ -143,22 +143,20 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
             p.add_argument(flag, default=None, help=help_)
 
 
-# what the worker's engine accepts (backend/engine.py: CACHE_TYPES, FLASH_ATTN)
-_CHOICES = {
-    "flash_attn": ("on", "off", "auto"),
-    "cache_type_k": ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"),
-}
-_CHOICES["cache_type_v"] = _CHOICES["cache_type_k"]
+_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v")
 _ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
 
 
 def _coerce(name: str, value: Any) -> Any:
     default = Config.__dataclass_fields__[name].default
-    if name in _CHOICES:
+    if name in _CHOICE_FIELDS:  # what the worker's engine accepts
+        from backend.engine import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
+
+        choices = FLASH_ATTN if name == "flash_attn" else tuple(CACHE_TYPES)
         v = str(value).strip().lower()
         v = _ON_OFF.get(v, v) if name == "flash_attn" else v
-        if v not in _CHOICES[name]:
-            raise ValueError(f"one of {', '.join(_CHOICES[name])}")
+        if v not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
         return v
     if isinstance(value, str):
         if isinstance(default, bool):
@@ -215,7 +213,7 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             try:
                 values[f.name] = _coerce(f.name, v)
             except ValueError as e:
-                why = f" ({e})" if f.name in _CHOICES else ""
+                why = f" ({e})" if f.name in _CHOICE_FIELDS else ""
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {v!r}{why}"
                                  ) from None
     return Config(**values)

@@ -57,9 +57,9 @@ PROBE_INTERVAL_S = 1.0  # remote health probes
 PROBE_TIMEOUT_S = 3.0
 PROBE_TIMEOUTS_DOWN = 3  # consecutive probe timeouts that mark a remote worker down
 CONNECT_TIMEOUT_S = 10.0  # connecting to a worker for a run
-CANCEL_TIMEOUT_S = 2.0
+CANCEL_TIMEOUT_S = 2.0  # a cancel the worker does not answer in time: close the stream instead
 RECHECK_TRIES = 40  # after a lost stream: health probes before leaving it to its supervisor
-RECHECK_INTERVAL_S = 0.25  # a cancel the worker does not answer in time: close the stream instead
+RECHECK_INTERVAL_S = 0.25
 
 _UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -117,6 +117,12 @@ class Worker:
     @property
     def remote(self) -> bool:
         return self.socket_path is None
+
+    @property
+    def memory_note(self) -> str:
+        """Its memory for the ready line, and its alignment where it has one (a GPU)."""
+        return f"memory {self.memory}" + (f", reuse at multiples of {self.align}"
+                                          if self.align > 1 else "")
 
     @property
     def name(self) -> str:
@@ -292,9 +298,8 @@ class Pool:
         async with self._cond:
             w.ready = True
             self._cond.notify_all()
-        log.info("worker %d ready (pid %s, n_ctx %d, memory %s%s)", w.worker_id,
-                 w.process.pid if w.process else "-", w.n_ctx, w.memory,
-                 f", reuse at multiples of {w.align}" if w.align > 1 else "")
+        log.info("worker %d ready (pid %s, n_ctx %d, %s)", w.worker_id,
+                 w.process.pid if w.process else "-", w.n_ctx, w.memory_note)
 
     async def _supervise(self, w: Worker) -> None:
         """Restart a worker process that exits; its in-flight request fails on its own."""
@@ -368,8 +373,8 @@ class Pool:
             raise StartupError(f"{w.name}: {problem}")
         self._adopt(w, h)
         await self._set_ready(w, True)
-        log.info("%s ready (pid %s, n_ctx %d, memory %s)", w.name, h.get("pid", "-"), w.n_ctx,
-                 w.memory)
+        log.info("%s ready (pid %s, n_ctx %d, %s)", w.name, h.get("pid", "-"), w.n_ctx,
+                 w.memory_note)
 
     async def _set_ready(self, w: Worker, ready: bool, reason: str = "") -> None:
         async with self._cond:

@@ -7,14 +7,15 @@ hybrid model a prompt that diverges far inside the live sequence restores the ri
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import anthropic
-import openai
 import pytest
 
 from tests.conftest import Server, running, start_server
 from tests.models import MEMORY, MODELS, model_file
+from tests.proxy.test_disk_cache import ask as ask_openai
 from tests.proxy.test_disk_cache import entries
 
 pytestmark = pytest.mark.model
@@ -32,14 +33,7 @@ def convo(question: str, turns: int = 1) -> list[dict]:
     return [*msgs, {"role": "user", "content": question}]
 
 
-def ask(srv: Server, messages: list[dict]) -> dict:
-    c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=300)
-    raw = c.chat.completions.with_raw_response.create(
-        model="m", messages=messages, temperature=0, max_tokens=12)
-    r = raw.parse()
-    return {"text": r.choices[0].message.content, "prompt": r.usage.prompt_tokens,
-            "cached": r.usage.prompt_tokens_details.cached_tokens,
-            "source": raw.headers["x-prefixgate-cache-source"]}
+ask = partial(ask_openai, max_tokens=12)
 
 
 def ask_anthropic(srv: Server, messages: list[dict]) -> str:
