@@ -232,12 +232,14 @@ class Engine:
             self.ctx = None
 
     def piece(self, token: int) -> bytes:
-        """The bytes of one token (may be part of a UTF-8 character)."""
+        """The bytes of one token (may be part of a UTF-8 character). Control tokens are
+        written out (`<|channel|>`, `<｜tool▁calls▁begin｜>`): the tool dialects parse them;
+        end-of-generation tokens never get here."""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
         return buf.raw[:n]
 
     # --- live state ------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Anthropic Messages API edge: POST /v1/messages, POST /v1/messages/count_tokens.
 
 Routes match on the path alone (Claude Code adds `?beta=true`). Unknown headers and body fields
-are ignored (`anthropic-beta`, `metadata`, `thinking`, `context_management`, `output_config`,
-`cache_control` on any block, `$schema` in tool schemas). Errors use Anthropic's shape
+are ignored (`anthropic-beta`, `metadata`, `context_management`, `output_config`,
+`cache_control` on any block, `$schema` in tool schemas). `thinking` ({"type": "enabled"} or
+"adaptive" / "disabled") becomes the template variable `enable_thinking`; `chat_template_kwargs`
+is taken as on the OpenAI API. Errors use Anthropic's shape
 `{"type": "error", "error": {"type", "message"}}` (proxy.errors.anthropic_body).
 
 Parsing into the internal, OpenAI-shaped messages:
@@ -14,11 +16,12 @@ Parsing into the internal, OpenAI-shaped messages:
 - user content: a string or blocks. `text` blocks join by blank lines; each `tool_result`
   (string or text-block content, `is_error` marked) becomes a `role: "tool"` message; images
   and documents are a 400 (the model takes text only). Consecutive user turns merge.
-- assistant content: `text` joins; `tool_use` becomes a tool call; `thinking` and
-  `redacted_thinking` are dropped (this model does not think, and dropping them keeps re-sent
-  history stable). A conversation that ends in an assistant turn with text is continued, as
-  the API does it: the prompt ends inside that turn (no end-of-turn, no new header) and the
-  reply is only the continuation; trailing whitespace there is a 400, as on the API.
+- assistant content: `text` joins; `tool_use` becomes a tool call; `thinking` blocks become
+  the turn's `reasoning_content`, which the template renders as it wants (signatures are not
+  checked: prefixgate wrote them, empty); `redacted_thinking` is dropped. A conversation
+  that ends in an assistant turn with text is continued, as the API does it: the prompt ends
+  inside that turn (no end-of-turn, no new header) and the reply is only the continuation;
+  trailing whitespace there is a 400, as on the API.
 - tools `{name, description, input_schema}` become function tools; server tools (a `type`
   other than `custom`) are ignored, prefixgate cannot run them. tool_choice auto / any / tool /
   none maps to auto / required / named / none (proxy.tools).
@@ -27,9 +30,11 @@ Usage: `input_tokens` prefilled and not newly snapshotted, `cache_read_input_tok
 (live KV or disk), `cache_creation_input_tokens` prefilled into a new snapshot; the three sum to
 the prompt length, which is what count_tokens returns for the same body.
 
+Reasoning the model writes is a `thinking` block (before the text or tool use it led to).
 Streaming is Anthropic's event sequence: `message_start` (sent once the worker accepted the
 plan, with the input usage), `ping`, per block `content_block_start` / `content_block_delta`
-(`text_delta`, `input_json_delta`) / `content_block_stop`, `message_delta` (stop_reason and
+(`thinking_delta`, `text_delta`, `input_json_delta`, a tool's arguments as they complete) /
+`content_block_stop`, `message_delta` (stop_reason and
 usage), `message_stop`. While no event is due (a long prefill) a `ping` goes out every
 `ping_interval_s`; Claude Code takes 180 s of silence for a stalled stream. A failure after
 the response started is an `event: error`.
@@ -58,6 +63,7 @@ from proxy.chat import (
     parse_sampling,
     parse_stop,
 )
+from proxy.dialects import ArgsDelta, CallDone, CallOpen, Event, ReasoningDelta, TextDelta, events
 from proxy.edge import (
     CONFIG,
     GATEWAY,
@@ -76,15 +82,15 @@ from proxy.edge import (
     sse_response,
 )
 from proxy.errors import ApiError, BadRequest, ContextOverflow, anthropic_body, anthropic_response
+from proxy.openai_api import parse_template_kwargs
 from proxy.run import Run, Usage
-from proxy.tools import ToolCall, output
 
 log = logging.getLogger("prefixgate")
 
 T = TypeVar("T")
 
 _MEDIA = ("image", "document", "file", "container_upload")
-_DROPPED = ("thinking", "redacted_thinking")
+_DROPPED = ("thinking", "redacted_thinking")  # in a user turn
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -194,11 +200,15 @@ class _Builder:
 
     def _assistant(self, blocks: list[dict[str, Any]], i: int) -> None:
         text: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, b in enumerate(blocks):
             kind = b["type"]
             if kind == "text":
                 text.append(str(b.get("text", "")))
+            elif kind == "thinking":
+                if isinstance(b.get("thinking"), str) and b["thinking"]:
+                    thoughts.append(b["thinking"])
             elif kind == "tool_use":
                 name, args = b.get("name"), b.get("input", {})
                 if not isinstance(name, str) or not isinstance(args, dict):
@@ -214,9 +224,14 @@ class _Builder:
         msg: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(text)}
         if calls:
             msg["tool_calls"] = calls
+        if thoughts:
+            msg["reasoning_content"] = "\n\n".join(thoughts)
         last = self.out[-1] if self.out else None
         if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
             last["content"] = "\n\n".join(p for p in (last["content"], msg["content"]) if p)
+            if thoughts:
+                last["reasoning_content"] = "\n\n".join(
+                    p for p in (last.get("reasoning_content", ""), msg["reasoning_content"]) if p)
             if calls:
                 last["tool_calls"] = calls
         else:
@@ -269,6 +284,19 @@ def parse_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> Any:
     return tools_mod.check_choice(choice, tools, "tool_choice")
 
 
+def parse_thinking(body: dict[str, Any]) -> dict[str, Any]:
+    """Template variables: `thinking` as `enable_thinking`, plus `chat_template_kwargs`."""
+    kwargs = parse_template_kwargs({"chat_template_kwargs": body.get("chat_template_kwargs")})
+    raw = body.get("thinking")
+    if raw is None:
+        return kwargs
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise BadRequest('\'thinking\' must be {"type": "enabled", "budget_tokens": N}, '
+                         '{"type": "adaptive"} or {"type": "disabled"}', param="thinking")
+    return {"enable_thinking": kind != "disabled", **kwargs}
+
+
 def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatRequest:
     body = expect_dict(body)
     raw = body.get("messages")
@@ -296,7 +324,7 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
         sampling=parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
         max_tokens=max_tokens, stop=parse_stop(body.get("stop_sequences"), "stop_sequences"),
         stream=False if count_only else opt_bool(body, "stream"), scope=scope, window=window,
-        tenant=tenant, continue_final=continue_final)
+        tenant=tenant, continue_final=continue_final, template_kwargs=parse_thinking(body))
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -358,8 +386,8 @@ class Responder:
             return "stop_sequence", run.state.stop
         return ("end_turn" if run.finish_reason == "stop" else "max_tokens"), None
 
-    def _items(self) -> AsyncIterator[str | ToolCall]:
-        return output(self.run.pieces(), self.req.tools, self.req.tool_choice)
+    def _events(self) -> AsyncIterator[Event]:
+        return events(self.run.pieces(), self.run.prep.stream())
 
     def message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
         reason, seq = self.stop() if final else (None, None)
@@ -369,15 +397,19 @@ class Responder:
 
     async def json(self, request: web.Request) -> web.Response:
         content: list[dict[str, Any]] = []
-        async for item in self._items():
-            if isinstance(item, ToolCall):
+        async for ev in self._events():
+            if isinstance(ev, CallDone):
                 self.n_calls += 1
-                content.append({"type": "tool_use", "id": "toolu_" + item.id_hex,
-                                "name": item.name, "input": item.arguments})
-            elif content and content[-1]["type"] == "text":
-                content[-1]["text"] += item
-            else:
-                content.append({"type": "text", "text": item})
+                content.append({"type": "tool_use", "id": "toolu_" + ev.call.id_hex,
+                                "name": ev.call.name, "input": ev.call.arguments})
+            elif isinstance(ev, TextDelta | ReasoningDelta):
+                kind, key = ("text", "text") if isinstance(ev, TextDelta) else \
+                    ("thinking", "thinking")
+                if content and content[-1]["type"] == kind:
+                    content[-1][key] += ev.text
+                else:
+                    content.append({"type": kind, key: ev.text} if kind == "text" else
+                                   {"type": kind, key: ev.text, "signature": ""})
         return web.json_response(self.message(content, final=True), headers=self.headers())
 
     async def stream(self, request: web.Request, ping_s: float) -> web.StreamResponse:
@@ -390,33 +422,21 @@ class Responder:
         start["usage"]["output_tokens"] = 0
         await resp.write(_sse("message_start", {"type": "message_start", "message": start}))
         await ping()
-        index, text_open = 0, False
+        blocks = _Blocks()
         try:
-            async for item in with_pings(self._items(), ping_s, ping):
-                if isinstance(item, ToolCall):
-                    if text_open:
-                        await resp.write(_block_stop(index))
-                        index, text_open = index + 1, False
+            async for ev in with_pings(self._events(), ping_s, ping):
+                if isinstance(ev, CallDone):
                     self.n_calls += 1
-                    await resp.write(_tool_use(index, item))
-                    index += 1
-                    continue
-                if not text_open:
-                    await resp.write(_sse("content_block_start", {
-                        "type": "content_block_start", "index": index,
-                        "content_block": {"type": "text", "text": ""}}))
-                    text_open = True
-                await resp.write(_sse("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "text_delta", "text": item}}))
+                data = blocks.event(ev)
+                if data:
+                    await resp.write(data)
         except ApiError as e:
             if client_gone(request):
                 return resp  # the client left; its run was cancelled, nobody to tell
             log.warning("anthropic stream failed after the response started: %s", e.message)
             await resp.write(_sse("error", anthropic_body(e)))
             return resp
-        if text_open:
-            await resp.write(_block_stop(index))
+        await resp.write(blocks.close())
         reason, seq = self.stop()
         await resp.write(_sse("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
@@ -426,18 +446,51 @@ class Responder:
         return resp
 
 
+class _Blocks:
+    """Events as content blocks: a block opens when the kind of output changes (thinking,
+    text, a tool use) and closes before the next one opens."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
+
+    def event(self, ev: Event) -> bytes:
+        if isinstance(ev, TextDelta):
+            return self._ensure("text", {"type": "text", "text": ""}) + \
+                self._delta({"type": "text_delta", "text": ev.text})
+        if isinstance(ev, ReasoningDelta):
+            return self._ensure("thinking", {"type": "thinking", "thinking": "",
+                                             "signature": ""}) + \
+                self._delta({"type": "thinking_delta", "thinking": ev.text})
+        if isinstance(ev, CallOpen):
+            return self.close() + self._start("tool_use", {
+                "type": "tool_use", "id": "toolu_" + ev.id_hex, "name": ev.name, "input": {}})
+        if isinstance(ev, ArgsDelta):
+            return self._delta({"type": "input_json_delta", "partial_json": ev.json})
+        return self.close()  # CallDone
+
+    def close(self) -> bytes:
+        if self.open is None:
+            return b""
+        self.open = None
+        return _block_stop(self.index)
+
+    def _ensure(self, kind: str, block: dict[str, Any]) -> bytes:
+        return b"" if self.open == kind else self.close() + self._start(kind, block)
+
+    def _start(self, kind: str, block: dict[str, Any]) -> bytes:
+        self.index += 1
+        self.open = kind
+        return _sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                            "content_block": block})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                            "delta": delta})
+
+
 def _block_stop(index: int) -> bytes:
     return _sse("content_block_stop", {"type": "content_block_stop", "index": index})
-
-
-def _tool_use(index: int, call: ToolCall) -> bytes:
-    start = {"type": "content_block_start", "index": index,
-             "content_block": {"type": "tool_use", "id": "toolu_" + call.id_hex,
-                               "name": call.name, "input": {}}}
-    delta = {"type": "content_block_delta", "index": index,
-             "delta": {"type": "input_json_delta", "partial_json": call.arguments_json}}
-    return _sse("content_block_start", start) + _sse("content_block_delta", delta) + \
-        _block_stop(index)
 
 
 # --- handlers ------------------------------------------------------------------------------

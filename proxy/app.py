@@ -166,7 +166,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path,
                                           cfg.volatile_patterns, cfg.volatile_blocks,
-                                          cfg.stable_layout, cfg.chat_template_file)
+                                          cfg.stable_layout, cfg.chat_template_file,
+                                          cfg.tool_dialect)
     except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
         where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
         line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
@@ -193,8 +194,10 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             cache.index.close()
         raise
     log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s), n_ctx %d, "
-             "disk cache %s, tokenizer %s (%.1f s)", cfg.host, cfg.port, app[MODEL_ID],
-             len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache, prompts.tok.kind,
+             "disk cache %s, tokenizer %s, tool dialect %s%s (%.1f s)", cfg.host, cfg.port,
+             app[MODEL_ID], len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache,
+             prompts.tok.kind, prompts.dialect.name,
+             " with <think> reasoning" if prompts.dialect.think else "",
              time.perf_counter() - t0)
     yield
     await gw.close()

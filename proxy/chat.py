@@ -30,6 +30,8 @@ class ChatRequest:
     window: int | None = None  # per-request prefix_cache.window
     tenant: str = ""  # the API key when tenant isolation is on
     continue_final: bool = False  # the reply continues the final assistant message (Anthropic)
+    # variables for the chat template: chat_template_kwargs, reasoning_effort, enable_thinking
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 # --- validation helpers: each raises BadRequest naming the field and what to send -----------

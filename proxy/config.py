@@ -52,6 +52,9 @@ class Config:
     port: int = 8080  # listen port
     model: str = ""  # GGUF path; "" = the embedded default model
     chat_template_file: str = ""  # a Jinja chat template used instead of the GGUF's own
+    # how the model writes tool calls and reasoning (proxy/dialects); "" = found from the
+    # chat template
+    tool_dialect: str = ""
     workers: int = 1  # worker processes, one llama context each
     # remote workers (`prefixgate worker --listen`) used instead of spawning --workers;
     # repeatable flag, the variable comma-separated; () = spawn local workers
@@ -103,6 +106,8 @@ class Config:
 _HELP = {
     "host": "listen address", "port": "listen port", "model": "GGUF model path",
     "chat_template_file": "a Jinja chat template file used instead of the model's own",
+    "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
+                    "mistral | hermes (default: found from the chat template)",
     "workers": "worker processes", "n_ctx": "context tokens per worker",
     "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
     "flash_attn": "flash attention: on | off | auto",
@@ -143,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
             p.add_argument(flag, default=None, help=help_)
 
 
-_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v")
+_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect")
 _ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
 
 
@@ -153,9 +158,11 @@ def _coerce(name: str, value: Any) -> Any:
         from backend.engine import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
 
         choices = FLASH_ATTN if name == "flash_attn" else tuple(CACHE_TYPES)
+        if name == "tool_dialect":
+            from proxy.dialects import NAMES as choices
         v = str(value).strip().lower()
         v = _ON_OFF.get(v, v) if name == "flash_attn" else v
-        if v not in choices:
+        if v not in choices and not (name == "tool_dialect" and not v):
             raise ValueError(f"one of {', '.join(choices)}")
         return v
     if isinstance(value, str):

@@ -25,10 +25,19 @@ from proxy.chat import (
     parse_sampling,
     parse_stop,
 )
+from proxy.dialects import (
+    ArgsDelta,
+    CallDone,
+    CallOpen,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    events,
+)
 from proxy.edge import MODEL_ID, cache_headers, client_gone, model_card, serve, sse_response
 from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.run import Run, Usage
-from proxy.tools import ToolCall, output
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -76,6 +85,10 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
                                "content": _content_text(m.get("content"), i)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = parse_tool_calls(m["tool_calls"], i)
+        reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" \
+            else None
+        if isinstance(reasoning, str) and reasoning:
+            msg["reasoning_content"] = reasoning
         if role == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         if isinstance(m.get("name"), str):
@@ -123,6 +136,29 @@ def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
     return tuple(tools)
 
 
+def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs` (llama-server's and vLLM's: e.g. {"enable_thinking": false}) and
+    `reasoning_effort` (gpt-oss reads it), as variables for the chat template."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object of template variables, "
+                         'e.g. {"enable_thinking": false}', param="chat_template_kwargs")
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & \
+        set(kwargs)
+    if reserved:
+        raise BadRequest(f"'chat_template_kwargs' cannot set {', '.join(sorted(reserved))}: "
+                         "prefixgate sets them from the request", param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("none", "minimal", "low", "medium", "high"):
+            raise BadRequest("'reasoning_effort' must be none, minimal, low, medium or high",
+                             param="reasoning_effort")
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    return kwargs
+
+
 def _common(body: dict[str, Any], tenant: str) -> dict[str, Any]:
     max_tokens = opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -153,7 +189,7 @@ def parse_chat(body: Any, tenant: str) -> ChatRequest:
     return ChatRequest(api="openai", messages=parse_messages(body.get("messages")),
                        tools=tools, tool_choice=tools_mod.parse_choice(body.get("tool_choice"),
                                                                        tools),
-                       **_common(body, tenant))
+                       template_kwargs=parse_template_kwargs(body), **_common(body, tenant))
 
 
 def parse_completion(body: Any, tenant: str) -> ChatRequest:
@@ -181,7 +217,8 @@ def _call_json(call: ToolCall) -> dict[str, Any]:
 
 
 class Responder:
-    """Renders one run as a chat.completion or text_completion, JSON or SSE."""
+    """Renders one run as a chat.completion or text_completion, JSON or SSE. Reasoning goes
+    in `reasoning_content` (llama-server's and vLLM's field), in messages and in deltas."""
 
     def __init__(self, req: ChatRequest, run: Run, model_id: str, chat: bool) -> None:
         self.req, self.run, self.model, self.chat = req, run, model_id, chat
@@ -190,10 +227,8 @@ class Responder:
         self.object = "chat.completion" if chat else "text_completion"
         self.n_calls = 0
 
-    def _items(self) -> AsyncIterator[str | ToolCall]:
-        if not self.chat:
-            return self.run.pieces()
-        return output(self.run.pieces(), self.req.tools, self.req.tool_choice)
+    def _events(self) -> AsyncIterator[Event]:
+        return events(self.run.pieces(), self.run.prep.stream() if self.chat else None)
 
     def _finish(self) -> str:
         return "tool_calls" if self.n_calls else self.run.finish_reason
@@ -208,15 +243,20 @@ class Responder:
 
     async def json(self, request: web.Request) -> web.Response:
         parts: list[str] = []
+        reasoning: list[str] = []
         calls: list[ToolCall] = []
-        async for item in self._items():
-            if isinstance(item, ToolCall):
-                calls.append(item)
-            else:
-                parts.append(item)
+        async for ev in self._events():
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            elif isinstance(ev, ReasoningDelta):
+                reasoning.append(ev.text)
+            elif isinstance(ev, CallDone):
+                calls.append(ev.call)
         self.n_calls = len(calls)
         text = "".join(parts)
         choice = self._choice(text if text or not calls else None, self._finish(), False)
+        if reasoning:
+            choice["message"]["reasoning_content"] = "".join(reasoning)
         if calls:
             choice["message"]["tool_calls"] = [_call_json(c) for c in calls]
         body = {"id": self.id, "object": self.object, "created": self.created,
@@ -231,29 +271,36 @@ class Responder:
             body["usage"] = usage_json(usage)
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
-    def _call_chunks(self, call: ToolCall) -> list[bytes]:
-        """A call as OpenAI streams one: id and name with empty arguments, then the arguments."""
-        index = self.n_calls
-        self.n_calls += 1
-        head = {"index": index, **_call_json(call)}
-        head["function"] = {"name": call.name, "arguments": ""}
-        args = {"index": index, "function": {"arguments": call.arguments_json}}
-        return [self._chunk([{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None,
-                              "finish_reason": None}]) for d in (head, args)]
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": None}])
+
+    def _event_chunk(self, ev: Event) -> bytes | None:
+        """One event as OpenAI streams it: a call's id and name with empty arguments first,
+        then its arguments as they complete."""
+        if isinstance(ev, TextDelta):
+            return self._chunk([self._choice(ev.text, None, True)])
+        if isinstance(ev, ReasoningDelta):
+            return self._delta({"reasoning_content": ev.text})
+        if isinstance(ev, CallOpen):
+            return self._delta({"tool_calls": [{
+                "index": ev.index, "id": "call_" + ev.id_hex, "type": "function",
+                "function": {"name": ev.name, "arguments": ""}}]})
+        if isinstance(ev, ArgsDelta):
+            return self._delta({"tool_calls": [{"index": ev.index,
+                                                "function": {"arguments": ev.json}}]})
+        self.n_calls += 1  # CallDone: all of it is out already
+        return None
 
     async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
         resp = await sse_response(request, cache_headers(self.run))
         if self.chat:
-            await resp.write(self._chunk([{"index": 0, "delta": {"role": "assistant",
-                                                                 "content": ""},
-                                           "logprobs": None, "finish_reason": None}]))
+            await resp.write(self._delta({"role": "assistant", "content": ""}))
         try:
-            async for item in self._items():
-                if isinstance(item, ToolCall):
-                    for chunk in self._call_chunks(item):
-                        await resp.write(chunk)
-                else:
-                    await resp.write(self._chunk([self._choice(item, None, True)]))
+            async for ev in self._events():
+                chunk = self._event_chunk(ev)
+                if chunk is not None:
+                    await resp.write(chunk)
         except ApiError as e:
             if client_gone(request):
                 return resp  # the client left; its run was cancelled, nobody to tell

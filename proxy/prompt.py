@@ -37,6 +37,7 @@ import jinja2
 
 from policies.scope import Scope, format_scope, parse_scope
 from proxy.chat import ChatRequest
+from proxy.dialects import Dialect, Stream, for_template
 from proxy.errors import BadRequest, ContextOverflow
 from proxy.gguf import read_metadata
 from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
@@ -52,6 +53,13 @@ class Prepared:
     max_tokens: int
     arrived_s: float  # perf_counter at arrival, for time to first token
     grammar: str | None = None  # GBNF constraining the output (forced tool calls)
+    dialect: Dialect | None = None  # how the model writes calls and reasoning; None: raw text
+
+    def stream(self) -> Stream | None:
+        """The parser of this request's generated text into text, reasoning and calls."""
+        if self.dialect is None:
+            return None
+        return self.dialect.stream(self.req.tools, self.req.tool_choice, self.rendered.text)
 
 
 class Normalizer:
@@ -112,9 +120,12 @@ class Layout:
 class PromptBuilder:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer,
                  volatile_patterns: tuple[str, ...] = (), volatile_blocks: tuple[str, ...] = (),
-                 stable_layout: bool = False) -> None:
+                 stable_layout: bool = False, tool_dialect: str = "") -> None:
         self.template = template
         self.tok = tokenizer
+        # a template without tools gets prefixgate's Hermes tools section (proxy/tools.py)
+        self.dialect = for_template(template.source,
+                                    tool_dialect if template.supports_tools else "hermes")
         self.normalizer = Normalizer(volatile_patterns)
         self.layout = Layout(volatile_blocks if stable_layout else ())
         self.stable_layout = stable_layout
@@ -122,7 +133,7 @@ class PromptBuilder:
     @classmethod
     def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = (),
              volatile_blocks: tuple[str, ...] = (), stable_layout: bool = False,
-             template_file: str = "") -> PromptBuilder:
+             template_file: str = "", tool_dialect: str = "") -> PromptBuilder:
         """The model's own tokenizer and chat template, read from its GGUF (blocking);
         `template_file`: a chat template used instead of the GGUF's (users fix broken templates
         this way). A template that does not compile raises `jinja2.TemplateSyntaxError`."""
@@ -133,7 +144,8 @@ class PromptBuilder:
         template = ChatTemplate(source,
                                 tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                                 tok.decode([tok.eos_id]) if tok.eos_id is not None else "")
-        return cls(template, tok, volatile_patterns, volatile_blocks, stable_layout)
+        return cls(template, tok, volatile_patterns, volatile_blocks, stable_layout,
+                   tool_dialect)
 
     def render(self, req: ChatRequest) -> tuple[Rendered, str | None]:
         """(the rendered, tokenized prompt, the forced-call grammar or None)."""
@@ -142,13 +154,15 @@ class PromptBuilder:
             if self.tok.add_bos and self.tok.bos_id is not None:
                 ids = (self.tok.bos_id, *ids)
             return Rendered(req.prompt, ids, (len(ids),), ()), None
-        messages, tools, grammar = tool_prompt(
+        messages, tools = tool_prompt(
             self.template.supports_tools,
             self.layout.messages(self.normalizer.messages(req.messages)), req.tools,
-            req.tool_choice, tools_first=self.stable_layout)
+            tools_first=self.stable_layout)
+        if self.template.supports_tools:
+            messages = self.dialect.messages(messages)
         try:
-            return render_prompt(self.template, self.tok, messages, tools,
-                                 req.continue_final), grammar
+            rendered = render_prompt(self.template.bound(req.template_kwargs), self.tok,
+                                     messages, tools, req.continue_final)
         except jinja2.TemplateError as e:  # e.g. a template that wants alternating roles
             raise BadRequest(f"the model's chat template rejected these messages: {e}",
                              param="messages") from None
@@ -159,6 +173,9 @@ class PromptBuilder:
                 raise
             raise BadRequest(f"the model's chat template failed on these messages: "
                              f"{type(e).__name__}: {e}", param="messages") from None
+        grammar = self.dialect.forced(req.tools, req.tool_choice, rendered.text) \
+            if req.tools else None
+        return rendered, grammar
 
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:
         """Blocking (rendering a long conversation takes milliseconds): the gateway runs it on
@@ -177,7 +194,8 @@ class PromptBuilder:
             raise ContextOverflow(n, n_ctx)
         room = n_ctx - n
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
-        return Prepared(req, rendered, scope, max_tokens, t0, grammar)
+        return Prepared(req, rendered, scope, max_tokens, t0, grammar,
+                        self.dialect if req.prompt is None else None)
 
 
 def _raised_in_template(e: BaseException) -> bool:

@@ -40,6 +40,7 @@ Rules:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -174,6 +175,17 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
         self.prefixes = _PrefixCache(_PREFIX_CACHE_ENTRIES)
+        self.extra: dict[str, Any] = {}  # the request's template variables (bound())
+
+    def bound(self, extra: dict[str, Any]) -> ChatTemplate:
+        """This template with the request's own variables (`enable_thinking`,
+        `reasoning_effort`, any `chat_template_kwargs`); the prefix cache is shared, keyed on
+        them too."""
+        if not extra:
+            return self
+        view = copy.copy(self)
+        view.extra = dict(extra)
+        return view
 
     def render(
         self,
@@ -195,6 +207,7 @@ class ChatTemplate:
         self, messages: list[Any], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> dict[str, Any]:
         return {
+            **self.extra,
             "messages": messages,
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
@@ -280,7 +293,7 @@ def _message_char_starts(
     """Message index (len(messages): the generation prompt) -> char offset where it starts:
     the traced starts when a sample checks out, else every prefix rendered (module docstring).
     """
-    keys = _chain_keys(messages, tools)
+    keys = _chain_keys(messages, tools, template.extra)
     for candidate in _traced_starts(template, messages, tools, text):
         starts = _checked(template, messages, tools, text, keys, candidate)
         if starts is not None:
@@ -328,9 +341,11 @@ def _render_start(
     return len(prefix) if text.startswith(prefix) else None
 
 
-def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-    """The prefix cache's key of (tools, messages[:i]) for every i in 0..len(messages)."""
-    keys = [hash(("tools", _fingerprint(tools)))]
+def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                extra: dict[str, Any] | None = None) -> list[int]:
+    """The prefix cache's key of (tools, variables, messages[:i]) for every i in
+    0..len(messages)."""
+    keys = [hash(("tools", _fingerprint(tools), _fingerprint(extra or {})))]
     for message in messages:
         keys.append(hash((keys[-1], _fingerprint(message))))
     return keys

@@ -116,7 +116,7 @@ ANTHROPIC: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str,
         ({"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "one\n\ntwo"}),
         {"continue_final": False}),
     # tool_use becomes a call; tool_result a tool message carrying the tool's name; thinking is
-    # dropped; is_error marks the result
+    # the turn's reasoning_content; is_error marks the result
     "tool round trip": (
         {"tools": [TOOL], "messages": [
             {"role": "user", "content": "list"},
@@ -128,7 +128,8 @@ ANTHROPIC: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str,
         ({"role": "user", "content": "list"},
          {"role": "assistant", "content": "", "tool_calls": [
              {"id": "t1", "type": "function",
-              "function": {"name": "shell", "arguments": {"cmd": "ls"}}}]},
+              "function": {"name": "shell", "arguments": {"cmd": "ls"}}}],
+          "reasoning_content": "hm"},
          {"role": "tool", "tool_call_id": "t1", "content": "Error: denied", "name": "shell"}),
         {"tools": ({"type": "function", "function": {"name": "shell", "description": "Run.",
                                                      "parameters": {"type": "object"}}},)}),

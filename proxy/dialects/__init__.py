@@ -1,0 +1,125 @@
+"""Tool-call and reasoning dialects: how a model family writes tool calls and reasoning into
+its answer, found from its chat template.
+
+    dialect = for_template(template_source)   # or for_template(source, "qwen3_coder")
+    stream = dialect.stream(tools, choice, prompt_text)   # events out of generated text
+    grammar = dialect.forced(tools, choice, prompt_text)  # GBNF for a forced call, or None
+
+One module per format, each with `detect(template) -> bool`, `scan(...)` (generated text ->
+items, see base.py) and `grammar(tools)` (one call to one of the tools, in its format);
+`history(messages)` where the template wants the history in other fields:
+
+    harmony       gpt-oss (channels, `to=functions.NAME`)
+    minimax       MiniMax-M2 (`<minimax:tool_call><invoke name=...>`)
+    kimi          Kimi K2 (`<|tool_calls_section_begin|>`)
+    deepseek      DeepSeek V3.1 (`<｜tool▁calls▁begin｜>`)
+    glm           GLM-4.5/4.6/4.7 (`<arg_key>/<arg_value>`)
+    qwen3_coder   Qwen3-Coder, Qwen3.5/3.6 (`<function=NAME><parameter=P>`)
+    mistral       Mistral, Devstral (`[TOOL_CALLS]NAME[ARGS]{...}`)
+    hermes        Hermes, Qwen2.5, Qwen3 (`<tool_call>{json}</tool_call>`); also the default, and
+                  the format of the tools section prefixgate writes for templates without tools
+
+Rules:
+- The first module, in the order above, whose `detect` recognizes the template wins (a
+  template holds its own call format as text); `--tool-dialect NAME` overrides. A template
+  that takes no tools gets prefixgate's Hermes tools section, so its dialect is hermes.
+- Reasoning in `<think>...</think>` (Qwen3, Qwen3.5, GLM, DeepSeek, MiniMax, Kimi thinking)
+  is recognized when the template mentions `</think>`: a block at the start of the answer, or
+  one the prompt opened (the generation prompt ends inside `<think>`). Harmony reasons in its
+  analysis channel. Calls inside reasoning are not calls.
+- A forced call's grammar is the dialect's own call format; when the prompt opened a
+  reasoning block, the grammar closes it first (a forced call does not reason).
+- tool_choice "none": reasoning is still separated; nothing is parsed as a call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.dialects import deepseek, glm, harmony, hermes, kimi, minimax, mistral, qwen3_coder
+from proxy.dialects.base import (
+    ArgsDelta,
+    CallDone,
+    CallOpen,
+    Event,
+    ReasoningDelta,
+    Stream,
+    TextDelta,
+    ToolCall,
+    Tools,
+)
+from proxy.dialects.grammar import assemble, literal
+
+__all__ = ["NAMES", "ArgsDelta", "CallDone", "CallOpen", "Dialect", "Event", "ReasoningDelta",
+           "Stream", "TextDelta", "ToolCall", "events", "for_template"]
+
+_MODULES: dict[str, Any] = {
+    "harmony": harmony, "minimax": minimax, "kimi": kimi, "deepseek": deepseek, "glm": glm,
+    "qwen3_coder": qwen3_coder, "mistral": mistral, "hermes": hermes,
+}
+NAMES = tuple(_MODULES)
+THINK = ("<think>", "</think>")
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    name: str
+    scan: Callable[..., Any]
+    grammar: Callable[[list[dict[str, Any]]], tuple[str, list[str]]]
+    think: tuple[str, str] | None  # reasoning tags, None when it has none (or its own)
+    history: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+
+    def inside_think(self, prompt: str) -> bool:
+        """Whether the generation prompt opened a reasoning block."""
+        if self.think is None:
+            return False
+        tail = prompt[-256:]
+        return tail.rfind(self.think[0]) > max(tail.rfind(self.think[1]), -1)
+
+    def stream(self, tools: tuple[dict[str, Any], ...], choice: Any, prompt: str) -> Stream:
+        declared = Tools.of(() if choice == "none" else tools)
+        return Stream(functools.partial(self.scan, think=self.think), declared,
+                      self.inside_think(prompt))
+
+    def forced(self, tools: tuple[dict[str, Any], ...], choice: Any, prompt: str) -> str | None:
+        """GBNF for exactly one call (to the named tool for {"name"}); None unless forced."""
+        if choice == "required":
+            chosen = list(tools)
+        elif isinstance(choice, dict):
+            chosen = [t for t in tools if t["function"]["name"] == choice["name"]]
+        else:
+            return None
+        root, rules = self.grammar(chosen)
+        if self.think is not None and self.inside_think(prompt):
+            root = f"{literal(self.think[1] + chr(10) + chr(10))} {root}"
+        return assemble(root, rules, chosen)
+
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.history(messages) if self.history is not None else messages
+
+
+def for_template(source: str, name: str = "") -> Dialect:
+    """The dialect a chat template writes (see the module rules); `name` overrides. Raises
+    ValueError for a name that is not one of NAMES."""
+    if name and name not in _MODULES:
+        raise ValueError(f"unknown tool dialect {name!r}; one of {', '.join(NAMES)}")
+    found = name or next((n for n, m in _MODULES.items() if m.detect(source)), "hermes")
+    mod = _MODULES[found]
+    think = None if mod is harmony or "</think>" not in source else THINK
+    return Dialect(found, mod.scan, mod.grammar, think, getattr(mod, "history", None))
+
+
+async def events(pieces: AsyncIterator[str], stream: Stream | None) -> AsyncIterator[Event]:
+    """Generated text pieces as events: parsed by `stream`, or all text when it is None."""
+    async for piece in pieces:
+        if stream is None:
+            yield TextDelta(piece)
+            continue
+        for ev in stream.feed(piece):
+            yield ev
+    if stream is not None:
+        for ev in stream.finish():
+            yield ev

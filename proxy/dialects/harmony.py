@@ -1,0 +1,90 @@
+"""gpt-oss (OpenAI's Harmony format): the answer is a run of messages,
+
+    <|channel|>analysis<|message|>reasoning<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{json}
+    <|start|>assistant<|channel|>final<|message|>answer
+
+(`<|call|>` and `<|return|>` end generation; the recipient may also sit before the channel).
+The analysis channel is reasoning, final and recipient-less commentary are text, a message to
+`functions.NAME` is a call whose JSON arguments stream a member at a time. A reply with no
+channel header at all is text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from proxy.dialects.base import Item, Text, Think, Tools, held, json_call
+from proxy.dialects.grammar import args_rule, literal
+
+START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+ENDS = ("<|end|>", "<|call|>", "<|return|>", START)
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_ROLE = re.compile(r"<\|start\|>\s*assistant")
+
+
+def detect(source: str) -> bool:
+    return CHANNEL in source and "<|call|>" in source
+
+
+def scan(text: str, tools: Tools, final: bool, inside: bool,
+         think: tuple[str, str] | None) -> list[Item]:
+    items: list[Item] = []
+    pos = 0
+    if CHANNEL not in text and not text.lstrip().startswith(" to="):
+        keep = 0 if final else held(text, (CHANNEL, START, " to="))
+        return [Text(text[: len(text) - keep])]
+    while pos < len(text):
+        m = _ROLE.match(text, pos)
+        if m:
+            pos = m.end()
+        h = text.find(MESSAGE, pos)
+        if h < 0:
+            return items  # a header still being written
+        header = text[pos:h]
+        channel = _CHANNEL.search(header)
+        recipient = _RECIPIENT.search(header)
+        body_at = h + len(MESSAGE)
+        ends = [(j, e) for e in ENDS if (j := text.find(e, body_at)) >= 0]
+        j, end = min(ends) if ends else (len(text), "")
+        body = text[body_at:j]
+        closed = bool(end) or final
+        if not end and not final:
+            body = body[: len(body) - held(body, ENDS)]
+        name = recipient.group(1) if recipient else ""
+        if name and tools.types:
+            call, _ = json_call(name.removeprefix("functions."), body, closed, tools)
+            if call is None:
+                if not closed:
+                    return items
+                items.append(Text(body))
+            else:
+                items.append(call)
+        elif channel is not None and channel.group(1) == "analysis":
+            items.append(Think(body))
+        else:
+            items.append(Text(body))
+        if not end:
+            return items
+        pos = j + (len(end) if end != START else 0)
+    return items
+
+
+def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    alts, rules = [], []
+    for n, t in enumerate(tools):
+        rule, body = args_rule(t, f"pg{n}-")
+        head = f"{CHANNEL}commentary to=functions.{t['function']['name']} <|constrain|>json" \
+            f"{MESSAGE}"
+        alts.append(f"{literal(head)} {rule}")
+        rules.append(body)
+    return "(" + " | ".join(alts) + ")", rules
+
+
+def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The template reads an assistant turn's reasoning from `thinking`."""
+    return [{**{k: v for k, v in m.items() if k != "reasoning_content"},
+             "thinking": m["reasoning_content"]} if m.get("reasoning_content") else m
+            for m in messages]

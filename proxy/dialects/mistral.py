@@ -1,0 +1,77 @@
+"""Mistral and Devstral: `[TOOL_CALLS]NAME[ARGS]{json}` per call (Devstral Small 2507,
+Mistral Small 3.2, Magistral), or the older `[TOOL_CALLS][{"name": ..., "arguments": {...}},
+...]` (Mistral Nemo). No closing marker: a call ends with its JSON. Arguments of the first form
+stream a member at a time; the older list is read whole.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxy.dialects import hermes
+from proxy.dialects.base import _DECODER, Call, Item, Tools, json_call, scan_sections, skip_ws
+from proxy.dialects.grammar import args_rule, literal
+
+OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def detect(source: str) -> bool:
+    return OPEN in source
+
+
+def section(text: str, i: int, tools: Tools, final: bool
+            ) -> tuple[list[Call], int | None, bool]:
+    start = skip_ws(text, i + len(OPEN))
+    if text.startswith("[", start) and not text.startswith(ARGS, start):
+        return _listed(text, start, tools, final)
+    a = text.find(ARGS, start)
+    if a < 0:
+        rest = text[start:]
+        b = rest.find("[")
+        maybe = (b < 0 and len(rest) < 256) or (b >= 0 and ARGS.startswith(rest[b:]))
+        return [], None, maybe and not final
+    body_at = a + len(ARGS)
+    call, ok = json_call(text[start:a].strip(), text[body_at:], final, tools)
+    if call is None:
+        return [], None, ok
+    end = None
+    if call.closed:  # where its JSON ended
+        end = _object_end(text, skip_ws(text, body_at))
+    return [call], end, True
+
+
+def _object_end(text: str, i: int) -> int:
+    try:
+        return _DECODER.raw_decode(text, i)[1]
+    except ValueError:
+        return len(text)
+
+
+def _listed(text: str, start: int, tools: Tools, final: bool
+            ) -> tuple[list[Call], int | None, bool]:
+    try:
+        calls, end = _DECODER.raw_decode(text, start)
+    except (ValueError, RecursionError):
+        return [], None, not final
+    if not isinstance(calls, list):
+        return [], None, False
+
+    found = [hermes.whole(json.dumps(c), tools) for c in calls]
+    if not found or any(c is None for c in found):
+        return [], None, False
+    return [c for c in found if c is not None], end, True
+
+
+def scan(text: str, tools: Tools, final: bool, inside: bool,
+         think: tuple[str, str] | None) -> list[Item]:
+    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
+
+
+def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    alts, rules = [], []
+    for n, t in enumerate(tools):
+        rule, body = args_rule(t, f"pg{n}-")
+        alts.append(f"{literal(OPEN + t['function']['name'] + ARGS)} {rule}")
+        rules.append(body)
+    return "(" + " | ".join(alts) + ")", rules
