@@ -164,21 +164,22 @@ def json_members(s: str, i: int) -> tuple[list[tuple[str, Any]], int | None, boo
     return members, None, True
 
 
-def json_call(name: str, body: str, final: bool, tools: Tools) -> tuple[Call | None, bool]:
-    """(a call whose arguments are the JSON object `body` (leading whitespace allowed), or None
-    while it cannot be reported yet; False once it never can). `final`: the body is all there
-    is."""
+def json_call(name: str, body: str, final: bool, tools: Tools
+              ) -> tuple[Call | None, bool, int | None]:
+    """(a call whose arguments are the JSON object starting `body` (after whitespace), or None
+    while it cannot be reported yet; False once it never can; the index in `body` after the
+    object, None while it is open). `final`: the body is all there is."""
     if not tools.declared(name):
-        return None, False
+        return None, False, None
     members, end, ok = json_members(body, skip_ws(body, 0))
     if not ok and not members:
-        return None, False
+        return None, False, None
     call = Call(name, members, closed=end is not None or not ok)
     if final and end is None:
         if not members:
-            return None, False
+            return None, False, None
         call.closed = True  # cut short: closed with what completed
-    return (call, True) if call.members or call.closed else (None, True)
+    return (call if call.members or call.closed else None), True, end
 
 
 def split_think(text: str, tags: tuple[str, str] | None, inside: bool, final: bool
@@ -480,7 +481,7 @@ def json_section(text: str, i: int, tools: Tools, final: bool, open_: str, call_
         name = name_of(text[k + len(call_open):s])
         e = text.find(call_close, s + len(sep))
         body = text[s + len(sep): e if e >= 0 else len(text)]
-        call, ok = json_call(name, body, final or e >= 0, tools)
+        call, ok, _ = json_call(name, body, final or e >= 0, tools)
         if call is not None:
             calls.append(call)
         if e < 0 or call is None:

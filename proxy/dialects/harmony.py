@@ -33,7 +33,7 @@ def scan(text: str, tools: Tools, final: bool, inside: bool,
          think: tuple[str, str] | None) -> list[Item]:
     items: list[Item] = []
     pos = 0
-    if CHANNEL not in text and not text.lstrip().startswith(" to="):
+    if CHANNEL not in text and not text.lstrip().startswith("to="):
         keep = 0 if final else held(text, (CHANNEL, START, " to="))
         return [Text(text[: len(text) - keep])]
     while pos < len(text):
@@ -55,7 +55,7 @@ def scan(text: str, tools: Tools, final: bool, inside: bool,
             body = body[: len(body) - held(body, ENDS)]
         name = recipient.group(1) if recipient else ""
         if name and tools.types:
-            call, _ = json_call(name.removeprefix("functions."), body, closed, tools)
+            call, _, _ = json_call(name.removeprefix("functions."), body, closed, tools)
             if call is None:
                 if not closed:
                     return items

@@ -26,18 +26,19 @@ def detect(source: str) -> bool:
 def section(text: str, i: int, tools: Tools, final: bool
             ) -> tuple[list[Call], int | None, bool]:
     start = i + len(OPEN)
-    j = text.find(CLOSE, start)
-    end = j + len(CLOSE) if j >= 0 else None
-    body = text[start: j if j >= 0 else len(text)]
-    m = _HEAD.match(body)
-    if m and not body[m.end():].startswith('"'):  # arguments as a JSON string: read whole
-        call, ok = json_call(json.loads(m.group(1)), body[m.end():], final or end is not None,
-                             tools)
+    m = _HEAD.match(text, start)
+    if m and not text.startswith('"', m.end()):  # arguments as a JSON string: read whole
+        # the object is read first: its strings may hold the closing tag
+        call, ok, end = json_call(json.loads(m.group(1)), text[m.end():], final, tools)
+        if end is not None:
+            j = text.find(CLOSE, m.end() + end)
+            end = j + len(CLOSE) if j >= 0 else None
         return ([call] if call else []), end, ok
-    if end is None and not final:
+    j = text.find(CLOSE, start)
+    if j < 0 and not final:
         return [], None, True  # maybe the head is still being written; else read whole at end
-    call = whole(body, tools)
-    return ([call] if call else []), end, call is not None
+    call = whole(text[start: j if j >= 0 else len(text)], tools)
+    return ([call] if call else []), (j + len(CLOSE) if j >= 0 else None), call is not None
 
 
 def whole(body: str, tools: Tools) -> Call | None:

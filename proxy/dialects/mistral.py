@@ -32,20 +32,10 @@ def section(text: str, i: int, tools: Tools, final: bool
         maybe = (b < 0 and len(rest) < 256) or (b >= 0 and ARGS.startswith(rest[b:]))
         return [], None, maybe and not final
     body_at = a + len(ARGS)
-    call, ok = json_call(text[start:a].strip(), text[body_at:], final, tools)
+    call, ok, end = json_call(text[start:a].strip(), text[body_at:], final, tools)
     if call is None:
         return [], None, ok
-    end = None
-    if call.closed:  # where its JSON ended
-        end = _object_end(text, skip_ws(text, body_at))
-    return [call], end, True
-
-
-def _object_end(text: str, i: int) -> int:
-    try:
-        return _DECODER.raw_decode(text, i)[1]
-    except ValueError:
-        return len(text)
+    return [call], (body_at + end if end is not None else None), True
 
 
 def _listed(text: str, start: int, tools: Tools, final: bool

@@ -47,7 +47,7 @@ def section(text: str, i: int, tools: Tools, final: bool
     k = skip_ws(text, end)
     if text.startswith(CLOSE, k):
         return [call], k + len(CLOSE), True
-    if opened and not final and CLOSE.startswith(text[k:]):
+    if not final and CLOSE.startswith(text[k:]):
         return [call], None, True  # the closing tag may still come
     return [call], end, True
 
