@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,9 +124,7 @@ class PromptBuilder:
                  stable_layout: bool = False, tool_dialect: str = "") -> None:
         self.template = template
         self.tok = tokenizer
-        # a template without tools gets prefixgate's Hermes tools section (proxy/tools.py)
-        self.dialect = for_template(template.source,
-                                    tool_dialect if template.supports_tools else "hermes")
+        self.dialect, self.section = _dialect_of(template, tool_dialect)
         self.normalizer = Normalizer(volatile_patterns)
         self.layout = Layout(volatile_blocks if stable_layout else ())
         self.stable_layout = stable_layout
@@ -157,9 +156,8 @@ class PromptBuilder:
         messages, tools = tool_prompt(
             self.template.supports_tools,
             self.layout.messages(self.normalizer.messages(req.messages)), req.tools,
-            tools_first=self.stable_layout)
-        if self.template.supports_tools:
-            messages = self.dialect.messages(messages)
+            self.stable_layout, self.section)
+        messages = self.dialect.messages(messages)
         try:
             rendered = render_prompt(self.template.bound(req.template_kwargs), self.tok,
                                      messages, tools, req.continue_final)
@@ -196,6 +194,20 @@ class PromptBuilder:
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         return Prepared(req, rendered, scope, max_tokens, t0, grammar,
                         self.dialect if req.prompt is None else None)
+
+
+def _dialect_of(template: ChatTemplate, name: str
+                ) -> tuple[Dialect, Callable[[list[dict[str, Any]]], str] | None]:
+    """(the dialect, the tools section prefixgate writes into the system prompt or None):
+    a template that reads the tools renders them itself; one that renders calls but not the
+    tools gets its dialect's section; one that does neither gets prefixgate's Hermes
+    convention (proxy/tools.py)."""
+    dialect = for_template(template.source, name)
+    if template.supports_tools:
+        return dialect, None
+    if "tool_calls" in template.source and dialect.section is not None:
+        return dialect, dialect.section
+    return for_template(template.source, "hermes"), None
 
 
 def _raised_in_template(e: BaseException) -> bool:

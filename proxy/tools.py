@@ -20,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from proxy.dialects.grammar import strip_schema_noise
@@ -77,14 +78,30 @@ def tool_names(tools: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> froz
 
 
 def apply(supports_tools: bool, messages: list[dict[str, Any]],
-          tools: tuple[dict[str, Any], ...], tools_first: bool = False
+          tools: tuple[dict[str, Any], ...], tools_first: bool = False,
+          section: Callable[[list[dict[str, Any]]], str] | None = None
           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools for the template) for one request: see the module rules."""
+    """(messages, tools for the template) for one request: see the module rules. `section`:
+    the template renders calls and results but not the tools; this writes them."""
     if supports_tools:
         return messages, list(tools) or None
+    if section is not None:
+        return (with_section(messages, section(list(tools)), tools_first) if tools
+                else messages), None
     if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         return messages, None
     return hermes_messages(messages, tools, tools_first), None
+
+
+def with_section(messages: list[dict[str, Any]], section: str, tools_first: bool
+                 ) -> list[dict[str, Any]]:
+    """`section` joined to the first system message (before its text when `tools_first`), or
+    a system message of its own."""
+    if messages and messages[0].get("role") == "system":
+        body = messages[0].get("content") or ""
+        parts = [section, body] if tools_first else [body, section]
+        return [{**messages[0], "content": "\n\n".join(p for p in parts if p)}, *messages[1:]]
+    return [{"role": "system", "content": section}, *messages]
 
 
 def tools_section(tools: tuple[dict[str, Any], ...]) -> str:
@@ -102,16 +119,10 @@ def hermes_messages(messages: list[dict[str, Any]], tools: tuple[dict[str, Any],
     """Messages for a template without tool support: everything tool-related becomes text.
     `tools_first`: the tools section before the system text (stable first), else after it."""
     out: list[dict[str, Any]] = []
-    if tools:
-        section = tools_section(tools)
+    if tools:  # the system message, joined or new
+        out.append(with_section(messages[:1], tools_section(tools), tools_first)[0])
         if messages and messages[0].get("role") == "system":
-            first = messages[0]
-            body = first.get("content") or ""
-            parts = [section, body] if tools_first else [body, section]
-            out.append({"role": "system", "content": "\n\n".join(p for p in parts if p)})
             messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": section})
     from_tool = False  # the last message in `out` holds tool responses
     for m in messages:
         role = m.get("role")

@@ -22,7 +22,9 @@ items, see base.py) and `grammar(tools)` (one call to one of the tools, in its f
 Rules:
 - The first module, in the order above, whose `detect` recognizes the template wins (a
   template holds its own call format as text); `--tool-dialect NAME` overrides. A template
-  that takes no tools gets prefixgate's Hermes tools section, so its dialect is hermes.
+  that renders calls but not the tools (DeepSeek V3.1) gets its dialect's `tools_section` in
+  the system prompt; one that takes neither gets prefixgate's Hermes tools section, so its
+  dialect is hermes.
 - Reasoning in `<think>...</think>` (Qwen3, Qwen3.5, GLM, DeepSeek, MiniMax, Kimi thinking)
   is recognized when the template mentions `</think>`: a block at the start of the answer, or
   one the prompt opened (the generation prompt ends inside `<think>`). Harmony reasons in its
@@ -71,6 +73,8 @@ class Dialect:
     grammar: Callable[[list[dict[str, Any]]], tuple[str, list[str]]]
     think: tuple[str, str] | None  # reasoning tags, None when it has none (or its own)
     history: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+    # the tools for the system prompt, where the template renders calls but not the tools
+    section: Callable[[list[dict[str, Any]]], str] | None = None
 
     def inside_think(self, prompt: str) -> bool:
         """Whether the generation prompt opened a reasoning block."""
@@ -109,7 +113,8 @@ def for_template(source: str, name: str = "") -> Dialect:
     found = name or next((n for n, m in _MODULES.items() if m.detect(source)), "hermes")
     mod = _MODULES[found]
     think = None if mod is harmony or "</think>" not in source else THINK
-    return Dialect(found, mod.scan, mod.grammar, think, getattr(mod, "history", None))
+    return Dialect(found, mod.scan, mod.grammar, think, getattr(mod, "history", None),
+                   getattr(mod, "tools_section", None))
 
 
 async def events(pieces: AsyncIterator[str], stream: Stream | None) -> AsyncIterator[Event]:

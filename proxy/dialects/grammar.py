@@ -9,7 +9,8 @@ Rules:
   them into as many nested groups: ~20,000 overflow llama.cpp's parser); the prompt still shows
   them.
 - A string parameter of an XML dialect is bare text that does not contain `</` (the value's
-  closing tag starts so).
+  closing tag starts so), within its minLength / maxLength; a string enum or const is one of
+  its words, bare.
 - Every grammar is parsed here, by llama.cpp, before any worker sees it: one it cannot parse
   (a `$ref` to itself, an empty `enum` or `anyOf`, a `"` in a name) is a 400 naming the tool,
   never a NULL sampler in a worker.
@@ -113,9 +114,11 @@ def xml_params(tool: dict[str, Any], prefix: str,
     required = set(params.get("required") or ())
     parts, rules = [], []
     for n, (name, schema) in enumerate(props.items()):
-        kinds = schema.get("type") if isinstance(schema, dict) else None
-        if kinds == "string" and not schema.get("enum") and "const" not in schema:
-            value = "pg-xml-text"
+        words = _string_choices(schema)
+        if words is not None:  # written bare, like any string: one of these words
+            value = "(" + " | ".join(literal(w) for w in words) + ")"
+        elif isinstance(schema, dict) and schema.get("type") == "string":
+            value = _xml_text(schema)
         else:
             value, body = json_rule(schema, f"{prefix}p{n}-", {})
             rules.append(body)
@@ -125,6 +128,26 @@ def xml_params(tool: dict[str, Any], prefix: str,
     rule = f"{prefix}params"
     rules.append(f"{rule} ::= {' '.join(parts) or literal('')}\n")
     return rule, "".join(rules)
+
+
+def _xml_text(schema: dict[str, Any]) -> str:
+    """Bare text, within the schema's length bounds (those above GRAMMAR_MAX_REPEAT are gone);
+    bounded text holds no `<`, so that every repetition is one character."""
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    if not isinstance(lo, int) and not isinstance(hi, int):
+        return "pg-xml-text"
+    lo = lo if isinstance(lo, int) else 0
+    return f'[^<]{{{lo},{hi if isinstance(hi, int) else ""}}}'
+
+
+def _string_choices(schema: Any) -> list[str] | None:
+    """The words of a string enum or const, else None."""
+    if not isinstance(schema, dict):
+        return None
+    words = schema.get("enum") if "const" not in schema else [schema["const"]]
+    if isinstance(words, list) and words and all(isinstance(w, str) for w in words):
+        return words
+    return None
 
 
 def assemble(root: str, rules: list[str], tools: list[dict[str, Any]]) -> str:
