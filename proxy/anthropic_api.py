@@ -290,11 +290,10 @@ def parse_thinking(body: dict[str, Any]) -> dict[str, Any]:
     raw = body.get("thinking")
     if raw is None:
         return kwargs
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in ("enabled", "disabled", "adaptive"):
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise BadRequest('\'thinking\' must be {"type": "enabled", "budget_tokens": N}, '
                          '{"type": "adaptive"} or {"type": "disabled"}', param="thinking")
-    return {"enable_thinking": kind != "disabled", **kwargs}
+    return {"enable_thinking": raw["type"] != "disabled", **kwargs}
 
 
 def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatRequest:

@@ -151,9 +151,9 @@ def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
         raise BadRequest(f"'chat_template_kwargs' cannot set {', '.join(sorted(reserved))}: "
                          "prefixgate sets them from the request", param="chat_template_kwargs")
     effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in ("none", "minimal", "low", "medium", "high"):
-            raise BadRequest("'reasoning_effort' must be none, minimal, low, medium or high",
+    if effort is not None:  # none | minimal | low | medium | high | ...: the template decides
+        if not isinstance(effort, str):
+            raise BadRequest("'reasoning_effort' must be a string such as low, medium or high",
                              param="reasoning_effort")
         kwargs = {"reasoning_effort": effort, **kwargs}
     return kwargs

@@ -79,3 +79,63 @@ def test_forced_call_over_the_anthropic_api_streamed(templated: tuple[str, Serve
     assert message.stop_reason == "tool_use", (name, message.content)
     assert [u.name for u in uses] == ["read_file"]
     assert valid(uses[0].input), uses  # type: ignore[arg-type]
+
+
+# --- reasoning, through a template that opens it: Qwen3.5's -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running(tmp_path_factory.mktemp("think"), "--disk-prefix-cache", "off",
+                 "--chat-template-file", str(Path(TEMPLATES) / "Qwen3.5-4B.jinja")) as srv:
+        yield srv
+
+
+def test_reasoning_is_separated_on_the_openai_api(thinking: Server) -> None:
+    """Qwen3.5's generation prompt opens `<think>`: what the model writes is reasoning (this
+    model never closes it); with enable_thinking off the template closes it, and it is text."""
+    c = openai.OpenAI(base_url=thinking.v1, api_key="k", max_retries=0, timeout=600)
+    r = c.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+                                  max_tokens=12, temperature=0)
+    m = r.choices[0].message
+    assert m.content is None or m.content == ""
+    assert getattr(m, "reasoning_content", "")  # the llama-server / vLLM field
+    deltas = [ch.choices[0].delta for ch in c.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+        stream=True) if ch.choices]
+    streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert streamed == m.reasoning_content  # type: ignore[attr-defined]
+    off = c.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+                                    max_tokens=12, temperature=0,
+                                    extra_body={"chat_template_kwargs":
+                                                {"enable_thinking": False}})
+    assert off.choices[0].message.content
+    assert not getattr(off.choices[0].message, "reasoning_content", None)
+
+
+def test_thinking_blocks_on_the_anthropic_api(thinking: Server) -> None:
+    c = anthropic.Anthropic(base_url=thinking.url, api_key="k", max_retries=0, timeout=600)
+    with c.messages.stream(model="m", max_tokens=12, messages=[MESSAGES[1]],  # type: ignore
+                           extra_body={"temperature": 0}) as stream:
+        kinds = [e.content_block.type for e in stream if e.type == "content_block_start"]
+        message = stream.get_final_message()
+    assert kinds == ["thinking"] and message.content[0].type == "thinking"
+    assert message.content[0].thinking  # type: ignore[union-attr]
+    off = c.messages.create(model="m", max_tokens=12, messages=[MESSAGES[1]],  # type: ignore
+                            thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    assert [b.type for b in off.content] == ["text"]
+    # thinking sent back in the history reaches the prompt (Qwen3.5 keeps it after the last
+    # user message)
+    history = [MESSAGES[1], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Read it with the tool.", "signature": ""},
+        {"type": "tool_use", "id": "toolu_1", "name": "read_file",
+         "input": {"path": "main.py", "limit": 20, "mode": "head"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": "print(1)"}]}]
+    tools = [{"name": "read_file", "description": DESCRIPTION, "input_schema": SCHEMA}]
+    with_thought = c.messages.count_tokens(model="m", messages=history,  # type: ignore
+                                           tools=tools).input_tokens  # type: ignore[arg-type]
+    history[1]["content"] = history[1]["content"][1:]  # type: ignore[index]
+    without = c.messages.count_tokens(model="m", messages=history,  # type: ignore
+                                      tools=tools).input_tokens  # type: ignore[arg-type]
+    assert with_thought > without
