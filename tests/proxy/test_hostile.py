@@ -27,9 +27,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy import edge
-from proxy.dialects import for_template
 from proxy.app import error_middleware
 from proxy.chat import ChatRequest
+from proxy.dialects import for_template
 from proxy.errors import BadRequest, openai_response
 from proxy.limits import LIMITS
 from proxy.metrics import Metrics
