@@ -53,7 +53,7 @@ from proxy.dialects.base import (
     ToolCall,
     Tools,
 )
-from proxy.dialects.grammar import assemble, literal
+from proxy.dialects.grammar import assemble, grammar_error, literal, refusal
 
 __all__ = ["NAMES", "ArgsDelta", "CallDone", "CallOpen", "Dialect", "Event", "ReasoningDelta",
            "Stream", "TextDelta", "ToolCall", "events", "for_template"]
@@ -96,10 +96,18 @@ class Dialect:
             chosen = [t for t in tools if t["function"]["name"] == choice["name"]]
         else:
             return None
+        grammar = self._grammar(chosen, prompt)
+        error = grammar_error(grammar)
+        if error is not None:
+            bad = [t for t in chosen if grammar_error(self._grammar([t], prompt))] or chosen
+            raise refusal(bad, error)
+        return grammar
+
+    def _grammar(self, chosen: list[dict[str, Any]], prompt: str) -> str:
         root, rules = self.grammar(chosen)
         if self.think is not None and self.inside_think(prompt):
             root = f"{literal(self.think[1] + chr(10) + chr(10))} {root}"
-        return assemble(root, rules, chosen)
+        return assemble(root, rules)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.history(messages) if self.history is not None else messages

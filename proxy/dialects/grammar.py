@@ -150,20 +150,20 @@ def _string_choices(schema: Any) -> list[str] | None:
     return None
 
 
-def assemble(root: str, rules: list[str], tools: list[dict[str, Any]]) -> str:
-    """The grammar `root ::= root` plus rules, checked by llama.cpp's parser (a 400 naming the
-    tools when it refuses)."""
-    grammar = f"root ::= {root}\n" + XML_TEXT + "".join(rules)
-    error = grammar_error(grammar)
-    if error is not None:
-        names = ", ".join(repr(t["function"]["name"][:64]) for t in tools)
-        raise BadRequest(
-            f"tool {names}: its schema cannot be made into a grammar for a forced call (tool "
-            f"choice required or named): llama.cpp's grammar parser says {error!r}. Common "
-            "causes: a $ref to itself, an empty enum or anyOf, a '\"' in the tool name or a "
-            "property name. Fix the schema, or let the model choose (tool choice auto).",
-            param="tools")
-    return grammar
+def assemble(root: str, rules: list[str]) -> str:
+    """The grammar `root ::= root` plus rules."""
+    return f"root ::= {root}\n" + XML_TEXT + "".join(rules)
+
+
+def refusal(tools: list[dict[str, Any]], error: str) -> BadRequest:
+    """The 400 for a forced call whose grammar llama.cpp refuses, naming the tools at fault."""
+    names = ", ".join(repr(t["function"]["name"][:64]) for t in tools)
+    return BadRequest(
+        f"tool {names}: its schema cannot be made into a grammar for a forced call (tool "
+        f"choice required or named): llama.cpp's grammar parser says {error!r}. Common "
+        "causes: a $ref to itself or a cycle of $refs, an empty enum or anyOf, a '\"' in a "
+        "property name. Fix the schema, or let the model choose (tool choice auto).",
+        param="tools")
 
 
 _CHECKED: dict[bytes, str | None] = {}  # a grammar's SHA-256 -> grammar_error's answer
