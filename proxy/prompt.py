@@ -57,7 +57,8 @@ class Prepared:
     dialect: Dialect | None = None  # how the model writes calls and reasoning; None: raw text
 
     def stream(self) -> Stream | None:
-        """The parser of this request's generated text into text, reasoning and calls."""
+        """The parser of this request's generated text into text, reasoning and calls; None
+        when it is all text."""
         if self.dialect is None:
             return None
         return self.dialect.stream(self.req.tools, self.req.tool_choice, self.rendered.text)

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.dialects.grammar import strip_schema_noise
+from proxy.dialects.hermes import CLOSE, OPEN
 from proxy.errors import BadRequest
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

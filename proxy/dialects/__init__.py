@@ -5,9 +5,11 @@ its answer, found from its chat template.
     stream = dialect.stream(tools, choice, prompt_text)   # events out of generated text
     grammar = dialect.forced(tools, choice, prompt_text)  # GBNF for a forced call, or None
 
-One module per format, each with `detect(template) -> bool`, `scan(...)` (generated text ->
-items, see base.py) and `grammar(tools)` (one call to one of the tools, in its format);
-`history(messages)` where the template wants the history in other fields:
+One module per format, each with `detect(template) -> bool`, what opens a call (`OPENS`) and
+`section(...)` (one call section -> calls; base.scan_sections reads reasoning and text around
+them; Harmony, whose answer is channels, has its own `scan`), and `grammar(tools)` (one call to
+one of the tools, in its format); `history(messages)` where the template wants the history in
+other fields, `tools_section(tools)` where it renders calls but not the tools:
 
     harmony       gpt-oss (channels, `to=functions.NAME`)
     minimax       MiniMax-M2 (`<minimax:tool_call><invoke name=...>`)
@@ -52,6 +54,7 @@ from proxy.dialects.base import (
     TextDelta,
     ToolCall,
     Tools,
+    scan_sections,
 )
 from proxy.dialects.grammar import assemble, grammar_error, literal, refusal
 
@@ -72,6 +75,7 @@ class Dialect:
     scan: Callable[..., Any]
     grammar: Callable[[list[dict[str, Any]]], tuple[str, list[str]]]
     think: tuple[str, str] | None  # reasoning tags, None when it has none (or its own)
+    channels: bool  # the answer is a run of channels (Harmony), parsed even without tools
     history: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
     # the tools for the system prompt, where the template renders calls but not the tools
     section: Callable[[list[dict[str, Any]]], str] | None = None
@@ -83,8 +87,13 @@ class Dialect:
         tail = prompt[-256:]
         return tail.rfind(self.think[0]) > max(tail.rfind(self.think[1]), -1)
 
-    def stream(self, tools: tuple[dict[str, Any], ...], choice: Any, prompt: str) -> Stream:
+    def stream(self, tools: tuple[dict[str, Any], ...], choice: Any, prompt: str
+               ) -> Stream | None:
+        """The parser of an answer to `prompt`; None when the answer can only be text (no
+        tools in play, no reasoning format): the pieces then go out as they come."""
         declared = Tools.of(() if choice == "none" else tools)
+        if not declared.types and self.think is None and not self.channels:
+            return None
         return Stream(functools.partial(self.scan, think=self.think), declared,
                       self.inside_think(prompt))
 
@@ -121,8 +130,10 @@ def for_template(source: str, name: str = "") -> Dialect:
     found = name or next((n for n, m in _MODULES.items() if m.detect(source)), "hermes")
     mod = _MODULES[found]
     think = None if mod is harmony or "</think>" not in source else THINK
-    return Dialect(found, mod.scan, mod.grammar, think, getattr(mod, "history", None),
-                   getattr(mod, "tools_section", None))
+    scan = getattr(mod, "scan", None) or functools.partial(scan_sections, opens=mod.OPENS,
+                                                            section=mod.section)
+    return Dialect(found, scan, mod.grammar, think, mod is harmony,
+                   getattr(mod, "history", None), getattr(mod, "tools_section", None))
 
 
 async def events(pieces: AsyncIterator[str], stream: Stream | None) -> AsyncIterator[Event]:

@@ -33,7 +33,7 @@ from typing import Any
 
 log = logging.getLogger("prefixgate")
 
-_DECODER = json.JSONDecoder(strict=False)  # models write raw newlines inside JSON strings
+DECODER = json.JSONDecoder(strict=False)  # models write raw newlines inside JSON strings
 
 
 # --- what a scan finds ---------------------------------------------------------------------
@@ -87,7 +87,7 @@ class Tools:
         if kinds and kinds <= {"string"}:
             return raw
         try:
-            return _DECODER.decode(raw.strip())
+            return DECODER.decode(raw.strip())
         except (ValueError, RecursionError):
             return raw
 
@@ -139,7 +139,7 @@ def json_members(s: str, i: int) -> tuple[list[tuple[str, Any]], int | None, boo
         if s[i] != '"':
             return members, None, False
         try:
-            key, j = _DECODER.raw_decode(s, i)
+            key, j = DECODER.raw_decode(s, i)
         except (ValueError, RecursionError):
             return members, None, True  # the key is still being written
         j = skip_ws(s, j)
@@ -149,7 +149,7 @@ def json_members(s: str, i: int) -> tuple[list[tuple[str, Any]], int | None, boo
             return members, None, False
         j = skip_ws(s, j + 1)
         try:
-            value, k = _DECODER.raw_decode(s, j)
+            value, k = DECODER.raw_decode(s, j)
         except (ValueError, RecursionError):
             return members, None, True
         k = skip_ws(s, k)
@@ -199,11 +199,9 @@ def split_think(text: str, tags: tuple[str, str] | None, inside: bool, final: bo
         else:
             return None, False, text
     j = text.find(close)
-    if j < 0:
-        keep = 0 if final else held(text, (close,))
-        return text[: len(text) - keep].strip() if final else \
-            text[: len(text) - keep].lstrip(), False, ""
-    return text[:j].strip(), True, text[j + len(close):]
+    if j < 0:  # (tidy strips the reasoning)
+        return text[: len(text) - (0 if final else held(text, (close,)))], False, ""
+    return text[:j], True, text[j + len(close):]
 
 
 def tidy(items: list[Item], final: bool) -> list[Item]:
@@ -320,12 +318,11 @@ class Stream:
                 self._call(k, item, out, final)
             else:
                 sent = self._sent[k]
-                old_len = sent
-                if len(item.text) < old_len:
+                if len(item.text) < sent:
                     return self._break(out, k, item)
-                if len(item.text) > old_len:
+                if len(item.text) > sent:
                     self._sent[k] = len(item.text)
-                    d = item.text[old_len:]
+                    d = item.text[sent:]
                     out.append(TextDelta(d) if isinstance(item, Text) else ReasoningDelta(d))
         return out
 
@@ -370,7 +367,7 @@ class Stream:
 Section = Any
 
 
-def scan_sections(text: str, tools: Tools, final: bool, inside: bool,
+def scan_sections(text: str, tools: Tools, final: bool, inside: bool, *,
                   think: tuple[str, str] | None, opens: tuple[str, ...],
                   section: Section) -> list[Item]:
     """Reasoning (see `split_think`), then text in which each of `opens` starts a section that

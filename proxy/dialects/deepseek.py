@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.dialects.base import Call, Item, Tools, json_section, scan_sections
-from proxy.dialects.grammar import args_rule, literal, strip_schema_noise
+from proxy.dialects.base import Call, Tools, json_section
+from proxy.dialects.grammar import calls, strip_schema_noise
 
 OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+OPENS = (OPEN,)
 CALL_OPEN, SEP, CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
@@ -50,16 +51,5 @@ def section(text: str, i: int, tools: Tools, final: bool
                         str.strip)
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = args_rule(t, f"pg{n}-")
-        alts.append(f"{literal(OPEN + CALL_OPEN + t['function']['name'] + SEP)} {rule} "
-                    f"{literal(CALL_CLOSE + CLOSE)}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: OPEN + CALL_OPEN + name + SEP, CALL_CLOSE + CLOSE)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.dialects.base import Call, Item, Tools, scan_sections, xml_call
-from proxy.dialects.grammar import literal, xml_params
+from proxy.dialects.base import Call, Tools, xml_call
+from proxy.dialects.grammar import calls, xml_args
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPENS = (OPEN,)
 _PARAM = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
 _NAME_END = re.compile(r"\n|<arg_key>|</tool_call>")
 
@@ -35,16 +36,6 @@ def section(text: str, i: int, tools: Tools, final: bool
     return ([call] if call else []), end, ok
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = xml_params(t, f"pg{n}-", lambda p, _v: (
-            f"<arg_key>{p}</arg_key>\n<arg_value>", "</arg_value>\n"))
-        alts.append(f"{literal(OPEN + t['function']['name'] + chr(10))} {rule} {literal(CLOSE)}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: OPEN + name + "\n", CLOSE, xml_args(
+        lambda p: (f"<arg_key>{p}</arg_key>\n<arg_value>", "</arg_value>\n")))

@@ -104,30 +104,49 @@ def args_rule(tool: dict[str, Any], prefix: str) -> tuple[str, str]:
     return json_rule(params_of(tool), prefix, {"type": "object"})
 
 
-def xml_params(tool: dict[str, Any], prefix: str,
-               param: Callable[[str, str], tuple[str, str]]) -> tuple[str, str]:
-    """(rule, rules) for an XML dialect's parameters, in the schema's order, the required ones
-    required: `param(name, value_rule)` -> (its opening text, its closing text); a string
-    parameter's value is bare text, any other a JSON value."""
-    params = params_of(tool)
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = set(params.get("required") or ())
-    parts, rules = [], []
-    for n, (name, schema) in enumerate(props.items()):
-        words = _string_choices(schema)
-        if words is not None:  # written bare, like any string: one of these words
-            value = "(" + " | ".join(literal(w) for w in words) + ")"
-        elif isinstance(schema, dict) and schema.get("type") == "string":
-            value = _xml_text(schema)
-        else:
-            value, body = json_rule(schema, f"{prefix}p{n}-", {})
-            rules.append(body)
-        open_, close = param(name, value)
-        piece = f"{literal(open_)} {value} {literal(close)}"
-        parts.append(piece if name in required else f"({piece})?")
-    rule = f"{prefix}params"
-    rules.append(f"{rule} ::= {' '.join(parts) or literal('')}\n")
-    return rule, "".join(rules)
+def calls(tools: list[dict[str, Any]], head: Callable[[str], str], tail: str,
+          args: Callable[[dict[str, Any], str], tuple[str, str]] = args_rule
+          ) -> tuple[str, list[str]]:
+    """(root expression, rules) for one call to one of `tools`, each written `head(name)`,
+    its arguments (`args(tool, rule prefix)`: JSON by default), then `tail`."""
+    exprs, rules = [], []
+    for n, t in enumerate(tools):
+        rule, body = args(t, f"pg{n}-")
+        end = f" {literal(tail)}" if tail else ""
+        exprs.append(f"{literal(head(t['function']['name']))} {rule}{end}")
+        rules.append(body)
+    return "(" + " | ".join(exprs) + ")", rules
+
+
+def xml_args(param: Callable[[str], tuple[str, str]]
+             ) -> Callable[[dict[str, Any], str], tuple[str, str]]:
+    """`args` for `calls` in an XML dialect: the parameters in the schema's order, the required
+    ones required, each written `param(name)` = (its opening text, its closing text) around
+    its value: bare text for a string, one of the words of a string enum, else a JSON value."""
+
+    def args(tool: dict[str, Any], prefix: str) -> tuple[str, str]:
+        params = params_of(tool)
+        props = params.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = set(params.get("required") or ())
+        parts, rules = [], []
+        for n, (name, schema) in enumerate(props.items()):
+            words = _string_choices(schema)
+            if words is not None:
+                value = "(" + " | ".join(literal(w) for w in words) + ")"
+            elif isinstance(schema, dict) and schema.get("type") == "string":
+                value = _xml_text(schema)
+            else:
+                value, body = json_rule(schema, f"{prefix}p{n}-", {})
+                rules.append(body)
+            open_, close = param(name)
+            piece = f"{literal(open_)} {value} {literal(close)}"
+            parts.append(piece if name in required else f"({piece})?")
+        rule = f"{prefix}params"
+        rules.append(f"{rule} ::= {' '.join(parts) or literal('')}\n")
+        return rule, "".join(rules)
+
+    return args
 
 
 def _xml_text(schema: dict[str, Any]) -> str:
@@ -151,8 +170,10 @@ def _string_choices(schema: Any) -> list[str] | None:
 
 
 def assemble(root: str, rules: list[str]) -> str:
-    """The grammar `root ::= root` plus rules."""
-    return f"root ::= {root}\n" + XML_TEXT + "".join(rules)
+    """The grammar `root ::= root` plus rules (and the bare-text rule where one uses it)."""
+    body = "".join(rules)
+    used = "pg-xml-text" in root or "pg-xml-text" in body
+    return f"root ::= {root}\n" + (XML_TEXT if used else "") + body
 
 
 def refusal(tools: list[dict[str, Any]], error: str) -> BadRequest:

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from proxy.dialects.base import Item, Text, Think, Tools, held, json_call
-from proxy.dialects.grammar import args_rule, literal
+from proxy.dialects.grammar import calls
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", START)
@@ -73,14 +73,8 @@ def scan(text: str, tools: Tools, final: bool, inside: bool,
 
 
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = args_rule(t, f"pg{n}-")
-        head = f"{CHANNEL}commentary to=functions.{t['function']['name']} <|constrain|>json" \
-            f"{MESSAGE}"
-        alts.append(f"{literal(head)} {rule}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: f"{CHANNEL}commentary to=functions.{name} "
+                 f"<|constrain|>json{MESSAGE}", "")
 
 
 def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

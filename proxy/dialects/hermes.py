@@ -11,10 +11,11 @@ import json
 import re
 from typing import Any
 
-from proxy.dialects.base import _DECODER, Call, Item, Tools, json_call, scan_sections
-from proxy.dialects.grammar import args_rule, literal
+from proxy.dialects.base import DECODER, Call, Tools, json_call
+from proxy.dialects.grammar import calls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPENS = (OPEN,)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"'
                    r'\s*:\s*')
 
@@ -44,33 +45,25 @@ def section(text: str, i: int, tools: Tools, final: bool
 def whole(body: str, tools: Tools) -> Call | None:
     """`{"name", "arguments"}` in any order, the arguments an object or a JSON string."""
     try:
-        obj = _DECODER.decode(body.strip())
+        return call_of(DECODER.decode(body.strip()), tools)
     except (ValueError, RecursionError):
         return None
+
+
+def call_of(obj: Any, tools: Tools) -> Call | None:
+    """A decoded `{"name", "arguments"}` (or "parameters") object as a call, if it is one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
             or not tools.declared(obj["name"]):
         return None
     args: Any = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = _DECODER.decode(args)
+            args = DECODER.decode(args)
         except (ValueError, RecursionError):
             return None
     return Call(obj["name"], list(args.items()), closed=True) if isinstance(args, dict) else None
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """One call to one of `tools`: (the root expression, its rules)."""
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = args_rule(t, f"pg{n}-")
-        head = OPEN + '\n{"name": ' + json.dumps(t["function"]["name"], ensure_ascii=False) + \
-            ', "arguments": '
-        alts.append(f"{literal(head)} {rule} {literal('}' + chr(10) + CLOSE)}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: OPEN + '\n{"name": ' + json.dumps(name, ensure_ascii=False)
+                 + ', "arguments": ', "}\n" + CLOSE)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects.base import Call, Item, Tools, json_section, scan_sections
-from proxy.dialects.grammar import args_rule, literal
+from proxy.dialects.base import Call, Tools, json_section
+from proxy.dialects.grammar import calls
 
 OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+OPENS = (OPEN,)
 CALL_OPEN, SEP, CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", \
     "<|tool_call_end|>"
 
@@ -34,16 +35,6 @@ def section(text: str, i: int, tools: Tools, final: bool
     return json_section(text, i, tools, final, OPEN, CALL_OPEN, SEP, CALL_CLOSE, CLOSE, name_of)
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = args_rule(t, f"pg{n}-")
-        head = f"{OPEN}{CALL_OPEN}functions.{t['function']['name']}:0{SEP}"
-        alts.append(f"{literal(head)} {rule} {literal(CALL_CLOSE + CLOSE)}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: f"{OPEN}{CALL_OPEN}functions.{name}:0{SEP}",
+                 CALL_CLOSE + CLOSE)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.dialects.base import Call, Item, Tools, scan_sections, skip_ws, xml_call
-from proxy.dialects.grammar import literal, xml_params
+from proxy.dialects.base import Call, Tools, skip_ws, xml_call
+from proxy.dialects.grammar import calls, xml_args
 
 OPEN, CLOSE, INVOKE = "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="'
+OPENS = (OPEN,)
 _INVOKE = re.compile(r'<invoke name="([^"\n]*)">')
 _PARAM = re.compile(r'<parameter name="([^"\n]*)">')
 
@@ -45,17 +46,6 @@ def section(text: str, i: int, tools: Tools, final: bool
         pos = end
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = xml_params(t, f"pg{n}-", lambda p, _v: (
-            f'<parameter name="{p}">', "</parameter>\n"))
-        head = f'{OPEN}\n{INVOKE}{t["function"]["name"]}">\n'
-        alts.append(f"{literal(head)} {rule} {literal('</invoke>' + chr(10) + CLOSE)}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: f'{OPEN}\n{INVOKE}{name}">\n', "</invoke>\n" + CLOSE,
+                 xml_args(lambda p: (f'<parameter name="{p}">', "</parameter>\n")))

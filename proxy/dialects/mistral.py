@@ -6,14 +6,14 @@ stream a member at a time; the older list is read whole.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from proxy.dialects import hermes
-from proxy.dialects.base import _DECODER, Call, Item, Tools, json_call, scan_sections, skip_ws
-from proxy.dialects.grammar import args_rule, literal
+from proxy.dialects.base import DECODER, Call, Tools, json_call, skip_ws
+from proxy.dialects.grammar import calls
 
 OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+OPENS = (OPEN,)
 
 
 def detect(source: str) -> bool:
@@ -41,27 +41,17 @@ def section(text: str, i: int, tools: Tools, final: bool
 def _listed(text: str, start: int, tools: Tools, final: bool
             ) -> tuple[list[Call], int | None, bool]:
     try:
-        calls, end = _DECODER.raw_decode(text, start)
+        listed, end = DECODER.raw_decode(text, start)
     except (ValueError, RecursionError):
         return [], None, not final
-    if not isinstance(calls, list):
+    if not isinstance(listed, list):
         return [], None, False
 
-    found = [hermes.whole(json.dumps(c), tools) for c in calls]
+    found = [hermes.call_of(c, tools) for c in listed]
     if not found or any(c is None for c in found):
         return [], None, False
     return [c for c in found if c is not None], end, True
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN,), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = args_rule(t, f"pg{n}-")
-        alts.append(f"{literal(OPEN + t['function']['name'] + ARGS)} {rule}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: OPEN + name + ARGS, "")

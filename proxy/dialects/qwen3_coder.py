@@ -19,10 +19,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.dialects.base import Call, Item, Tools, scan_sections, skip_ws, xml_call
-from proxy.dialects.grammar import literal, xml_params
+from proxy.dialects.base import Call, Tools, skip_ws, xml_call
+from proxy.dialects.grammar import calls, xml_args
 
 OPEN, CLOSE, FUNCTION = "<tool_call>", "</tool_call>", "<function="
+OPENS = (OPEN, FUNCTION)
 _FN = re.compile(r"<function=([^>\n]*)>")
 _PARAM = re.compile(r"<parameter=([^>\n]*)>")
 
@@ -52,17 +53,7 @@ def section(text: str, i: int, tools: Tools, final: bool
     return [call], end, True
 
 
-def scan(text: str, tools: Tools, final: bool, inside: bool,
-         think: tuple[str, str] | None) -> list[Item]:
-    return scan_sections(text, tools, final, inside, think, (OPEN, FUNCTION), section)
-
-
 def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    alts, rules = [], []
-    for n, t in enumerate(tools):
-        rule, body = xml_params(t, f"pg{n}-",
-                                lambda p, _v: (f"<parameter={p}>\n", "\n</parameter>\n"))
-        head = f"{OPEN}\n<function={t['function']['name']}>\n"
-        alts.append(f"{literal(head)} {rule} {literal('</function>' + chr(10) + CLOSE)}")
-        rules.append(body)
-    return "(" + " | ".join(alts) + ")", rules
+    return calls(tools, lambda name: f"{OPEN}\n<function={name}>\n",
+                 "</function>\n" + CLOSE,
+                 xml_args(lambda p: (f"<parameter={p}>\n", "\n</parameter>\n")))
