@@ -14,31 +14,28 @@ Rules this module keeps:
   the per-sequence API (`llama_state_seq_get_data`), never `Llama.save_state` (whole context plus
   logits).
 - At least the last prompt token is always evaluated, because logits are not part of a snapshot.
-- Batch invariance: llama.cpp's CPU kernels give bit-identical KV for a token whatever the size
-  of the batch it was evaluated in, *except* a batch of one token (a different kernel path; its
-  KV differs in the last bits and a greedy continuation can diverge). So no prefill batch is ever
-  one token long (a lone token is evaluated together with the one before it), and tokens that
-  were generated (evaluated one at a time) are not *exact*: live reuse stops at `exact_n`, the
-  end of the KV that a cold prefill would have computed identically. This is what makes the
-  output of a cache hit equal to the output of a cold run.
-- Batch invariance needs the plain CPU kernels: llama.cpp's CPU "extra buffer types" (weights
-  repacked for AMX or AVX tile kernels, on by default) compute a token's KV differently depending
-  on the batch around it (measured on a Sapphire Rapids Xeon: logits after the same 400 tokens
-  prefilled as 400 or as 100 + 300 differed by up to 3.0, and a cache hit's greedy output
-  differed from a cold run's). The engine loads the model without them (`use_extra_bufts`).
-  A recurrent state is one more reason never to cut back by a token: where the memory cannot,
-  a save point one token past the previous stop is skipped instead.
-- Batch invariance does not hold for llama.cpp's CUDA kernels: on an H100, a prefill split at
-  300 tokens changed the last logits by up to 2.3, one split at 512 (a batch edge) by 0.0. Where
-  layers are offloaded to a GPU, reuse and snapshots happen only at multiples of the batch size
-  (`align`; the plan's positions are multiples already, `policies.decide` rule 7), so a hit runs
-  the same batches, of the same shapes at the same positions, as a cold run. The CPU rules
-  about one-token batches do not apply there: both runs make the same ones.
+- Exact by construction (issue 19): a hit runs the cold run's computation, so it never rests on a
+  kernel giving the same bits for different batch shapes (llama.cpp's CPU kernels do not on
+  every CPU: an AMD EPYC answered differently where an Intel Xeon did not; CUDA's do not at
+  all, nor do the repacked CPU weights of the "extra buffer types"). Three rules:
+  1. The same batches: every prefill batch lies within one block of `align` tokens (the batch
+     size, `n_batch`), so a prompt is always evaluated as the blocks [0, a), [a, 2a), ... and
+     its remainder; reuse, restores and snapshots happen only at multiples of `align`
+     (`policies.prefix.keep_max` and `aligned` are the rules' one home; the plan's positions
+     are multiples already), so a hit evaluates exactly the cold run's remaining blocks.
+  2. The same cells: a cold run puts position p in cell p. A restore does too, because a
+     snapshot of a sliding-window cache (which llama.cpp writes without the cells its window
+     masks) gets those cells back, zero-filled and still masked, before it is loaded
+     (`backend.layout.pad_window`): attention then sums over the same cells in the same order.
+  3. Only prompt tokens are exact: generated tokens were evaluated one at a time, unlike a cold
+     prefill of the same text, so live reuse stops at `exact_n`, the end of the prompt.
+  The start-up self-check (`backend.selfcheck`) proves the three on the user's model, KV
+  types and backend, bit for bit, before the worker reuses anything.
 - Cancellation is checked between prefill batches and between generated tokens.
 - A grammar llama.cpp cannot parse is a ValueError before the first sample (its sampler comes
   back NULL), never a crash of the worker.
 - Only llama.cpp's C API (the `llama_cpp` bindings) is used: model and context parameters set
-  directly (the KV cache types, flash attention on/off/auto, `swa_full`, no extra buffer types),
+  directly (the KV cache types, flash attention on/off/auto, `swa_full`, the batch size),
   our own batch, memory calls and sampler chain.
 """
 
@@ -58,7 +55,8 @@ from typing import Any, Literal
 import llama_cpp
 import numpy as np
 
-from policies.prefix import live_reuse
+from backend import layout
+from policies.prefix import aligned, default_batch, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -172,12 +170,11 @@ class Engine:
         n_ctx: int,
         n_threads: int | None,
         n_gpu_layers: int,
-        n_batch: int = 512,
+        n_batch: int = 0,
         flash_attn: str = "off",
         type_k: str = "f16",
         type_v: str = "f16",
         swa_full: bool = True,
-        align: int | None = None,
     ) -> None:
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
@@ -188,11 +185,11 @@ class Engine:
         mp = llama_cpp.llama_model_default_params()
         # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
         mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
-        mp.use_extra_bufts = False  # batch invariance (module rules)
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
         if not self.model:
             raise ValueError(f"llama.cpp could not load the model {model_path}")
         cp = llama_cpp.llama_context_default_params()
+        n_batch = n_batch or default_batch(n_gpu_layers)
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, 1
         cores = os.cpu_count() or 1
         cp.n_threads = n_threads or max(cores // 2, 1)
@@ -214,15 +211,21 @@ class Engine:
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_batch = n_batch
         self.memory = _memory_of(self.model, swa_full)
-        # reuse only at batch edges where the kernels are not batch-invariant (module rules)
-        offloaded = n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
-        self.align = align if align is not None else n_batch if offloaded else 1
+        self.align = n_batch  # reuse, restores and snapshots at batch edges only (module rules)
+        # why no reuse can be exact here ("" where the module rules hold by construction): a
+        # real window keeps its cells in a ring whose layout a restore cannot rebuild
+        self.inexact = "" if self.memory.kind != "window" or self.memory.full else (
+            "a real sliding window (--no-swa-full) keeps its cells in a ring that a restore "
+            "cannot lay out as the cold run did; --swa-full makes reuse exact")
+        # a test's injected fault (PREFIXGATE_FAULT=restore-bit): every restore flips one bit of
+        # the state it loads, an inexact configuration the self-check must catch
+        self.fault = os.environ.get("PREFIXGATE_FAULT", "")
         self.ids = np.zeros(self.n_ctx, dtype=np.intc)  # ids[:n_live] is what the KV holds
         self.n_live = 0
         self.exact_n = 0  # leading live tokens whose KV a cold prefill computes identically
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self._eog = {t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
 
     def close(self) -> None:
         if self.ctx:
@@ -267,7 +270,7 @@ class Engine:
             return 0
         diff = np.nonzero(self.ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
         n = int(diff[0]) if len(diff) else n
-        return live_reuse(n // self.align * self.align, self.n_live, self.floor())
+        return live_reuse(aligned(n, self.align), self.n_live, self.floor())
 
     def reusable(self) -> tuple[int, int]:
         """(live tokens a next request may keep, the shortest of them the memory can be cut
@@ -307,6 +310,11 @@ class Engine:
         n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, 0)
         return memoryview(out)[:n]
 
+    def last_logits(self) -> np.ndarray:
+        """A copy of the logits after the last evaluated token."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
     def can_snapshot_behind(self, p: int) -> bool:
         return 0 < p < self.n_live <= self.exact_n and p >= self.floor()
 
@@ -326,8 +334,13 @@ class Engine:
         return part
 
     def restore(self, ids: Sequence[int], state: bytes | memoryview) -> None:
-        """Load a snapshot of exactly len(ids) tokens into sequence 0 (read in place)."""
+        """Load a snapshot of exactly len(ids) tokens into sequence 0, each position into the
+        cell a cold run used (module rules; read in place where nothing is padded)."""
         self.truncate(0)
+        if self.memory.kind == "window" and self.memory.full:
+            state = layout.pad_window(state)
+        if self.fault == "restore-bit":
+            state = layout.flip_bit(state)
         if isinstance(state, bytes):
             src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
         else:  # a snapshot of ours: point at its buffer, no copy
@@ -376,24 +389,20 @@ class Engine:
         cancel: Cancel,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
-        """Evaluate ids[n_live:], stopping exactly at each position of `stops_at` to call
-        on_stop(position) (a snapshot point), then evaluate the rest. Every batch is exact, so
-        a cancelled prefill keeps what it evaluated for the next request; on_batch(n_live)
-        follows each one. A stop one token after the last one is skipped where the memory
-        cannot be cut back by a token (it would need a one-token batch)."""
-        points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids))
+        """Evaluate ids[n_live:] in the cold run's blocks of `align` tokens (module rules),
+        stopping at each batch edge of `stops_at` to call on_stop(position) (a snapshot point).
+        Every batch is exact, so a cancelled prefill keeps what it evaluated for the next
+        request; on_batch(n_live) follows each one. A live state that does not end at a batch
+        edge is first cut back to one (where the memory refuses, to none)."""
+        a = self.align
+        if self.n_live % a:
+            self.truncate(aligned(self.n_live, a))
+        points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids) and p % a == 0)
         for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
-            if p - self.n_live == 1 and self.n_live > 0 and self.align == 1:
-                if p < len(ids) and self.floor() > self.n_live - 1:
-                    continue  # never a one-token batch (see module doc): no stop here
-                self.truncate(self.n_live - 1)
             while self.n_live < p:
                 if cancel.is_set:
                     raise Cancelled()
-                end = min(p, self.n_live + self.n_batch)
-                if p - end == 1 and self.align == 1:
-                    end -= 1  # leave two tokens for the last batch, not one
-                self._decode(ids[self.n_live : end])
+                self._decode(ids[self.n_live : min(p, aligned(self.n_live, a) + a)])
                 self.exact_n = self.n_live
                 if on_batch is not None:
                     on_batch(self.n_live)
@@ -415,7 +424,7 @@ class Engine:
                 if cancel.is_set:
                     raise Cancelled()
                 token = int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
-                if token in self._eog:
+                if token in self.eog:
                     yield token, b"", True
                     return
                 yield token, self.piece(token), False

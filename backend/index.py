@@ -5,9 +5,10 @@ Rules:
 - Only the proxy process writes the index; workers write state files and report them. An entry
   is put only after its file is durable (``store.write_state_file`` returned), so an entry never
   points at a partial file; :meth:`Index.reconcile` repairs the rest at startup.
-- An entry stored under the key of n tokens describes a file holding KV for exactly n tokens;
-  :meth:`Index.hits` refuses an entry whose ``n_tokens`` differs from the position it was
-  looked up at (the exactness invariant).
+- An entry stored under the key of n tokens describes a file holding KV for exactly n tokens
+  (the exactness invariant). Lookups are by token ids in the proxy's radix forest
+  (``proxy.cache``), which is rebuilt from this index at start; the index itself is read whole
+  (``entries``, ``paths``) and written one entry at a time.
 - ``cache_dir/index.lmdb`` holds two databases: ``entries`` (16-byte key -> packed Entry) and
   ``meta`` (``total_bytes``, kept in the same transaction as every entry change, so
   :meth:`Index.total_bytes` is O(1)). Entries are packed with ``struct`` (a fixed part plus
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -155,31 +156,6 @@ class Index:
             self._env.close()
 
     # --- reads (the hot path: one `lookup` per request, off the event loop) -----------------
-
-    def get(self, key: CacheKey) -> Entry | None:
-        return self._read(lambda txn: self._get(txn, key))
-
-    def hits(self, keys_by_pos: Mapping[int, CacheKey], limit: int
-             ) -> list[tuple[int, CacheKey, Entry]]:
-        """Up to `limit` positions whose key is stored with exactly that many tokens, longest
-        first."""
-        return self._read(lambda txn: self._find(txn, keys_by_pos, limit))
-
-    def lookup(self, keys_by_pos: Mapping[int, CacheKey], limit: int
-               ) -> tuple[list[tuple[int, CacheKey, Entry]], set[int]]:
-        """`hits(keys_by_pos, limit)` and `stored(keys_by_pos)` from one read transaction."""
-
-        def read(txn: lmdb.Transaction) -> tuple[list[tuple[int, CacheKey, Entry]], set[int]]:
-            stored = {p for p, k in keys_by_pos.items()
-                      if txn.get(k, db=self._entries) is not None}
-            return self._find(txn, {p: keys_by_pos[p] for p in stored}, limit), stored
-
-        return self._read(read)
-
-    def stored(self, keys_by_pos: Mapping[int, CacheKey]) -> set[int]:
-        """The positions whose key has an entry (one read transaction for all of them)."""
-        return self._read(lambda txn: {p for p, k in keys_by_pos.items()
-                                       if txn.get(k, db=self._entries) is not None})
 
     def entries(self) -> list[tuple[CacheKey, Entry]]:
         def scan(txn: lmdb.Transaction) -> list[tuple[CacheKey, Entry]]:
@@ -430,23 +406,6 @@ class Index:
                     self._env.set_mapsize(map_size)
                 except lmdb.MapResizedError:
                     self._env.set_mapsize(0)
-
-    def _find(self, txn: Any, keys_by_pos: Mapping[int, CacheKey], limit: int
-              ) -> list[tuple[int, CacheKey, Entry]]:
-        found: list[tuple[int, CacheKey, Entry]] = []
-        for pos in sorted(keys_by_pos, reverse=True):
-            key = keys_by_pos[pos]
-            entry = self._get(txn, key)
-            if entry is None:
-                continue
-            if entry.n_tokens != pos:
-                log.warning("index entry %s holds %d tokens but was looked up at %d; ignored",
-                            key.hex(), entry.n_tokens, pos)
-                continue
-            found.append((pos, key, entry))
-            if len(found) == limit:
-                break
-        return found
 
     def _get(self, txn: Any, key: bytes) -> Entry | None:
         value = txn.get(key, db=self._entries)

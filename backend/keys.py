@@ -168,6 +168,7 @@ def make_salt(
     lib_version: str,
     tenant: str = "",
     swa_full: bool = True,
+    batch: int = 64,
 ) -> bytes:
     """The 16-byte salt of every key for this model, configuration and tenant.
 
@@ -181,6 +182,7 @@ def make_salt(
         "type_v": str(type_v),
         "flash_attn": str(flash_attn),
         "swa_full": bool(swa_full),
+        "batch": int(batch),  # a hit replays the cold run's batches: their size must match
         "lib_version": str(lib_version),
         "tenant": str(tenant),
     }
@@ -201,10 +203,11 @@ class CacheIdentity:
     flash_attn: str  # on | off | auto
     lib_version: str  # llama-cpp-python's version
     swa_full: bool = True  # a full-size cache for sliding-window layers (else a real window)
+    batch: int = 64  # tokens per prefill batch (backend.engine: a snapshot's KV depends on it)
 
     def salt(self, tenant: str = "") -> bytes:
         return make_salt(self.model_path, self.n_ctx, self.type_k, self.type_v, self.flash_attn,
-                         self.lib_version, tenant, self.swa_full)
+                         self.lib_version, tenant, self.swa_full, self.batch)
 
     def fingerprint(self) -> bytes:
         return fingerprint(self.salt())

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from policies.decide import Plan
+from policies.prefix import keep_max
 
 FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
 
@@ -69,8 +70,9 @@ class Job:
                       grammar=grammar)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
-        if not 0 <= job.plan.keep_max <= max(len(job.ids) - 2, 0):
-            # the last two prompt tokens are always evaluated: logits are not in a snapshot
+        if not 0 <= job.plan.keep_max <= keep_max(len(job.ids), 1):
+            # the last prompt token is always evaluated: logits are not in a snapshot (the
+            # worker rounds the rest down to its own batch edges)
             raise ValueError(f"malformed job: keep_max {job.plan.keep_max} for a prompt of "
                              f"{len(job.ids)} tokens")
         return job

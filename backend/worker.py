@@ -4,7 +4,8 @@
                       llama.cpp), "n_live", "fingerprint", "model", "pid",
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
                       "memory" ({"kind": plain | window | recurrent, "n_swa"}),
-                      "align" (reuse only at multiples of this: the batch size on a GPU),
+                      "align" (reuse only at multiples of this: the batch size),
+                     "exact" (the start-up self-check: {"ok", "checked", "failure", ...}),
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> a `backend.protocol.Job` in, its NDJSON event stream out (the events and
                      their order are in backend/protocol.py; a malformed job is a 400)
@@ -43,7 +44,7 @@ from pathlib import Path
 import llama_cpp
 from aiohttp import web
 
-from backend import keys, store, volume
+from backend import keys, selfcheck, store, volume
 from backend.engine import Cancel, Cancelled, Engine, Sampling, StopMatcher
 from backend.protocol import Cancelled as CancelledEvent
 from backend.protocol import (
@@ -60,6 +61,7 @@ from backend.protocol import (
     encode_event,
 )
 from policies.decide import Save
+from policies.prefix import keep_max
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -83,25 +85,32 @@ class Worker:
         # whose prompt the live KV holds: a job of another tenant never keeps any of it,
         # whatever its plan says (the proxy's view of a worker can be stale after a failure)
         self.owner = ""
+        # the start-up self-check's verdict (`exactness`); not ok: nothing is reused, whatever a
+        # plan says
+        self.exact: dict[str, object] = {"ok": True, "checked": False, "failure": ""}
 
     # --- runs on the llama thread ----------------------------------------------------------
 
     def execute(self, job: Job, emit: Emit, cancel: Cancel) -> None:
         eng, plan, ids = self.engine, job.plan, list(job.ids)
         t0 = time.perf_counter()
-        # at most n - 2 (Job checks it: the last two prompt tokens are always evaluated), and
-        # lower when a scope boundary that reuse passed must still be snapshotted
-        last = plan.keep_max
+        # at most the last batch edge before the last token (policies.prefix.keep_max; a plan
+        # of a proxy that thought otherwise is held to it), and lower when a scope boundary
+        # that reuse passed must still be snapshotted
+        exact = bool(self.exact["ok"])
+        last = min(plan.keep_max, keep_max(len(ids), eng.align)) if exact else 0
 
-        mine = plan.live_ok and job.tenant == self.owner
+        mine = plan.live_ok and job.tenant == self.owner and exact
 
         def live() -> int:  # what the live KV holds of this prompt that may be kept
             return min(eng.live_prefix(ids), last) if mine else 0
 
         keep, restored, faults = live(), 0, []
-        for r in plan.restore:  # longest first: the next one if one is broken
+        for r in plan.restore if exact else ():  # longest first: the next if one is broken
             if r.n_tokens <= keep:
                 break
+            if r.n_tokens % eng.align:  # never a hit the cold run's batches cannot replay
+                continue
             try:
                 n, state = store.read_state_file(self.cache_dir / r.file, self.fingerprint, ids)
                 if n != r.n_tokens:
@@ -119,7 +128,7 @@ class Worker:
         self.owner = job.tenant  # from here on the KV holds (a prefix of) this prompt
         emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults)))
 
-        saves = {s.n_tokens: s for s in plan.saves}
+        saves = {s.n_tokens: s for s in plan.saves if exact and s.n_tokens % eng.align == 0}
         pending: list[Future[None]] = []
 
         def write(p: int, state: memoryview) -> None:
@@ -186,6 +195,7 @@ class Worker:
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
             "memory": self.engine.memory.to_wire(), "align": self.engine.align,
+            "exact": self.exact,
             "cache_volume": volume.read(self.cache_dir),
         })
 
@@ -301,6 +311,8 @@ class WorkerSpec:
     type_k: str  # KV cache types
     type_v: str
     swa_full: bool
+    batch: int  # tokens per prefill batch (the reuse granularity)
+    exact_check: bool  # run the start-up self-check (backend/selfcheck.py)
     cache_dir: Path
     identity: keys.CacheIdentity
     worker_id: int = 0
@@ -308,12 +320,33 @@ class WorkerSpec:
     listen: tuple[str, int] | None = None  # or on TCP, in its own container
 
 
+def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
+    """The start-up self-check's verdict, logged in one line: what `/health` reports as
+    "exact". Where it fails the worker reuses nothing (module rules)."""
+    if not check:
+        if engine.inexact:
+            log.warning("worker %d: cache reuse off: %s", worker_id, engine.inexact)
+            return {"ok": False, "checked": False, "failure": engine.inexact}
+        log.info("worker %d: exactness not checked (--no-exact-check)", worker_id)
+        return {"ok": True, "checked": False, "failure": ""}
+    report = selfcheck.run(engine)
+    if report.ok:
+        log.info("worker %d: exact reuse proven in %.1f s (%s on %d probe tokens, batch %d)",
+                 worker_id, report.seconds, ", ".join(r.check for r in report.rows),
+                 report.probe_tokens, engine.align)
+    else:
+        log.warning("worker %d: exactness self-check FAILED (%s): serving without cache "
+                    "reuse; `prefixgate doctor` prints the checks", worker_id, report.failure)
+    return {"checked": True, **report.to_wire()}
+
+
 def serve(spec: WorkerSpec) -> None:
     engine = Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
-                    flash_attn=spec.flash_attn, type_k=spec.type_k, type_v=spec.type_v,
-                    swa_full=spec.swa_full)
+                    n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
+                    type_v=spec.type_v, swa_full=spec.swa_full)
     worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
                     spec.model_path, spec.flash_attn, spec.n_ctx)
+    worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
     if spec.listen is not None:
         host, port = spec.listen
         log.info("worker %d listening on %s:%d (model %s, n_ctx %d, memory %s, cache %s)",

@@ -527,7 +527,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [SimPrompt(r.ids, r.boundaries, r.message_starts) for r in rendered]
     predicted = {a.name: [t.fresh for t in simulate(prompts, a.scope,
                                                     "restart" if a.restart else "live",
-                                                    memory=args.memory).turns]
+                                                    memory=args.memory,
+                                                    align=Config().batch).turns]
                  for a in arms if a.server == "prefixgate"}
     load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="prefixgate-bench-"))

@@ -38,7 +38,7 @@ from backend import keys
 from bench.oracle import Oracle, compute_oracle
 from policies.decide import RESTORE_CANDIDATES, Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
-from policies.prefix import common_prefix_len
+from policies.prefix import aligned, common_prefix_len
 from policies.radix import RadixTree
 from policies.ring import Ring
 from policies.scope import format_scope, parse_scope
@@ -78,7 +78,8 @@ class Simulator:
     """One proxy and one worker, as far as the cache decisions go."""
 
     def __init__(self, policy: str, knobs: CacheKnobs | None = None,
-                 memory: str = "plain") -> None:
+                 memory: str = "plain", align: int = 1) -> None:
+        self.align = align  # the worker's batch size: reuse only at its multiples
         self.knobs = knobs or CacheKnobs()
         # the worker's memory (backend.engine.Memory): a recurrent state is never reused live
         # after generating; a recurrent state or a window cannot cut a restored snapshot back
@@ -111,14 +112,14 @@ class Simulator:
         live_n = common_prefix_len(self.live_ids, ids) if live and self.memory != "recurrent" \
             else 0
         recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
-        plan = decide(facts, stored, WorkerFacts(live_n, True, self.memory == "plain"), recent,
-                      self.knobs)
+        plan = decide(facts, stored, WorkerFacts(live_n, True, self.memory == "plain",
+                                                 self.align), recent, self.knobs)
         if scope.kind != "off":  # as Gateway.start: the ring, and its persisted copy
             self.ring.push(_TENANT, ids)
             self.ring_log = [*self.ring_log, ids][-RING_CAPACITY:]
         # the worker: keep the live prefix, restore the first entry longer than it
         last = plan.keep_max
-        keep = min(live_n, last)
+        keep = min(aligned(live_n, self.align), last)
         restored = next((r.n_tokens for r in plan.restore if r.n_tokens > keep), 0)
         cached = min(restored, last) if restored else keep
         saves = tuple((s.n_tokens, str(s.reason)) for s in plan.saves)
@@ -183,12 +184,13 @@ class SimResult:
 
 
 def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
-             knobs: CacheKnobs | None = None, memory: str = "plain") -> SimResult:
+             knobs: CacheKnobs | None = None, memory: str = "plain", align: int = 1
+             ) -> SimResult:
     """Replay `prompts` in order through one simulated proxy under `policy` and `mode`, on a
-    worker with this `memory` (plain, window or recurrent)."""
+    worker with this `memory` (plain, window or recurrent) and batch size `align`."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    sim = Simulator(policy, knobs, memory)
+    sim = Simulator(policy, knobs, memory, align)
     turns = []
     for i, p in enumerate(prompts):
         if mode == "restart" and i:
@@ -241,9 +243,9 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run(prompts: Sequence[SimPrompt], policies: Sequence[str], modes: Sequence[str],
-        knobs: CacheKnobs) -> tuple[Oracle, list[dict[str, Any]]]:
+        knobs: CacheKnobs, align: int = 1) -> tuple[Oracle, list[dict[str, Any]]]:
     oracle = compute_oracle([p.ids for p in prompts])
-    rows = [simulate(prompts, pol, mode, knobs).summary(oracle)
+    rows = [simulate(prompts, pol, mode, knobs, align=align).summary(oracle)
             for mode in modes for pol in policies]
     return oracle, rows
 
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cold-max-tokens", type=int, default=d.kv_cache_cold_max_tokens)
     p.add_argument("--continued-interval-tokens", type=int,
                    default=d.kv_cache_continued_interval_tokens)
+    p.add_argument("--batch-size", type=int, default=d.batch,
+                   help=f"the workers' batch size: reuse at its multiples (default {d.batch})")
     p.add_argument("--out", default="", help="directory for simulate-<trace>.json and .md")
     p.add_argument("--note", default="", help="a line for the markdown (e.g. how the trace "
                    "was made)")
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
     prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
-    oracle, rows = run(prompts, policies, modes, knobs)
+    oracle, rows = run(prompts, policies, modes, knobs, a.batch_size)
     # the same trace laid out as the client sent it: what the stable-first layout gains
     old = compute_oracle([p.ids for p in render_trace(a.trace, a.format, a.tool_blocks,
                                                        a.turns, a.model, stable_layout=False)])
@@ -291,9 +295,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{old.total_fresh} fresh tokens, {old.mean_hit_ratio:.1%})\n"
             f"knobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
-            "tokens; one worker; no eviction. mode restart = proxy and worker restarted before "
-            "every request, only the disk (index, state files, persisted ring) survives: the "
-            "pessimistic default; live = one long-lived proxy and worker.")
+            f"tokens; batch {a.batch_size}; one worker; no eviction. mode restart = proxy and "
+            "worker restarted before every request, only the disk (index, state files, "
+            "persisted ring) survives: the pessimistic default; live = one long-lived proxy "
+            "and worker.")
     table = markdown_table(rows)
     print(head + "\n\n" + table)
     if a.out:

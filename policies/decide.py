@@ -19,12 +19,13 @@ Inputs, all plain data:
 
 Rules (the positions themselves are ``policies.plan``'s):
 
-1. The worker always evaluates the last two prompt tokens: ``keep_max = n - 2``. On a worker
-   whose kernels give the same bits only for the same batch shapes (``worker.align`` > 1: a
-   GPU, where splitting a prefill anywhere but at a batch edge changes the KV), every reuse,
-   restore and save point is a multiple of ``align`` (the batch size), so a hit replays the
-   cold run's batches: ``keep_max`` is the last multiple below ``n``, the live reuse is rounded
-   down, only aligned entries are offered, and save points are rounded down (7).
+1. A hit replays the cold run's batches (``backend.engine``'s rules): every reuse, restore and
+   save point is a multiple of ``worker.align`` (the worker's batch size), and at least the
+   prompt's last token is evaluated. ``keep_max`` is ``policies.prefix.keep_max``: the last
+   batch edge before the last token; the live reuse is rounded down to a batch edge, only
+   aligned entries are offered, and save points are rounded down (7). A worker whose start-up
+   self-check failed (``worker.exact`` false) reuses nothing: ``keep_max`` 0, no live reuse,
+   no restore, no save, ``lookup = "off"``.
 2. ``off``: nothing is restored or saved; ``lookup = "off"``.
 3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window (exactly the
    longest shared token prefix, for ``auto``); the reused prefix is the longer of the live reuse
@@ -44,8 +45,8 @@ Rules (the positions themselves are ``policies.plan``'s):
    ``full``) is taken at ``keep_max`` instead: the next turn, which extends the prompt,
    restores it and prefills two more tokens, and the same prompt sent again can use it too.
    No save behind the reuse is planned (it would need the live state cut back).
-7. With ``align`` > 1, each save point is rounded down to a multiple of ``align`` (none at 0,
-   none already stored), the strongest reason kept per position.
+7. Each save point is rounded down to a batch edge (none at 0, none already stored), the
+   strongest reason kept per position.
 
 A save names its position and reason; the worker keys the file (``backend.keys``, salted with the
 job's salt), and its ``Saved`` event tells the proxy the key.
@@ -71,6 +72,8 @@ from policies.plan import (
     plan_saves,
     strongest,
 )
+from policies.prefix import aligned
+from policies.prefix import keep_max as max_reuse
 from policies.scope import Scope
 
 Lookup = Literal["hit", "partial", "miss", "off"]
@@ -108,7 +111,8 @@ class WorkerFacts:
     live_n: int  # tokens of this prompt the worker's live KV holds (and its memory can keep)
     live_ok: bool  # the live KV is this tenant's: it may be reused
     cut_back: bool = True  # its memory can cut a restored snapshot back (plain attention)
-    align: int = 1  # reuse only at multiples of this (its batch size on a GPU; 1: anywhere)
+    align: int = 1  # reuse only at multiples of this (its batch size; 1: anywhere)
+    exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +209,10 @@ def decide(
     ids, scope = facts.ids, facts.scope
     n = len(ids)
     a = max(worker.align, 1)
-    keep_max = max(n - 2, 0) if a == 1 else (max(n - 1, 0) // a) * a
-    live_n = (worker.live_n if worker.live_ok else 0) // a * a
+    if not worker.exact:
+        return Plan((), (), 0, False, "off", None, None)
+    keep_max = max_reuse(n, a)
+    live_n = aligned(worker.live_n if worker.live_ok else 0, a)
     if scope.kind == "off":
         return Plan((), (), keep_max, worker.live_ok, "off", None, None)
     window = recent[: scope.window] if scope.kind == "auto" else ()
@@ -226,9 +232,9 @@ def decide(
     if not worker.cut_back:  # rule 6: past keep_max taken at keep_max, none behind the reuse
         saves = strongest((p, s.reason) for s in saves
                           if (p := min(s.n_tokens, keep_max)) > cached_n and p not in positions)
-    if a > 1:  # rule 7: rounded down to multiples of `a`
+    if a > 1:  # rule 7: rounded down to batch edges
         saves = strongest((p, s.reason) for s in saves
-                          if (p := s.n_tokens // a * a) > 0 and p not in positions)
+                          if (p := aligned(s.n_tokens, a)) > 0 and p not in positions)
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
                       else "partial")

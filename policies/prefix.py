@@ -58,3 +58,25 @@ def live_reuse(shared: int, live_n: int, floor: int) -> int:
     """Tokens a live state of ``live_n`` tokens, cut back no further than ``floor``, can keep
     of a prompt sharing ``shared`` of them."""
     return shared if shared == live_n or shared >= floor else 0
+
+
+def aligned(n: int, align: int) -> int:
+    """``n`` rounded down to a multiple of ``align`` (a batch edge)."""
+    a = max(align, 1)
+    return n // a * a
+
+
+def keep_max(n: int, align: int) -> int:
+    """The most tokens of an ``n``-token prompt a hit may reuse: the last batch edge before its
+    last token (never negative)."""
+    return aligned(max(n - 1, 0), align)
+
+
+GPU_BATCH, CPU_BATCH = 512, 64  # the batch size when none is set (backend.engine's rules)
+
+
+def default_batch(n_gpu_layers: int) -> int:
+    """512 where layers are offloaded (llama.cpp's usual batch); 64 on a CPU, where prefill runs
+    as fast as with 512 (2 AMD EPYC cores: SmolLM2 305 vs 294 tokens/s, Gemma 3 270M 628 vs
+    580) and a hit re-evaluates at most 63 tokens."""
+    return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH

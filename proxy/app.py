@@ -83,6 +83,7 @@ async def metrics(request: web.Request) -> web.Response:
     for w in request.app[POOL].workers:
         m.workers_up.labels(str(w.worker_id)).set(1 if w.ready else 0)
         m.workers_busy.labels(str(w.worker_id)).set(1 if w.busy else 0)
+        m.workers_exact.labels(str(w.worker_id)).set(1 if w.exact else 0)
     m.queue_depth.set(request.app[POOL].queue_depth)
     return web.Response(body=generate_latest(m.registry),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -98,6 +99,9 @@ async def props(request: web.Request) -> web.Response:
         "server": "prefixgate",
         "model": request.app[MODEL_ID], "model_path": cfg.model_path,
         "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
+        "batch_size": cfg.batch,
+        "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure}
+                  for w in request.app[POOL].workers],
         "default_generation_settings": {"n_ctx": cfg.n_ctx},
         "cache": {
             "policy": cfg.disk_prefix_cache, "dir": str(cfg.cache_path),

@@ -9,7 +9,9 @@
 Rules:
 - Every method here blocks: the gateway and the run driver call them through `read` (any thread)
   and `write` (one dedicated thread, so writes land in order and the in-memory state below has one
-  writer).
+  writer). The radix forest and the entry mirror change together under one lock, which a lookup
+  takes too: a lookup never sees a key in a tree before its entry is in the mirror (a KeyError
+  there was a 500), nor a tree halfway through an insert.
 - An entry is committed only after its file is durable (the worker says so), never before.
 - Lookup is by token ids: a radix tree per tenant (`policies.radix`) over the entries of this
   model and configuration (their fingerprint); entries of another fingerprint stay in the index
@@ -30,6 +32,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +67,8 @@ class DiskCache:
         self._extended: Counter[bytes] = Counter()  # key -> entries whose prefix_of it is
         self._total_bytes = 0
         self._forest = Forest()  # this fingerprint's entries, by tenant and token ids
+        # held while the forest and the mirror change (the writer) and while a lookup reads them
+        self._lock = threading.RLock()
 
     # --- running blocking work off the loop ------------------------------------------------
 
@@ -82,9 +87,10 @@ class DiskCache:
         """At start, before any worker writes: reconcile the index with the files, fill the
         mirror, rebuild the radix trees, and evict down to the budget."""
         report = self.index.reconcile()
-        for key, entry in self.index.entries():
-            self._remember(key, entry)
-        self._rebuild(self.index.paths())
+        with self._lock:
+            for key, entry in self.index.entries():
+                self._remember(key, entry)
+            self._rebuild(self.index.paths())
         log.info("cache %s: %d entries (%d of this model), %d bytes; reconcile: %s",
                  self.index.cache_dir, len(self._entries), len(self._forest),
                  self._total_bytes, report)
@@ -127,14 +133,19 @@ class DiskCache:
         return self._salts[tenant]
 
     def lookup(self, facts: Facts, tenant: str) -> Stored:
-        found = self._forest.match(tenant, facts.ids)
-        return Stored(hits=tuple(Hit(n, k, self._entries[k].file)
-                                 for n, k in found[:RESTORE_CANDIDATES]),
-                      positions=frozenset(n for n, _ in found))
+        with self._lock:
+            found = self._forest.match(tenant, facts.ids)
+            return Stored(hits=tuple(Hit(n, k, self._entries[k].file)
+                                     for n, k in found[:RESTORE_CANDIDATES]),
+                          positions=frozenset(n for n, _ in found))
 
     def commit(self, saved: Saved, tenant: str, ids: Sequence[int]) -> None:
         """Record a durable state file of the first `saved.n_tokens` of `ids` (on the writer
         thread)."""
+        with self._lock:
+            self._commit(saved, tenant, ids)
+
+    def _commit(self, saved: Saved, tenant: str, ids: Sequence[int]) -> None:
         now = time.time()
         key = keys.CacheKey(bytes.fromhex(saved.key))
         self._delete(key, unlink=False)  # the same key again: the file was just rewritten
@@ -147,17 +158,19 @@ class DiskCache:
         self._link(key, put=True)
         for _, child in tree.children_of(key):  # it sits between a parent and these now
             self._link(child)
-        self.evict(protect=key)
+        self._evict(protect=key)
 
     def touch(self, key: bytes, now_s: float) -> None:
         self.index.touch(keys.CacheKey(key), now_s)
-        e = self._entries.get(key)
-        if e is not None:
-            self._entries[key] = dataclasses.replace(e, hits=e.hits + 1, last_used_s=now_s)
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                self._entries[key] = dataclasses.replace(e, hits=e.hits + 1, last_used_s=now_s)
 
     def drop(self, key: bytes) -> None:
-        self._delete(key)
-        self._set_gauges()
+        with self._lock:
+            self._delete(key)
+            self._set_gauges()
 
     def ring_push(self, tenant: str, ids: Sequence[int], capacity: int) -> None:
         self.index.ring_push(tenant, ids, capacity)
@@ -166,6 +179,10 @@ class DiskCache:
         return self.index.ring_load()
 
     def evict(self, protect: bytes | None = None) -> None:
+        with self._lock:
+            self._evict(protect)
+
+    def _evict(self, protect: bytes | None) -> None:
         if self._total_bytes > self.budget_bytes:
             views = [EntryView(k, e.n_tokens, e.size_bytes, e.reason, e.created_s,
                                e.last_used_s, e.hits, self._extended[k] > 0)

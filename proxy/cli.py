@@ -101,7 +101,8 @@ def worker(argv: list[str]) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
-                     cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, Path(cfg.cache_path),
+                     cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
+                     cfg.exact_check, Path(cfg.cache_path),
                      cache_identity(cfg), ns.worker_id, ns.socket, ns.listen))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.keys import CacheIdentity
+from policies.prefix import default_batch
 
 DEFAULT_VOLATILE = (
     # Claude Code's per-request billing line, its own first system block: `cch=` changes on
@@ -70,6 +71,12 @@ class Config:
     # sliding-window models: a full-size cache for the window layers (exact reuse anywhere);
     # --no-swa-full: a real window (less memory; see the README's models section)
     swa_full: bool = True
+    # tokens per prefill batch, and so the granularity of every reuse and snapshot (a hit
+    # replays the cold run's batches, backend/engine.py); 0 = 512 with GPU layers, else 64
+    batch_size: int = 0
+    # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
+    # off: trust it unchecked
+    exact_check: bool = True
     cache_dir: str = "~/.cache/prefixgate"  # state files and the LMDB index
     disk_prefix_cache: str = "auto:30"  # off | full | auto | auto:N | N
     kv_cache_min_tokens: int = 256  # smallest scope worth a snapshot, tokens
@@ -99,6 +106,11 @@ class Config:
         return self.model or default_model()
 
     @property
+    def batch(self) -> int:
+        """The batch size in force (the workers and the cache key agree on it)."""
+        return self.batch_size or default_batch(self.n_gpu_layers)
+
+    @property
     def cache_path(self) -> Path:
         return Path(os.path.expanduser(self.cache_dir))
 
@@ -114,6 +126,8 @@ _HELP = {
     "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
     "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
     "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
+    "batch_size": "tokens per prefill batch and the reuse granularity (0 = 512 on a GPU, else 64)",
+    "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
     "volatile_blocks": "regex of a volatile system-prompt block to move behind the stable part "
@@ -186,7 +200,8 @@ def _coerce(name: str, value: Any) -> Any:
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "n_gpu_layers", "flash_attn", "cache_type_k",
-                 "cache_type_v", "swa_full", "cache_dir", "log_level")
+                 "cache_type_v", "swa_full", "batch_size", "exact_check", "cache_dir",
+                 "log_level")
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -206,7 +221,7 @@ def cache_identity(cfg: Config) -> CacheIdentity:
     """The one cache identity of this configuration: the proxy and every worker key with it."""
     return CacheIdentity(cfg.model_path, cfg.n_ctx, cfg.cache_type_k, cfg.cache_type_v,
                          cfg.flash_attn, importlib.metadata.version("llama-cpp-python"),
-                         cfg.swa_full)
+                         cfg.swa_full, cfg.batch)
 
 
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:

@@ -105,7 +105,7 @@ class Gateway:
             plan = decide(facts, stored, WorkerFacts(worker.live_prefix(ids, tenant),
                                                      worker.live_tenant == tenant,
                                                      worker.memory == "plain",
-                                                     worker.align),
+                                                     worker.align, worker.exact),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":
                 self._trace_miss(ids, tenant)

@@ -64,5 +64,9 @@ class Metrics:
                                 ["worker"], registry=r)
         self.workers_busy = Gauge("prefixgate_worker_busy", "1 while the worker runs a request",
                                   ["worker"], registry=r)
+        self.workers_exact = Gauge(
+            "prefixgate_worker_exact",
+            "1 when the worker's start-up self-check proved exact reuse (0: it reuses nothing)",
+            ["worker"], registry=r)
         self.queue_depth = Gauge("prefixgate_queue_depth", "Requests waiting for a worker",
                                  registry=r)

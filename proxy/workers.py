@@ -106,7 +106,9 @@ class Worker:
     n_ctx: int = 0
     fingerprint: str = ""
     memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
-    align: int = 1  # it reuses only at multiples of this (its batch size on a GPU)
+    align: int = 1  # it reuses only at multiples of this (its batch size)
+    exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
+    exact_failure: str = ""  # why not, from its /health
     restarts: int = 0
     boot_id: str = ""  # the worker process's id from /health; a new one = a restart
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
@@ -120,9 +122,9 @@ class Worker:
 
     @property
     def memory_note(self) -> str:
-        """Its memory for the ready line, and its alignment where it has one (a GPU)."""
-        return f"memory {self.memory}" + (f", reuse at multiples of {self.align}"
-                                          if self.align > 1 else "")
+        """Its memory, its reuse granularity and its self-check's verdict for the ready line."""
+        return (f"memory {self.memory}, reuse at multiples of {self.align}, "
+                + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})"))
 
     @property
     def name(self) -> str:
@@ -348,6 +350,9 @@ class Pool:
         w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
         w.memory = str(h.get("memory", {}).get("kind", "plain"))
         w.align = int(h.get("align", 1))
+        exact = h.get("exact") or {}
+        w.exact = bool(exact.get("ok", True))
+        w.exact_failure = str(exact.get("failure", ""))
         w.boot_id = str(h.get("boot_id", ""))
 
     async def _first_contact(self, w: Worker) -> None:

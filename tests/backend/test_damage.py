@@ -26,6 +26,7 @@ from backend.store import (
     verify_file,
     write_state_file,
 )
+from tests.entries import entry_of
 
 REPO = Path(__file__).resolve().parents[2]
 FP = bytes(range(16))
@@ -211,7 +212,7 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_state_files(
     with Index(cache_dir) as index:  # the rebuilt index is an ordinary one from now on
         assert index.damaged is None and len(index) == N_ENTRIES
         for k in range(N_ENTRIES):
-            entry = index.get(key_of(k))
+            entry = entry_of(index, key_of(k))
             assert entry is not None
             n, _ = read_state_file(cache_dir / entry.file, FP, ids_of(k))
             assert n == len(ids_of(k))

@@ -18,6 +18,7 @@ import pytest
 from backend.index import Entry, Index, ReconcileReport
 from backend.keys import CacheKey, prefix_keys
 from backend.store import CacheFault, read_state_file, state_path, write_state_file
+from tests.entries import entry_of
 
 REPO = Path(__file__).resolve().parents[2]
 FP = bytes(range(16))
@@ -57,7 +58,7 @@ def index(tmp_path: Path) -> Iterator[Index]:
 
 def test_put_get_roundtrip_of_every_field(tmp_path: Path, index: Index) -> None:
     key, entry = save(tmp_path, index, 40)
-    assert index.get(key) == entry
+    assert entry_of(index, key) == entry
     odd = Entry(
         n_tokens=2**32 - 1,
         file="kv/ff/ünï.kv",
@@ -72,34 +73,16 @@ def test_put_get_roundtrip_of_every_field(tmp_path: Path, index: Index) -> None:
         prefix_of=key,
     )
     index.put(key_at(41), odd)
-    assert index.get(key_at(41)) == odd
-    assert index.get(key_at(42)) is None
+    assert entry_of(index, key_at(41)) == odd
+    assert entry_of(index, key_at(42)) is None
     assert len(index) == 2
-
-
-def test_hits_are_the_stored_positions_longest_first(tmp_path: Path, index: Index) -> None:
-    key10, entry10 = save(tmp_path, index, 10)
-    key20, entry20 = save(tmp_path, index, 20)
-    keys = prefix_keys(SALT, IDS, [5, 10, 20, 30, 100])
-    assert index.hits(keys, 1) == [(20, key20, entry20)]  # 30 and 100 are not stored
-    assert index.hits(keys, 3) == [(20, key20, entry20), (10, key10, entry10)]  # fallbacks
-    assert index.hits({n: k for n, k in keys.items() if n < 10}, 3) == []
-    assert index.hits({}, 3) == []
-
-
-def test_hits_ignore_an_entry_with_the_wrong_token_count(tmp_path: Path, index: Index) -> None:
-    # exactness invariant: a key of 30 tokens must never be served by a 20-token snapshot
-    key10, entry10 = save(tmp_path, index, 10)
-    _, entry20 = save(tmp_path, index, 20)
-    index.put(key_at(30), entry20)
-    assert index.hits(prefix_keys(SALT, IDS, [10, 30]), 3) == [(10, key10, entry10)]
 
 
 def test_touch_counts_hits(tmp_path: Path, index: Index) -> None:
     key, entry = save(tmp_path, index, 12)
     index.touch(key, 1_800_000_000.5)
     index.touch(key, 1_800_000_001.5)
-    touched = index.get(key)
+    touched = entry_of(index, key)
     assert touched is not None
     assert (touched.hits, touched.last_used_s, touched.created_s) == (
         2,
@@ -107,7 +90,7 @@ def test_touch_counts_hits(tmp_path: Path, index: Index) -> None:
         1.7e9 + 0.25,
     )
     index.touch(key_at(99), 1.0)  # evicted meanwhile: nothing to count
-    assert index.get(key_at(99)) is None
+    assert entry_of(index, key_at(99)) is None
 
 
 def test_delete_removes_entry_and_file(tmp_path: Path, index: Index) -> None:
@@ -116,7 +99,7 @@ def test_delete_removes_entry_and_file(tmp_path: Path, index: Index) -> None:
     assert index.total_bytes() == entry.size_bytes + other_entry.size_bytes
     assert index.delete(key) == entry
     assert not (tmp_path / entry.file).exists()
-    assert index.get(key) is None
+    assert entry_of(index, key) is None
     assert index.delete(key) is None
     assert index.total_bytes() == other_entry.size_bytes
     (tmp_path / other_entry.file).unlink()  # already gone on disk: still fine
@@ -166,8 +149,8 @@ def test_a_full_map_grows_transparently(tmp_path: Path, caplog: pytest.LogCaptur
         assert index.total_bytes() == 5000
     assert "index map full" in caplog.text  # it did fill up, more than once
     with Index(tmp_path, map_size_bytes=64 << 10) as index:
-        assert [index.get(k).n_tokens for k in keys] == list(range(5000))  # type: ignore[union-attr]
-        assert index.get(keys[0]).hits == 1  # type: ignore[union-attr]
+        assert [entry_of(index, k).n_tokens for k in keys] == list(range(5000))  # type: ignore[union-attr]
+        assert entry_of(index, keys[0]).hits == 1  # type: ignore[union-attr]
 
 
 def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> None:
@@ -196,7 +179,7 @@ def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> 
         kept=2,
         orphans_adopted=1,
     )
-    adopted = index.get(key_at(40))
+    adopted = entry_of(index, key_at(40))
     assert adopted is not None
     assert (adopted.n_tokens, adopted.file, adopted.size_bytes, adopted.checksum,
             adopted.reason, adopted.fingerprint) == (40, str(stray.relative_to(tmp_path)), size,

@@ -25,6 +25,7 @@ from backend.protocol import (
     parse_event,
 )
 from policies.decide import Plan, Restore, Save
+from policies.prefix import keep_max
 
 PLAN = Plan(
     restore=(Restore(30, b"\x01\x02", "ab/0102.state"), Restore(10, b"\x03", "03.state")),
@@ -98,21 +99,25 @@ def test_job_bad_value(field: str, value: Any) -> None:
 @pytest.mark.parametrize(
     ("n_ids", "keep_max", "ok"),
     [
-        # the last two prompt tokens are always evaluated: keep_max is at most n - 2...
+        # the last prompt token is always evaluated: keep_max is at most n - 1...
         (40, 38, True),
-        (40, 39, False),
+        (40, 39, True),
         (40, 40, False),
+        # ...which is what decide gives a GPU worker (batch 512) for 512 k + 1 tokens: the
+        # proxy's rule and the worker's check are one function (policies.prefix.keep_max)
+        (1025, keep_max(1025, 512), True),
+        (1025, 1024, True),
         (40, 0, True),
         # ...and never negative
         (40, -1, False),
-        # prompts of fewer than two tokens keep nothing
+        # one-token prompts keep nothing
         (1, 0, True),
         (1, 1, False),
         (0, 0, True),
         (0, 1, False),
     ],
 )
-def test_job_keep_max_leaves_the_last_two_tokens(n_ids: int, keep_max: int, ok: bool) -> None:
+def test_job_keep_max_leaves_the_last_token(n_ids: int, keep_max: int, ok: bool) -> None:
     d = job_wire()
     d["ids"] = list(range(n_ids))
     d["plan"]["keep_max"] = keep_max

@@ -20,6 +20,7 @@ from policies.plan import CacheKnobs, MessageStart
 from policies.scope import Scope
 from proxy.cache import DiskCache
 from proxy.metrics import Metrics
+from tests.entries import entry_of
 
 IDS = tuple(range(5000, 6000))  # a 1000-token prompt
 OTHER = IDS[:400] + tuple(range(7000, 7600))  # shares its first 400 tokens
@@ -78,7 +79,7 @@ def test_lookup_finds_stored_prefixes_by_tokens_longest_first(cache: DiskCache) 
     keys = {n: save(cache, n) for n in (100, 437, 700, 1000)}  # 437: inside any message
     stored = cache.lookup(facts, "")
     # the hit and its two fallbacks, each named by its key and file
-    assert stored.hits == tuple(Hit(n, keys[n], cache.index.get(keys[n]).file)  # type: ignore
+    assert stored.hits == tuple(Hit(n, keys[n], entry_of(cache.index, keys[n]).file)  # type: ignore
                                 for n in (1000, 700, 437))
     assert stored.positions == frozenset({100, 437, 700, 1000})
     assert found(cache, OTHER) == [100]  # diverges at 400: only what lies before it
@@ -89,15 +90,15 @@ def test_lookup_finds_stored_prefixes_by_tokens_longest_first(cache: DiskCache) 
 def test_commits_link_each_entry_to_the_one_it_extends(cache: DiskCache) -> None:
     k100 = save(cache, 100, "cold")
     k700 = save(cache, 700, "growing")
-    e700 = cache.index.get(k700)
+    e700 = entry_of(cache.index, k700)
     assert e700 is not None and (e700.prefix_of, e700.reason) == (k100, "growing")
     k400 = save(cache, 400)  # lands between them: 700 now extends 400
-    e400, e700 = cache.index.get(k400), cache.index.get(k700)
+    e400, e700 = entry_of(cache.index, k400), entry_of(cache.index, k700)
     assert e400 is not None and e400.prefix_of == k100
     assert e700 is not None and e700.prefix_of == k400
     assert cache.index.paths()[k700] == IDS[400:700]  # the ids past its parent
     cache.drop(k400)  # and back: 700 extends 100 again
-    e700 = cache.index.get(k700)
+    e700 = entry_of(cache.index, k700)
     assert e700 is not None and e700.prefix_of == k100
     assert cache.index.paths()[k700] == IDS[100:700]
     assert mirror_matches_index(cache)
@@ -151,7 +152,7 @@ def test_a_restart_rebuilds_the_lookup_from_lmdb(tmp_path: Path, identity: Cache
     assert found(again, OTHER) == [900, 400, 100]
     assert found(again, IDS, "tenant-b") == [300]
     assert again.index.paths()[keys[700]] == IDS[400:700]
-    hit = again.index.get(keys[400])
+    hit = entry_of(again.index, keys[400])
     assert hit is not None and (hit.hits, hit.last_used_s) == (1, now)
     assert mirror_matches_index(again)
     close(again)

@@ -63,6 +63,7 @@ from proxy.run import (
 )
 from proxy.template import Rendered
 from proxy.workers import Pool, Worker
+from tests.entries import entry_of
 
 IDS = tuple(range(1000, 1400))  # a 400-token prompt
 K300, K100, S300, S400 = b"k300" * 4, b"k100" * 4, b"s300" * 4, b"s400" * 4
@@ -338,8 +339,8 @@ async def test_saves_after_done_are_committed_and_a_broken_entry_is_dropped(
         assert await run.text() == "ok"
         await h.settle()
         assert entries(h) == {100: "cold", 300: "scoped", 400: "full"}  # 300: the new file
-        assert h.index.get(K300) is None  # the broken entry is gone
-        hit = h.index.get(K100)
+        assert entry_of(h.index, K300) is None  # the broken entry is gone
+        hit = entry_of(h.index, K100)
         assert hit is not None and hit.hits == 1
         assert fake.jobs[0]["plan"] == PLAN.to_wire() and fake.jobs[0]["ids"] == list(IDS)
         assert fake.jobs[0]["salt"] == (b"salt" * 4).hex()

@@ -1,0 +1,240 @@
+"""The layout of a sequence's state as llama.cpp writes it (`llama_state_seq_get_data`), read
+far enough to rebuild the cold run's cell layout on restore and to say where two states differ.
+
+    parse(state, n_sections) -> SeqState      the KV sections (cells, positions, per-layer rows)
+    pad_window(state, memory) -> bytes        a window snapshot with its masked cells put back
+    first_difference(a, b, n_sections) -> str where two states differ: section, layer, cell, pos
+
+Why (issue 19): a hit must run the cold run's computation, into the same cells. A cold prefill
+puts position p in cell p (one sequence, aligned batches, nothing freed). A snapshot of a
+sliding-window cache holds only the cells its window still sees: llama.cpp skips the masked
+ones when it writes the state, so a restore packs the window's cells from cell 0, the next batch
+goes after them, and attention sums over the cells in another order than the cold run: other
+bits (seen on an AMD EPYC: a snapshot at 513 of Gemma 3 answered differently). `pad_window`
+puts a zero-filled cell back for each masked position in front of the window, so the restore
+lays every position in the cell the cold run used; the padded cells stay masked (their
+attention weight is exactly 0, and with flash attention they are skipped), so their contents
+never reach a result.
+
+The format (llama.cpp as vendored by llama-cpp-python 0.3.36; `llama_kv_cache::state_write`):
+
+    u32 magic, i32 seq_id                            (llama_context::state_seq_get_data)
+    per KV cache (iSWA: the base cache, then the window cache):
+      u32 n_stream; per stream: u32 cell_count, and if cells:
+        cell_count x (i32 pos, u32 n_seq_id, [12 bytes ext], n_seq_id x i32 seq_id)
+        u32 v_trans, u32 n_layer
+        n_layer x (i32 type, u64 row_size, cell_count rows)            K
+        v_trans=0: n_layer x (i32 type, u64 row_size, cell_count rows) V
+        v_trans=1: n_layer x (i32 type, u32 el_size, u32 n_embd, n_embd x cell_count elements)
+    then, for a hybrid model, the recurrent state (not parsed here).
+
+A state that does not parse this way raises ValueError; the start-up self-check
+(`backend.selfcheck`) is what proves the whole mechanism on the user's build.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from dataclasses import dataclass
+
+EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """One layer's K or V of one cache: `cell_count` rows of `row_bytes` at `offset` (for a
+    transposed V, `n_embd` runs of `cell_count` elements of `el_bytes` each)."""
+
+    offset: int
+    type_id: int
+    row_bytes: int  # per cell: row size, or n_embd * el_size for a transposed V
+    el_bytes: int = 0  # transposed V only
+    n_embd: int = 0  # transposed V only
+
+    def cell_bytes(self, buf: bytes | memoryview, cell_count: int, i: int) -> bytes:
+        """The bytes of cell i in this layer."""
+        if not self.el_bytes:
+            start = self.offset + i * self.row_bytes
+            return bytes(buf[start:start + self.row_bytes])
+        run = cell_count * self.el_bytes
+        return b"".join(bytes(buf[self.offset + j * run + i * self.el_bytes:
+                                  self.offset + j * run + (i + 1) * self.el_bytes])
+                        for j in range(self.n_embd))
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One KV cache's part of a sequence state (one stream)."""
+
+    start: int  # offset of its n_stream
+    end: int
+    cell_count: int
+    positions: tuple[int, ...]
+    ext: bool
+    meta_offset: int  # first cell's metadata
+    data_offset: int  # v_trans
+    v_trans: bool
+    k: tuple[Rows, ...]
+    v: tuple[Rows, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqState:
+    sections: tuple[Section, ...]
+    rest: int  # offset of what follows the KV sections (a recurrent state, or the end)
+
+
+class _Reader:
+    def __init__(self, buf: bytes | memoryview, pos: int = 0) -> None:
+        self.buf, self.pos = buf, pos
+
+    def take(self, fmt: str) -> int:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ValueError("the state ends early")
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return int(v)
+
+    def skip(self, n: int) -> int:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ValueError("the state ends early")
+        at = self.pos
+        self.pos += n
+        return at
+
+
+def _section(r: _Reader, ext: bool) -> Section:
+    start = r.pos
+    if r.take("<I") != 1:
+        raise ValueError("only one stream per sequence is supported")
+    cells = r.take("<I")
+    if cells == 0:
+        return Section(start, r.pos, 0, (), ext, r.pos, r.pos, False, (), ())
+    meta = r.pos
+    positions = []
+    for _ in range(cells):
+        positions.append(r.take("<i"))
+        n_seq = r.take("<I")
+        if n_seq != 1:
+            raise ValueError(f"a cell of {n_seq} sequences in a sequence state")
+        r.skip(EXT_BYTES if ext else 0)
+        if r.take("<i") < 0:
+            raise ValueError("a cell of no sequence")
+    data = r.pos
+    v_trans = bool(r.take("<I"))
+    n_layer = r.take("<I")
+    k = []
+    for _ in range(n_layer):
+        t, row = r.take("<i"), r.take("<Q")
+        k.append(Rows(r.skip(cells * row), t, row))
+    v = []
+    for _ in range(n_layer):
+        t = r.take("<i")
+        if not v_trans:
+            row = r.take("<Q")
+            v.append(Rows(r.skip(cells * row), t, row))
+        else:
+            el, n_embd = r.take("<I"), r.take("<I")
+            v.append(Rows(r.skip(cells * el * n_embd), t, el * n_embd, el, n_embd))
+    return Section(start, r.pos, cells, tuple(positions), ext, meta, data, v_trans,
+                   tuple(k), tuple(v))
+
+
+def parse(state: bytes | memoryview, n_sections: int, ext: bool | None = None) -> SeqState:
+    """The first `n_sections` KV caches of a sequence state (1 for plain attention and a hybrid's
+    attention, 2 for a sliding window: the base cache, then the window's). Whether cells carry
+    the 12-byte extension (M-RoPE or per-layer embeddings models) is found by trying both
+    when `ext` is None."""
+    if ext is None:
+        try:
+            return parse(state, n_sections, False)
+        except ValueError:
+            return parse(state, n_sections, True)
+    r = _Reader(state)
+    r.take("<I")  # magic
+    r.take("<i")  # seq id
+    sections = tuple(_section(r, ext) for _ in range(n_sections))
+    for sec in sections:
+        if any(b <= a for a, b in itertools.pairwise(sec.positions)):
+            raise ValueError("cells out of position order")
+    return SeqState(sections, r.pos)
+
+
+def pad_window(state: bytes | memoryview) -> bytes:
+    """A window snapshot (base cache, then window cache) whose window cache holds a masked
+    zero-filled cell for every position before its first one, so a restore lays position p in
+    cell p as the cold run did; the state itself where nothing is missing."""
+    parsed = parse(state, 2)
+    s = parsed.sections[1]
+    if s.cell_count == 0 or s.positions[0] == 0:
+        return state
+    buf, ext = bytes(state), s.ext
+    first = s.positions[0]
+    if s.positions != tuple(range(first, first + s.cell_count)):
+        raise ValueError("the window's cells are not one run of positions")
+    n, d = s.cell_count, first  # cells kept, cells put back
+    meta_entry = 4 + 4 + (EXT_BYTES if ext else 0) + 4
+    ext_bytes = struct.pack("<iii", 0, 0, -1) if ext else b""
+    out = [buf[:s.start], struct.pack("<II", 1, n + d)]
+    out += [struct.pack("<iI", p, 1) + ext_bytes + struct.pack("<i", 0) for p in range(d)]
+    out.append(buf[s.meta_offset:s.meta_offset + n * meta_entry])
+    out.append(buf[s.data_offset:s.data_offset + 8])  # v_trans, n_layer
+    for rows in s.k:
+        out += [struct.pack("<iQ", rows.type_id, rows.row_bytes), bytes(d * rows.row_bytes),
+                buf[rows.offset:rows.offset + n * rows.row_bytes]]
+    for rows in s.v:
+        if not rows.el_bytes:
+            out += [struct.pack("<iQ", rows.type_id, rows.row_bytes), bytes(d * rows.row_bytes),
+                    buf[rows.offset:rows.offset + n * rows.row_bytes]]
+            continue
+        out.append(struct.pack("<iII", rows.type_id, rows.el_bytes, rows.n_embd))
+        run, pad = n * rows.el_bytes, bytes(d * rows.el_bytes)
+        for j in range(rows.n_embd):
+            out += [pad, buf[rows.offset + j * run:rows.offset + (j + 1) * run]]
+    out.append(buf[s.end:])
+    return b"".join(out)
+
+
+def flip_bit(state: bytes | memoryview) -> bytes:
+    """The state with the lowest bit of its first cache's last K row flipped: a restore that is
+    off by one unit in the last place, the injected fault the self-check must catch."""
+    s = parse(state, 1).sections[0]
+    if not s.cell_count:
+        return bytes(state)
+    buf = bytearray(state)
+    rows = s.k[0]
+    buf[rows.offset + (s.cell_count - 1) * rows.row_bytes] ^= 1
+    return bytes(buf)
+
+
+def first_difference(a: bytes | memoryview, b: bytes | memoryview, n_sections: int
+                     ) -> str | None:
+    """None when the states are equal byte for byte; else where they first differ, in words
+    (which cache, layer, K or V, cell and position; or the recurrent state)."""
+    if bytes(a) == bytes(b):
+        return None
+    try:
+        sa, sb = parse(a, n_sections), parse(b, n_sections)
+    except ValueError as e:
+        return f"the states differ and do not parse ({e})"
+    for i, (x, y) in enumerate(zip(sa.sections, sb.sections, strict=True)):
+        name = ("window cache" if i == 1 else "cache") if n_sections == 2 else "cache"
+        if x.positions != y.positions:
+            return (f"{name}: cells hold other positions ({_span(x.positions)} vs "
+                    f"{_span(y.positions)})")
+        for kind, rows_a, rows_b in (("K", x.k, y.k), ("V", x.v, y.v)):
+            for layer, (ra, rb) in enumerate(zip(rows_a, rows_b, strict=True)):
+                cells = [c for c in range(x.cell_count)
+                         if ra.cell_bytes(a, x.cell_count, c) != rb.cell_bytes(b, y.cell_count, c)]
+                if cells:
+                    return (f"{name}: layer {layer} {kind} differs in {len(cells)} of "
+                            f"{x.cell_count} cells, first at cell {cells[0]} (position "
+                            f"{x.positions[cells[0]]})")
+    return "the recurrent state differs" if bytes(a[sa.rest:]) != bytes(b[sb.rest:]) else \
+        "the states differ outside the KV cells"
+
+
+def _span(positions: tuple[int, ...]) -> str:
+    return f"{positions[0]}..{positions[-1]}" if positions else "none"

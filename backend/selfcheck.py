@@ -1,0 +1,112 @@
+"""The start-up self-check: proves, on this machine's build, model, KV types and backend, that a
+hit computes exactly what a cold run does, before a worker reuses anything (issue 19).
+
+    run(engine) -> Report
+
+A probe prompt (seeded ids, long enough to pass a batch edge three times and, for a sliding
+window, the window plus two batches) is prefilled cold, with snapshots at two batch edges: the
+first one and the last one before the prompt's end (past the window). Then, each compared bit
+for bit with the cold run's sequence state (every KV cell, and the recurrent state) and its
+last logits:
+
+- ``restore``: each snapshot restored into an emptied state and extended to the prompt's end;
+- ``live``: the live state cut back to a batch edge and extended again (where the memory can be
+  cut back: not a recurrent state).
+
+A failure names the check and where the states first differ (`backend.layout`). The worker then
+serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
+line); `--no-exact-check` skips the check, `prefixgate doctor` prints it as a table.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend import layout
+from backend.engine import Cancel, Engine
+from policies.prefix import aligned, keep_max
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    check: str  # restore@<n> | live@<n>
+    ok: bool
+    detail: str  # "" when equal; else where the states first differ
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    ok: bool
+    rows: tuple[Row, ...]
+    probe_tokens: int
+    seconds: float
+
+    @property
+    def failure(self) -> str:
+        """The first failing check, in words ("" when all pass)."""
+        return next((f"{r.check}: {r.detail}" for r in self.rows if not r.ok), "")
+
+    def to_wire(self) -> dict[str, object]:
+        return {"ok": self.ok, "probe_tokens": self.probe_tokens,
+                "seconds": round(self.seconds, 3), "failure": self.failure,
+                "checks": [{"check": r.check, "ok": r.ok, "detail": r.detail}
+                           for r in self.rows]}
+
+
+def probe_ids(eng: Engine) -> list[int]:
+    """Seeded ids, never an end-of-generation token, long enough for the checks (within the
+    context)."""
+    a = eng.align
+    window = eng.memory.n_swa if eng.memory.kind == "window" else 0
+    n = min(max(3 * a, window + 2 * a) + a // 2 + 1, eng.n_ctx - 1)
+    n_vocab = int(eng.n_vocab)
+    rng = np.random.default_rng(19)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += [int(t) for t in rng.integers(1, n_vocab, n) if int(t) not in eng.eog]
+    return ids[:n]
+
+
+def run(eng: Engine) -> Report:
+    t0 = time.perf_counter()
+    if eng.inexact:  # a configuration no check can make exact
+        return Report(False, (Row("configuration", False, eng.inexact),), 0, 0.0)
+    ids = probe_ids(eng)
+    a, n = eng.align, len(ids)
+    sections = 2 if eng.memory.kind == "window" else 1
+    points = sorted({p for p in (a, keep_max(n, a)) if 0 < p})
+    snaps: dict[int, bytes] = {}
+    eng.truncate(0)
+    eng.prefill(ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot())), Cancel())
+    cold_state, cold_logits = bytes(eng.snapshot()), eng.last_logits()
+
+    def compare(check: str) -> Row:
+        state, logits = bytes(eng.snapshot()), eng.last_logits()
+        where = layout.first_difference(cold_state, state, sections)
+        if where is None and logits.tobytes() != cold_logits.tobytes():
+            where = "the KV is equal but the last logits differ"
+        return Row(check, where is None, where or "")
+
+    rows = []
+    for p in points:
+        try:
+            eng.restore(ids[:p], snaps[p])
+            eng.prefill(ids, [], lambda _: None, Cancel())
+            rows.append(compare(f"restore@{p}"))
+        except ValueError as e:
+            rows.append(Row(f"restore@{p}", False, f"the restore failed: {e}"))
+    if eng.memory.kind != "recurrent":
+        cut = aligned(n // 2, a) or a
+        eng.truncate(0)
+        eng.prefill(ids, [], lambda _: None, Cancel())
+        if eng.truncate(cut) == cut:
+            eng.prefill(ids, [], lambda _: None, Cancel())
+            rows.append(compare(f"live@{cut}"))
+        else:
+            rows.append(Row(f"live@{cut}", False, "the memory refused the cut"))
+    eng.truncate(0)
+    eng.exact_n = 0
+    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0)
