@@ -223,6 +223,7 @@ class Engine:
         self.ids = np.zeros(self.n_ctx, dtype=np.intc)  # ids[:n_live] is what the KV holds
         self.n_live = 0
         self.exact_n = 0  # leading live tokens whose KV a cold prefill computes identically
+        self.padded = 0  # window cells before this position are a restore's zero padding
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
@@ -253,12 +254,13 @@ class Engine:
     def floor(self) -> int:
         """The shortest live prefix (other than none) the memory can be cut back to: 0 for
         plain attention, the whole live sequence for a recurrent state, and for a real sliding
-        window the first position whose window cells are all still there."""
+        window the first position whose window cells are all still there (real ones: the cells
+        a restore padded in front of a window snapshot are zeros, never attended to)."""
         if self.memory.kind == "plain" or self.n_live == 0:
             return 0
         if self.memory.kind == "recurrent":
             return self.n_live
-        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self.mem, 0))
+        pos_min = max(int(llama_cpp.llama_memory_seq_pos_min(self.mem, 0)), self.padded)
         if pos_min <= 0:
             return 0
         return min(pos_min + self.memory.n_swa + 1, self.n_live)
@@ -296,6 +298,8 @@ class Engine:
             llama_cpp.llama_memory_clear(self.mem, True)
         self.n_live = n
         self.exact_n = min(self.exact_n, n)
+        if n == 0:
+            self.padded = 0
         return n
 
     # --- snapshots -------------------------------------------------------------------------
@@ -338,7 +342,11 @@ class Engine:
         cell a cold run used (module rules; read in place where nothing is padded)."""
         self.truncate(0)
         if self.memory.kind == "window" and self.memory.full:
+            window = layout.parse(state, 2).sections[1]
             state = layout.pad_window(state)
+            padded = window.positions[0] if window.cell_count else 0
+        else:
+            padded = 0
         if self.fault == "restore-bit":
             state = layout.flip_bit(state)
         if isinstance(state, bytes):
@@ -356,6 +364,7 @@ class Engine:
             raise ValueError(f"the state holds positions up to {pos_max}, not {n - 1}")
         self.ids[:n] = ids
         self.n_live = self.exact_n = n
+        self.padded = padded
 
     # --- prefill and generation ------------------------------------------------------------
 

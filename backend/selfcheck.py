@@ -9,9 +9,9 @@ first one and the last one before the prompt's end (past the window). Then, each
 for bit with the cold run's sequence state (every KV cell, and the recurrent state) and its
 last logits:
 
-- ``restore``: each snapshot restored into an emptied state and extended to the prompt's end;
-- ``live``: the live state cut back to a batch edge and extended again (where the memory can be
-  cut back: not a recurrent state).
+- ``live``: the cold run's live state cut back to a batch edge and extended again (where the
+  memory can be cut back: not a recurrent state);
+- ``restore``: each snapshot restored into an emptied state and extended to the prompt's end.
 
 A failure names the check and where the states first differ (`backend.layout`). The worker then
 serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
@@ -91,6 +91,13 @@ def run(eng: Engine) -> Report:
         return Row(check, where is None, where or "")
 
     rows = []
+    if eng.memory.kind != "recurrent":  # the live state is the cold run's: cut it back first
+        cut = max(aligned(n // 2, a), -(-eng.floor() // a) * a) or a
+        if cut < n and eng.truncate(cut) == cut:
+            eng.prefill(ids, [], lambda _: None, Cancel())
+            rows.append(compare(f"live@{cut}"))
+        elif cut < n:
+            rows.append(Row(f"live@{cut}", False, "the memory refused the cut"))
     for p in points:
         try:
             eng.restore(ids[:p], snaps[p])
@@ -98,15 +105,6 @@ def run(eng: Engine) -> Report:
             rows.append(compare(f"restore@{p}"))
         except ValueError as e:
             rows.append(Row(f"restore@{p}", False, f"the restore failed: {e}"))
-    if eng.memory.kind != "recurrent":
-        cut = aligned(n // 2, a) or a
-        eng.truncate(0)
-        eng.prefill(ids, [], lambda _: None, Cancel())
-        if eng.truncate(cut) == cut:
-            eng.prefill(ids, [], lambda _: None, Cancel())
-            rows.append(compare(f"live@{cut}"))
-        else:
-            rows.append(Row(f"live@{cut}", False, "the memory refused the cut"))
     eng.truncate(0)
     eng.exact_n = 0
     return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0)

@@ -71,7 +71,7 @@ def error_response(request: web.Request, e: ApiError) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy,
-                "live_tokens": len(w.live_ids)} for w in pool.workers]
+                "live_tokens": len(w.live_ids), "exact": w.exact} for w in pool.workers]
     ok = pool.all_ready
     return web.json_response({"status": "ok" if ok else "loading", "workers": workers},
                              status=200 if ok else 503)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import logging
 import socket
 import sys
@@ -106,10 +107,52 @@ def worker(argv: list[str]) -> None:
                      cache_identity(cfg), ns.worker_id, ns.socket, ns.listen))
 
 
+def doctor(argv: list[str]) -> None:
+    """`prefixgate doctor`: the workers' start-up self-check (backend/selfcheck.py) for this
+    configuration, printed as a table; exit status 1 when a check fails."""
+    import llama_cpp
+
+    from backend import selfcheck
+    from backend.engine import Engine
+
+    p = argparse.ArgumentParser(
+        prog="prefixgate doctor",
+        description="Prove on this machine that a cache hit computes exactly what a cold run "
+        "does, for the model and settings given (the same flags as serve): a probe prompt "
+        "prefilled cold, then restored from snapshots and cut back, compared bit for bit.")
+    add_arguments(p, only=WORKER_FIELDS)
+    cfg = from_args(p.parse_args(argv))
+    _check_model(cfg.model_path)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(message)s")
+    eng = Engine(cfg.model_path, min(cfg.n_ctx, 8192), cfg.threads or None, cfg.n_gpu_layers,
+                 n_batch=cfg.batch, flash_attn=cfg.flash_attn, type_k=cfg.cache_type_k,
+                 type_v=cfg.cache_type_v, swa_full=cfg.swa_full)
+    report = selfcheck.run(eng)
+    offload = "GPU offload" if cfg.n_gpu_layers and llama_cpp.llama_supports_gpu_offload() \
+        else "CPU"
+    print(f"model {cfg.model_path}\nmemory {eng.memory.kind}"
+          + (f" (window {eng.memory.n_swa}, {'full-size' if eng.memory.full else 'real'})"
+             if eng.memory.kind == "window" else "")
+          + f"; KV {cfg.cache_type_k}/{cfg.cache_type_v}; flash attention {cfg.flash_attn}; "
+          f"batch {eng.align}; {offload}; llama-cpp-python "
+          f"{importlib.metadata.version('llama-cpp-python')}\n"
+          f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
+    print("| check | result | where the states differ |\n|---|---|---|")
+    for r in report.rows:
+        print(f"| {r.check} | {'exact' if r.ok else 'DIFFERS'} | {r.detail or '-'} |")
+    print(f"\n{'exact' if report.ok else 'NOT EXACT: serve reuses nothing'} "
+          f"({report.probe_tokens} probe tokens, {report.seconds:.2f} s)")
+    eng.close()
+    if not report.ok:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
+    if argv[:1] == ["doctor"]:
+        return doctor(argv[1:])
     if argv[:1] == ["cache"]:
         from proxy.cache_cli import main as cache_main
 
@@ -120,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         return simulate_main(argv[1:])
     p = argparse.ArgumentParser(prog="prefixgate",
                                 description="Prompt-cache proxy for local LLM agents. "
-                                "Commands: serve (default), worker, cache.")
+                                "Commands: serve (default), worker, cache, simulate, doctor.")
     p.add_argument("command", nargs="?", default="serve", choices=["serve"])
     add_arguments(p)
     ns = p.parse_args(argv)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from policies.prefix import default_batch, keep_max
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "build" / "fixtures"
 LLAMA_CPP_MODELS = FIXTURES / "llama.cpp" / "models"  # vocab GGUFs and chat templates
@@ -31,6 +33,16 @@ MEMORY = {"smollm2": "plain", "gemma3": "window", "qwen35": "recurrent"}
 # tests offload PREFIXGATE_TEST_GPU_LAYERS layers (the servers read PREFIXGATE_N_GPU_LAYERS).
 GPU_LAYERS = int(os.environ.get("PREFIXGATE_TEST_GPU_LAYERS", "0"))
 FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read it too
+
+
+# The workers' batch size (64 on a CPU, 512 with GPU layers): a hit reuses at most the last batch
+# edge before the prompt's last token (policies.prefix.keep_max), so a test of an n-token prompt
+# that was all cached before expects `reusable(n)` tokens from the cache.
+BATCH = default_batch(int(os.environ.get("PREFIXGATE_N_GPU_LAYERS", "0")))
+
+
+def reusable(n: int) -> int:
+    return keep_max(n, BATCH)
 
 
 def model_file(name: str) -> str:

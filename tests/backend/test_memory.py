@@ -1,7 +1,7 @@
-"""The engine on each kind of memory (issue 11): plain attention, a real sliding window, a hybrid
-recurrent state. Real models in this process: exactness of every reuse path (live, a snapshot
-restored after a restart), a cut the memory refuses, and snapshots taken between prefill
-segments."""
+"""The engine on each kind of memory (issues 11 and 19): plain attention, a sliding window, a
+hybrid recurrent state. Real models in this process: exactness of every reuse path (live, a
+snapshot restored after a restart), state for state against a cold prefill at window, batch and
+segment edges, a cut the memory refuses, and the batch-edge rule."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import llama_cpp
 import pytest
 
+from backend import layout
 from backend.engine import Cancel, Engine, Sampling
 from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
@@ -70,40 +71,60 @@ def test_the_engine_knows_its_memory(name: str, engines: tuple[Engine, Engine]) 
         window.close()
 
 
+def _same_state(eng: Engine, ref: Engine) -> str | None:
+    """None when `eng` holds exactly `ref`'s state (every KV cell and recurrent state, byte for
+    byte) and the same last logits (bit for bit); else where they first differ."""
+    sections = 2 if eng.memory.kind == "window" else 1
+    where = layout.first_difference(ref.snapshot(), eng.snapshot(), sections)
+    if where is None and eng.last_logits().tobytes() != ref.last_logits().tobytes():
+        return "the KV is equal but the last logits differ"
+    return where
+
+
+def _prefill_cold(ref: Engine, ids: list[int]) -> None:
+    ref.truncate(0)
+    ref.prefill(ids, [], lambda p: None, Cancel())
+
+
 def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine, Engine]
                                                 ) -> None:
     """A conversation's second turn extends its first: live reuse, then the same from a snapshot
-    at the first turn's end restored into a fresh state, then a third prompt that diverges far
-    inside the live sequence (past any window) restored from a snapshot at the divergence."""
+    at the first turn's last batch edge restored into a fresh state, then a third prompt that
+    diverges far inside the live sequence (past any window) restored from a snapshot there.
+    Each compared with a cold prefill state for state, then by its greedy answer."""
     eng, ref = engines
+    a = eng.align
     first = _ids(name, 900, seed=1)
     second = first + _ids(name, 200, seed=2)
     snaps: dict[int, memoryview] = {}
     eng.truncate(0)
-    assert _answer(eng, first, [300, 900], lambda p: snaps.__setitem__(p, eng.snapshot())) \
+    assert _answer(eng, first, [320, 896], lambda p: snaps.__setitem__(p, eng.snapshot())) \
         == _cold(ref, first)
+    assert sorted(snaps) == [320, 896]
     cold_second = _cold(ref, second)
 
     kept = eng.live_prefix(second)
     if MEMORY[name] == "recurrent":
         assert kept == 0, "generated tokens moved the recurrent state past the prompt"
     else:
-        assert kept == len(first)
+        assert kept == 900 // a * a, "the live reuse ends at a batch edge"
     assert eng.truncate(kept) == kept
     assert _answer(eng, second) == cold_second, "live hit"
 
-    eng.restore(second[:900], snaps[900])
-    assert eng.n_live == 900
-    assert _answer(eng, second) == cold_second, "restored hit"
+    eng.restore(second[:896], snaps[896])
+    assert eng.n_live == 896
+    eng.prefill(second, [], lambda p: None, Cancel())
+    _prefill_cold(ref, second)
+    assert _same_state(eng, ref) is None, "restored hit"
 
-    # diverges at 300, far behind the live end; the window's cache restored at 900 holds only
-    # positions 388-899 of the window layers: it cannot be cut back to 300 either
-    third = first[:300] + _ids(name, 500, seed=3)
+    # diverges at 320, far behind the live end; the window's cache restored at 896 holds only
+    # positions 384-895 of the window layers: it cannot be cut back to 320 either
+    third = first[:320] + _ids(name, 500, seed=3)
     kept = eng.live_prefix(third)
-    assert kept == (300 if MEMORY[name] == "plain" else 0)
+    assert kept == (320 if MEMORY[name] == "plain" else 0)
     eng.truncate(kept)
     if kept == 0:
-        eng.restore(third[:300], snaps[300])
+        eng.restore(third[:320], snaps[320])
     assert _answer(eng, third) == _cold(ref, third), "diverging far inside the live sequence"
 
 
@@ -111,52 +132,88 @@ def test_a_cut_the_memory_refuses_never_leaves_a_wrong_state(name: str,
                                                              engines: tuple[Engine, Engine]
                                                              ) -> None:
     eng, ref = engines
-    prompt = _ids(name, 1800, seed=4)  # a window's cache (window + batch) holds 1024 of them
+    prompt = _ids(name, 1800, seed=4)
     eng.truncate(0)
     eng.prefill(prompt, [], lambda p: None, Cancel())
     floor = eng.floor()
-    kept = eng.truncate(100)
+    kept = eng.truncate(128)
     mem = llama_cpp.llama_get_memory(eng.ctx)
     if MEMORY[name] == "recurrent":
         assert (floor, kept) == (1800, 0), "cutting back inside a recurrent state is refused"
     else:  # plain, or a full-size window cache that computed every position itself
-        assert (floor, kept) == (0, 100)
+        assert (floor, kept) == (0, 128)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == kept - 1
-    other = prompt[:100] + _ids(name, 300, seed=5)
+    other = prompt[:128] + _ids(name, 300, seed=5)
     assert _answer(eng, other) == _cold(ref, other)
 
 
-def test_snapshots_between_segments_hold_exactly_their_position(
+# Restore points: batch edges around the window's edge (Gemma 3: 512), the first batch edges,
+# and others; prompt ends: a batch edge, one before, one past. Every pair with p < n.
+POINTS = (64, 128, 448, 512, 576, 640, 1024)
+ENDS = (1088, 1087, 1089, 700)
+
+
+def test_a_restored_snapshot_extended_holds_the_cold_runs_state(
         name: str, engines: tuple[Engine, Engine]) -> None:
-    """A snapshot at p restores to a state at exactly p (KV and recurrent state): the answer
-    from there equals a cold run, at a segment edge, a batch edge and one past it."""
+    """The strong witness (issue 19): a snapshot at a batch edge p, restored into an emptied
+    state and extended to n tokens, holds byte for byte the state of a cold prefill of the n
+    tokens (every KV cell, the recurrent state) and bit for bit its last logits, at window edges,
+    batch edges and segment edges; a failure names the cache, layer, cell and position."""
     eng, ref = engines
-    prompt = _ids(name, 1100, seed=6)
-    points = [257, 512, 513, 1000]
-    snaps: dict[int, memoryview] = {}
+    prompt = _ids(name, max(ENDS), seed=6)
+    snaps: dict[int, bytes] = {}
     eng.truncate(0)
-    _answer(eng, prompt, points, lambda p: snaps.__setitem__(p, eng.snapshot()))
-    cold = _cold(ref, prompt)
-    for p, state in snaps.items():
-        eng.restore(prompt[:p], state)
-        mem = llama_cpp.llama_get_memory(eng.ctx)
-        assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == p - 1
-        assert _answer(eng, prompt) == cold, f"restored at {p}"
+    eng.prefill(prompt, [*POINTS, 100, 513], lambda p: snaps.__setitem__(p, bytes(eng.snapshot())),
+                Cancel())
+    assert sorted(snaps) == sorted(POINTS), "a stop only at a batch edge"
+    failures = []
+    for n in ENDS:
+        _prefill_cold(ref, prompt[:n])
+        for p in (p for p in POINTS if p < n):
+            eng.restore(prompt[:p], snaps[p])
+            assert llama_cpp.llama_memory_seq_pos_max(eng.mem, 0) == p - 1
+            eng.prefill(prompt[:n], [], lambda q: None, Cancel())
+            where = _same_state(eng, ref)
+            if where is not None:
+                failures.append(f"restored at {p}, extended to {n}: {where}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_window_restore_lays_each_position_in_the_cold_runs_cell() -> None:
+    """Gemma 3's window snapshot holds only the window's cells (llama.cpp does not write the
+    masked ones); padded, it holds every position from 0 in order, the masked ones zero-filled,
+    so the restore puts position p in cell p as a cold run does. Without the padding the same
+    restore packs the window's cells from cell 0, which computes other bits (a shift of one
+    cell changed the logits by up to 1.0 on an AMD EPYC)."""
+    eng = _engine("gemma3")
+    prompt = _ids("gemma3", 700, seed=11)
+    eng.prefill(prompt, [], lambda p: None, Cancel())
+    state = eng.snapshot()
+    base, window = layout.parse(state, 2).sections
+    assert base.positions == tuple(range(700))
+    assert window.positions == tuple(range(700 - 512, 700)), "only the window's cells"
+    padded = layout.parse(layout.pad_window(state), 2).sections[1]
+    assert padded.positions == tuple(range(700))
+    zero = bytes(padded.k[0].row_bytes)
+    assert padded.k[0].cell_bytes(layout.pad_window(state), 700, 0) == zero
+    eng.close()
 
 
 def test_a_real_window_cuts_back_only_inside_it() -> None:
-    """Gemma 3 with a real window (--no-swa-full): its cache holds the window and a batch (1024
-    cells); behind that the state cannot be cut back, and a refused cut leaves it empty, never
-    wrong. Within the window it cuts back like plain attention."""
+    """Gemma 3 with a real window (--no-swa-full): its cache holds the window and a batch
+    (padded to 768 cells); behind that the state cannot be cut back, and a refused cut leaves it
+    empty, never wrong. Within the window it cuts back like plain attention (the mechanics; a
+    worker with a real window reuses nothing, as `inexact` says)."""
     eng, ref = _engine("gemma3", swa_full=False), _engine("gemma3", swa_full=False)
     prompt = _ids("gemma3", 1800, seed=7)
+    assert "ring" in eng.inexact, "a real window: no reuse is exact, the worker reuses nothing"
     eng.prefill(prompt, [], lambda p: None, Cancel())
     assert eng.floor() > 1800 - 1024
     assert eng.live_prefix(prompt[:100] + [0] * 10) == 0
-    assert eng.live_prefix(prompt[:1790] + [0] * 10) == 1790  # inside the window
+    assert eng.live_prefix(prompt[:1790] + [0] * 10) == 1728  # inside the window, a batch edge
     mem = llama_cpp.llama_get_memory(eng.ctx)
-    assert eng.truncate(1790) == 1790
-    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 1789
+    assert eng.truncate(1728) == 1728
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 1727
     assert eng.truncate(100) == 0, "behind the window: refused"
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == -1
     other = prompt[:100] + _ids("gemma3", 300, seed=8)
@@ -165,13 +222,13 @@ def test_a_real_window_cuts_back_only_inside_it() -> None:
     ref.close()
 
 
-def test_a_gpu_engine_reuses_only_at_batch_edges() -> None:
-    """Where the kernels are not batch-invariant (a GPU: `align` = the batch size) the live reuse
-    is rounded down to a batch edge and no batch is shortened to dodge a one-token one, so a hit
-    runs the cold run's batches. Forced here on the CPU with 64-token batches."""
-    eng = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64, align=64)
-    ref = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64, align=64)
-    assert Engine(model_file("smollm2"), 256, 2, 0).align == 1  # no GPU layers: anywhere
+def test_an_engine_reuses_only_at_batch_edges() -> None:
+    """The live reuse is rounded down to a batch edge and every batch lies within one block
+    of the batch size, so a hit runs the cold run's batches (the last one may be one token, in
+    both). 64 on a CPU by default, 512 where layers are offloaded."""
+    eng = Engine(model_file("smollm2"), N_CTX, 2, 0)
+    ref = Engine(model_file("smollm2"), N_CTX, 2, 0)
+    assert eng.align == 64
     prompt = _ids("smollm2", 300, seed=9)
     eng.prefill(prompt, [], lambda p: None, Cancel())
     other = prompt[:250] + _ids("smollm2", 60, seed=10)
@@ -186,5 +243,9 @@ def test_a_gpu_engine_reuses_only_at_batch_edges() -> None:
     assert batches == [64, 128, 192, 256, 300]
     eng.restore(prompt[:256], snaps[256])
     assert _answer(eng, prompt) == _cold(ref, prompt)
+    eng.truncate(0)
+    batches.clear()
+    eng.prefill(prompt[:257], [100], lambda p: None, Cancel(), batches.append)
+    assert batches == [64, 128, 192, 256, 257], "no stop off a batch edge; a last batch of one"
     eng.close()
     ref.close()

@@ -43,7 +43,7 @@ JOBS = [
     Job(run_id="r1", ids=IDS, salt=b"\x5a" * 16, tenant="t" * 32, plan=PLAN,
         sampling={"temperature": 0.7, "top_k": 40, "seed": None, "logit_bias": {"5": -1.5}},
         max_tokens=256, stop=("</tool>", "\n\nUser:"), grammar='root ::= "{" [^}]* "}"'),
-    # The off plan keeping all it may (n - 2).
+    # The off plan keeping all it may (n - 1 on a worker of batch 1).
     Job(run_id="r2", ids=IDS, salt=b"", tenant="", plan=Plan((), (), 38, False, "off", None,
                                                              None),
         sampling={"temperature": 0.0}, max_tokens=1, stop=(), grammar=None),

@@ -16,6 +16,7 @@ from backend.protocol import Cancelled, Done, Event, Job, Prefill, Start, parse_
 from policies.decide import Plan
 from tests.conftest import free_port
 from tests.deploy.test_remote_workers import WorkerProcess
+from tests.models import reusable
 
 pytestmark = pytest.mark.model  # a real worker process (see tests/conftest.py)
 
@@ -67,10 +68,10 @@ def kept(events: list[Event]) -> int:
 
 def test_a_tenant_never_keeps_another_tenants_live_kv(worker: WorkerProcess) -> None:
     assert kept(run(worker, job(SHORT, "a"))) == 0  # cold
-    assert kept(run(worker, job(SHORT, "a"))) == len(SHORT) - 2  # its own live KV
+    assert kept(run(worker, job(SHORT, "a"))) == reusable(len(SHORT))  # its own live KV
     # b with a plan that allows live reuse (a stale proxy view): nothing of a's is kept
     assert kept(run(worker, job(SHORT, "b"))) == 0
-    assert kept(run(worker, job(SHORT, "b"))) == len(SHORT) - 2  # now b's own
+    assert kept(run(worker, job(SHORT, "b"))) == reusable(len(SHORT))  # now b's own
     assert kept(run(worker, job(SHORT, "a"))) == 0
 
 
@@ -87,4 +88,4 @@ def test_after_a_cancel_the_kv_is_the_cancelled_tenants(worker: WorkerProcess) -
     live = next(e.n_live for e in events if isinstance(e, Cancelled | Done))
     assert live > 0
     assert kept(run(worker, job(LONG, "b"))) == 0  # a's partial prefill is not b's
-    assert kept(run(worker, job(LONG, "b"))) == len(LONG) - 2
+    assert kept(run(worker, job(LONG, "b"))) == reusable(len(LONG))

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.conftest import N_CTX, Server, running, start_server
+from tests.models import reusable
 
 pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
 
@@ -171,7 +172,7 @@ def test_second_turn_reads_the_cache(server: Server) -> None:
     m2 = create(server, second, system=SYSTEM, max_tokens=8)
     u = m2.usage
     assert u.cache_read_input_tokens is not None and u.cache_read_input_tokens > 0
-    assert u.cache_read_input_tokens >= prompt_len(m1.usage) - 2
+    assert u.cache_read_input_tokens >= reusable(prompt_len(m1.usage))
     assert u.input_tokens >= 0 and (u.cache_creation_input_tokens or 0) >= 0
     assert prompt_len(u) == n2
 
@@ -190,7 +191,7 @@ def test_billing_header_is_stripped(server: Server) -> None:
     m1 = create(server, messages, system=system("11111"), max_tokens=2)
     m2 = create(server, messages, system=system("22222"), max_tokens=2)
     assert prompt_len(m1.usage) == prompt_len(m2.usage)
-    assert (m2.usage.cache_read_input_tokens or 0) >= 0.9 * prompt_len(m2.usage)
+    assert (m2.usage.cache_read_input_tokens or 0) >= reusable(prompt_len(m2.usage))
     assert "x-anthropic-billing-header" in server.get_json("/props")["volatile_patterns"][0]
 
 

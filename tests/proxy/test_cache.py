@@ -172,3 +172,54 @@ def test_another_models_entries_are_kept_but_never_found(tmp_path: Path,
     back = open_cache(tmp_path, identity)
     assert found(back, IDS) == [400]
     close(back)
+
+
+def test_lookups_racing_the_writer_never_see_half_a_commit(cache: DiskCache) -> None:
+    """Lookups run on request threads while the writer thread commits and drops entries: a
+    lookup between a tree insert and the mirror update raised KeyError (a 500). With one lock
+    over both, every lookup sees whole entries: each hit's file is its own."""
+    import sys
+    import threading
+
+    positions = range(10, 810, 4)
+    files = {n: f"{n}.state" for n in positions}
+    done = threading.Event()
+    errors: list[BaseException] = []
+    seen = 0
+
+    def writer() -> None:
+        try:
+            for n in positions:
+                k = prefix_keys(cache.salt(""), IDS, [n])[n]
+                cache.commit(Saved(n, k.hex(), "scoped", files[n], UNIT, 0, 0.0), "", IDS)
+            for n in positions:
+                cache.drop(prefix_keys(cache.salt(""), IDS, [n])[n])
+        finally:
+            done.set()
+
+    def reader() -> None:
+        nonlocal seen
+        facts = Facts(IDS, (MessageStart(0, "user"),), Scope("full"))
+        while not done.is_set():
+            try:
+                stored = cache.lookup(facts, "")
+                assert all(h.file == files[h.n_tokens] for h in stored.hits), stored
+                seen += len(stored.hits)
+            except BaseException as e:  # noqa: BLE001 - collected, re-raised below
+                errors.append(e)
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader)
+                                                        for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    assert seen > 0, "the readers ran while entries were there"
+    assert len(cache) == 0 and mirror_matches_index(cache)

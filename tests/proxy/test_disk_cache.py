@@ -17,6 +17,7 @@ from backend import store
 from backend.engine import Engine
 from backend.index import Index
 from tests.conftest import N_CTX, Server, running
+from tests.models import BATCH, reusable
 
 pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
 
@@ -72,11 +73,11 @@ def test_miss_save_hit_restart_disk_hit_same_output(tmp_path: Path) -> None:
         saved = entries(srv.cache_dir, until=bool)
         assert {e.reason for e in saved} == {"cold"}, "a cold prefill snapshots the anchor"
         hit = ask(srv, msgs)
-        assert hit["source"] == "live" and hit["cached"] >= miss["prompt"] - 2
+        assert hit["source"] == "live" and hit["cached"] >= reusable(miss["prompt"])
     with running(tmp_path, "--workers", "1", cache_dir=srv.cache_dir) as srv2:
         disk = ask(srv2, msgs)
         assert disk["source"] == "disk", srv2.log()
-        assert disk["cached"] >= miss["prompt"] - 2, "the scoped entry covers the whole prompt"
+        assert disk["cached"] >= reusable(miss["prompt"]), "the entry covers the whole prompt"
         flush_live(srv2)
         again = ask(srv2, msgs)
         assert again["source"] == "disk"
@@ -114,8 +115,10 @@ def test_auto_hits_the_stable_boundary_where_full_misses(tmp_path: Path) -> None
         with running(tmp_path / policy, "--workers", "1", "--disk-prefix-cache", policy,
                      "--kv-cache-min-tokens", "32") as srv:
             seen = []
-            for q in ("Tail one: what is rule 2?", "Tail two: what is rule 4?",
-                      "Tail three: what is rule 6?"):
+            # tails longer than a batch, so `full`'s end snapshot (at its last batch edge) lies
+            # inside the tail that changes
+            for q in (f"Tail {k}: what is rule {r}? " + "Cite the file and the line. " * 12
+                      for k, r in (("one", 2), ("two", 4), ("three", 6))):
                 flush_live(srv)
                 seen.append(ask(srv, convo(q, history=2)))
             results[policy] = seen
@@ -130,7 +133,7 @@ def test_auto_hits_the_stable_boundary_where_full_misses(tmp_path: Path) -> None
     stable = auto[2]["cached"]
     assert auto[2]["source"] == "disk"
     # everything but the changing last user turn (its header, text and the generation prompt)
-    assert stable >= auto[2]["prompt"] - 40
+    assert stable >= auto[2]["prompt"] - 120 - BATCH
     assert full[2]["cached"] < stable, "full only has the cold anchor to offer"
     assert full[2]["text"] == auto[2]["text"]
 
@@ -186,9 +189,9 @@ def test_per_request_scope_override_and_invalid_scope(tmp_path: Path) -> None:
     with running(tmp_path, "--workers", "1") as srv:
         ask(srv, msgs, extra_body={"prefix_cache": {"scope": "off"}})
         assert entries(srv.cache_dir) == [], "scope off stores nothing"
-        ask(srv, msgs, extra_body={"prefix_cache": {"scope": "280"}})
-        found = entries(srv.cache_dir, until=lambda f: 280 in {e.n_tokens for e in f})
-        assert 280 in {e.n_tokens for e in found}
+        ask(srv, msgs, extra_body={"prefix_cache": {"scope": "280"}})  # at its batch edge
+        found = entries(srv.cache_dir, until=lambda f: 256 in {e.n_tokens for e in f})
+        assert 256 in {e.n_tokens for e in found}
         with pytest.raises(openai.BadRequestError) as exc:
             ask(srv, msgs, extra_body={"prefix_cache": {"scope": "half"}})
         assert "auto:N" in str(exc.value)
@@ -209,19 +212,19 @@ def test_auto_survives_a_restart_every_turn(tmp_path: Path) -> None:
 
 
 def test_a_save_still_being_written_at_shutdown_is_committed(tmp_path: Path) -> None:
-    """A snapshot of the prompt's end is written while the reply goes out; a proxy stopped right
-    after the response waits for it to commit instead of dropping it (it would be an orphan
-    file, deleted at the next start)."""
+    """A snapshot of the prompt's end (its last batch edge) is written while the reply goes out;
+    a proxy stopped right after the response waits for it to commit instead of dropping it (it
+    would be an orphan file, deleted at the next start)."""
     msgs = convo("Which rule is about files?", history=12)
     with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full") as srv:
         first = ask(srv, msgs, max_tokens=1)
         srv.stop()  # SIGINT at once: the write has only just started
     with Index(srv.cache_dir) as index:
-        assert first["prompt"] in [e.n_tokens for _, e in index.entries()], srv.log()
+        assert reusable(first["prompt"]) in [e.n_tokens for _, e in index.entries()], srv.log()
     with running(tmp_path, "--workers", "1", "--disk-prefix-cache", "full",
                  cache_dir=srv.cache_dir) as srv2:
         again = ask(srv2, msgs, max_tokens=1)
-    assert again["source"] == "disk" and again["cached"] == first["prompt"] - 2
+    assert again["source"] == "disk" and again["cached"] == reusable(first["prompt"])
 
 
 def test_a_cancelled_runs_snapshots_are_still_committed(tmp_path: Path) -> None:
@@ -244,10 +247,11 @@ def test_a_cancelled_runs_snapshots_are_still_committed(tmp_path: Path) -> None:
         assert m, srv.log()
         n = int(m[1])
         assert int(m[2]) == n  # the whole prompt was prefilled before the first token
-        found = entries(srv.cache_dir, until=lambda f: n in [e.n_tokens for e in f])
-        assert n in [e.n_tokens for e in found], srv.log()
+        end = reusable(n)  # the prompt's end, at its last batch edge
+        found = entries(srv.cache_dir, until=lambda f: end in [e.n_tokens for e in f])
+        assert end in [e.n_tokens for e in found], srv.log()
         again = ask(srv, msgs, max_tokens=1)  # live: the worker kept the prompt's KV
-        assert (again["source"], again["cached"]) == ("live", n - 2)
+        assert (again["source"], again["cached"]) == ("live", end)
 
 
 def test_a_broken_entry_falls_back_to_the_next_shorter_one(tmp_path: Path) -> None:
@@ -301,4 +305,4 @@ def test_a_killed_proxy_loses_no_snapshot_and_leaves_no_worker(tmp_path: Path) -
                  cache_dir=srv.cache_dir) as srv2:
         assert "orphans_adopted=" in srv2.log()
         again = ask(srv2, msgs, max_tokens=1)
-    assert (again["source"], again["cached"]) == ("disk", first["prompt"] - 2), srv2.log()
+    assert (again["source"], again["cached"]) == ("disk", reusable(first["prompt"])), srv2.log()

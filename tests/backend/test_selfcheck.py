@@ -1,0 +1,56 @@
+"""The start-up self-check (issue 19) on each kind of memory, in this process: it passes on the
+suite's models with the default settings and with flash attention and a quantized KV cache, it
+refuses a real sliding window by rule, and an injected inexact restore (one bit of the loaded
+state flipped, PREFIXGATE_FAULT=restore-bit) is caught, named by cache, layer and cell."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend import selfcheck
+from backend.engine import Engine
+from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+
+pytestmark = pytest.mark.model
+
+SETTINGS = {
+    "default": {"flash_attn": FLASH_ATTN},
+    "flash attention, q8_0 KV": {"flash_attn": "on", "type_k": "q8_0", "type_v": "q8_0"},
+}
+
+
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+@pytest.mark.parametrize("name", MODELS)
+def test_the_self_check_proves_exact_reuse(name: str, settings: dict[str, str]) -> None:
+    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, **settings)  # type: ignore[arg-type]
+    report = selfcheck.run(eng)
+    eng.close()
+    assert report.ok, report.failure
+    checks = [r.check.split("@")[0] for r in report.rows]
+    assert checks.count("restore") == 2
+    assert checks.count("live") == (0 if name == "qwen35" else 1)
+    # past the window and two batches: a window snapshot's padding is exercised
+    assert report.probe_tokens == (673 if name == "gemma3" else 225)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_an_inexact_restore_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXGATE_FAULT", "restore-bit")
+    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, flash_attn=FLASH_ATTN)
+    report = selfcheck.run(eng)
+    eng.close()
+    assert not report.ok
+    failed = [r for r in report.rows if not r.ok]
+    assert [r.check.split("@")[0] for r in failed] == ["restore", "restore"]
+    # the flipped bit is the last K row of the first cache's first layer: position p - 1
+    assert failed[0].detail.startswith("cache: layer 0 K differs"), failed[0].detail
+    assert "(position 63)" in failed[0].detail
+    assert report.failure.startswith("restore@64: ")
+
+
+def test_a_real_window_is_refused_by_rule() -> None:
+    eng = Engine(model_file("gemma3"), 4096, 2, GPU_LAYERS, swa_full=False)
+    report = selfcheck.run(eng)
+    eng.close()
+    assert not report.ok and report.rows[0].check == "configuration"
+    assert "--swa-full" in report.failure
