@@ -175,6 +175,7 @@ class Engine:
         type_k: str = "f16",
         type_v: str = "f16",
         swa_full: bool = True,
+        extra_bufts: bool = True,
     ) -> None:
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
@@ -185,6 +186,7 @@ class Engine:
         mp = llama_cpp.llama_model_default_params()
         # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
         mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
+        mp.use_extra_bufts = extra_bufts  # repacked CPU weights (llama.cpp's default: on)
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
         if not self.model:
             raise ValueError(f"llama.cpp could not load the model {model_path}")

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cold-max-tokens", type=int, default=d.kv_cache_cold_max_tokens)
     p.add_argument("--continued-interval-tokens", type=int,
                    default=d.kv_cache_continued_interval_tokens)
-    p.add_argument("--batch-size", type=int, default=d.batch,
+    p.add_argument("--ubatch-size", type=int, default=d.batch,
                    help=f"the workers' batch size: reuse at its multiples (default {d.batch})")
     p.add_argument("--out", default="", help="directory for simulate-<trace>.json and .md")
     p.add_argument("--note", default="", help="a line for the markdown (e.g. how the trace "
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
     prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
-    oracle, rows = run(prompts, policies, modes, knobs, a.batch_size)
+    oracle, rows = run(prompts, policies, modes, knobs, a.ubatch_size)
     # the same trace laid out as the client sent it: what the stable-first layout gains
     old = compute_oracle([p.ids for p in render_trace(a.trace, a.format, a.tool_blocks,
                                                        a.turns, a.model, stable_layout=False)])
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{old.total_fresh} fresh tokens, {old.mean_hit_ratio:.1%})\n"
             f"knobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
-            f"tokens; batch {a.batch_size}; one worker; no eviction. mode restart = proxy and "
+            f"tokens; batch {a.ubatch_size}; one worker; no eviction. mode restart = proxy and "
             "worker restarted before every request, only the disk (index, state files, "
             "persisted ring) survives: the pessimistic default; live = one long-lived proxy "
             "and worker.")

@@ -99,7 +99,7 @@ async def props(request: web.Request) -> web.Response:
         "server": "prefixgate",
         "model": request.app[MODEL_ID], "model_path": cfg.model_path,
         "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
-        "batch_size": cfg.batch,
+        "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure}
                   for w in request.app[POOL].workers],
         "default_generation_settings": {"n_ctx": cfg.n_ctx},

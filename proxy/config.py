@@ -71,9 +71,10 @@ class Config:
     # sliding-window models: a full-size cache for the window layers (exact reuse anywhere);
     # --no-swa-full: a real window (less memory; see the README's models section)
     swa_full: bool = True
-    # tokens per prefill batch, and so the granularity of every reuse and snapshot (a hit
-    # replays the cold run's batches, backend/engine.py); 0 = 512 with GPU layers, else 64
-    batch_size: int = 0
+    # tokens per prefill batch (llama.cpp's physical batch, -ub), and so the granularity of every
+    # reuse and snapshot (a hit replays the cold run's batches, backend/engine.py); 0 = 512 with
+    # GPU layers, else 64
+    ubatch_size: int = 0
     # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
     # off: trust it unchecked
     exact_check: bool = True
@@ -108,7 +109,7 @@ class Config:
     @property
     def batch(self) -> int:
         """The batch size in force (the workers and the cache key agree on it)."""
-        return self.batch_size or default_batch(self.n_gpu_layers)
+        return self.ubatch_size or default_batch(self.n_gpu_layers)
 
     @property
     def cache_path(self) -> Path:
@@ -126,7 +127,7 @@ _HELP = {
     "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
     "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
     "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
-    "batch_size": "tokens per prefill batch and the reuse granularity (0 = 512 on a GPU, else 64)",
+    "ubatch_size": "tokens per prefill batch and the reuse granularity (0 = 512 on a GPU, else 64)",
     "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
@@ -200,7 +201,7 @@ def _coerce(name: str, value: Any) -> Any:
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "n_gpu_layers", "flash_attn", "cache_type_k",
-                 "cache_type_v", "swa_full", "batch_size", "exact_check", "cache_dir",
+                 "cache_type_v", "swa_full", "ubatch_size", "exact_check", "cache_dir",
                  "log_level")
 
 

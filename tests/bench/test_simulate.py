@@ -147,7 +147,7 @@ def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-u
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # batch 1: reuse at any token, so the relations to the oracle are exact
     main(["--trace", str(trace), "--policies", "auto:30,full", "--modes", "restart",
-          "--batch-size", "1", "--out", str(tmp_path)])
+          "--ubatch-size", "1", "--out", str(tmp_path)])
     out = json.loads((tmp_path / "simulate-tiny.json").read_text())
     by = {r["policy"]: r for r in out["results"]}
     assert out["requests"] == 3
