@@ -56,6 +56,7 @@ import llama_cpp
 import numpy as np
 
 from backend import layout
+from backend.placement import apply as placement_params
 from policies.prefix import aligned, default_batch, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
@@ -176,6 +177,8 @@ class Engine:
         type_v: str = "f16",
         swa_full: bool = True,
         extra_bufts: bool = True,
+        n_threads_batch: int | None = None,
+        placement: Mapping[str, Any] | None = None,
     ) -> None:
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
@@ -187,7 +190,9 @@ class Engine:
         # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
         mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
         mp.use_extra_bufts = extra_bufts  # repacked CPU weights (llama.cpp's default: on)
+        keep = placement_params(mp, **(placement or {}))  # held until the model is loaded
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
+        del keep
         if not self.model:
             raise ValueError(f"llama.cpp could not load the model {model_path}")
         cp = llama_cpp.llama_context_default_params()
@@ -195,7 +200,7 @@ class Engine:
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, 1
         cores = os.cpu_count() or 1
         cp.n_threads = n_threads or max(cores // 2, 1)
-        cp.n_threads_batch = n_threads or cores
+        cp.n_threads_batch = n_threads_batch or n_threads or cores
         cp.flash_attn_type = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                               "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                               "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[flash_attn]

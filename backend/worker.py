@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
@@ -318,6 +318,10 @@ class WorkerSpec:
     worker_id: int = 0
     socket: str | None = None  # spawned by the proxy on this Unix socket (and stops with it)
     listen: tuple[str, int] | None = None  # or on TCP, in its own container
+    threads_batch: int = 0  # prefill threads; 0 = like threads, else all cores
+    # where the weights go (backend/placement.py): split_mode, tensor_split, override_tensor,
+    # n_cpu_moe, mlock, mmap
+    placement: dict[str, object] = field(default_factory=dict)
 
 
 def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
@@ -343,7 +347,8 @@ def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
 def serve(spec: WorkerSpec) -> None:
     engine = Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
                     n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
-                    type_v=spec.type_v, swa_full=spec.swa_full)
+                    type_v=spec.type_v, swa_full=spec.swa_full,
+                    n_threads_batch=spec.threads_batch or None, placement=spec.placement)
     worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
                     spec.model_path, spec.flash_attn, spec.n_ctx)
     worker.exact = exactness(engine, spec.worker_id, spec.exact_check)

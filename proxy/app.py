@@ -211,6 +211,13 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         cache.index.close()
 
 
+def read_key_file(path: str) -> set[str]:
+    """The keys of an --api-keys file: one per line; blank lines and lines starting with # (as
+    llama-server's --api-key-file) skipped."""
+    lines = Path(path).read_text().splitlines()
+    return {k.strip() for k in lines if k.strip() and not k.strip().startswith("#")}
+
+
 def make_app(cfg: Config) -> web.Application:
     bounds = limits.with_overrides(cfg.limits)
     app = web.Application(client_max_size=bounds.max_body_bytes, middlewares=[error_middleware])
@@ -218,10 +225,12 @@ def make_app(cfg: Config) -> web.Application:
     logging.getLogger("aiohttp.server").addFilter(ONE_LINE_REFUSALS)  # once, however many apps
     app[CONFIG] = cfg
     app[METRICS] = Metrics()
-    app[MODEL_ID] = model_id_of(cfg.model_path)
-    if cfg.api_keys:
-        lines = Path(cfg.api_keys).read_text().splitlines()
-        app[ALLOWED_KEYS] = frozenset(k.strip() for k in lines if k.strip())
+    app[MODEL_ID] = cfg.alias or model_id_of(cfg.model_path)
+    keys = set(cfg.api_key)
+    if cfg.api_keys:  # read before start (proxy.cli.read_key_file): said in one line there
+        keys |= read_key_file(cfg.api_keys)
+    if keys:
+        app[ALLOWED_KEYS] = frozenset(keys)
     app.cleanup_ctx.append(lifecycle)
     openai_api.add_routes(app)
     anthropic_api.add_routes(app)

@@ -44,6 +44,14 @@ def serve(cfg: Config) -> None:
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
     _check_model(cfg.model_path)
+    if cfg.api_keys:
+        from proxy.app import read_key_file
+
+        try:
+            read_key_file(cfg.api_keys)
+        except (OSError, UnicodeDecodeError) as e:  # the path is not shown: it may be a key
+            raise SystemExit(f"prefixgate: cannot read the --api-keys file: "
+                             f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
     sock = _listen(cfg.host, cfg.port)
     # the render thread parses and renders big requests; let it hand the GIL to the event
     # loop every millisecond (5 by default), so other clients' latency stays low meanwhile
@@ -81,7 +89,7 @@ def worker(argv: list[str]) -> None:
     from backend.worker import WorkerSpec, serve
 
     p = argparse.ArgumentParser(
-        prog="prefixgate worker",
+        prog="prefixgate worker", allow_abbrev=False,
         description="One llama.cpp context behind the worker API. The proxy spawns these itself "
         "on Unix sockets; for separate containers start one with --listen HOST:PORT and give the "
         "proxy --worker-url http://HOST:PORT. Proxy and worker must use the same model file, "
@@ -101,10 +109,20 @@ def worker(argv: list[str]) -> None:
     _check_model(cfg.model_path)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
-    serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
-                     cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
-                     cfg.exact_check, Path(cfg.cache_path),
-                     cache_identity(cfg), ns.worker_id, ns.socket, ns.listen))
+    try:
+        serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers,
+                         cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full,
+                         cfg.batch, cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg),
+                         ns.worker_id, ns.socket, ns.listen, cfg.threads_batch, placement(cfg)))
+    except ValueError as e:  # a placement flag llama.cpp cannot take: one line
+        raise SystemExit(f"prefixgate worker: {e}") from None
+
+
+def placement(cfg: Config) -> dict[str, object]:
+    """The placement flags (backend/placement.py) of this Config."""
+    return {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
+            "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
+            "mlock": cfg.mlock, "mmap": cfg.mmap}
 
 
 def doctor(argv: list[str]) -> None:
@@ -116,7 +134,7 @@ def doctor(argv: list[str]) -> None:
     from backend.engine import Engine
 
     p = argparse.ArgumentParser(
-        prog="prefixgate doctor",
+        prog="prefixgate doctor", allow_abbrev=False,
         description="Prove on this machine that a cache hit computes exactly what a cold run "
         "does, for the model and settings given (the same flags as serve): a probe prompt "
         "prefilled cold, then restored from snapshots and cut back, compared bit for bit.")
@@ -124,9 +142,13 @@ def doctor(argv: list[str]) -> None:
     cfg = from_args(p.parse_args(argv))
     _check_model(cfg.model_path)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(message)s")
-    eng = Engine(cfg.model_path, min(cfg.n_ctx, 8192), cfg.threads or None, cfg.n_gpu_layers,
-                 n_batch=cfg.batch, flash_attn=cfg.flash_attn, type_k=cfg.cache_type_k,
-                 type_v=cfg.cache_type_v, swa_full=cfg.swa_full)
+    try:
+        eng = Engine(cfg.model_path, min(cfg.n_ctx, 8192), cfg.threads or None,
+                     cfg.n_gpu_layers, n_batch=cfg.batch, flash_attn=cfg.flash_attn,
+                     type_k=cfg.cache_type_k, type_v=cfg.cache_type_v, swa_full=cfg.swa_full,
+                     n_threads_batch=cfg.threads_batch or None, placement=placement(cfg))
+    except ValueError as e:
+        raise SystemExit(f"prefixgate doctor: {e}") from None
     report = selfcheck.run(eng)
     offload = "GPU offload" if cfg.n_gpu_layers and llama_cpp.llama_supports_gpu_offload() \
         else "CPU"
@@ -147,6 +169,25 @@ def doctor(argv: list[str]) -> None:
         raise SystemExit(1)
 
 
+def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Config:
+    """`prefixgate [serve] FLAGS`: prefixgate's flags and llama-server's (its names, short
+    forms and LLAMA_ARG_* variables), never abbreviated; an unknown flag is one line that names
+    it and shows no value (a value may be a key)."""
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    p = argparse.ArgumentParser(prog="prefixgate serve", allow_abbrev=False,
+                                description="Prompt-cache proxy for local LLM agents. "
+                                "Commands: serve (default), worker, cache, simulate, doctor. "
+                                "llama-server's flags and LLAMA_ARG_* variables work too.")
+    add_arguments(p)
+    ns, unknown = p.parse_known_args(argv)
+    if unknown:
+        flags = [u.split("=")[0] for u in unknown if u.startswith("-")] or ["a stray value"]
+        raise SystemExit(f"prefixgate: not supported: {' '.join(flags)} (`prefixgate --help` "
+                         "lists the flags, llama-server's among them)")
+    return from_args(ns, environ)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
@@ -161,13 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         from bench.simulate import main as simulate_main
 
         return simulate_main(argv[1:])
-    p = argparse.ArgumentParser(prog="prefixgate",
-                                description="Prompt-cache proxy for local LLM agents. "
-                                "Commands: serve (default), worker, cache, simulate, doctor.")
-    p.add_argument("command", nargs="?", default="serve", choices=["serve"])
-    add_arguments(p)
-    ns = p.parse_args(argv)
-    serve(from_args(ns))
+    serve(serve_config(argv))
 
 
 if __name__ == "__main__":

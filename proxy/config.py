@@ -62,7 +62,18 @@ class Config:
     worker_url: tuple[str, ...] = ()
     n_ctx: int = 65536  # context tokens per worker (Hermes refuses models under 64K)
     threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
-    n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 = all)
+    threads_batch: int = 0  # CPU threads per worker for prefill; 0 = all cores
+    n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 or "all" = all; "auto" = all on a GPU)
+    # how a model is split across several GPUs: layer | row | none, and in what proportions
+    # ("3,1"; "" = by free memory)
+    split_mode: str = "layer"
+    tensor_split: str = ""
+    # tensors kept in another buffer: "PATTERN=BUFFER,..." (llama.cpp's -ot), and the MoE experts
+    # of the first N layers kept on the CPU (--n-cpu-moe: fits a big MoE model on a small GPU)
+    override_tensor: str = ""
+    n_cpu_moe: int = 0
+    mlock: bool = False  # lock the weights in RAM
+    mmap: bool = True  # map the model file (--no-mmap: read it)
     flash_attn: str = "off"  # flash attention in the workers: on | off | auto
     # KV cache types (llama.cpp's -ctk / -ctv): f16, q8_0, q4_0, ... (a quantized V needs
     # flash attention)
@@ -86,6 +97,11 @@ class Config:
     cache_max_bytes: int = 20 << 30  # disk budget for state files, bytes
     tenant_isolation: bool = False  # API key salts the cache and the ring
     api_keys: str = ""  # file of accepted API keys, one per line; "" = accept any
+    # accepted API keys (llama-server's --api-key, comma-separated or repeated); a secret: never
+    # logged or echoed
+    api_key: tuple[str, ...] = field(default=(), repr=False)
+    alias: str = ""  # the model's id in responses and /v1/models; "" = from the file name
+    parallel: int = 1  # sequences per worker (llama-server's -np); only 1 for now
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
     ping_interval_s: float = 10.0  # Anthropic streams: a ping after this many silent seconds
@@ -137,17 +153,66 @@ _HELP = {
     "limits": "a request bound NAME=VALUE, e.g. max_messages=50000 (repeatable; env: one per "
               "line)",
     "worker_url": "URL of a remote worker instead of --workers (repeatable; env comma-separated)",
+    "api_key": "an accepted API key (repeatable or comma-separated; with --api-keys FILE too)",
+    "api_keys": "file of accepted API keys, one per line",
+    "alias": "the model id in responses and /v1/models",
+    "threads_batch": "CPU threads per worker for prefill (0 = all cores)",
+    "split_mode": "how to split the model across GPUs: layer | row | none",
+    "tensor_split": "proportions of the model per GPU, e.g. 3,1",
+    "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
+    "n_cpu_moe": "keep the MoE experts of the first N layers on the CPU",
+    "mlock": "lock the weights in RAM", "mmap": "map the model file (--no-mmap: read it)",
+    "parallel": "sequences per worker (llama-server's -np; only 1 for now)",
 }
 
 
+# llama-server's names for the same settings, so its command line works unchanged: its short
+# and long flags beside prefixgate's own, and its LLAMA_ARG_* variable (read after prefixgate's
+# PREFIXGATE_* one).
+LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
+    "host": ((), "LLAMA_ARG_HOST"),
+    "port": ((), "LLAMA_ARG_PORT"),
+    "model": (("-m",), "LLAMA_ARG_MODEL"),
+    "alias": (("-a",), "LLAMA_ARG_ALIAS"),
+    "chat_template_file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    "n_ctx": (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE"),
+    "threads": (("-t",), "LLAMA_ARG_THREADS"),
+    "threads_batch": (("-tb",), "LLAMA_ARG_THREADS_BATCH"),
+    "n_gpu_layers": (("-ngl", "--gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
+    "split_mode": (("-sm",), "LLAMA_ARG_SPLIT_MODE"),
+    "tensor_split": (("-ts",), "LLAMA_ARG_TENSOR_SPLIT"),
+    "override_tensor": (("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR"),
+    "n_cpu_moe": (("-ncmoe",), "LLAMA_ARG_N_CPU_MOE"),
+    "flash_attn": (("-fa",), "LLAMA_ARG_FLASH_ATTN"),
+    "cache_type_k": (("-ctk",), "LLAMA_ARG_CACHE_TYPE_K"),
+    "cache_type_v": (("-ctv",), "LLAMA_ARG_CACHE_TYPE_V"),
+    "ubatch_size": (("-ub",), "LLAMA_ARG_UBATCH"),
+    "parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
+    "mlock": ((), "LLAMA_ARG_MLOCK"),
+    "mmap": ((), "LLAMA_ARG_MMAP"),
+    "api_key": ((), "LLAMA_API_KEY"),
+    "api_keys": (("--api-key-file",), "LLAMA_ARG_API_KEY_FILE"),
+}
+# llama-server flags that change nothing here, accepted so its command line runs: prefixgate
+# always renders the model's Jinja template and always serves /metrics; its logical batch (-b)
+# is the physical one (-ub) split into llama_decode calls, the same computation.
+ACCEPTED = {("--jinja",): 0, ("--metrics",): 0, ("-b", "--batch-size"): 1,
+            ("--cont-batching", "-cb"): 0}
+
+
 def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
-    """A flag per Config field (`only`: just these fields)."""
+    """A flag per Config field (`only`: just these fields), with llama-server's names beside
+    prefixgate's own."""
     for f in fields(Config):
         if only and f.name not in only:
             continue
         flag = "--" + f.name.replace("_", "-")
-        env = "PREFIXGATE_" + f.name.upper()
-        help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (env {env}, default {f.default})"
+        aliases, llama_env = LLAMA_SERVER.get(f.name, ((), ""))
+        flags = [a for a in aliases if a.startswith("--")]
+        shorts = [a for a in aliases if not a.startswith("--")]
+        env = "PREFIXGATE_" + f.name.upper() + (f" or {llama_env}" if llama_env else "")
+        shown = "" if f.name == "api_key" else f", default {f.default}"
+        help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (env {env}{shown})"
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name in ("volatile_patterns", "volatile_blocks"):
@@ -157,18 +222,41 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         elif f.name == "limits":
             p.add_argument("--limit", dest=f.name, action="append", default=None,
                            metavar="NAME=VALUE", help=help_)
-        elif f.name == "worker_url":
-            p.add_argument(flag, dest=f.name, action="append", default=None, help=help_)
+        elif f.name in ("worker_url", "api_key"):
+            p.add_argument(flag, dest=f.name, action="append", default=None, help=help_,
+                           metavar="KEY" if f.name == "api_key" else None)
         else:
-            p.add_argument(flag, default=None, help=help_)
+            p.add_argument(*shorts, flag, *flags, dest=f.name, default=None, help=help_)
+    if not only:
+        for names, n_args in ACCEPTED.items():
+            dest = "accepted_" + names[0].strip("-").replace("-", "_")
+            help_ = "accepted for llama-server's command line; no effect here"
+            if n_args:
+                p.add_argument(*names, dest=dest, metavar="N", help=help_)
+            else:
+                p.add_argument(*names, dest=dest, action="store_true", help=help_)
 
 
-_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect")
+_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect", "split_mode")
+SPLIT_MODES = ("none", "layer", "row")  # llama.cpp's enum llama_split_mode, in order
 _ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
 
 
 def _coerce(name: str, value: Any) -> Any:
     default = Config.__dataclass_fields__[name].default
+    if name == "n_gpu_layers" and str(value).strip().lower() in ("all", "auto"):
+        # llama-server's words: all layers; auto: all where there is a GPU to offload to
+        import llama_cpp
+
+        auto = str(value).strip().lower() == "auto"
+        return -1 if not auto or llama_cpp.llama_supports_gpu_offload() else 0
+    if name == "api_key":  # comma-separated, as llama-server takes it, or repeated
+        items = value if isinstance(value, list) else [value]
+        return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())
+    if name == "split_mode":
+        if str(value).strip().lower() not in SPLIT_MODES:
+            raise ValueError(f"one of {', '.join(SPLIT_MODES)}")
+        return str(value).strip().lower()
     if name in _CHOICE_FIELDS:  # what the worker's engine accepts
         from backend.engine import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
 
@@ -200,9 +288,10 @@ def _coerce(name: str, value: Any) -> Any:
 
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
-WORKER_FIELDS = ("model", "n_ctx", "threads", "n_gpu_layers", "flash_attn", "cache_type_k",
-                 "cache_type_v", "swa_full", "ubatch_size", "exact_check", "cache_dir",
-                 "log_level")
+WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
+                 "tensor_split", "override_tensor", "n_cpu_moe", "mlock", "mmap", "flash_attn",
+                 "cache_type_k", "cache_type_v", "swa_full", "ubatch_size", "exact_check",
+                 "cache_dir", "log_level")
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -232,11 +321,18 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         v = getattr(ns, f.name, None)
         if v is None:
             v = environ.get("PREFIXGATE_" + f.name.upper())
+        if v is None and f.name in LLAMA_SERVER and LLAMA_SERVER[f.name][1]:
+            v = environ.get(LLAMA_SERVER[f.name][1])
         if v is not None:
             try:
                 values[f.name] = _coerce(f.name, v)
             except ValueError as e:
                 why = f" ({e})" if f.name in _CHOICE_FIELDS else ""
-                raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {v!r}{why}"
+                shown = "(not shown)" if f.name == "api_key" else repr(v)
+                raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
-    return Config(**values)
+    cfg = Config(**values)
+    if cfg.parallel != 1:
+        raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: several sequences in one worker "
+                         "are not supported yet; --workers N runs N workers (a model copy each)")
+    return cfg

@@ -101,7 +101,8 @@ def check_auth(request: web.Request) -> str:
         raise Unauthorized("invalid API key: it is not valid UTF-8") from None
     allowed = request.app.get(ALLOWED_KEYS)
     if allowed is not None and key not in allowed:
-        raise Unauthorized("invalid API key: send one of the keys in the --api-keys file as "
+        raise Unauthorized("invalid API key: send one of the keys given with --api-key or in the "
+                           "--api-keys file as "
                            "x-api-key or Authorization: Bearer")
     return key
 

@@ -1,0 +1,141 @@
+"""llama-server's command line works for `prefixgate serve` (issue 21): its flags under their
+names and short forms, its LLAMA_ARG_* variables, no abbreviations (`--api-key sk-...` once
+became `--api-keys FILE` and printed the key in a traceback), an unknown flag said in one line
+that shows no value, and the placement flags turned into llama.cpp's model parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend import placement
+from proxy.cli import serve_config
+from proxy.config import Config
+
+SECRET = "sk-test-0123456789"
+
+# a typical llama-server line, every supported flag in its usual form
+LLAMA_SERVER_LINE = [
+    "-m", "model.gguf", "-c", "8192", "-ngl", "0", "-fa", "off", "-ctk", "q8_0", "-ctv", "q8_0",
+    "--jinja", "-np", "1", "-a", "coder", "--api-key", SECRET, "--metrics", "-t", "2", "-tb", "2",
+    "-b", "2048", "-ub", "128", "-ts", "1", "-sm", "layer", "--mlock", "--no-mmap",
+    "--n-cpu-moe", "0", "-ot", r"blk\.0\.ffn_up=CPU", "--api-key-file", "keys.txt",
+    "--chat-template-file", "t.jinja", "--host", "127.0.0.2", "--port", "8081",
+]
+
+
+def test_a_llama_server_command_line_maps_onto_the_config() -> None:
+    cfg = serve_config(LLAMA_SERVER_LINE, environ={})
+    assert (cfg.model, cfg.n_ctx, cfg.n_gpu_layers, cfg.flash_attn) == ("model.gguf", 8192, 0,
+                                                                        "off")
+    assert (cfg.cache_type_k, cfg.cache_type_v, cfg.parallel, cfg.alias) == ("q8_0", "q8_0", 1,
+                                                                            "coder")
+    assert (cfg.api_key, cfg.api_keys) == ((SECRET,), "keys.txt")
+    assert (cfg.threads, cfg.threads_batch, cfg.ubatch_size, cfg.batch) == (2, 2, 128, 128)
+    assert (cfg.tensor_split, cfg.split_mode, cfg.mlock, cfg.mmap) == ("1", "layer", True, False)
+    assert (cfg.n_cpu_moe, cfg.override_tensor) == (0, r"blk\.0\.ffn_up=CPU")
+    assert (cfg.chat_template_file, cfg.host, cfg.port) == ("t.jinja", "127.0.0.2", 8081)
+    assert SECRET not in repr(cfg), "a key never shows in the Config's repr"
+    # the long forms too, and prefixgate's own names
+    long = serve_config(["serve", "--ctx-size", "4096", "--gpu-layers", "all", "--flash-attn",
+                         "on", "--cache-type-k", "q4_0", "--alias", "x", "--api-key", "a,b",
+                         "--api-key", "c", "--ubatch-size", "32", "--n-ctx", "2048"], environ={})
+    assert (long.n_ctx, long.n_gpu_layers, long.flash_attn, long.cache_type_k) == \
+        (2048, -1, "on", "q4_0"), "the last of two flags for one setting wins"
+    assert long.api_key == ("a", "b", "c") and long.ubatch_size == 32
+
+
+def test_llama_arg_variables_under_prefixgate_ones_under_flags() -> None:
+    env = {"LLAMA_ARG_CTX_SIZE": "2048", "LLAMA_ARG_N_GPU_LAYERS": "0", "LLAMA_API_KEY": SECRET,
+           "LLAMA_ARG_ALIAS": "from-llama", "LLAMA_ARG_MLOCK": "1", "LLAMA_ARG_PORT": "9001",
+           "PREFIXGATE_ALIAS": "from-prefixgate", "LLAMA_ARG_UBATCH": "256"}
+    cfg = serve_config([], environ=env)
+    assert (cfg.n_ctx, cfg.api_key, cfg.mlock, cfg.port, cfg.ubatch_size) == \
+        (2048, (SECRET,), True, 9001, 256)
+    assert cfg.alias == "from-prefixgate"
+    assert serve_config(["-c", "1024"], environ=env).n_ctx == 1024
+
+
+@pytest.mark.parametrize("argv", [
+    ["--api-k", SECRET],  # an abbreviation is not taken for --api-key or --api-keys
+    ["--api-keys-typo", SECRET],
+    ["--numa", "distribute", "--api-key", SECRET, "--lora", SECRET],
+    [SECRET],
+])
+def test_an_unknown_flag_is_one_line_that_shows_no_value(argv: list[str],
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    with pytest.raises(SystemExit) as e:
+        serve_config(argv, environ={})
+    message = str(e.value)
+    assert message.startswith("prefixgate: not supported: ") and "\n" not in message
+    assert SECRET not in message + capsys.readouterr().err
+    assert ("--numa --lora" in message) if "--numa" in argv else True
+
+
+def test_what_is_not_supported_yet_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        serve_config(["-np", "4", "--api-key", SECRET], environ={})
+    assert "--parallel 4" in str(e.value) and "--workers" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        serve_config(["-sm", "diagonal", "--api-key", SECRET], environ={})
+    assert "one of none, layer, row" in str(e.value)
+    assert SECRET not in str(e.value) + capsys.readouterr().err
+
+
+def test_placement_flags_become_model_parameters() -> None:
+    import llama_cpp
+
+    assert placement.overrides("", 2) == [
+        (r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU"),
+        (r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU")]
+    assert placement.overrides(r"exps=CPU, attn_q=CPU", 0) == [("exps", "CPU"), ("attn_q", "CPU")]
+    with pytest.raises(ValueError, match="PATTERN=BUFFER"):
+        placement.overrides("exps", 0)
+    assert "CPU" in placement.buffer_types()
+    mp = llama_cpp.llama_model_default_params()
+    keep = placement.apply(mp, "row", "3,1", r"ffn=CPU", 1, mlock=True, mmap=False)
+    assert (mp.split_mode, mp.use_mlock, mp.use_mmap) == (2, True, False)
+    assert list(mp.tensor_split[:2]) == [3.0, 1.0] and mp.tensor_buft_overrides and keep
+    with pytest.raises(ValueError, match="no buffer type CUDA7"):
+        placement.apply(llama_cpp.llama_model_default_params(), override_tensor="x=CUDA7")
+
+
+def test_the_defaults_are_llama_servers_where_they_make_sense() -> None:
+    cfg = Config()
+    assert (cfg.split_mode, cfg.mmap, cfg.mlock, cfg.parallel) == ("layer", True, False, 1)
+
+
+@pytest.mark.model
+def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> None:  # type: ignore[no-untyped-def]
+    """The same flags a llama-server user types (a quantized V cache needs flash attention, as
+    in llama-server), both SDKs with the key, a wrong key refused, the alias as the model id,
+    and the key in no output."""
+    import anthropic
+    import openai
+
+    from tests.conftest import running
+
+    line = ["-m", model_path, "-c", "8192", "-ngl", "0", "-fa", "on", "-ctk", "q8_0", "-ctv",
+            "q8_0", "--jinja", "-np", "1", "-a", "coder", "--api-key", SECRET, "--metrics",
+            "-ub", "64"]
+    with running(tmp_path, *line) as srv:
+        oa = openai.OpenAI(base_url=srv.v1, api_key=SECRET, max_retries=0, timeout=120)
+        r = oa.chat.completions.create(model="coder", messages=[{"role": "user", "content":
+                                       "Say hi."}], max_tokens=4, temperature=0)
+        assert r.model == "coder" and r.choices[0].message.content
+        assert [m.id for m in oa.models.list().data] == ["coder"]
+        an = anthropic.Anthropic(base_url=srv.url, api_key=SECRET, max_retries=0, timeout=120)
+        m = an.messages.create(model="coder", max_tokens=4, messages=[
+            {"role": "user", "content": "Say hi."}])
+        assert m.content and m.model == "coder"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.v1, api_key="sk-wrong", max_retries=0).chat.completions\
+                .create(model="coder", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(srv.url + "/props", headers={"x-api-key": SECRET})
+        props = json.loads(urllib.request.urlopen(req, timeout=30).read())
+        assert props["model"] == "coder" and SECRET not in str(props)
+        log = srv.log()
+    assert SECRET not in log
