@@ -42,14 +42,12 @@ the response started is an `event: error`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
@@ -80,6 +78,7 @@ from proxy.edge import (
     reject,
     serve,
     sse_response,
+    with_pings,
 )
 from proxy.errors import ApiError, BadRequest, ContextOverflow, anthropic_body, anthropic_response
 from proxy.openai_api import parse_template_kwargs
@@ -87,7 +86,6 @@ from proxy.run import Run, Usage
 
 log = logging.getLogger("prefixgate")
 
-T = TypeVar("T")
 
 _MEDIA = ("image", "document", "file", "container_upload")
 _DROPPED = ("thinking", "redacted_thinking")  # in a user turn
@@ -336,33 +334,6 @@ def usage_json(u: Usage) -> dict[str, int]:
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-async def with_pings(items: AsyncIterator[T], interval_s: float,
-                     ping: Callable[[], Awaitable[None]]) -> AsyncIterator[T]:
-    """`items`, calling `ping` whenever none arrived for interval_s."""
-
-    async def step() -> T:
-        return await items.__anext__()
-
-    nxt: asyncio.Task[T] = asyncio.create_task(step())
-    try:
-        while True:
-            done, _ = await asyncio.wait({nxt}, timeout=interval_s)
-            if not done:
-                await ping()
-                continue
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield item
-            nxt = asyncio.create_task(step())
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await nxt
 
 
 class Responder:

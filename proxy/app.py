@@ -1,6 +1,7 @@
 """The aiohttp application: the lifecycle of everything requests share, the operations routes
 (/health, /metrics, /props), and the error middleware. The API routes are the edges' own
-(openai_api.py, anthropic_api.py, on the shared proxy/edge.py).
+(openai_api.py, anthropic_api.py, llama_api.py for llama-server's native endpoints, on the
+shared proxy/edge.py).
 
 `make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
 tokenizer), the disk cache (LMDB index, reconciled with the files), the gateway and the worker
@@ -14,6 +15,7 @@ belongs to: an exception that is not an ApiError is a bug, a 500 logged once wit
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,7 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 
 from backend.index import Index
-from proxy import anthropic_api, limits, openai_api
+from proxy import anthropic_api, limits, llama_api, openai_api
 from proxy.cache import DiskCache
 from proxy.config import Config, cache_identity
 from proxy.edge import (
@@ -99,6 +101,11 @@ async def props(request: web.Request) -> web.Response:
         "server": "prefixgate",
         "model": request.app[MODEL_ID], "model_path": cfg.model_path,
         "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
+        # llama-server's fields: one sequence per worker for now, the template in use, the build
+        "total_slots": len(request.app[POOL].workers),
+        "chat_template": gw.prompts.template.source,
+        "build_info": f"prefixgate {_version('prefixgate')}, llama-cpp-python "
+                      f"{_version('llama-cpp-python')}",
         "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure}
                   for w in request.app[POOL].workers],
@@ -211,6 +218,13 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         cache.index.close()
 
 
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def read_key_file(path: str) -> set[str]:
     """The keys of an --api-keys file: one per line; blank lines and lines starting with # (as
     llama-server's --api-key-file) skipped."""
@@ -234,6 +248,7 @@ def make_app(cfg: Config) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     openai_api.add_routes(app)
     anthropic_api.add_routes(app)
+    llama_api.add_routes(app, health, openai_api.models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/props", props)

@@ -32,6 +32,9 @@ class ChatRequest:
     continue_final: bool = False  # the reply continues the final assistant message (Anthropic)
     # variables for the chat template: chat_template_kwargs, reasoning_effort, enable_thinking
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # OpenAI's response_format as the JSON schema the answer must match (json_object: any
+    # object); None: free text
+    json_schema: Any = None
 
 
 # --- validation helpers: each raises BadRequest naming the field and what to send -----------

@@ -104,7 +104,8 @@ class Config:
     parallel: int = 1  # sequences per worker (llama-server's -np); only 1 for now
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
-    ping_interval_s: float = 10.0  # Anthropic streams: a ping after this many silent seconds
+    # streams: an Anthropic ping, an OpenAI SSE comment after this many silent seconds
+    ping_interval_s: float = 10.0
     # regexes of volatile bytes stripped from system and user text before templating
     volatile_patterns: tuple[str, ...] = field(default=DEFAULT_VOLATILE)
     # regexes of volatile blocks of the system prompt, moved to the start of the first user

@@ -21,11 +21,12 @@ left is one log line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -38,6 +39,8 @@ from proxy.gateway import Gateway
 from proxy.metrics import Metrics
 from proxy.run import Run
 from proxy.workers import Pool
+
+T = TypeVar("T")
 
 log = logging.getLogger("prefixgate")
 
@@ -198,3 +201,30 @@ async def serve(request: web.Request, api: str, parse: Parse, error: ErrorRespon
         watch.cancel()
         if not run.done:
             await run.aclose()
+
+
+async def with_pings(items: AsyncIterator[T], interval_s: float,
+                     ping: Callable[[], Awaitable[None]]) -> AsyncIterator[T]:
+    """`items`, calling `ping` whenever none arrived for interval_s."""
+
+    async def step() -> T:
+        return await items.__anext__()
+
+    nxt: asyncio.Task[T] = asyncio.create_task(step())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=interval_s)
+            if not done:
+                await ping()
+                continue
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            nxt = asyncio.create_task(step())
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt

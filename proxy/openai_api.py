@@ -35,7 +35,16 @@ from proxy.dialects import (
     ToolCall,
     events,
 )
-from proxy.edge import MODEL_ID, cache_headers, client_gone, model_card, serve, sse_response
+from proxy.edge import (
+    CONFIG,
+    MODEL_ID,
+    cache_headers,
+    client_gone,
+    model_card,
+    serve,
+    sse_response,
+    with_pings,
+)
 from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.run import Run, Usage
 
@@ -189,7 +198,30 @@ def parse_chat(body: Any, tenant: str) -> ChatRequest:
     return ChatRequest(api="openai", messages=parse_messages(body.get("messages")),
                        tools=tools, tool_choice=tools_mod.parse_choice(body.get("tool_choice"),
                                                                        tools),
-                       template_kwargs=parse_template_kwargs(body), **_common(body, tenant))
+                       template_kwargs=parse_template_kwargs(body),
+                       json_schema=parse_response_format(body.get("response_format")),
+                       **_common(body, tenant))
+
+
+def parse_response_format(raw: Any) -> Any:
+    """OpenAI's response_format: text (None), json_object (any object: {"type": "object"}) or
+    json_schema (its schema); the grammar is built and checked when the prompt is rendered."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") not in ("text", "json_object",
+                                                            "json_schema"):
+        raise BadRequest("'response_format' must be {type: text | json_object | json_schema}",
+                         param="response_format")
+    if raw["type"] == "text":
+        return None
+    if raw["type"] == "json_object":
+        return {"type": "object"}
+    spec = raw.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object",
+                         param="response_format")
+    return schema
 
 
 def parse_completion(body: Any, tenant: str) -> ChatRequest:
@@ -209,6 +241,19 @@ def usage_json(u: Usage) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+
+
+def timings_json(run: Run) -> dict[str, Any]:
+    """llama-server's `timings`: prompt tokens computed (`prompt_n`) and reused (`cache_n`),
+    generated (`predicted_n`), and the milliseconds each took."""
+    u, t = run.usage, run.timings
+    prompt_ms, predicted_ms = 1000 * t.get("prefill_s", 0.0), 1000 * t.get("decode_s", 0.0)
+    prompt_n = u.prompt_tokens - u.cached_tokens
+    return {"cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_second": round(prompt_n / prompt_ms * 1000, 2) if prompt_ms else 0.0,
+            "predicted_n": u.completion_tokens, "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_second": round(u.completion_tokens / predicted_ms * 1000, 2)
+            if predicted_ms else 0.0}
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:
@@ -260,15 +305,19 @@ class Responder:
         if calls:
             choice["message"]["tool_calls"] = [_call_json(c) for c in calls]
         body = {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage_json(self.run.usage)}
+                "model": self.model, "choices": [choice], "usage": usage_json(self.run.usage),
+                "timings": timings_json(self.run)}
         return web.json_response(body, headers=cache_headers(self.run))
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None,
+               timings: dict[str, Any] | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
                                 "model": self.model, "choices": choices}
         if usage is not None:
             body["usage"] = usage_json(usage)
+        if timings is not None:
+            body["timings"] = timings
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
@@ -292,12 +341,19 @@ class Responder:
         self.n_calls += 1  # CallDone: all of it is out already
         return None
 
-    async def stream(self, request: web.Request, include_usage: bool) -> web.StreamResponse:
+    async def stream(self, request: web.Request, include_usage: bool, ping_s: float
+                     ) -> web.StreamResponse:
+        """The SSE chunks; while none is due (a long prefill) an SSE comment every ping_s, so a
+        reverse proxy with an idle timeout does not cut the stream."""
         resp = await sse_response(request, cache_headers(self.run))
         if self.chat:
             await resp.write(self._delta({"role": "assistant", "content": ""}))
+
+        async def keepalive() -> None:  # an SSE comment: clients skip it, proxies see traffic
+            await resp.write(b": keepalive\n\n")
+
         try:
-            async for ev in self._events():
+            async for ev in with_pings(self._events(), ping_s, keepalive):
                 chunk = self._event_chunk(ev)
                 if chunk is not None:
                     await resp.write(chunk)
@@ -307,8 +363,9 @@ class Responder:
             err = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             return resp
-        await resp.write(self._chunk([self._choice(None if self.chat else "",
-                                                   self._finish(), True)]))
+        last = self._chunk([self._choice(None if self.chat else "", self._finish(), True)],
+                           timings=timings_json(self.run))
+        await resp.write(last)
         if include_usage:
             await resp.write(self._chunk([], self.run.usage))
         await resp.write(b"data: [DONE]\n\n")
@@ -323,7 +380,8 @@ def _respond(chat: bool) -> Callable[[web.Request, ChatRequest, Run],
                                     Awaitable[web.StreamResponse]]:
     async def respond(request: web.Request, req: ChatRequest, run: Run) -> web.StreamResponse:
         r = Responder(req, run, request.app[MODEL_ID], chat)
-        return await (r.stream(request, req.include_usage) if req.stream else r.json(request))
+        return await (r.stream(request, req.include_usage, request.app[CONFIG].ping_interval_s)
+                      if req.stream else r.json(request))
 
     return respond
 

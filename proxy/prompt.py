@@ -27,6 +27,7 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -35,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from policies.scope import Scope, format_scope, parse_scope
 from proxy.chat import ChatRequest
 from proxy.dialects import Dialect, Stream, for_template
+from proxy.dialects.grammar import grammar_error
 from proxy.errors import BadRequest, ContextOverflow
 from proxy.gguf import read_metadata
 from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
@@ -174,6 +177,8 @@ class PromptBuilder:
                              f"{type(e).__name__}: {e}", param="messages") from None
         grammar = self.dialect.forced(req.tools, req.tool_choice, rendered.text) \
             if req.tools else None
+        if grammar is None and req.json_schema is not None:
+            grammar = json_grammar(req.json_schema)
         return rendered, grammar
 
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:
@@ -195,6 +200,23 @@ class PromptBuilder:
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         return Prepared(req, rendered, scope, max_tokens, t0, grammar,
                         self.dialect if req.prompt is None else None)
+
+
+def json_grammar(schema: Any) -> str:
+    """The grammar of an answer that is one JSON value of `schema` (response_format), parsed by
+    llama.cpp here: a schema it cannot express is a 400 that says why, never ignored."""
+    try:
+        grammar = json_schema_to_gbnf(json.dumps(schema))
+    except Exception as e:  # the converter's own refusal of a schema feature
+        raise BadRequest(f"response_format: this JSON schema cannot be made into a grammar "
+                         f"({type(e).__name__}: {str(e)[:160]})", param="response_format"
+                         ) from None
+    error = grammar_error(grammar)
+    if error is not None:
+        raise BadRequest(f"response_format: this JSON schema cannot be made into a grammar "
+                         f"(llama.cpp's grammar parser says {error!r})",
+                         param="response_format")
+    return grammar
 
 
 def _dialect_of(template: ChatTemplate, name: str

@@ -1,0 +1,168 @@
+"""llama-server's native endpoints on the real server (issue 21), in llama-server's documented
+shapes: /tokenize (ids, with pieces, with BOS), /detokenize, /apply-template, /v1/health,
+/models, and /props' total_slots, chat_template and build_info. The ids are the ones a chat
+completion counts: the template /apply-template shows, tokenized by /tokenize, is the prompt
+usage.prompt_tokens reports. Bad input is a 400 in the OpenAI error shape."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import Server
+
+pytestmark = pytest.mark.model
+
+
+def post(srv: Server, path: str, body: Any) -> tuple[int, Any]:
+    req = urllib.request.Request(srv.url + path, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name the <|im_end|> token's job in one line."}]
+
+
+def test_tokenize_detokenize_and_apply_template_agree_with_a_chat_completion(server: Server
+                                                                              ) -> None:
+    status, applied = post(server, "/apply-template", {"messages": MESSAGES})
+    assert status == 200 and set(applied) == {"prompt"}
+    prompt = applied["prompt"]
+    assert prompt.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
+    assert prompt.endswith("<|im_start|>assistant\n"), "the generation prompt is there"
+    status, tok = post(server, "/tokenize", {"content": prompt})
+    assert status == 200 and set(tok) == {"tokens"}
+    assert all(isinstance(t, int) for t in tok["tokens"])
+    c = openai.OpenAI(base_url=server.v1, api_key="k", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(tok["tokens"]), "the ids a completion counts"
+    status, back = post(server, "/detokenize", {"tokens": tok["tokens"]})
+    assert (status, back) == (200, {"content": prompt})
+    # special tokens in the text are parsed (one id), pieces decode one id each
+    status, pieces = post(server, "/tokenize", {"content": "<|im_end|>hi", "with_pieces": True})
+    assert status == 200 and pieces["tokens"][0]["piece"] == "<|im_end|>"
+    assert "".join(p["piece"] for p in pieces["tokens"]) == "<|im_end|>hi"
+    assert set(pieces["tokens"][0]) == {"id", "piece"}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", [], None),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("/detokenize", {"tokens": [10 ** 12]}, "tokens"),
+    ("/apply-template", {"messages": "hi"}, "messages"),
+])
+def test_bad_input_is_a_400_in_the_openai_shape(server: Server, path: str, body: Any,
+                                                param: str | None) -> None:
+    status, err = post(server, path, body)
+    assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+    assert err["error"]["param"] == param
+
+
+def test_health_models_and_props_in_llama_servers_shapes(server: Server) -> None:
+    assert server.get("/v1/health")[0] == 200
+    assert json.loads(server.get("/v1/health")[1])["status"] == "ok"
+    models = json.loads(server.get("/models")[1])
+    assert models["object"] == "list" and models["data"][0]["id"]
+    status, raw = server.get("/slots")
+    slots = json.loads(raw)
+    assert status == 200 and [s["id"] for s in slots] == [0, 1]
+    assert set(slots[0]) == {"id", "n_ctx", "is_processing", "ready", "live_tokens", "exact",
+                             "tenant"}
+    props = server.get_json("/props")
+    assert props["total_slots"] == 2  # two workers, one sequence each
+    assert "im_start" in props["chat_template"]
+    assert props["build_info"].startswith("prefixgate ") and "llama-cpp-python 0.3.36" in \
+        props["build_info"]
+
+
+FORECAST = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+def test_response_format_json_schema_gives_json_of_that_schema(server: Server) -> None:
+    c = openai.OpenAI(base_url=server.v1, api_key="k", max_retries=0, timeout=120)
+    r = c.chat.completions.create(
+        model="m", temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": "Forecast for Paris, 3 days, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "forecast",
+                                                                "schema": FORECAST}})
+    assert r.choices[0].finish_reason == "stop", r
+    out = json.loads(r.choices[0].message.content or "")
+    assert set(out) == {"city", "days"} and isinstance(out["city"], str)
+    assert len(out["city"]) <= 20 and out["days"] in range(1, 10)
+    anything = c.chat.completions.create(
+        model="m", temperature=0, max_tokens=80, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give me a JSON object about cats."}])
+    text = (anything.choices[0].message.content or "").lstrip()
+    assert text.startswith("{")
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"x": {"enum": []}}, "required": ["x"]},
+    {"type": "object", "properties": {"x": {"anyOf": []}}, "required": ["x"]},
+])
+def test_a_schema_no_grammar_can_express_is_a_400(server: Server, schema: Any) -> None:
+    c = openai.OpenAI(base_url=server.v1, api_key="k", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                    "schema": schema}})
+    assert "response_format" in str(e.value)
+
+
+def test_a_malformed_response_format_is_a_400(server: Server) -> None:
+    status, err = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "yaml"}})
+    assert status == 400 and err["error"]["param"] == "response_format"
+
+
+def test_an_openai_stream_sends_keepalives_while_it_prefills(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A long prefill sends nothing for seconds; an SSE comment every --ping-interval-s keeps
+    a reverse proxy with an idle timeout from cutting the stream. The SDK skips the comments."""
+    from tests.conftest import running
+
+    body = {"model": "m", "stream": True, "max_tokens": 3, "temperature": 0, "messages": [
+        {"role": "user", "content": " ".join(f"word{i}" for i in range(600))}]}
+    with running(tmp_path, "--ping-interval-s", "0.05", "--disk-prefix-cache", "off") as srv:
+        req = urllib.request.Request(srv.v1 + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = r.read().decode()
+        events = [e for e in raw.split("\n\n") if e]
+        assert events[0].startswith("data: ") and '"role": "assistant"' in events[0]
+        first_text = next(i for i, e in enumerate(events) if '"content": "' in e and i > 0)
+        assert ": keepalive" in events[1:first_text], "comments while it prefilled"
+        assert events[-1] == "data: [DONE]"
+        c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=120)
+        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            stream=True, model="m", messages=body["messages"], max_tokens=3, temperature=0)
+            if ch.choices)
+        assert text
+
+
+def test_timings_in_llama_servers_shape(server: Server) -> None:
+    body = {"model": "m", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count to three."}]}
+    for _ in range(2):  # cold, then (most of) the prompt from the cache
+        status, r = post(server, "/v1/chat/completions", body)
+        assert status == 200
+        t, u = r["timings"], r["usage"]
+        assert t["prompt_n"] + t["cache_n"] == u["prompt_tokens"]
+        assert t["cache_n"] == u["prompt_tokens_details"]["cached_tokens"]
+        assert t["predicted_n"] == u["completion_tokens"]
+        assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
