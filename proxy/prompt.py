@@ -41,7 +41,7 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 from policies.scope import Scope, format_scope, parse_scope
 from proxy.chat import ChatRequest
 from proxy.dialects import Dialect, Stream, for_template
-from proxy.dialects.grammar import grammar_error
+from proxy.dialects.grammar import clean_schema, grammar_error
 from proxy.errors import BadRequest, ContextOverflow
 from proxy.gguf import read_metadata
 from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
@@ -204,9 +204,10 @@ class PromptBuilder:
 
 def json_grammar(schema: Any) -> str:
     """The grammar of an answer that is one JSON value of `schema` (response_format), parsed by
-    llama.cpp here: a schema it cannot express is a 400 that says why, never ignored."""
+    llama.cpp here: a schema it cannot express is a 400 that says why, never ignored. Bounds too
+    big to unroll are left out, as for tool schemas (proxy/dialects/grammar.py)."""
     try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
+        grammar = json_schema_to_gbnf(json.dumps(clean_schema(schema)))
     except Exception as e:  # the converter's own refusal of a schema feature
         raise BadRequest(f"response_format: this JSON schema cannot be made into a grammar "
                          f"({type(e).__name__}: {str(e)[:160]})", param="response_format"

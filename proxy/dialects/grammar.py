@@ -69,8 +69,14 @@ def strip_schema_noise(value: Any) -> Any:
 
 def params_of(tool: dict[str, Any]) -> dict[str, Any]:
     params = tool["function"].get("parameters") or {"type": "object"}
-    params = _without_big_repeats(strip_schema_noise(params))
+    params = clean_schema(params)
     return params if isinstance(params, dict) else {"type": "object"}
+
+
+def clean_schema(schema: Any) -> Any:
+    """A schema as grammars are made from it: no `$schema` keys, no bounds above
+    GRAMMAR_MAX_REPEAT (see the module rules)."""
+    return _without_big_repeats(strip_schema_noise(schema))
 
 
 def json_rule(schema: Any, prefix: str, fallback: Any) -> tuple[str, str]:

@@ -125,6 +125,25 @@ def test_a_schema_no_grammar_can_express_is_a_400(server: Server, schema: Any) -
     assert "response_format" in str(e.value)
 
 
+def test_a_schema_with_huge_bounds_is_served_not_unrolled(server: Server) -> None:
+    """maxLength 10**9 would unroll into a grammar llama.cpp cannot parse (or a proxy busy for
+    minutes): the bound is left out, as for tool schemas, and the answer is still JSON."""
+    import time
+
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"type": "string", "maxLength": 10 ** 9,
+                                   "pattern": "^x{1,99999999}$"},
+                             "b": {"type": "array", "minItems": 0, "maxItems": 10 ** 9}}}
+    t0 = time.perf_counter()
+    status, r = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "JSON please."}], "max_tokens": 8,
+        "temperature": 0, "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "a", "schema": schema}}})
+    assert status == 200, r
+    assert r["choices"][0]["message"]["content"].lstrip().startswith("{")
+    assert time.perf_counter() - t0 < 60
+
+
 def test_a_malformed_response_format_is_a_400(server: Server) -> None:
     status, err = post(server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "yaml"}})
