@@ -348,12 +348,9 @@ class Engine:
         """Load a snapshot of exactly len(ids) tokens into sequence 0, each position into the
         cell a cold run used (module rules; read in place where nothing is padded)."""
         self.truncate(0)
+        padded = 0
         if self.memory.kind == "window" and self.memory.full:
-            window = layout.parse(state, 2).sections[1]
-            state = layout.pad_window(state)
-            padded = window.positions[0] if window.cell_count else 0
-        else:
-            padded = 0
+            state, padded = layout.pad_window(state)
         if self.fault == "restore-bit":
             state = layout.flip_bit(state)
         if isinstance(state, bytes):

@@ -45,6 +45,8 @@ from typing import NewType
 
 import xxhash
 
+from policies.prefix import CPU_BATCH
+
 log = logging.getLogger(__name__)
 
 CacheKey = NewType("CacheKey", bytes)
@@ -168,7 +170,7 @@ def make_salt(
     lib_version: str,
     tenant: str = "",
     swa_full: bool = True,
-    batch: int = 64,
+    batch: int = CPU_BATCH,
 ) -> bytes:
     """The 16-byte salt of every key for this model, configuration and tenant.
 
@@ -203,7 +205,7 @@ class CacheIdentity:
     flash_attn: str  # on | off | auto
     lib_version: str  # llama-cpp-python's version
     swa_full: bool = True  # a full-size cache for sliding-window layers (else a real window)
-    batch: int = 64  # tokens per prefill batch (backend.engine: a snapshot's KV depends on it)
+    batch: int = CPU_BATCH  # tokens per prefill batch (a snapshot's KV depends on it)
 
     def salt(self, tenant: str = "") -> bytes:
         return make_salt(self.model_path, self.n_ctx, self.type_k, self.type_v, self.flash_attn,

@@ -2,7 +2,7 @@
 far enough to rebuild the cold run's cell layout on restore and to say where two states differ.
 
     parse(state, n_sections) -> SeqState      the KV sections (cells, positions, per-layer rows)
-    pad_window(state, memory) -> bytes        a window snapshot with its masked cells put back
+    pad_window(state) -> (state, first)       a window snapshot with its masked cells put back
     first_difference(a, b, n_sections) -> str where two states differ: section, layer, cell, pos
 
 Why (issue 19): a hit must run the cold run's computation, into the same cells. A cold prefill
@@ -34,9 +34,10 @@ A state that does not parse this way raises ValueError; the start-up self-check
 
 from __future__ import annotations
 
-import itertools
 import struct
 from dataclasses import dataclass
+
+import numpy as np
 
 EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok
 
@@ -85,6 +86,13 @@ class SeqState:
     rest: int  # offset of what follows the KV sections (a recurrent state, or the end)
 
 
+def _meta_dtype(ext: bool) -> np.dtype:
+    """One cell's metadata in a sequence state: pos, n_seq_id (1), [ext], seq_id."""
+    fields = [("pos", "<i4"), ("n_seq", "<u4")]
+    fields += [("ext", "<i4", (3,))] if ext else []
+    return np.dtype([*fields, ("seq", "<i4")])
+
+
 class _Reader:
     def __init__(self, buf: bytes | memoryview, pos: int = 0) -> None:
         self.buf, self.pos = buf, pos
@@ -112,16 +120,14 @@ def _section(r: _Reader, ext: bool) -> Section:
     cells = r.take("<I")
     if cells == 0:
         return Section(start, r.pos, 0, (), ext, r.pos, r.pos, False, (), ())
-    meta = r.pos
-    positions = []
-    for _ in range(cells):
-        positions.append(r.take("<i"))
-        n_seq = r.take("<I")
-        if n_seq != 1:
-            raise ValueError(f"a cell of {n_seq} sequences in a sequence state")
-        r.skip(EXT_BYTES if ext else 0)
-        if r.take("<i") < 0:
-            raise ValueError("a cell of no sequence")
+    meta = r.skip(cells * _meta_dtype(ext).itemsize)
+    # one sequence per cell: every entry has the same size, read at once (a restore's hot path)
+    entries = np.frombuffer(r.buf, dtype=_meta_dtype(ext), count=cells, offset=meta)
+    if (entries["n_seq"] != 1).any():
+        raise ValueError("a cell of several sequences (or none) in a sequence state")
+    if (entries["seq"] < 0).any() or (np.diff(entries["pos"]) <= 0).any():
+        raise ValueError("cells out of position order, or of no sequence")
+    positions = tuple(entries["pos"].tolist())
     data = r.pos
     v_trans = bool(r.take("<I"))
     n_layer = r.take("<I")
@@ -156,45 +162,39 @@ def parse(state: bytes | memoryview, n_sections: int, ext: bool | None = None) -
     r.take("<I")  # magic
     r.take("<i")  # seq id
     sections = tuple(_section(r, ext) for _ in range(n_sections))
-    for sec in sections:
-        if any(b <= a for a, b in itertools.pairwise(sec.positions)):
-            raise ValueError("cells out of position order")
     return SeqState(sections, r.pos)
 
 
-def pad_window(state: bytes | memoryview) -> bytes:
-    """A window snapshot (base cache, then window cache) whose window cache holds a masked
-    zero-filled cell for every position before its first one, so a restore lays position p in
-    cell p as the cold run did; the state itself where nothing is missing."""
-    parsed = parse(state, 2)
-    s = parsed.sections[1]
+def pad_window(state: bytes | memoryview) -> tuple[bytes | memoryview, int]:
+    """(a window snapshot whose window cache holds a masked zero-filled cell for every position
+    before its first one, so a restore lays position p in cell p as the cold run did; the
+    window's first real position). The state itself and 0 where nothing is missing."""
+    s = parse(state, 2).sections[1]
     if s.cell_count == 0 or s.positions[0] == 0:
-        return state
-    buf, ext = bytes(state), s.ext
-    first = s.positions[0]
-    if s.positions != tuple(range(first, first + s.cell_count)):
+        return state, 0
+    first, n = s.positions[0], s.cell_count  # positions are strictly increasing (parse)
+    if s.positions[-1] != first + n - 1:
         raise ValueError("the window's cells are not one run of positions")
-    n, d = s.cell_count, first  # cells kept, cells put back
-    meta_entry = 4 + 4 + (EXT_BYTES if ext else 0) + 4
-    ext_bytes = struct.pack("<iii", 0, 0, -1) if ext else b""
-    out = [buf[:s.start], struct.pack("<II", 1, n + d)]
-    out += [struct.pack("<iI", p, 1) + ext_bytes + struct.pack("<i", 0) for p in range(d)]
-    out.append(buf[s.meta_offset:s.meta_offset + n * meta_entry])
-    out.append(buf[s.data_offset:s.data_offset + 8])  # v_trans, n_layer
-    for rows in s.k:
+    buf, d = memoryview(state), first  # cells put back
+    pad = np.zeros(d, dtype=_meta_dtype(s.ext))
+    pad["pos"], pad["n_seq"] = np.arange(d), 1
+    if s.ext:
+        pad["ext"][:, 2] = -1  # no token (llama_kv_cell_ext's default)
+    out: list[bytes | memoryview] = [
+        buf[:s.start], struct.pack("<II", 1, n + d), pad.tobytes(),
+        buf[s.meta_offset:s.data_offset + 8]]  # the kept cells' metadata; v_trans, n_layer
+    for rows in (*s.k, *(v for v in s.v if not v.el_bytes)):
         out += [struct.pack("<iQ", rows.type_id, rows.row_bytes), bytes(d * rows.row_bytes),
                 buf[rows.offset:rows.offset + n * rows.row_bytes]]
-    for rows in s.v:
-        if not rows.el_bytes:
-            out += [struct.pack("<iQ", rows.type_id, rows.row_bytes), bytes(d * rows.row_bytes),
-                    buf[rows.offset:rows.offset + n * rows.row_bytes]]
-            continue
-        out.append(struct.pack("<iII", rows.type_id, rows.el_bytes, rows.n_embd))
-        run, pad = n * rows.el_bytes, bytes(d * rows.el_bytes)
-        for j in range(rows.n_embd):
-            out += [pad, buf[rows.offset + j * run:rows.offset + (j + 1) * run]]
+    for rows in (v for v in s.v if v.el_bytes):  # transposed V: each row of n cells padded
+        run = n * rows.el_bytes
+        kept = np.frombuffer(buf, np.uint8, rows.n_embd * run, rows.offset).reshape(
+            rows.n_embd, run)
+        padded = np.zeros((rows.n_embd, (n + d) * rows.el_bytes), np.uint8)
+        padded[:, d * rows.el_bytes:] = kept
+        out += [struct.pack("<iII", rows.type_id, rows.el_bytes, rows.n_embd), padded.data]
     out.append(buf[s.end:])
-    return b"".join(out)
+    return b"".join(out), first
 
 
 def flip_bit(state: bytes | memoryview) -> bytes:

@@ -324,6 +324,14 @@ class WorkerSpec:
     placement: dict[str, object] = field(default_factory=dict)
 
 
+def load_engine(spec: WorkerSpec) -> Engine:
+    """The worker's engine, as `serve` and `prefixgate doctor` load it."""
+    return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
+                  n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
+                  type_v=spec.type_v, swa_full=spec.swa_full,
+                  n_threads_batch=spec.threads_batch or None, placement=spec.placement)
+
+
 def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
     """The start-up self-check's verdict, logged in one line: what `/health` reports as
     "exact". Where it fails the worker reuses nothing (module rules)."""
@@ -345,10 +353,7 @@ def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
 
 
 def serve(spec: WorkerSpec) -> None:
-    engine = Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
-                    n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
-                    type_v=spec.type_v, swa_full=spec.swa_full,
-                    n_threads_batch=spec.threads_batch or None, placement=spec.placement)
+    engine = load_engine(spec)
     worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
                     spec.model_path, spec.flash_attn, spec.n_ctx)
     worker.exact = exactness(engine, spec.worker_id, spec.exact_check)

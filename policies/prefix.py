@@ -76,7 +76,7 @@ GPU_BATCH, CPU_BATCH = 512, 64  # the batch size when none is set (backend.engin
 
 
 def default_batch(n_gpu_layers: int) -> int:
-    """512 where layers are offloaded (llama.cpp's usual batch); 64 on a CPU, where prefill runs
-    as fast as with 512 (2 AMD EPYC cores: SmolLM2 305 vs 294 tokens/s, Gemma 3 270M 628 vs
-    580) and a hit re-evaluates at most 63 tokens."""
+    """512 where layers are offloaded (llama.cpp's usual batch); 64 on a CPU, where a hit
+    re-evaluates at most 63 tokens and cold prefill costs little against 512 (2 AMD EPYC cores,
+    `python -m bench.batches`: SmolLM2 1.04x, Gemma 3 270M 0.91x the tokens/s)."""
     return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH

@@ -1,16 +1,21 @@
-"""The `prefixgate` command: serve, worker, cache."""
+"""The `prefixgate` command: serve, worker, cache, simulate, doctor."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import importlib.metadata
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from proxy import limits
 from proxy.config import WORKER_FIELDS, Config, add_arguments, cache_identity, from_args
+
+if TYPE_CHECKING:
+    from backend.worker import WorkerSpec
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -84,9 +89,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 def worker(argv: list[str]) -> None:
     """`prefixgate worker`: one llama.cpp context behind the worker API, configured from the
     same Config (flags and PREFIXGATE_* variables) as the proxy."""
-    from pathlib import Path
-
-    from backend.worker import WorkerSpec, serve
+    from backend.worker import serve
 
     p = argparse.ArgumentParser(
         prog="prefixgate worker", allow_abbrev=False,
@@ -110,19 +113,25 @@ def worker(argv: list[str]) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     try:
-        serve(WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers,
-                         cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full,
-                         cfg.batch, cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg),
-                         ns.worker_id, ns.socket, ns.listen, cfg.threads_batch, placement(cfg)))
+        serve(worker_spec(cfg, ns.worker_id, ns.socket, ns.listen))
     except ValueError as e:  # a placement flag llama.cpp cannot take: one line
         raise SystemExit(f"prefixgate worker: {e}") from None
 
 
-def placement(cfg: Config) -> dict[str, object]:
-    """The placement flags (backend/placement.py) of this Config."""
-    return {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
-            "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
-            "mlock": cfg.mlock, "mmap": cfg.mmap}
+def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
+                listen: tuple[str, int] | None = None) -> WorkerSpec:
+    """How a worker of this Config runs (`prefixgate worker` and `prefixgate doctor`)."""
+    from pathlib import Path
+
+    from backend.worker import WorkerSpec
+
+    placement = {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
+                 "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
+                 "mlock": cfg.mlock, "mmap": cfg.mmap}  # backend/placement.py
+    return WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
+                      cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
+                      cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
+                      socket_path, listen, cfg.threads_batch, placement)
 
 
 def doctor(argv: list[str]) -> None:
@@ -131,7 +140,8 @@ def doctor(argv: list[str]) -> None:
     import llama_cpp
 
     from backend import selfcheck
-    from backend.engine import Engine
+    from backend.worker import load_engine
+    from proxy.cache_cli import out
 
     p = argparse.ArgumentParser(
         prog="prefixgate doctor", allow_abbrev=False,
@@ -143,27 +153,24 @@ def doctor(argv: list[str]) -> None:
     _check_model(cfg.model_path)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(message)s")
     try:
-        eng = Engine(cfg.model_path, min(cfg.n_ctx, 8192), cfg.threads or None,
-                     cfg.n_gpu_layers, n_batch=cfg.batch, flash_attn=cfg.flash_attn,
-                     type_k=cfg.cache_type_k, type_v=cfg.cache_type_v, swa_full=cfg.swa_full,
-                     n_threads_batch=cfg.threads_batch or None, placement=placement(cfg))
+        eng = load_engine(dataclasses.replace(worker_spec(cfg), n_ctx=min(cfg.n_ctx, 8192)))
     except ValueError as e:
         raise SystemExit(f"prefixgate doctor: {e}") from None
     report = selfcheck.run(eng)
     offload = "GPU offload" if cfg.n_gpu_layers and llama_cpp.llama_supports_gpu_offload() \
         else "CPU"
-    print(f"model {cfg.model_path}\nmemory {eng.memory.kind}"
-          + (f" (window {eng.memory.n_swa}, {'full-size' if eng.memory.full else 'real'})"
-             if eng.memory.kind == "window" else "")
-          + f"; KV {cfg.cache_type_k}/{cfg.cache_type_v}; flash attention {cfg.flash_attn}; "
-          f"batch {eng.align}; {offload}; llama-cpp-python "
-          f"{importlib.metadata.version('llama-cpp-python')}\n"
-          f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
-    print("| check | result | where the states differ |\n|---|---|---|")
+    memory = eng.memory.kind + (
+        f" (window {eng.memory.n_swa}, {'full-size' if eng.memory.full else 'real'})"
+        if eng.memory.kind == "window" else "")
+    out(f"model {cfg.model_path}\nmemory {memory}; KV {cfg.cache_type_k}/{cfg.cache_type_v}; "
+        f"flash attention {cfg.flash_attn}; batch {eng.align}; {offload}; llama-cpp-python "
+        f"{importlib.metadata.version('llama-cpp-python')}\n"
+        f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
+    out("| check | result | where the states differ |\n|---|---|---|")
     for r in report.rows:
-        print(f"| {r.check} | {'exact' if r.ok else 'DIFFERS'} | {r.detail or '-'} |")
-    print(f"\n{'exact' if report.ok else 'NOT EXACT: serve reuses nothing'} "
-          f"({report.probe_tokens} probe tokens, {report.seconds:.2f} s)")
+        out(f"| {r.check} | {'exact' if r.ok else 'DIFFERS'} | {r.detail or '-'} |")
+    out(f"\n{'exact' if report.ok else 'NOT EXACT: serve reuses nothing'} "
+        f"({report.probe_tokens} probe tokens, {report.seconds:.2f} s)")
     eng.close()
     if not report.ok:
         raise SystemExit(1)
