@@ -1,7 +1,12 @@
 """One llama.cpp context and the exact-prefix execution of a plan. Blocking: call from one thread.
 
 Rules this module keeps:
-- The live state of sequence 0 always holds exactly `ids[:n_live]`. Every change of `n_live` is
+- Slots (`n_seq`, llama-server's `--parallel`): one model, one context, one sequence per slot,
+  each in its own KV stream (llama.cpp's non-unified cache, `n_ctx / n_seq` cells each), so a
+  slot's position p lies in cell p of its own stream, as in a context of its own. `use(slot)`
+  selects the sequence every call below acts on; the worker's scheduler selects before each
+  step. Everything said here of "the live state" is per slot.
+- The live state of a sequence always holds exactly `ids[:n_live]`. Every change of `n_live` is
   paired with a `seq_rm` of the positions past it whose result is checked, so a snapshot taken
   at any moment holds KV (and recurrent state) for exactly `n_live` tokens (the exactness
   invariant of the cache).
@@ -32,6 +37,10 @@ Rules this module keeps:
   The start-up self-check (`backend.selfcheck`) proves the three on the user's model, KV
   types and backend, bit for bit, before the worker reuses anything.
 - Cancellation is checked between prefill batches and between generated tokens.
+- Steps: `prefill_steps` and `generate` yield between llama_decode calls so that a scheduler can
+  run another slot's step there; never between a decode and the sample that reads its logits
+  (llama.cpp keeps the logits of the last decode only, whichever sequence it was). A sample
+  after another sequence's decode is refused (RuntimeError), never drawn from its logits.
 - A grammar llama.cpp cannot parse is a ValueError before the first sample (its sampler comes
   back NULL), never a crash of the worker.
 - Only llama.cpp's C API (the `llama_cpp` bindings) is used: model and context parameters set
@@ -161,6 +170,17 @@ class Memory:
         return {"kind": self.kind, "n_swa": self.n_swa, "swa_full": self.full}
 
 
+@dataclass(slots=True)
+class Seq:
+    """One slot's sequence: what its KV stream holds."""
+
+    id: int
+    ids: np.ndarray  # ids[:n_live] is what the KV holds
+    n_live: int = 0
+    exact_n: int = 0  # leading live tokens whose KV a cold prefill computes identically
+    padded: int = 0  # window cells before this position are a restore's zero padding
+
+
 class Engine:
     """One llama.cpp model and context, driven through llama.cpp's C API (the `llama_cpp`
     bindings; no `Llama` object). Not thread-safe: the worker runs it on one thread."""
@@ -179,6 +199,7 @@ class Engine:
         extra_bufts: bool = True,
         n_threads_batch: int | None = None,
         placement: Mapping[str, Any] | None = None,
+        n_seq: int = 1,
     ) -> None:
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
@@ -197,7 +218,9 @@ class Engine:
             raise ValueError(f"llama.cpp could not load the model {model_path}")
         cp = llama_cpp.llama_context_default_params()
         n_batch = n_batch or default_batch(n_gpu_layers)
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, 1
+        # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
+        cp.kv_unified = False
         cores = os.cpu_count() or 1
         cp.n_threads = n_threads or max(cores // 2, 1)
         cp.n_threads_batch = n_threads_batch or n_threads or cores
@@ -215,9 +238,13 @@ class Engine:
                 f"flash attention {flash_attn}; a quantized V cache needs flash attention)")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # one slot's context
         self.n_batch = n_batch
         self.memory = _memory_of(self.model, swa_full)
+        # KV caches in a sequence state (backend.layout): a window's base and window caches, a
+        # hybrid's attention cache, none for a pure recurrent model
+        self.caches = {"plain": 1, "window": 2}.get(
+            self.memory.kind, 1 if llama_cpp.llama_model_is_hybrid(self.model) else 0)
         self.align = n_batch  # reuse, restores and snapshots at batch edges only (module rules)
         # why no reuse can be exact here ("" where the module rules hold by construction): a
         # real window keeps its cells in a ring whose layout a restore cannot rebuild
@@ -227,10 +254,9 @@ class Engine:
         # a test's injected fault (PREFIXGATE_FAULT=restore-bit): every restore flips one bit of
         # the state it loads, an inexact configuration the self-check must catch
         self.fault = os.environ.get("PREFIXGATE_FAULT", "")
-        self.ids = np.zeros(self.n_ctx, dtype=np.intc)  # ids[:n_live] is what the KV holds
-        self.n_live = 0
-        self.exact_n = 0  # leading live tokens whose KV a cold prefill computes identically
-        self.padded = 0  # window cells before this position are a restore's zero padding
+        self.seqs = [Seq(i, np.zeros(self.n_ctx, dtype=np.intc)) for i in range(n_seq)]
+        self.seq = self.seqs[0]  # the slot the calls below act on (`use`)
+        self._logits_seq = -1  # whose decode the context's logits belong to
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
@@ -253,6 +279,45 @@ class Engine:
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
         return buf.raw[:n]
 
+    # --- slots -----------------------------------------------------------------------------
+
+    def use(self, slot: int) -> None:
+        """Act on this slot's sequence from now on."""
+        self.seq = self.seqs[slot]
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.seq.ids
+
+    @property
+    def n_live(self) -> int:
+        return self.seq.n_live
+
+    @n_live.setter
+    def n_live(self, n: int) -> None:
+        self.seq.n_live = n
+
+    @property
+    def exact_n(self) -> int:
+        return self.seq.exact_n
+
+    @exact_n.setter
+    def exact_n(self, n: int) -> None:
+        self.seq.exact_n = n
+
+    @property
+    def padded(self) -> int:
+        return self.seq.padded
+
+    @padded.setter
+    def padded(self, n: int) -> None:
+        self.seq.padded = n
+
+    def _clear(self) -> None:
+        """Empty this slot's sequence (the other slots keep theirs)."""
+        llama_cpp.llama_memory_seq_rm(self.mem, self.seq.id, -1, -1)
+        self.n_live = self.exact_n = self.padded = 0
+
     # --- live state ------------------------------------------------------------------------
 
     def live_ids(self) -> list[int]:
@@ -267,7 +332,7 @@ class Engine:
             return 0
         if self.memory.kind == "recurrent":
             return self.n_live
-        pos_min = max(int(llama_cpp.llama_memory_seq_pos_min(self.mem, 0)), self.padded)
+        pos_min = max(int(llama_cpp.llama_memory_seq_pos_min(self.mem, self.seq.id)), self.padded)
         if pos_min <= 0:
             return 0
         return min(pos_min + self.memory.n_swa + 1, self.n_live)
@@ -298,11 +363,11 @@ class Engine:
             self.exact_n = min(self.exact_n, n)
             return n
         n = live_reuse(n, self.n_live, self.floor())  # none where the memory cannot cut back
-        if not llama_cpp.llama_memory_seq_rm(self.mem, 0, n, -1):
+        if not llama_cpp.llama_memory_seq_rm(self.mem, self.seq.id, n, -1):
             log.warning("llama.cpp refused to cut the live state back to %d of %d tokens; "
                         "starting from none", n, self.n_live)
             n = 0
-            llama_cpp.llama_memory_clear(self.mem, True)
+            self._clear()
         self.n_live = n
         self.exact_n = min(self.exact_n, n)
         if n == 0:
@@ -312,17 +377,22 @@ class Engine:
     # --- snapshots -------------------------------------------------------------------------
 
     def snapshot(self) -> memoryview:
-        """A copy of sequence 0's state: KV (and recurrent state) for exactly `n_live` tokens.
-        One copy into a fresh buffer that is not zeroed first (this runs on the hot path,
-        between prefill segments)."""
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+        """A copy of this slot's state: KV (and recurrent state) for exactly `n_live` tokens,
+        in the form a context of one slot writes. One copy into a fresh buffer that is not
+        zeroed first (this runs on the hot path, between prefill segments; with several slots,
+        a second one into that form)."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, self.seq.id)
         out = np.empty(size, dtype=np.uint8)
         dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, 0)
-        return memoryview(out)[:n]
+        n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, self.seq.id)
+        state = memoryview(out)[:n]
+        if len(self.seqs) > 1:  # kept in a one-slot context's form (backend.layout)
+            return memoryview(layout.one_stream(state, self.caches))
+        return state
 
     def last_logits(self) -> np.ndarray:
-        """A copy of the logits after the last evaluated token."""
+        """A copy of the logits after this slot's last evaluated token."""
+        self._check_logits()
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
@@ -345,26 +415,29 @@ class Engine:
         return part
 
     def restore(self, ids: Sequence[int], state: bytes | memoryview) -> None:
-        """Load a snapshot of exactly len(ids) tokens into sequence 0, each position into the
-        cell a cold run used (module rules; read in place where nothing is padded)."""
+        """Load a snapshot of exactly len(ids) tokens (taken in any slot) into this slot, each
+        position into the cell a cold run used (module rules; read in place where nothing is
+        padded)."""
         self.truncate(0)
         padded = 0
         if self.memory.kind == "window" and self.memory.full:
             state, padded = layout.pad_window(state)
         if self.fault == "restore-bit":
             state = layout.flip_bit(state)
+        if len(self.seqs) > 1:
+            state = layout.many_streams(state, self.caches, len(self.seqs))
         if isinstance(state, bytes):
             src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
         else:  # a snapshot of ours: point at its buffer, no copy
             src = np.frombuffer(state, dtype=np.uint8).ctypes.data_as(
                 ctypes.POINTER(ctypes.c_uint8))
-        if llama_cpp.llama_state_seq_set_data(self.ctx, src, len(state), 0) == 0:
-            llama_cpp.llama_memory_clear(self.mem, True)
+        if llama_cpp.llama_state_seq_set_data(self.ctx, src, len(state), self.seq.id) == 0:
+            self._clear()
             raise ValueError("llama_state_seq_set_data refused the state")
         n = len(ids)
-        pos_max = int(llama_cpp.llama_memory_seq_pos_max(self.mem, 0))
+        pos_max = int(llama_cpp.llama_memory_seq_pos_max(self.mem, self.seq.id))
         if pos_max != n - 1:  # a state of another length than its header said
-            llama_cpp.llama_memory_clear(self.mem, True)
+            self._clear()
             raise ValueError(f"the state holds positions up to {pos_max}, not {n - 1}")
         self.ids[:n] = ids
         self.n_live = self.exact_n = n
@@ -380,11 +453,12 @@ class Engine:
             b.token[i] = t
             b.pos[i] = start + i
             b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
+            b.seq_id[i][0] = self.seq.id
             b.logits[i] = 0
         b.logits[n - 1] = 1
         b.n_tokens = n
         rc = llama_cpp.llama_decode(self.ctx, b)
+        self._logits_seq = self.seq.id if rc == 0 else -1
         if rc != 0:
             # the positions past n_live may hold part of this batch: cut them off (or, where
             # the memory cannot, start from none) so the invariant holds
@@ -394,25 +468,38 @@ class Engine:
         self.ids[start : start + n] = tokens
         self.n_live = start + n
 
-    def prefill(
+    def prefill(self, ids: Sequence[int], stops_at: Sequence[int],
+                on_stop: Callable[[int], None], cancel: Cancel,
+                on_batch: Callable[[int], None] | None = None) -> None:
+        """`prefill_steps`, all at once."""
+        for _ in self.prefill_steps(ids, stops_at, on_stop, cancel, on_batch):
+            pass
+
+    def prefill_steps(
         self,
         ids: Sequence[int],
         stops_at: Sequence[int],
         on_stop: Callable[[int], None],
         cancel: Cancel,
         on_batch: Callable[[int], None] | None = None,
-    ) -> None:
+    ) -> Iterator[None]:
         """Evaluate ids[n_live:] in the cold run's blocks of `align` tokens (module rules),
         stopping at each batch edge of `stops_at` to call on_stop(position) (a snapshot point).
         Every batch is exact, so a cancelled prefill keeps what it evaluated for the next
         request; on_batch(n_live) follows each one. A live state that does not end at a batch
-        edge is first cut back to one (where the memory refuses, to none)."""
+        edge is first cut back to one (where the memory refuses, to none). Yields before each
+        batch but the first (another slot may run there; never after the last batch, whose
+        logits the first sample reads)."""
         a = self.align
         if self.n_live % a:
             self.truncate(aligned(self.n_live, a))
         points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids) and p % a == 0)
+        first = True
         for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
             while self.n_live < p:
+                if not first:
+                    yield
+                first = False
                 if cancel.is_set:
                     raise Cancelled()
                 self._decode(ids[self.n_live : min(p, aligned(self.n_live, a) + a)])
@@ -430,12 +517,14 @@ class Engine:
         grammar: str | None = None,
     ) -> Iterator[tuple[int, bytes, bool]]:
         """Yield (token, piece bytes, is_end_of_generation) after a prefill. The caller stops
-        iterating on a stop string; the last sampled token is never evaluated."""
+        iterating on a stop string; the last sampled token is never evaluated. Each token is
+        evaluated and the next one sampled in one step (between two yields)."""
         chain = self._sampler(sampling, grammar)
         try:
             for i in range(max_tokens):
                 if cancel.is_set:
                     raise Cancelled()
+                self._check_logits()
                 token = int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
                 if token in self.eog:
                     yield token, b"", True
@@ -447,6 +536,11 @@ class Engine:
                     return
         finally:
             llama_cpp.llama_sampler_free(chain)
+
+    def _check_logits(self) -> None:
+        if self._logits_seq != self.seq.id:
+            raise RuntimeError(f"slot {self.seq.id}: the context's logits are not this slot's "
+                               f"(last decode: {self._logits_seq}); a scheduling bug")
 
     def _sampler(self, s: Sampling, grammar: str | None) -> Any:
         """llama-cpp-python's sampler chain, built with llama.cpp's C API: penalties, the

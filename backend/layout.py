@@ -3,6 +3,8 @@ far enough to rebuild the cold run's cell layout on restore and to say where two
 
     parse(state, n_sections) -> SeqState      the KV sections (cells, positions, per-layer rows)
     pad_window(state) -> (state, first)       a window snapshot with its masked cells put back
+    one_stream(state, n_caches)               a slot's state in a context of one KV stream's form
+    many_streams(state, n_caches, n_stream)   and back, for a context of n_stream slots
     first_difference(a, b, n_sections) -> str where two states differ: section, layer, cell, pos
 
 Why (issue 19): a hit must run the cold run's computation, into the same cells. A cold prefill
@@ -27,6 +29,13 @@ The format (llama.cpp as vendored by llama-cpp-python 0.3.36; `llama_kv_cache::s
         v_trans=0: n_layer x (i32 type, u64 row_size, cell_count rows) V
         v_trans=1: n_layer x (i32 type, u32 el_size, u32 n_embd, n_embd x cell_count elements)
     then, for a hybrid model, the recurrent state (not parsed here).
+
+A context of several slots (`--parallel`, one KV stream per sequence) writes n_stream sections
+per cache, all empty but the sequence's own, and reads only that count back. `one_stream` gives
+such a state the one-stream form, the form every snapshot is kept in (a state file then restores
+whatever --parallel the worker that reads it runs); `many_streams` turns it back before a
+restore into such a context. The position of the non-empty section does not matter there: it is
+read into the stream of the sequence it is restored to.
 
 A state that does not parse this way raises ValueError; the start-up self-check
 (`backend.selfcheck`) is what proves the whole mechanism on the user's build.
@@ -117,6 +126,11 @@ def _section(r: _Reader, ext: bool) -> Section:
     start = r.pos
     if r.take("<I") != 1:
         raise ValueError("only one stream per sequence is supported")
+    return _stream(r, ext, start)
+
+
+def _stream(r: _Reader, ext: bool, start: int) -> Section:
+    """One stream's cells of a KV cache, from its cell count on."""
     cells = r.take("<I")
     if cells == 0:
         return Section(start, r.pos, 0, (), ext, r.pos, r.pos, False, (), ())
@@ -195,6 +209,52 @@ def pad_window(state: bytes | memoryview) -> tuple[bytes | memoryview, int]:
         out += [struct.pack("<iII", rows.type_id, rows.el_bytes, rows.n_embd), padded.data]
     out.append(buf[s.end:])
     return b"".join(out), first
+
+
+def one_stream(state: bytes | memoryview, n_caches: int, ext: bool | None = None
+               ) -> bytes | memoryview:
+    """A sequence state written by a context of several KV streams, in the form a context of
+    one stream writes (module docstring); a one-stream state as it is."""
+    if n_caches == 0 or struct.unpack_from("<I", state, 8)[0] == 1:
+        return state
+    if ext is None:
+        try:
+            return one_stream(state, n_caches, False)
+        except ValueError:
+            return one_stream(state, n_caches, True)
+    buf, r = memoryview(state), _Reader(state, 8)
+    out: list[bytes | memoryview] = [buf[:8]]
+    for _ in range(n_caches):
+        found: memoryview | None = None
+        for _ in range(r.take("<I")):
+            at = r.pos
+            if _stream(r, ext, at).cell_count:
+                if found is not None:
+                    raise ValueError("a sequence's cells in two streams")
+                found = buf[at:r.pos]
+        out += [struct.pack("<I", 1), found if found is not None else struct.pack("<I", 0)]
+    out.append(buf[r.pos:])  # a hybrid's recurrent state, as it is
+    return b"".join(out)
+
+
+def many_streams(state: bytes | memoryview, n_caches: int, n_stream: int,
+                 ext: bool | None = None) -> bytes | memoryview:
+    """A one-stream sequence state in the form a context of `n_stream` KV streams reads."""
+    if n_caches == 0 or n_stream == 1:
+        return state
+    if ext is None:
+        try:
+            return many_streams(state, n_caches, n_stream, False)
+        except ValueError:
+            return many_streams(state, n_caches, n_stream, True)
+    buf, r = memoryview(state), _Reader(state, 8)
+    out: list[bytes | memoryview] = [buf[:8]]
+    empty = struct.pack("<I", 0) * (n_stream - 1)
+    for _ in range(n_caches):
+        sec = _section(r, ext)
+        out += [struct.pack("<I", n_stream), buf[sec.start + 4:sec.end], empty]
+    out.append(buf[r.pos:])
+    return b"".join(out)
 
 
 def flip_bit(state: bytes | memoryview) -> bytes:

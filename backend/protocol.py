@@ -46,9 +46,11 @@ class Job:
     max_tokens: int
     stop: tuple[str, ...]
     grammar: str | None  # GBNF constraining the output (forced tool calls)
+    slot: int = 0  # which of the worker's sequences runs it (--parallel)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "ids": list(self.ids), "salt": self.salt.hex(),
+        return {"run_id": self.run_id, "slot": self.slot, "ids": list(self.ids),
+                "salt": self.salt.hex(),
                 "tenant": self.tenant, "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
                 "stop": list(self.stop), "grammar": self.grammar}
@@ -67,9 +69,11 @@ class Job:
                       plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
                       max_tokens=_check(d["max_tokens"], "int"),
                       stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),
-                      grammar=grammar)
+                      grammar=grammar, slot=_check(d["slot"], "int"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
+        if job.slot < 0:
+            raise ValueError(f"malformed job: slot {job.slot}")
         if not 0 <= job.plan.keep_max <= keep_max(len(job.ids), 1):
             # the last prompt token is always evaluated: logits are not in a snapshot (the
             # worker rounds the rest down to its own batch edges)
@@ -91,6 +95,7 @@ class Start:
     restored: int  # n_tokens of the restored entry, 0 for none
     restore_s: float
     faults: tuple[Fault, ...]  # entries tried and found broken
+    ram: int = 0  # tokens restored from the worker's RAM tier instead (0: none)
 
 
 @dataclass(frozen=True, slots=True)

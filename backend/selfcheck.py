@@ -11,7 +11,10 @@ last logits:
 
 - ``live``: the cold run's live state cut back to a batch edge and extended again (where the
   memory can be cut back: not a recurrent state);
-- ``restore``: each snapshot restored into an emptied state and extended to the prompt's end.
+- ``restore``: each snapshot restored into an emptied state and extended to the prompt's end;
+- ``slot N restore`` (with several slots): the last snapshot, taken in slot 0, restored into
+  the last slot and extended there (compared after moving the result back into slot 0, whose
+  sequence id the cold state carries).
 
 A failure names the check and where the states first differ (`backend.layout`). The worker then
 serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
@@ -105,6 +108,26 @@ def run(eng: Engine) -> Report:
             rows.append(compare(f"restore@{p}"))
         except ValueError as e:
             rows.append(Row(f"restore@{p}", False, f"the restore failed: {e}"))
+    if len(eng.seqs) > 1 and points:  # a snapshot taken in one slot restores into any slot
+        p, other = points[-1], len(eng.seqs) - 1
+        try:
+            eng.use(other)
+            eng.restore(ids[:p], snaps[p])
+            eng.prefill(ids, [], lambda _: None, Cancel())
+            state, logits = bytes(eng.snapshot()), eng.last_logits()
+            eng.truncate(0)
+            eng.use(0)
+            eng.restore(ids, state)  # back in slot 0: the same sequence id as the cold state
+            where = layout.first_difference(cold_state, bytes(eng.snapshot()), sections)
+            if where is None and logits.tobytes() != cold_logits.tobytes():
+                where = "the KV is equal but the last logits differ"
+            rows.append(Row(f"slot {other} restore@{p}", where is None, where or ""))
+        except ValueError as e:
+            rows.append(Row(f"slot {other} restore@{p}", False, f"the restore failed: {e}"))
+        finally:
+            eng.use(other)
+            eng.truncate(0)
+            eng.use(0)
     eng.truncate(0)
     eng.exact_n = 0
     return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0)

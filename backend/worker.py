@@ -1,14 +1,17 @@
 """The worker process: one Engine behind a small HTTP API (Unix socket, or TCP across containers).
 
-    GET  /health  -> {"ready", "worker_id", "n_ctx" (as configured), "n_ctx_actual" (padded by
-                      llama.cpp), "n_live", "fingerprint", "model", "pid",
+    GET  /health  -> {"ready", "worker_id", "n_ctx" (as configured, all slots), "n_ctx_actual"
+                      (one slot's, padded by llama.cpp), "slots" (how many), "n_live" (per
+                      slot), "busy" (per slot), "cache_ram" (the RAM tier's use and counts),
+                      "fingerprint", "model", "pid",
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
                       "memory" ({"kind": plain | window | recurrent, "n_swa"}),
                       "align" (reuse only at multiples of this: the batch size),
                      "exact" (the start-up self-check: {"ok", "checked", "failure", ...}),
                       "cache_volume" (the id in its --cache-dir, backend/volume.py)}
     POST /run     -> a `backend.protocol.Job` in, its NDJSON event stream out (the events and
-                     their order are in backend/protocol.py; a malformed job is a 400)
+                     their order are in backend/protocol.py; a malformed job is a 400, a job
+                     for a slot that is running one a 409)
     POST /cancel  -> {"run_id"}: stop that run at its next prefill batch or token
 
 A job carries its `policies.decide.Plan`: the entries to restore (longest first: a broken file
@@ -16,8 +19,19 @@ is reported in `Start.faults` and the next one tried), the save points, `keep_ma
 this many tokens) and `live_ok` (false: the live KV is another tenant's and is not reused). The
 worker executes it as it is; it decides nothing and has no defaults.
 
-Blocking llama calls run on one dedicated thread; state files are written on another, after the
-state was copied in memory, so a save never delays the first token. `Done` comes as soon as
+Slots (`--parallel N`): the engine holds one sequence per slot, and a job names its slot (the
+proxy routes). Each slot has its own live ids, tenant and cancellation. All llama calls run on
+one thread, the scheduler's, which runs the slots' jobs in turns of one step: a prefill batch,
+or one generated token (evaluated, then the next one sampled). A long prefill therefore never
+starves a slot that is generating, and every llama_decode holds one sequence's tokens only, in
+the cold run's batches: each slot computes exactly what it would alone (the exactness rules of
+backend/engine.py), at the price of not batching decode steps across slots
+(bench/results/issue20 measures what batching would change). State files are written on
+another thread, after the state was copied in memory, so a save never delays the first token.
+
+The RAM tier (`backend.ramtier`, `--cache-ram`): when a job would replace a slot's live KV, the
+part of it a next request could reuse is copied to host RAM first; a job restores from there
+when that is at least as long as its plan's longest disk entry. `Done` comes as soon as
 generation ends (the worker is free then); `Saved` events follow once each file is durable, and
 the stream ends after the last one.
 
@@ -33,15 +47,19 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
 import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 from aiohttp import web
 
 from backend import keys, selfcheck, store, volume
@@ -60,18 +78,72 @@ from backend.protocol import (
     Token,
     encode_event,
 )
+from backend.ramtier import RamTier
 from policies.decide import Save
-from policies.prefix import keep_max
+from policies.prefix import aligned, keep_max
 
 log = logging.getLogger("prefixgate.worker")
 
 Emit = Callable[[Event], None]
 
 
+@dataclass(slots=True)
+class _Task:
+    slot: int
+    steps: Iterator[None]
+    done: Future[None] = field(default_factory=Future)
+
+
+class Scheduler:
+    """Runs the slots' jobs on one thread, one step of each in turn (module docstring). A job
+    is an iterator whose `next()` is one step; the engine is switched to its slot before
+    each."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="llama", daemon=True)
+        self.thread.start()
+
+    def submit(self, slot: int, steps: Iterator[None]) -> Future[None]:
+        task = _Task(slot, steps)
+        self.inbox.put(task)
+        return task.done
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+    def _loop(self) -> None:
+        turns: deque[_Task] = deque()
+        while True:
+            try:  # wait for work when there is none; otherwise take what came, without waiting
+                while True:
+                    new = self.inbox.get(block=not turns)
+                    if new is None:
+                        return
+                    turns.append(new)
+            except queue.Empty:
+                pass
+            task = turns.popleft()
+            self.engine.use(task.slot)
+            try:
+                next(task.steps)
+            except StopIteration:
+                task.done.set_result(None)
+                continue
+            except BaseException as e:  # the job's own wrapper reports it; never the loop's end
+                task.done.set_exception(e)
+                continue
+            turns.append(task)
+
+
 class Worker:
     def __init__(self, engine: Engine, worker_id: int, cache_dir: Path, fingerprint: bytes,
-                 model_path: str, flash_attn: str = "off", n_ctx: int = 0) -> None:
+                 model_path: str, flash_attn: str = "off", n_ctx: int = 0,
+                 ram: RamTier | None = None) -> None:
         self.engine = engine
+        self.slots = len(engine.seqs)
+        self.ram = ram if ram is not None else RamTier(0)
         self.n_ctx = n_ctx or engine.n_ctx  # as configured; llama.cpp may pad it up
         self.worker_id = worker_id
         self.cache_dir = cache_dir
@@ -79,20 +151,48 @@ class Worker:
         self.model_path = model_path
         self.flash_attn = flash_attn
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
-        self.llama_thread = ThreadPoolExecutor(1, thread_name_prefix="llama")
+        self.scheduler: Scheduler | None = None  # started once the self-check is done (`start`)
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self.runs: dict[str, Cancel] = {}  # run id -> its cancel flag, while it streams
-        # whose prompt the live KV holds: a job of another tenant never keeps any of it,
-        # whatever its plan says (the proxy's view of a worker can be stale after a failure)
-        self.owner = ""
+        self.running: set[int] = set()  # slots with a job
+        # per slot, whose prompt the live KV holds (tenant, cache salt): a job of another
+        # tenant never keeps any of it, whatever its plan says (the proxy's view of a worker
+        # can be stale after a failure); the salt keys it in the RAM tier when it gives way
+        self.owners = [""] * self.slots
+        self.salts = [b""] * self.slots
         # the start-up self-check's verdict (`exactness`); not ok: nothing is reused, whatever a
         # plan says
         self.exact: dict[str, object] = {"ok": True, "checked": False, "failure": ""}
 
+    def start(self) -> None:
+        self.scheduler = Scheduler(self.engine)
+
     # --- runs on the llama thread ----------------------------------------------------------
 
     def execute(self, job: Job, emit: Emit, cancel: Cancel) -> None:
-        eng, plan, ids = self.engine, job.plan, list(job.ids)
+        """The whole job at once, on the calling thread (tests; the server schedules `steps`)."""
+        self.engine.use(job.slot)
+        for _ in self.steps(job, emit, cancel):
+            self.engine.use(job.slot)
+
+    def _give_way(self, slot: int, keep: int, job: Job, ids: np.ndarray) -> None:
+        """Before a job keeps only `keep` tokens of the slot's live KV: the part a next request
+        could reuse goes to the RAM tier (cut back to a batch edge first), unless this prompt
+        extends all of it (then only its last batch is evaluated again)."""
+        eng = self.engine
+        if not self.ram.on or not self.exact["ok"]:
+            return
+        n = aligned(eng.reusable()[0], eng.align)
+        if n <= keep or (self.owners[slot] == job.tenant and len(ids) >= n
+                         and np.array_equal(eng.ids[:n], ids[:n])):
+            return
+        if eng.truncate(n) != n:
+            return
+        self.ram.put(self.salts[slot], self.owners[slot], eng.ids[:n].copy(), eng.snapshot())
+
+    def steps(self, job: Job, emit: Emit, cancel: Cancel) -> Iterator[None]:
+        """The job, one step per `next()` (the scheduler runs other slots' steps between)."""
+        eng, plan, ids, slot = self.engine, job.plan, list(job.ids), job.slot
         t0 = time.perf_counter()
         # at most the last batch edge before the last token (policies.prefix.keep_max; a plan
         # of a proxy that thought otherwise is held to it), and lower when a scope boundary
@@ -100,13 +200,25 @@ class Worker:
         exact = bool(self.exact["ok"])
         last = min(plan.keep_max, keep_max(len(ids), eng.align)) if exact else 0
 
-        mine = plan.live_ok and job.tenant == self.owner and exact
+        mine = plan.live_ok and job.tenant == self.owners[slot] and exact
 
         def live() -> int:  # what the live KV holds of this prompt that may be kept
             return min(eng.live_prefix(ids), last) if mine else 0
 
-        keep, restored, faults = live(), 0, []
-        for r in plan.restore if exact else ():  # longest first: the next if one is broken
+        keep, restored, from_ram, faults = live(), 0, 0, []
+        ids_np = np.asarray(ids, dtype=np.intc)
+        self._give_way(slot, keep, job, ids_np)
+        disk = max((r.n_tokens for r in plan.restore if r.n_tokens % eng.align == 0), default=0)
+        ram = self.ram.longest(job.salt, job.tenant, ids_np, last) if exact else 0
+        if ram > keep and ram >= disk:
+            n, state = self.ram.take(job.salt, job.tenant, ids_np, last) or (0, b"")
+            try:
+                eng.restore(ids[:n], state)
+                from_ram, keep = n, n
+            except ValueError as e:  # never expected: the state was this engine's own
+                log.warning("a RAM tier state did not restore (%s); trying the disk", e)
+                keep = live()
+        for r in plan.restore if exact and not from_ram else ():  # longest first
             if r.n_tokens <= keep:
                 break
             if r.n_tokens % eng.align:  # never a hit the cold run's batches cannot replay
@@ -125,8 +237,10 @@ class Worker:
                 faults.append(Fault("corrupt", str(e), r.file))
             keep = live()  # a failed restore may have cleared the live KV
         keep = eng.truncate(keep)  # what the memory refuses to keep is prefilled again
-        self.owner = job.tenant  # from here on the KV holds (a prefix of) this prompt
-        emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults)))
+        # from here on the KV holds (a prefix of) this prompt
+        self.owners[slot], self.salts[slot] = job.tenant, job.salt
+        emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults), from_ram))
+        yield
 
         saves = {s.n_tokens: s for s in plan.saves if exact and s.n_tokens % eng.align == 0}
         pending: list[Future[None]] = []
@@ -140,14 +254,15 @@ class Worker:
         for p in sorted(p for p in saves if p < eng.n_live and eng.can_snapshot_behind(p)):
             write(p, eng.snapshot_behind(p))
         try:
-            eng.prefill(ids, [p for p in saves if p >= eng.n_live],
-                        lambda p: write(p, eng.snapshot()), cancel, lambda n: emit(Prefill(n)))
-            self._generate(job, emit, cancel, t0, pending)
+            yield from eng.prefill_steps(ids, [p for p in saves if p >= eng.n_live],
+                                         lambda p: write(p, eng.snapshot()), cancel,
+                                         lambda n: emit(Prefill(n)))
+            yield from self._generate(job, emit, cancel, t0, pending)
         except Cancelled:  # what it prefilled stays live; snapshots taken are still written
             emit(CancelledEvent(*eng.reusable(), len(pending)))
 
     def _generate(self, job: Job, emit: Emit, cancel: Cancel, t0: float,
-                  pending: list[Future[None]]) -> None:
+                  pending: list[Future[None]]) -> Iterator[None]:
         eng = self.engine
         t1 = time.perf_counter()
         sampling = Sampling.from_json(job.sampling)
@@ -164,6 +279,7 @@ class Worker:
             if matched is not None:
                 finish = "stop_sequence"
                 break
+            yield  # the next token is evaluated and sampled in the next step
         tail = matcher.flush() if matched is None else ""
         if tail:
             emit(Token(None, tail))
@@ -190,8 +306,10 @@ class Worker:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({
             "ready": True, "worker_id": self.worker_id, "n_ctx": self.n_ctx,
-            "n_ctx_actual": self.engine.n_ctx,
-            "n_live": self.engine.n_live, "fingerprint": self.fingerprint.hex(),
+            "n_ctx_actual": self.engine.n_ctx, "slots": self.slots,
+            "n_live": [s.n_live for s in self.engine.seqs],
+            "busy": [i in self.running for i in range(self.slots)],
+            "cache_ram": self.ram.stats(), "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
             "memory": self.engine.memory.to_wire(), "align": self.engine.align,
@@ -204,6 +322,13 @@ class Worker:
             job = Job.from_wire(await request.json())
         except ValueError as e:  # a proxy of another version, or a bug: say what is wrong
             return web.json_response({"error": str(e)}, status=400)
+        if job.slot >= self.slots:
+            return web.json_response({"error": f"slot {job.slot}: this worker has "
+                                               f"{self.slots} (--parallel)"}, status=400)
+        if job.slot in self.running:  # one job per slot: two proxies, or a proxy's bug
+            return web.json_response({"error": f"slot {job.slot} is running a job"}, status=409)
+        assert self.scheduler is not None
+        self.running.add(job.slot)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         cancel = Cancel()
@@ -212,16 +337,23 @@ class Worker:
         def emit(event: Event) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        def work() -> None:
+        def work() -> Iterator[None]:
             try:
-                self.execute(job, emit, cancel)
+                yield from self.steps(job, emit, cancel)
             except Exception as e:  # the request fails, the worker lives on
                 log.exception("run failed")
                 emit(Error(f"{type(e).__name__}: {e}"))
 
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        running = loop.run_in_executor(self.llama_thread, work)
+        running = asyncio.wrap_future(self.scheduler.submit(job.slot, work()))
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+        except BaseException:
+            cancel.set()
+            await running
+            self.running.discard(job.slot)
+            self.runs.pop(job.run_id, None)
+            raise
         watch = asyncio.create_task(self._watch(request, cancel))
         gone = False  # the proxy closed the stream: nothing more is written
         try:
@@ -246,6 +378,10 @@ class Worker:
         finally:
             watch.cancel()
             cancel.set()
+            if running.done():
+                self.running.discard(job.slot)
+            else:  # the slot is free once its job has stopped (at its next step)
+                running.add_done_callback(lambda _: self.running.discard(job.slot))
             self.runs.pop(job.run_id, None)
         with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
             await resp.write_eof()
@@ -322,6 +458,8 @@ class WorkerSpec:
     # where the weights go (backend/placement.py): split_mode, tensor_split, override_tensor,
     # n_cpu_moe, mlock, mmap
     placement: dict[str, object] = field(default_factory=dict)
+    parallel: int = 1  # slots: sequences in the one context (n_ctx is shared among them)
+    cache_ram: int = 0  # MiB of host RAM for states that gave way (-1 no limit, 0 off)
 
 
 def load_engine(spec: WorkerSpec) -> Engine:
@@ -329,7 +467,8 @@ def load_engine(spec: WorkerSpec) -> Engine:
     return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
                   n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
                   type_v=spec.type_v, swa_full=spec.swa_full,
-                  n_threads_batch=spec.threads_batch or None, placement=spec.placement)
+                  n_threads_batch=spec.threads_batch or None, placement=spec.placement,
+                  n_seq=spec.parallel)
 
 
 def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
@@ -355,8 +494,9 @@ def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
 def serve(spec: WorkerSpec) -> None:
     engine = load_engine(spec)
     worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
-                    spec.model_path, spec.flash_attn, spec.n_ctx)
+                    spec.model_path, spec.flash_attn, spec.n_ctx, RamTier.from_mib(spec.cache_ram))
     worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
+    worker.start()
     if spec.listen is not None:
         host, port = spec.listen
         log.info("worker %d listening on %s:%d (model %s, n_ctx %d, memory %s, cache %s)",

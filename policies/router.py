@@ -1,17 +1,25 @@
-"""Worker routing: which worker runs a prompt, given each worker's live prefix and the disk hit.
+"""Routing: which slot runs a prompt, given each slot's live KV and the disk hit.
 
-Rules, among ready workers only (``None`` when none is ready):
+A slot is one sequence of a worker (`--parallel`); a worker of one slot is one slot. Rules,
+among slots of ready workers only (``None`` when there is none):
 
-1. If some ready worker is idle, the best idle one is the longest ``live_prefix`` (ties: lowest
-   ``worker_id``). It runs the prompt now, restoring from disk if the disk hit is longer than
-   what it holds live.
-2. A busy worker is worth waiting for only when its live prefix beats both ``disk_hit`` and the
+1. If some ready slot is idle, the best idle one runs the prompt now. A slot is worth what it
+   saves minus what it throws away:
+
+       score = max(live_prefix, disk_hit)      # tokens not prefilled there (live, or restored)
+               - (live_tokens - live_prefix)   # live tokens of another prompt it drops
+
+   the highest score wins; ties: the longer live prefix, then the least recently used, then
+   the lowest ``slot_id``. So a request goes to the slot whose live KV it extends; otherwise
+   to an empty slot; otherwise to the slot holding the least. A short background request
+   (a title, a summary) never takes a long session's slot while a cheaper one is idle.
+2. A busy slot is worth waiting for only when its live prefix beats both ``disk_hit`` and the
    best idle live prefix by more than ``margin_tokens`` (default ``WAIT_MARGIN_TOKENS`` = 1024):
    that many tokens of prefill saved is worth a queue wait; anything less is not, and waiting
-   would pile sessions onto one worker (the load-imbalance guard). Then the busy worker with the
+   would pile sessions onto one slot (the load-imbalance guard). Then the busy slot with the
    longest live prefix is chosen (ties: lowest id) and the caller queues on it.
-3. If no ready worker is idle, the ready worker with the longest live prefix (ties: lowest id);
-   the caller queues on it.
+3. If no ready slot is idle, the ready slot with the longest live prefix (ties: lowest id); the
+   caller queues on it.
 """
 
 from __future__ import annotations
@@ -23,27 +31,36 @@ WAIT_MARGIN_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerView:
-    worker_id: int
+class SlotView:
+    slot_id: int
     live_prefix: int  # tokens of this prompt its live KV already holds (caller computes)
     busy: bool
     ready: bool = True
+    live_tokens: int = 0  # tokens its live KV holds (of any prompt)
+    used_s: float = 0.0  # when it last ran a request (any clock; only the order matters)
 
 
-def _best(workers: Sequence[WorkerView]) -> WorkerView | None:
-    """Longest live prefix, lowest id on ties; None for no workers."""
-    return max(workers, key=lambda w: (w.live_prefix, -w.worker_id), default=None)
+def _longest(slots: Sequence[SlotView]) -> SlotView | None:
+    """Longest live prefix, lowest id on ties; None for no slots."""
+    return max(slots, key=lambda s: (s.live_prefix, -s.slot_id), default=None)
 
 
-def choose_worker(
-    workers: Sequence[WorkerView], disk_hit: int, margin_tokens: int = WAIT_MARGIN_TOKENS
+def score(s: SlotView, disk_hit: int) -> int:
+    """Rule 1's worth of an idle slot (module docstring)."""
+    return max(s.live_prefix, disk_hit) - max(s.live_tokens - s.live_prefix, 0)
+
+
+def choose_slot(
+    slots: Sequence[SlotView], disk_hit: int, margin_tokens: int = WAIT_MARGIN_TOKENS
 ) -> int | None:
-    """Id of the worker to run (or queue) the prompt on, or ``None`` if no worker is ready."""
-    ready = [w for w in workers if w.ready]
-    idle = _best([w for w in ready if not w.busy])
-    busy = _best([w for w in ready if w.busy])
-    if idle is None:
-        return busy.worker_id if busy is not None else None
-    if busy is not None and busy.live_prefix > max(disk_hit, idle.live_prefix) + margin_tokens:
-        return busy.worker_id
-    return idle.worker_id
+    """Id of the slot to run (or queue) the prompt on, or ``None`` if no slot is ready."""
+    ready = [s for s in slots if s.ready]
+    idle = [s for s in ready if not s.busy]
+    busy = _longest([s for s in ready if s.busy])
+    if not idle:
+        return busy.slot_id if busy is not None else None
+    best_live = max(s.live_prefix for s in idle)
+    if busy is not None and busy.live_prefix > max(disk_hit, best_live) + margin_tokens:
+        return busy.slot_id
+    return max(idle, key=lambda s: (score(s, disk_hit), s.live_prefix, -s.used_s,
+                                    -s.slot_id)).slot_id

@@ -72,8 +72,10 @@ def error_response(request: web.Request, e: ApiError) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy,
-                "live_tokens": len(w.live_ids), "exact": w.exact} for w in pool.workers]
+    workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy, "exact": w.exact,
+                "live_tokens": sum(len(s.live_ids) for s in w.slots),
+                "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
+                          for s in w.slots]} for w in pool.workers]
     ok = pool.all_ready
     return web.json_response({"status": "ok" if ok else "loading", "workers": workers},
                              status=200 if ok else 503)
@@ -82,10 +84,16 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     check_auth(request)
     m = request.app[METRICS]
-    for w in request.app[POOL].workers:
+    pool = request.app[POOL]
+    for w in pool.workers:
         m.workers_up.labels(str(w.worker_id)).set(1 if w.ready else 0)
         m.workers_busy.labels(str(w.worker_id)).set(1 if w.busy else 0)
         m.workers_exact.labels(str(w.worker_id)).set(1 if w.exact else 0)
+        m.slots_busy.labels(str(w.worker_id)).set(sum(s.busy for s in w.slots))
+    for worker_id, ram in (await pool.ram_stats()).items():
+        m.ram_bytes.labels(str(worker_id)).set(ram.get("used_bytes", 0))
+        m.ram_budget_bytes.labels(str(worker_id)).set(ram.get("budget_bytes", 0))
+        m.ram_entries.labels(str(worker_id)).set(ram.get("entries", 0))
     m.queue_depth.set(request.app[POOL].queue_depth)
     return web.Response(body=generate_latest(m.registry),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -101,15 +109,18 @@ async def props(request: web.Request) -> web.Response:
         "server": "prefixgate",
         "model": request.app[MODEL_ID], "model_path": cfg.model_path,
         "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
-        # llama-server's fields: one sequence per worker for now, the template in use, the build
-        "total_slots": len(request.app[POOL].workers),
+        # llama-server's fields: the slots, the template in use, the build
+        "total_slots": len(request.app[POOL].slots),
         "chat_template": gw.prompts.template.source,
         "build_info": f"prefixgate {_version('prefixgate')}, llama-cpp-python "
                       f"{_version('llama-cpp-python')}",
         "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure}
                   for w in request.app[POOL].workers],
-        "default_generation_settings": {"n_ctx": cfg.n_ctx},
+        "default_generation_settings": {"n_ctx": cfg.slot_ctx},
+        "cache_ram": {"mib": cfg.cache_ram,
+                      "workers": {str(k): v for k, v in
+                                  (await request.app[POOL].ram_stats()).items()}},
         "cache": {
             "policy": cfg.disk_prefix_cache, "dir": str(cfg.cache_path),
             "min_tokens": cfg.kv_cache_min_tokens,
@@ -204,9 +215,11 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             cache.close()
             cache.index.close()
         raise
-    log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s), n_ctx %d, "
-             "disk cache %s, tokenizer %s, tool dialect %s%s (%.1f s)", cfg.host, cfg.port,
-             app[MODEL_ID], len(pool.workers), cfg.n_ctx, cfg.disk_prefix_cache,
+    log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s) x %d slot(s) of "
+             "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s (%.1f s)",
+             cfg.host, cfg.port, app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,
+             "off" if cfg.cache_ram == 0 else "unbounded" if cfg.cache_ram < 0
+             else f"{cfg.cache_ram} MiB/worker", cfg.disk_prefix_cache,
              prompts.tok.kind, prompts.dialect.name,
              " with <think> reasoning" if prompts.dialect.think else "",
              time.perf_counter() - t0)

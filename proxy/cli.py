@@ -131,7 +131,8 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
     return WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
                       cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
-                      socket_path, listen, cfg.threads_batch, placement)
+                      socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
+                      cfg.cache_ram)
 
 
 def doctor(argv: list[str]) -> None:

@@ -16,6 +16,9 @@ from typing import Any
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
 
+MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
+MIN_SLOT_CTX = 512  # tokens of context a slot needs at the least
+
 DEFAULT_VOLATILE = (
     # Claude Code's per-request billing line, its own first system block: `cch=` changes on
     # every request and would end the shared prefix after ~22 tokens. The blank lines after it
@@ -60,7 +63,9 @@ class Config:
     # remote workers (`prefixgate worker --listen`) used instead of spawning --workers;
     # repeatable flag, the variable comma-separated; () = spawn local workers
     worker_url: tuple[str, ...] = ()
-    n_ctx: int = 65536  # context tokens per worker (Hermes refuses models under 64K)
+    # context tokens per worker, shared among its slots as llama-server's -c is (each slot gets
+    # n_ctx / parallel; Hermes refuses models under 64K)
+    n_ctx: int = 65536
     threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
     threads_batch: int = 0  # CPU threads per worker for prefill; 0 = all cores
     n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 or "all" = all; "auto" = all on a GPU)
@@ -101,7 +106,12 @@ class Config:
     # logged or echoed
     api_key: tuple[str, ...] = field(default=(), repr=False)
     alias: str = ""  # the model's id in responses and /v1/models; "" = from the file name
-    parallel: int = 1  # sequences per worker (llama-server's -np); only 1 for now
+    # slots per worker (llama-server's -np): sessions served at once from one model copy, each
+    # with its own live KV and n_ctx / parallel tokens of context
+    parallel: int = 1
+    # MiB of host RAM for live states that had to give way (llama-server's --cache-ram):
+    # restored before the disk; -1 no limit, 0 off
+    cache_ram: int = 8192
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
     # streams: an Anthropic ping, an OpenAI SSE comment after this many silent seconds
@@ -129,6 +139,11 @@ class Config:
         return self.ubatch_size or default_batch(self.n_gpu_layers)
 
     @property
+    def slot_ctx(self) -> int:
+        """One slot's context: what one request can use (llama.cpp pads it up to 256s)."""
+        return self.n_ctx // self.parallel
+
+    @property
     def cache_path(self) -> Path:
         return Path(os.path.expanduser(self.cache_dir))
 
@@ -138,7 +153,8 @@ _HELP = {
     "chat_template_file": "a Jinja chat template file used instead of the model's own",
     "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
                     "mistral | hermes (default: found from the chat template)",
-    "workers": "worker processes", "n_ctx": "context tokens per worker",
+    "workers": "worker processes",
+    "n_ctx": "context tokens per worker, shared among its --parallel slots",
     "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
     "flash_attn": "flash attention: on | off | auto",
     "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
@@ -163,7 +179,10 @@ _HELP = {
     "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
     "n_cpu_moe": "keep the MoE experts of the first N layers on the CPU",
     "mlock": "lock the weights in RAM", "mmap": "map the model file (--no-mmap: read it)",
-    "parallel": "sequences per worker (llama-server's -np; only 1 for now)",
+    "parallel": "slots per worker: sessions served at once from one model copy, sharing "
+                "-c (llama-server's -np)",
+    "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
+                 "(-1 no limit, 0 off)",
 }
 
 
@@ -189,6 +208,7 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "cache_type_v": (("-ctv",), "LLAMA_ARG_CACHE_TYPE_V"),
     "ubatch_size": (("-ub",), "LLAMA_ARG_UBATCH"),
     "parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
+    "cache_ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
     "mlock": ((), "LLAMA_ARG_MLOCK"),
     "mmap": ((), "LLAMA_ARG_MMAP"),
     "api_key": ((), "LLAMA_API_KEY"),
@@ -292,7 +312,7 @@ def _coerce(name: str, value: Any) -> Any:
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "mlock", "mmap", "flash_attn",
                  "cache_type_k", "cache_type_v", "swa_full", "ubatch_size", "exact_check",
-                 "cache_dir", "log_level")
+                 "parallel", "cache_ram", "cache_dir", "log_level")
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -310,7 +330,7 @@ def worker_argv(cfg: Config) -> list[str]:
 
 def cache_identity(cfg: Config) -> CacheIdentity:
     """The one cache identity of this configuration: the proxy and every worker key with it."""
-    return CacheIdentity(cfg.model_path, cfg.n_ctx, cfg.cache_type_k, cfg.cache_type_v,
+    return CacheIdentity(cfg.model_path, cfg.slot_ctx, cfg.cache_type_k, cfg.cache_type_v,
                          cfg.flash_attn, importlib.metadata.version("llama-cpp-python"),
                          cfg.swa_full, cfg.batch)
 
@@ -333,7 +353,12 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
     cfg = Config(**values)
-    if cfg.parallel != 1:
-        raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: several sequences in one worker "
-                         "are not supported yet; --workers N runs N workers (a model copy each)")
+    if not 1 <= cfg.parallel <= MAX_PARALLEL:
+        raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: give 1 to {MAX_PARALLEL} "
+                         "slots per worker")
+    if cfg.slot_ctx < MIN_SLOT_CTX:
+        raise SystemExit(f"prefixgate: --ctx-size {cfg.n_ctx} shared by --parallel "
+                         f"{cfg.parallel} slots leaves {cfg.slot_ctx} tokens each; give each "
+                         f"slot at least {MIN_SLOT_CTX} (-c is shared among the slots, as in "
+                         "llama-server)")
     return cfg

@@ -118,7 +118,7 @@ def cache_headers(run: Run) -> dict[str, str]:
     """What the cache did for this request, on both APIs."""
     return {"X-Prefixgate-Cached-Tokens": str(run.usage.cached_tokens),
             "X-Prefixgate-Cache-Source": run.usage.source,
-            "X-Prefixgate-Worker": str(run.worker.worker_id),
+            "X-Prefixgate-Worker": run.worker.label,
             "X-Prefixgate-Restore-Seconds": f"{run.timings.get('restore_s', 0.0):.4f}"}
 
 
@@ -134,7 +134,7 @@ def model_card(app: web.Application) -> dict[str, Any]:
     cfg, mid = app[CONFIG], app[MODEL_ID]
     created = int(os.path.getmtime(cfg.model_path))
     return {"id": mid, "object": "model", "created": created, "owned_by": "prefixgate",
-            "context_length": cfg.n_ctx, "max_model_len": cfg.n_ctx}
+            "context_length": cfg.slot_ctx, "max_model_len": cfg.slot_ctx}
 
 
 def reject(request: web.Request, api: str, e: ApiError, error: ErrorResponse

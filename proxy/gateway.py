@@ -87,7 +87,8 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self._render, fn, *args)
 
     async def prepare(self, req: ChatRequest) -> Prepared:
-        return await self.offload(self.prompts.prepare, req, self.cfg.n_ctx, self.default_scope)
+        return await self.offload(self.prompts.prepare, req, self.cfg.slot_ctx,
+                                  self.default_scope)
 
     async def start(self, prep: Prepared) -> Run:
         ids = prep.rendered.ids
@@ -97,15 +98,15 @@ class Gateway:
         if self.cache is not None and facts.scope.kind != "off":
             stored = await self.cache.read(self.cache.lookup, facts, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
-        worker = await self.pool.acquire(list(ids), stored.longest, tenant)
+        slot = await self.pool.acquire(list(ids), stored.longest, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth)
         try:
             recent = self.ring.recent(tenant, facts.scope.window) \
                 if facts.scope.kind == "auto" else []
-            plan = decide(facts, stored, WorkerFacts(worker.live_prefix(ids, tenant),
-                                                     worker.live_tenant == tenant,
-                                                     worker.memory == "plain",
-                                                     worker.align, worker.exact),
+            w = slot.worker
+            plan = decide(facts, stored, WorkerFacts(slot.live_prefix(ids, tenant),
+                                                     slot.live_tenant == tenant,
+                                                     w.memory == "plain", w.align, w.exact),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":
                 self._trace_miss(ids, tenant)
@@ -115,11 +116,11 @@ class Gateway:
                     self.spawn(self.cache.write(self.cache.ring_push, tenant, ids,
                                                 RING_CAPACITY))
             salt = b"" if self.cache is None else await self.cache.read(self.cache.salt, tenant)
-            run = Run(self.deps, prep, worker, plan, salt, tenant)
+            run = Run(self.deps, prep, slot, plan, salt, tenant)
             await run.open()
             return run
         except BaseException:
-            await self.pool.release(worker, [], tenant)
+            await self.pool.release(slot, [], tenant)
             raise
 
     def _trace_miss(self, ids: tuple[int, ...], tenant: str) -> None:

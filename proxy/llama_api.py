@@ -6,7 +6,7 @@ with them (issue 21):
     POST /detokenize     {"tokens": [...]} -> {"content"}
     POST /apply-template a chat completion body -> {"prompt"}: the text prefixgate renders for
                          it (normalized and laid out stable first, as a request would be)
-    GET  /slots          each worker's sequence (one per worker): id, n_ctx, is_processing,
+    GET  /slots          every slot of every worker: id, worker, slot, n_ctx, is_processing,
                          live_tokens, a hash of the tenant whose KV it holds, exact
     GET  /v1/health, /models   the same as /health and /v1/models
 
@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.chat import expect_dict
-from proxy.edge import GATEWAY, LIMITS, POOL, check_auth, read_body
+from proxy.edge import CONFIG, GATEWAY, LIMITS, POOL, check_auth, read_body
 from proxy.errors import BadRequest
 from proxy.limits import load as load_json
 from proxy.openai_api import parse_chat
@@ -73,12 +73,14 @@ def _handler(fn: Any) -> Any:
 
 async def slots(request: web.Request) -> web.Response:
     check_auth(request)
+    cfg = request.app[CONFIG]
     return web.json_response([
-        {"id": w.worker_id, "n_ctx": w.n_ctx, "is_processing": w.busy, "ready": w.ready,
-         "live_tokens": len(w.live_ids), "exact": w.exact,
-         "tenant": hashlib.sha256(w.live_tenant.encode()).hexdigest()[:12]
-         if w.live_tenant else ""}
-        for w in request.app[POOL].workers])
+        {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
+         "is_processing": s.busy, "ready": s.ready, "live_tokens": len(s.live_ids),
+         "exact": s.worker.exact,
+         "tenant": hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12]
+         if s.live_tenant else ""}
+        for i, s in enumerate(request.app[POOL].slots)])
 
 
 def add_routes(app: web.Application, health: Any, models: Any) -> None:

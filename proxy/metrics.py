@@ -70,3 +70,13 @@ class Metrics:
             ["worker"], registry=r)
         self.queue_depth = Gauge("prefixgate_queue_depth", "Requests waiting for a worker",
                                  registry=r)
+        self.slots_busy = Gauge("prefixgate_slots_busy", "Slots running a request, per worker",
+                                ["worker"], registry=r)
+        self.ram_bytes = Gauge("prefixgate_cache_ram_bytes",
+                               "Bytes of live states kept in the workers' RAM tier",
+                               ["worker"], registry=r)
+        self.ram_budget_bytes = Gauge("prefixgate_cache_ram_budget_bytes",
+                                      "The --cache-ram budget per worker (-1: no limit)",
+                                      ["worker"], registry=r)
+        self.ram_entries = Gauge("prefixgate_cache_ram_entries",
+                                 "States in the workers' RAM tier", ["worker"], registry=r)

@@ -161,7 +161,7 @@ Effect = (Emit | Finish | Fail | Commit | SaveFailure | Drop | Touch | Progress 
 class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # not prefilled: live KV kept or restored from disk
-    source: str = "none"  # "live" | "disk" | "none"
+    source: str = "none"  # "live" | "ram" | "disk" | "none"
     created_tokens: int = 0  # prefilled tokens covered by a new snapshot
     completion_tokens: int = 0
 
@@ -212,7 +212,9 @@ class RunState:
                             for f in ev.faults]
         u = self.usage
         u.cached_tokens = self.live_n = ev.keep
-        if ev.restored:
+        if ev.ram:
+            u.source = "ram"
+        elif ev.restored:
             u.source = "disk"
             fx += [Touch(r.key, ev.restore_s) for r in self.plan.restore
                    if r.n_tokens == ev.restored]
@@ -313,9 +315,13 @@ class EventStream(Protocol):
 
 
 class WorkerClient(Protocol):
-    """What a run needs of a worker: `proxy.workers.Worker` over HTTP, or a test's fake."""
+    """What a run needs of a worker's slot: `proxy.workers.Slot` over HTTP, or a test's fake."""
 
-    worker_id: int
+    @property
+    def worker_id(self) -> int: ...
+
+    @property
+    def label(self) -> str: ...  # for log lines: "0", or "0.1" (worker 0, slot 1)
 
     def run(self, job: Job, timeout_s: float
             ) -> contextlib.AbstractAsyncContextManager[EventStream]: ...
@@ -403,7 +409,7 @@ class Run:
             ev = await self._next()
             for fx in self.state.apply(ev):
                 if isinstance(fx, Fail):
-                    raise WorkerFailed(f"worker {self.worker.worker_id}: {fx.message}")
+                    raise WorkerFailed(f"worker {self.worker.label}: {fx.message}")
                 await self._perform(fx)
         except BaseException:
             await self._close_stream()
@@ -430,7 +436,7 @@ class Run:
                 await self._perform(fx)
             raise
         except Exception as e:  # a bug here must not leave the worker taken for good
-            log.exception("run on worker %d failed", self.worker.worker_id)
+            log.exception("run on worker %s failed", self.worker.label)
             for fx in self.state.apply(StreamLost(f"{type(e).__name__}: {e}")):
                 with contextlib.suppress(Exception):
                     await self._perform(fx)
@@ -449,7 +455,7 @@ class Run:
         self._queue.put_nowait(None)
 
     async def _fail(self, fx: Fail) -> None:
-        self._queue.put_nowait(WorkerFailed(f"worker {self.worker.worker_id}: {fx.message}"))
+        self._queue.put_nowait(WorkerFailed(f"worker {self.worker.label}: {fx.message}"))
 
     async def _commit(self, fx: Commit) -> None:
         m, s = self.deps.metrics, fx.saved
@@ -496,8 +502,8 @@ class Run:
         self._progress_logged_s = now
         n, cached = self.usage.prompt_tokens, self.usage.cached_tokens
         rate = (fx.n_live - cached) / max(now - self.prep.arrived_s, 1e-9)
-        log.info("%s prefilling %d/%d tokens (%d cached, %.0f tokens/s) worker=%d",
-                 self.prep.req.api, fx.n_live, n, cached, rate, self.worker.worker_id)
+        log.info("%s prefilling %d/%d tokens (%d cached, %.0f tokens/s) worker=%s",
+                 self.prep.req.api, fx.n_live, n, cached, rate, self.worker.label)
 
     async def _record(self, fx: Record) -> None:
         u, m, api, plan = self.usage, self.deps.metrics, self.prep.req.api, self.plan
@@ -515,12 +521,12 @@ class Run:
         saves = ",".join(f"{s.reason}@{s.n_tokens}" for s in plan.saves) or "-"
         log.info(
             "%s prompt=%d cached=%d source=%s scope=%s boundary=%s lookup=%s saves=%s "
-            "prefill_s=%.3f decode_s=%.3f ttft_s=%.3f gen=%d finish=%s worker=%d%s",
+            "prefill_s=%.3f decode_s=%.3f ttft_s=%.3f gen=%d finish=%s worker=%s%s",
             api, u.prompt_tokens, u.cached_tokens, u.source, format_scope(self.prep.scope),
             plan.boundary if plan.boundary is not None else "-", plan.lookup, saves,
             self.timings.get("prefill_s", 0.0), self.timings.get("decode_s", 0.0),
             self.ttft_s or 0.0, u.completion_tokens, self.finish_reason,
-            self.worker.worker_id,
+            self.worker.label,
             f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
 
     async def _count(self, fx: Count) -> None:
@@ -530,9 +536,9 @@ class Run:
         st = self.state
         if st.outcome != "ok":
             u = self.usage
-            log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%d",
+            log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%s",
                      self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source, st.outcome,
-                     len(fx.live_ids), self.worker.worker_id)
+                     len(fx.live_ids), self.worker.label)
         await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect,
                                      fx.floor)
 

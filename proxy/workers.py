@@ -22,19 +22,23 @@ Rules:
 - A changed boot id means the worker restarted and lost its live KV: live ids are cleared and
   `restarts` counted. It rejoins only with the expected fingerprint and volume.
 - A request when every worker is remote and down fails at once with 503 (`WorkerFailed`).
-- The pool knows each worker's live token ids (what was sent plus what was generated, as the
-  worker reported), routes with `policies.router`, and queues at most `max_queue` requests:
-  past that, 429. A release after the worker restarted or went down records no live ids.
+- A worker has one slot per sequence (`--parallel`, its /health says how many). The pool knows
+  each slot's live token ids (what was sent plus what was generated, as the worker reported),
+  routes to a slot with `policies.router`, and queues at most `max_queue` requests: past that,
+  429. A release after the worker restarted or went down records no live ids; a worker that
+  restarts or goes down forgets every slot's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +49,7 @@ import aiohttp
 from backend import volume
 from backend.protocol import Event, Job, parse_event
 from policies.prefix import common_prefix_len, live_reuse
-from policies.router import WorkerView, choose_worker
+from policies.router import SlotView, choose_slot
 from proxy.config import Config, worker_argv
 from proxy.errors import QueueFull, WorkerFailed
 
@@ -92,48 +96,35 @@ class EventStream:
 
 
 @dataclass(eq=False)
-class Worker:
-    worker_id: int
-    base_url: str  # "http://worker" over a Unix socket, or a remote http://host:port
-    socket_path: str | None = None
-    session: aiohttp.ClientSession | None = None
-    process: asyncio.subprocess.Process | None = None
+class Slot:
+    """One sequence of a worker: where the router places a request, and what `proxy.run.Run`
+    talks to (its jobs go to the worker with this slot's index)."""
+
+    worker: Worker
+    index: int
     live_ids: list[int] = field(default_factory=list)  # the proxy's view of its live KV
     live_tenant: str = ""  # whose prompt the live KV holds (tenant isolation)
     live_floor: int = 0  # the shortest prefix of live_ids its memory can be cut back to
     busy: bool = False
-    ready: bool = False
-    n_ctx: int = 0
-    fingerprint: str = ""
-    memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
-    align: int = 1  # it reuses only at multiples of this (its batch size)
-    exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
-    exact_failure: str = ""  # why not, from its /health
-    restarts: int = 0
-    boot_id: str = ""  # the worker process's id from /health; a new one = a restart
-    down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
-    acquired_at_restarts: int = 0  # `restarts` when acquired: a release after a restart is empty
-    streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
-    checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
+    acquired_at_restarts: int = 0  # the worker's `restarts` when acquired: see Pool.release
+    used_s: float = 0.0  # when it last ran a request (monotonic)
 
     @property
-    def remote(self) -> bool:
-        return self.socket_path is None
+    def worker_id(self) -> int:
+        return self.worker.worker_id
 
     @property
-    def memory_note(self) -> str:
-        """Its memory, its reuse granularity and its self-check's verdict for the ready line."""
-        return (f"memory {self.memory}, reuse at multiples of {self.align}, "
-                + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})"))
+    def label(self) -> str:
+        """For log lines: "0", or "0.1" for slot 1 of worker 0 when it has several."""
+        return f"{self.worker_id}.{self.index}" if len(self.worker.slots) > 1 \
+            else str(self.worker_id)
 
     @property
-    def name(self) -> str:
-        return f"worker {self.worker_id}" + (f" at {self.base_url}" if self.remote else "")
+    def ready(self) -> bool:
+        return self.worker.ready
 
-    def new_session(self) -> aiohttp.ClientSession:
-        if self.socket_path is not None:
-            return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path))
-        return aiohttp.ClientSession()
+    def forget(self) -> None:
+        self.live_ids, self.live_tenant, self.live_floor = [], "", 0
 
     def live_prefix(self, ids: list[int] | tuple[int, ...], tenant: str) -> int:
         """Tokens of `ids` its live KV holds that this tenant may reuse: all it shares, or
@@ -144,8 +135,75 @@ class Worker:
         return live_reuse(common_prefix_len(self.live_ids, ids), len(self.live_ids),
                           self.live_floor)
 
-    def view(self, ids: list[int], tenant: str) -> WorkerView:
-        return WorkerView(self.worker_id, self.live_prefix(ids, tenant), self.busy, self.ready)
+    def view(self, slot_id: int, ids: list[int], tenant: str) -> SlotView:
+        return SlotView(slot_id, self.live_prefix(ids, tenant), self.busy, self.ready,
+                        len(self.live_ids), self.used_s)
+
+    def run(self, job: Job, timeout_s: float) -> contextlib.AbstractAsyncContextManager[
+            EventStream]:
+        return self.worker.run(dataclasses.replace(job, slot=self.index), timeout_s)
+
+    async def cancel(self, run_id: str) -> bool:
+        return await self.worker.cancel(run_id)
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: int
+    base_url: str  # "http://worker" over a Unix socket, or a remote http://host:port
+    socket_path: str | None = None
+    session: aiohttp.ClientSession | None = None
+    process: asyncio.subprocess.Process | None = None
+    slots: list[Slot] = field(default_factory=list)  # one per sequence (its /health: "slots")
+    ready: bool = False
+    n_ctx: int = 0
+    fingerprint: str = ""
+    memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
+    align: int = 1  # it reuses only at multiples of this (its batch size)
+    exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
+    exact_failure: str = ""  # why not, from its /health
+    restarts: int = 0
+    boot_id: str = ""  # the worker process's id from /health; a new one = a restart
+    down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
+    streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
+    checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            self.slots = [Slot(self, 0)]
+
+    @property
+    def remote(self) -> bool:
+        return self.socket_path is None
+
+    @property
+    def busy(self) -> bool:
+        return any(s.busy for s in self.slots)
+
+    def forget(self) -> None:
+        """Its live KV is gone (a restart) or unknown (down): every slot's."""
+        for s in self.slots:
+            s.forget()
+
+    def set_slots(self, n: int) -> None:
+        if n != len(self.slots):
+            self.slots = [Slot(self, i) for i in range(n)]
+
+    @property
+    def memory_note(self) -> str:
+        """Its slots, memory, reuse granularity and self-check's verdict for the ready line."""
+        return (f"{len(self.slots)} slot(s), memory {self.memory}, reuse at multiples of "
+                f"{self.align}, "
+                + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})"))
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.worker_id}" + (f" at {self.base_url}" if self.remote else "")
+
+    def new_session(self) -> aiohttp.ClientSession:
+        if self.socket_path is not None:
+            return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path))
+        return aiohttp.ClientSession()
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, Any]:
         assert self.session is not None
@@ -194,11 +252,14 @@ class Worker:
 
 
 def incompatibility(h: dict[str, Any], fingerprint: bytes, n_ctx: int, model_path: str,
-                    volume_id: str) -> str | None:
+                    volume_id: str, slots: int = 1) -> str | None:
     """Why a worker whose /health says `h` cannot serve this proxy, or None."""
     if int(h.get("n_ctx", 0)) != n_ctx:
         return (f"it runs n_ctx {h.get('n_ctx')} but the proxy expects {n_ctx}: start both with "
                 "the same --n-ctx")
+    if int(h.get("slots", 1)) != slots:
+        return (f"it runs {h.get('slots', 1)} slots but the proxy expects {slots} (each gets "
+                "--n-ctx / --parallel tokens): start both with the same --parallel")
     if fingerprint and h.get("fingerprint") != fingerprint.hex():
         return (f"its model or KV settings differ from the proxy's: it serves "
                 f"{h.get('model')!r} (flash-attn {h.get('flash_attn')}, llama-cpp-python "
@@ -271,7 +332,7 @@ class Pool:
 
     async def _spawn(self, w: Worker) -> None:
         w.ready = False
-        w.live_ids = []
+        w.forget()
         # the proxy's own tree first, then whatever the proxy was given
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -293,7 +354,8 @@ class Pool:
                     raise RuntimeError(f"worker {w.worker_id} not ready after "
                                        f"{HEALTH_TIMEOUT_S:.0f} s") from None
                 await asyncio.sleep(0.1)
-        problem = incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path, "")
+        problem = incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path, "",
+                                  self.cfg.parallel)
         if problem:
             raise StartupError(f"{w.name}: {problem}")
         self._adopt(w, h)
@@ -344,7 +406,7 @@ class Pool:
 
     def _incompatibility(self, h: dict[str, Any]) -> str | None:
         return incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path,
-                               self.volume_id)
+                               self.volume_id, self.cfg.parallel)
 
     def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
         w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
@@ -354,6 +416,7 @@ class Pool:
         w.exact = bool(exact.get("ok", True))
         w.exact_failure = str(exact.get("failure", ""))
         w.boot_id = str(h.get("boot_id", ""))
+        w.set_slots(int(h.get("slots", 1)))
 
     async def _first_contact(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -385,7 +448,7 @@ class Pool:
         async with self._cond:
             w.ready, w.down_reason = ready, reason
             if not ready:
-                w.live_ids = []
+                w.forget()
             self._cond.notify_all()
 
     async def _watch(self, w: Worker) -> None:
@@ -458,6 +521,17 @@ class Pool:
 
     # --- routing ---------------------------------------------------------------------------
 
+    async def ram_stats(self) -> dict[int, dict[str, int]]:
+        """Each ready worker's RAM tier (its /health), by worker id; one that does not answer
+        in time is left out."""
+        async def one(w: Worker) -> tuple[int, dict[str, int]] | None:
+            try:
+                return w.worker_id, dict((await w.health(PROBE_TIMEOUT_S)).get("cache_ram", {}))
+            except (*_UNREACHABLE, ValueError):
+                return None
+        got = await asyncio.gather(*(one(w) for w in self.workers if w.ready))
+        return dict(g for g in got if g is not None)
+
     @property
     def all_ready(self) -> bool:
         return bool(self.workers) and all(w.ready for w in self.workers)
@@ -473,48 +547,56 @@ class Pool:
             why = "; ".join(f"{w.name}: {w.down_reason or 'down'}" for w in self.workers)
             raise WorkerFailed(f"no worker is reachable ({why}); retry when one is back")
 
-    async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "") -> Worker:
-        """The worker to run this prompt on, marked busy; waits (bounded) when all are busy."""
+    @property
+    def slots(self) -> list[Slot]:
+        return [s for w in self.workers for s in w.slots]
+
+    async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "") -> Slot:
+        """The slot to run this prompt on, marked busy; waits (bounded) when all are busy."""
         self._check_reachable()
         if self._waiting >= self.cfg.max_queue and not any(
-                w.ready and not w.busy for w in self.workers):
-            raise QueueFull(f"all {len(self.workers)} workers are busy and "
+                s.ready and not s.busy for s in self.slots):
+            raise QueueFull(f"all {len(self.slots)} slots are busy and "
                             f"{self._waiting} requests are waiting; retry shortly")
         self._waiting += 1
         try:
             async with self._cond:
                 while True:
-                    choice = choose_worker([w.view(ids, tenant) for w in self.workers],
-                                           disk_hit)
+                    slots = self.slots
+                    choice = choose_slot([s.view(i, ids, tenant) for i, s in enumerate(slots)],
+                                         disk_hit)
                     if choice is not None:
-                        w = self.workers[choice]
-                        if not w.busy:
-                            w.busy = True
-                            w.acquired_at_restarts = w.restarts
-                            return w
+                        s = slots[choice]
+                        if not s.busy:
+                            s.busy = True
+                            s.acquired_at_restarts = s.worker.restarts
+                            return s
                     await self._cond.wait()
                     self._check_reachable()
         finally:
             self._waiting -= 1
 
-    async def release(self, w: Worker, live_ids: list[int], tenant: str = "",
+    async def release(self, s: Slot, live_ids: list[int], tenant: str = "",
                       suspect: bool = False, floor: int = 0) -> None:
         """The run is over. `suspect`: its stream was lost, so the worker may have died; it
         takes no request until its /health answers with the same boot id (`_recheck`), and a
         local worker that died is restarted by its supervisor meanwhile: requests queued behind
         a crash wait for it instead of failing on the dead process."""
         async with self._cond:
+            w = s.worker
             # a worker that restarted or went down while running this request holds nothing
-            fresh = w.ready and w.restarts == w.acquired_at_restarts
-            w.live_ids = live_ids if fresh else []
-            w.live_floor = min(floor, len(w.live_ids))
+            fresh = w.ready and w.restarts == s.acquired_at_restarts
+            s.live_ids = live_ids if fresh else []
+            s.live_floor = min(floor, len(s.live_ids))
             # an empty view belongs to nobody: a run that failed before the worker ran it
             # leaves the previous tenant's KV there, which the failing tenant must not reuse
-            w.live_tenant = tenant if w.live_ids else ""
+            s.live_tenant = tenant if s.live_ids else ""
+            s.used_s = time.monotonic()
             if suspect and w.ready:
-                w.ready, w.checking, w.live_ids = False, True, []
+                w.ready, w.checking = False, True
+                w.forget()
                 task = asyncio.create_task(self._recheck(w))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
-            w.busy = False
+            s.busy = False
             self._cond.notify_all()

@@ -84,8 +84,11 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
     tmp.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or tmp / "cache"
     log_path = tmp / f"server-{port}.log"
+    # the RAM tier is off unless a test turns it on: the cache tests are about the disk, and a
+    # request that replaces the live KV must leave only the disk to restore from
+    ram = () if {"--cache-ram", "-cram"} & set(args) else ("--cache-ram", "0")
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
-           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *args]
+           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *ram, *args]
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(

@@ -1,22 +1,28 @@
-"""Routing: longest live prefix among idle workers; wait for a busy one only for a clear win."""
+"""Routing: the idle slot that saves the most and drops the least; wait for a busy one only for
+a clear win."""
 
 from __future__ import annotations
 
 import pytest
 
-from policies.router import WorkerView, choose_worker
+from policies.router import SlotView, choose_slot
 
 
-def idle(worker_id: int, live_prefix: int) -> WorkerView:
-    return WorkerView(worker_id, live_prefix, busy=False)
+def idle(worker_id: int, live_prefix: int) -> SlotView:
+    return SlotView(worker_id, live_prefix, busy=False)
 
 
-def busy(worker_id: int, live_prefix: int) -> WorkerView:
-    return WorkerView(worker_id, live_prefix, busy=True)
+def busy(worker_id: int, live_prefix: int) -> SlotView:
+    return SlotView(worker_id, live_prefix, busy=True)
 
 
-def down(worker_id: int, live_prefix: int, is_busy: bool = False) -> WorkerView:
-    return WorkerView(worker_id, live_prefix, busy=is_busy, ready=False)
+def held(slot_id: int, live_prefix: int, live_tokens: int, used_s: float = 0.0) -> SlotView:
+    """An idle slot whose live KV holds live_tokens, of which live_prefix are this prompt's."""
+    return SlotView(slot_id, live_prefix, busy=False, live_tokens=live_tokens, used_s=used_s)
+
+
+def down(worker_id: int, live_prefix: int, is_busy: bool = False) -> SlotView:
+    return SlotView(worker_id, live_prefix, busy=is_busy, ready=False)
 
 
 @pytest.mark.parametrize(
@@ -53,11 +59,41 @@ def down(worker_id: int, live_prefix: int, is_busy: bool = False) -> WorkerView:
         ([down(0, 9000), busy(1, 10)], 0, 1),
     ],
 )
-def test_choose_worker(workers: list[WorkerView], disk_hit: int, expected: int | None) -> None:
-    assert choose_worker(workers, disk_hit) == expected
+def test_choose_worker(workers: list[SlotView], disk_hit: int, expected: int | None) -> None:
+    assert choose_slot(workers, disk_hit) == expected
+
+
+MAIN, SUB = 20000, 8000  # live tokens of a main session and of a subagent
+
+
+@pytest.mark.parametrize(
+    ("slots", "disk_hit", "expected"),
+    [
+        # The main session's next turn: the slot whose live KV it extends.
+        ([held(0, 0, 0), held(1, MAIN, MAIN), held(2, 0, SUB)], 0, 1),
+        # A title request (shares its first block): the empty slot, never a session's.
+        ([held(0, 64, MAIN), held(1, 0, 0), held(2, 0, SUB)], 0, 1),
+        # No empty slot: the one holding the least (the subagent's), not the main session's.
+        ([held(0, 0, MAIN), held(1, 0, SUB)], 0, 1),
+        ([held(0, 64, MAIN), held(1, 0, SUB)], 0, 1),
+        # A new subagent sharing 10K tokens of tools with the main session: the disk holds
+        # them, so an empty slot restores them instead of dropping the main session's rest.
+        ([held(0, 10000, MAIN), held(1, 0, 0)], 10000, 1),
+        # Without that disk hit the main slot saves as much as it drops (0 = 0): the longer
+        # live prefix wins the tie.
+        ([held(0, 10000, MAIN), held(1, 0, 0)], 0, 0),
+        # Equal slots: the least recently used, then the lowest id.
+        ([held(0, 0, SUB, used_s=20.0), held(1, 0, SUB, used_s=10.0)], 0, 1),
+        ([held(2, 0, 0), held(1, 0, 0)], 0, 1),
+        # A busy slot far ahead is still worth the wait, as for workers.
+        ([held(0, 0, 0), busy(1, MAIN)], 0, 1),
+    ],
+)
+def test_choose_slot(slots: list[SlotView], disk_hit: int, expected: int) -> None:
+    assert choose_slot(slots, disk_hit) == expected
 
 
 def test_margin_is_a_parameter() -> None:
     # With a 100-token margin, 500 tokens ahead of the disk hit is worth the wait.
     workers = [idle(0, 0), busy(1, 20000)]
-    assert choose_worker(workers, 19500, margin_tokens=100) == 1
+    assert choose_slot(workers, 19500, margin_tokens=100) == 1

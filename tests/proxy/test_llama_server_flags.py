@@ -72,10 +72,20 @@ def test_an_unknown_flag_is_one_line_that_shows_no_value(argv: list[str],
     assert ("--numa --lora" in message) if "--numa" in argv else True
 
 
-def test_what_is_not_supported_yet_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+def test_slots_share_the_context_as_in_llama_server(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = serve_config(["-np", "4", "-c", "32768", "-cram", "-1"], environ={})
+    assert (cfg.parallel, cfg.slot_ctx, cfg.cache_ram) == (4, 8192, -1)
+    assert serve_config([], environ={"LLAMA_ARG_N_PARALLEL": "3",
+                                     "LLAMA_ARG_CACHE_RAM": "0"}).parallel == 3
     with pytest.raises(SystemExit) as e:
-        serve_config(["-np", "4", "--api-key", SECRET], environ={})
-    assert "--parallel 4" in str(e.value) and "--workers" in str(e.value)
+        serve_config(["-np", "8", "-c", "2048", "--api-key", SECRET], environ={})
+    assert "256 tokens each" in str(e.value) and "shared" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        serve_config(["-np", "0"], environ={})
+    assert "--parallel 0" in str(e.value)
+
+
+def test_what_is_not_supported_yet_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         serve_config(["-sm", "diagonal", "--api-key", SECRET], environ={})
     assert "one of none, layer, row" in str(e.value)

@@ -265,10 +265,12 @@ class Harness:
                                                          "t"),
                                CacheKnobs(), 1 << 30, self.metrics)
         self.pool = Pool(Config())
-        self.worker = Worker(0, url)
-        self.worker.session = self.worker.new_session()
-        self.worker.ready = self.worker.busy = True
-        self.pool.workers.append(self.worker)
+        self.process = Worker(0, url)
+        self.process.session = self.process.new_session()
+        self.process.ready = True
+        self.worker = self.process.slots[0]  # what a run talks to: the worker's one slot
+        self.worker.busy = True
+        self.pool.workers.append(self.process)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.deps = RunDeps(self.pool, self.cache, self.metrics, self._spawn, 60.0)
 
@@ -319,7 +321,7 @@ async def test_a_worker_dying_mid_stream_fails_the_request_and_frees_the_worker(
         await h.settle()
         assert got == ["x"]
         # released, but suspect: it may have died, so it takes nothing until it answers again
-        assert (h.worker.busy, h.worker.ready, h.worker.live_ids) == (False, False, [])
+        assert (h.worker.busy, h.process.ready, h.worker.live_ids) == (False, False, [])
         assert h.count("error") == 1 and h.count("ok") == 0
         await h.close()
 

@@ -1,0 +1,130 @@
+"""Slots (issue 20): two sequences in one context, their steps interleaved as the worker's
+scheduler runs them (a prefill batch or a token of one, then of the other), each compute
+bit for bit what the same prompt computes alone in a context of its own: every logit of the
+prefill's end and of each greedy token, and the KV state. A snapshot taken in one slot restores
+into the other exactly. On plain attention, a sliding window and a hybrid recurrent state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from backend.engine import Cancel, Engine, Sampling
+from backend.worker import Scheduler
+from tests.backend.test_memory import _ids
+from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+
+pytestmark = pytest.mark.model
+
+SLOT_CTX = 2048
+GEN = 6
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _engine(name: str, n_seq: int) -> Engine:
+    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, flash_attn=FLASH_ATTN,
+                  n_seq=n_seq)
+
+
+def _run(eng: Engine, ids: list[int], trace: list[bytes], stops: tuple[int, ...] = (),
+         snaps: dict[int, bytes] | None = None) -> Iterator[None]:
+    """A job as the worker runs it: steps of prefill batches, then steps of one greedy token;
+    the logits of the prefill's end and of every token go to `trace`."""
+    kept = {} if snaps is None else snaps
+    yield from eng.prefill_steps(ids, list(stops),
+                                 lambda p: kept.__setitem__(p, bytes(eng.snapshot())), Cancel())
+    for token, _, _ in eng.generate(Sampling(temperature=0), GEN, Cancel()):
+        trace.append(eng.last_logits().tobytes())
+        trace.append(np.int32(token).tobytes())
+        yield
+
+
+def _alone(name: str, prompts: list[list[int]]) -> list[list[bytes]]:
+    eng = _engine(name, 1)
+    try:
+        out = []
+        for ids in prompts:
+            eng.truncate(0)
+            trace: list[bytes] = []
+            for _ in _run(eng, ids, trace):
+                pass
+            trace.append(bytes(eng.snapshot()))
+            out.append(trace)
+        return out
+    finally:
+        eng.close()
+
+
+def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
+    p, q = _ids(name, 700, 1), _ids(name, 900, 2)
+    want = _alone(name, [p, q])
+    eng = _engine(name, 2)
+    try:
+        traces: list[list[bytes]] = [[], []]
+        snaps: dict[int, bytes] = {}
+        sched = Scheduler(eng)
+        done = [sched.submit(0, _run(eng, p, traces[0])),
+                sched.submit(1, _run(eng, q, traces[1], (640,), snaps))]
+        for d in done:
+            d.result(timeout=600)
+        sched.stop()
+        for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
+            eng.use(slot)
+            state = bytes(eng.snapshot())
+            assert trace == ref[:-1], f"slot {slot}: logits or tokens differ from its run alone"
+            if slot == 0:  # the sequence id in a state is its slot's: slot 0's is the cold one's
+                assert state == ref[-1], "slot 0: its KV differs from the run alone"
+        # a snapshot taken in slot 1 restores into slot 0 and answers as the run alone
+        eng.use(0)
+        eng.restore(q[:640], snaps[640])
+        trace = []
+        for _ in _run(eng, q, trace):
+            pass
+        assert trace == want[1][:-1]
+        assert bytes(eng.snapshot()) == want[1][-1]
+    finally:
+        eng.close()
+    # and into a context of one slot (a state file outlives a change of --parallel)
+    solo = _engine(name, 1)
+    try:
+        solo.restore(q[:640], snaps[640])
+        trace = []
+        for _ in _run(solo, q, trace):
+            pass
+        assert trace == want[1][:-1]
+    finally:
+        solo.close()
+
+
+def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
+    p, q = _ids(name, 700, 3), _ids(name, 900, 4)
+    want = _alone(name, [p])[0]
+    eng = _engine(name, 2)
+    try:
+        cancel = Cancel()
+        trace: list[bytes] = []
+
+        def cancelled() -> Iterator[None]:
+            for i, _ in enumerate(eng.prefill_steps(q, [], lambda _: None, cancel)):
+                if i == 3:
+                    cancel.set()
+                yield
+
+        sched = Scheduler(eng)
+        a, b = sched.submit(0, _run(eng, p, trace)), sched.submit(1, cancelled())
+        a.result(timeout=600)
+        with pytest.raises(Exception, match="Cancelled|^$"):
+            b.result(timeout=600)
+        sched.stop()
+        assert trace == want[:-1]
+        eng.use(1)
+        assert 0 < eng.n_live < len(q) and eng.n_live % eng.align == 0, \
+            "what it prefilled stays live, at a batch edge"
+    finally:
+        eng.close()
