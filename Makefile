@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: serve test lint bench bench-quick setup clean
+.PHONY: serve test lint bench bench-quick setup clean bench-team bench-slots
 
 setup: $(STAMP)
 
@@ -117,6 +117,28 @@ synth: $(STAMP)
 
 overhead: $(BENCH_STAMP)
 	$(BIN)/python -m bench.overhead
+
+# several sessions on one model copy (issue 20): the agent-team replay against llama-server -np 3
+# (built here from the llama.cpp sources the llama-cpp-python sdist vendors, the engine's own
+# llama.cpp; about 25 min on 2 cores, once), batched versus solo decode, RAM vs disk vs prefill
+LLAMA_SERVER := build/llama-server/build/bin/llama-server
+.PHONY: bench-team bench-slots
+$(LLAMA_SERVER): | $(BIN)/python
+	rm -rf build/llama-server && mkdir -p build/llama-server
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d build/llama-server \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar -xzf build/llama-server/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
+		-C build/llama-server --strip-components=3 '*/vendor/llama.cpp'
+	cmake -S build/llama-server -B build/llama-server/build -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/llama-server/build --target llama-server -j
+
+bench-team: $(STAMP) $(LLAMA_SERVER)
+	$(BIN)/python -m bench.team --llama-server $(LLAMA_SERVER) $(TEAM_ARGS)
+
+bench-slots: $(STAMP) fixtures
+	$(BIN)/python -m bench.decode_batch
+	$(BIN)/python -m bench.ramtier
 
 # crash loop (issue 14): kill -9 the worker or the proxy at each phase of a save; exits 1 on an
 # answer that differs from a cold run's or a `prefixgate cache verify` that fails

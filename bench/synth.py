@@ -58,7 +58,7 @@ _WORDS = (
     "policy scope anchor boundary template render parse normalize schema tool call result "
     "always never must should may only each every before after first last new old same"
 ).split()
-_TOOL_NAMES = ("shell", "read_file", "write_file", "edit_file", "grep", "glob", "list_dir",
+TOOL_NAMES = ("shell", "read_file", "write_file", "edit_file", "grep", "glob", "list_dir",
                "run_tests", "git_diff", "web_fetch", "todo_write", "ask_user", "multi_edit",
                "notebook_edit", "web_search", "task", "exit_plan_mode", "bash_output",
                "kill_shell", "slash_command", "skill", "list_mcp_resources",
@@ -66,7 +66,7 @@ _TOOL_NAMES = ("shell", "read_file", "write_file", "edit_file", "grep", "glob", 
 SHAPES = ("env", "clients")
 
 
-def _words(rng: random.Random, n_chars: int) -> str:
+def words(rng: random.Random, n_chars: int) -> str:
     out: list[str] = []
     size = 0
     while size < n_chars:
@@ -76,23 +76,23 @@ def _words(rng: random.Random, n_chars: int) -> str:
     return " ".join(out)
 
 
-def _paragraphs(rng: random.Random, n_chars: int) -> str:
+def paragraphs(rng: random.Random, n_chars: int) -> str:
     parts = []
     size = 0
     k = 0
     while size < n_chars:
         k += 1
-        body = _words(rng, min(600, n_chars - size))
+        body = words(rng, min(600, n_chars - size))
         parts.append(f"## Section {k}\n\n{body.capitalize()}.")
         size += len(parts[-1]) + 2
     return "\n\n".join(parts)
 
 
-def _tool(rng: random.Random, name: str) -> dict[str, Any]:
+def tool_schema(rng: random.Random, name: str) -> dict[str, Any]:
     props = {f"{name}_{p}": {"type": rng.choice(["string", "integer", "boolean"]),
-                             "description": _words(rng, 60)}
+                             "description": words(rng, 60)}
              for p in ("target", "mode", "limit")[: 1 + rng.randrange(3)]}
-    return {"name": name, "description": _words(rng, 160).capitalize() + ".",
+    return {"name": name, "description": words(rng, 160).capitalize() + ".",
             "input_schema": {"type": "object", "properties": props,
                              "required": [next(iter(props))]}}
 
@@ -105,7 +105,7 @@ def _git_status(rng: random.Random) -> str:
     """Claude Code's block, as it ends its system prompt: one per session."""
     files = "\n".join(f"M src/{rng.choice(_WORDS)}_{rng.choice(_WORDS)}.py"
                       for _ in range(rng.randrange(1, 5)))
-    commits = "\n".join(f"{_hex(rng)} {_words(rng, 40)}" for _ in range(5))
+    commits = "\n".join(f"{_hex(rng)} {words(rng, 40)}" for _ in range(5))
     return ("gitStatus: This is the git status at the start of the conversation. Note that this "
             "status is a snapshot in time, and will not update during the conversation.\n"
             f"Current branch: main\n\nMain branch (you will usually use this for PRs): main\n\n"
@@ -134,8 +134,8 @@ class Knobs:
             raise ValueError("--rewrite-share must be between 0 and 1")
         if min(self.sessions, self.parallel, self.turns, self.rewrite_every) < 1:
             raise ValueError("--sessions, --parallel, --turns and --rewrite-every must be >= 1")
-        if not 0 <= self.tools <= len(_TOOL_NAMES):
-            raise ValueError(f"--tools must be 0..{len(_TOOL_NAMES)}")
+        if not 0 <= self.tools <= len(TOOL_NAMES):
+            raise ValueError(f"--tools must be 0..{len(TOOL_NAMES)}")
         if self.tail_tokens < 10:
             raise ValueError("--tail-tokens must be at least 10")
 
@@ -152,13 +152,13 @@ class Base:
 
 
 def make_base(rng: random.Random, k: Knobs) -> Base:
-    tools = tuple(_tool(rng, n) for n in _TOOL_NAMES[: k.tools])
+    tools = tuple(tool_schema(rng, n) for n in TOOL_NAMES[: k.tools])
     tool_tokens = len(json.dumps(tools)) / JSON_CHARS_PER_TOKEN
     header = ("You are a coding agent working in a local repository. Use the tools to inspect "
               "files, run commands and verify your work. Answer tersely.")
     notes_chars = max(0, int((k.prefix_tokens - tool_tokens) * CHARS_PER_TOKEN)
                       - len(header) - 200)
-    return Base(header, "# AGENTS.md\n\n" + _paragraphs(rng, notes_chars), tools,
+    return Base(header, "# AGENTS.md\n\n" + paragraphs(rng, notes_chars), tools,
                 "2026-03-14", f"branch main, clean, HEAD {_hex(rng)}")
 
 
@@ -196,19 +196,19 @@ class Session:
         self.turn += 1
         tail = int(self.k.tail_tokens * CHARS_PER_TOKEN)
         if self.turn == 1:
-            self.messages.append({"role": "user", "content": "Task: " + _words(self.rng, 200)})
+            self.messages.append({"role": "user", "content": "Task: " + words(self.rng, 200)})
         else:
             self._rewrite()
             tool_id = f"toolu_{self.sid:02d}_{self.turn - 1:03d}"
             name = self.rng.choice([t["name"] for t in self.base.tools] or ["shell"])
             self.messages.append({"role": "assistant", "content": [
-                {"type": "text", "text": _words(self.rng, tail // 6).capitalize() + "."},
+                {"type": "text", "text": words(self.rng, tail // 6).capitalize() + "."},
                 {"type": "tool_use", "id": tool_id, "name": name,
-                 "input": {"command": _words(self.rng, tail // 12)}}]})
+                 "input": {"command": words(self.rng, tail // 12)}}]})
             self.messages.append({"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": tool_id,
-                 "content": _words(self.rng, tail // 2)},
-                {"type": "text", "text": _words(self.rng, tail // 6)}]})
+                 "content": words(self.rng, tail // 2)},
+                {"type": "text", "text": words(self.rng, tail // 6)}]})
         row: dict[str, Any] = {
             "model": "synthetic", "system": self.system(),
             "messages": json.loads(json.dumps(self.messages)),  # a snapshot, not a view

@@ -2,7 +2,7 @@
 jobs directly as a proxy would, including a proxy whose view of the worker is stale (it says
 `live_ok` for the wrong tenant, as after a request that failed before the worker ran it). The
 worker keeps live KV only for the tenant whose prompt it holds: on success, after a cancel,
-after a refused job."""
+after a refused job. Its RAM tier gives a tenant back only its own states."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from backend.protocol import Cancelled, Done, Event, Job, Prefill, Start, parse_event
 from policies.decide import Plan
-from tests.conftest import free_port
+from tests.conftest import free_port, http_get
 from tests.deploy.test_remote_workers import WorkerProcess
 from tests.models import reusable
 
@@ -27,16 +27,16 @@ LONG = tuple(range(2000, 3600))  # long enough that a cancel lands during its pr
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     tmp = tmp_path_factory.mktemp("tenants")
-    w = WorkerProcess(tmp, free_port(), tmp / "cache")
+    w = WorkerProcess(tmp, free_port(), tmp / "cache", "--cache-ram", "0")  # live KV only
     yield w
     w.stop()
 
 
-def job(ids: tuple[int, ...], tenant: str, run_id: str = "r", keep_max: int | None = None
-        ) -> Job:
+def job(ids: tuple[int, ...], tenant: str, run_id: str = "r", keep_max: int | None = None,
+        salt: bytes = b"") -> Job:
     """A job whose plan lets the worker keep any live KV (live_ok): the proxy's view."""
     plan = Plan((), (), len(ids) - 2 if keep_max is None else keep_max, True, "off", None, None)
-    return Job(run_id, ids, b"", tenant, plan, {"temperature": 0.0}, 1, (), None)
+    return Job(run_id, ids, salt, tenant, plan, {"temperature": 0.0}, 1, (), None)
 
 
 def run(w: WorkerProcess, j: Job, cancel_at_prefill: bool = False) -> list[Event]:
@@ -89,3 +89,20 @@ def test_after_a_cancel_the_kv_is_the_cancelled_tenants(worker: WorkerProcess) -
     assert live > 0
     assert kept(run(worker, job(LONG, "b"))) == 0  # a's partial prefill is not b's
     assert kept(run(worker, job(LONG, "b"))) == reusable(len(LONG))
+
+
+def test_the_ram_tier_gives_a_tenant_back_only_its_own(tmp_path_factory: pytest.TempPathFactory
+                                                       ) -> None:
+    tmp = tmp_path_factory.mktemp("ram")
+    w = WorkerProcess(tmp, free_port(), tmp / "cache", "--cache-ram", "64")
+    try:
+        assert kept(run(w, job(SHORT, "a"))) == 0
+        assert kept(run(w, job(SHORT, "b"))) == 0  # a's live KV gave way to RAM: not b's
+        back = run(w, job(SHORT, "a"))[0]  # a's own, from RAM (b's went there meanwhile)
+        assert isinstance(back, Start) and back.keep == back.ram == reusable(len(SHORT))
+        assert kept(run(w, job(SHORT, "b", salt=b"\x01" * 16))) == 0, \
+            "b's state under another salt (another model or settings) is not this request's"
+        health = json.loads(http_get(w.url + "/health")[1])
+        assert health["cache_ram"]["hit"] == 1 and health["cache_ram"]["entries"] >= 1
+    finally:
+        w.stop()

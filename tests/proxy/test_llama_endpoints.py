@@ -77,10 +77,11 @@ def test_health_models_and_props_in_llama_servers_shapes(server: Server) -> None
     status, raw = server.get("/slots")
     slots = json.loads(raw)
     assert status == 200 and [s["id"] for s in slots] == [0, 1]
-    assert set(slots[0]) == {"id", "n_ctx", "is_processing", "ready", "live_tokens", "exact",
-                             "tenant"}
+    assert set(slots[0]) == {"id", "worker", "slot", "n_ctx", "is_processing", "ready",
+                             "live_tokens", "exact", "tenant"}
+    assert [(s["worker"], s["slot"]) for s in slots] == [(0, 0), (1, 0)]
     props = server.get_json("/props")
-    assert props["total_slots"] == 2  # two workers, one sequence each
+    assert props["total_slots"] == 2  # two workers, one slot each
     assert "im_start" in props["chat_template"]
     assert props["build_info"].startswith("prefixgate ") and "llama-cpp-python 0.3.36" in \
         props["build_info"]

@@ -1,0 +1,123 @@
+"""Does a batched decode change a slot's output? (issue 20)
+
+    python -m bench.decode_batch [--models smollm2,gemma3,qwen35] [--steps 24] [--slots 3]
+
+For each model: a context of `--slots` slots, each holding its own prompt (prefilled alone, in
+the cold run's batches). Then `--steps` greedy decode steps two ways from the same states:
+- alone: each slot's token evaluated in a llama_decode of its own (what prefixgate's scheduler
+  does);
+- batched: one llama_decode holding one token of every slot (what llama-server's continuous
+  batching does).
+Reported: whether the logits are bit-identical, the largest absolute logit difference, and the
+first step where the greedy tokens part, plus the time per step both ways. The README's
+guarantee follows from it: prefixgate never batches decode steps across slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from backend.engine import Cancel, Engine
+from tests.models import model_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def prompt_ids(eng: Engine, n: int, seed: int) -> list[int]:
+    """n seeded token ids of the model's vocabulary, none that ends generation."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(1, eng.n_vocab, 2 * n) if int(t) not in eng.eog][:n]
+
+
+def decode(eng: Engine, tokens: list[tuple[int, int, int]]) -> list[np.ndarray]:
+    """One llama_decode of (slot, position, token) entries, logits for each."""
+    b = llama_cpp.llama_batch_init(len(tokens), 0, len(eng.seqs))
+    try:
+        for i, (slot, pos, tok) in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1
+            b.seq_id[i][0] = slot
+        b.n_tokens = len(tokens)
+        if llama_cpp.llama_decode(eng.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(eng.ctx, i),
+                                      shape=(eng.n_vocab,)).copy() for i in range(len(tokens))]
+    finally:
+        llama_cpp.llama_batch_free(b)
+
+
+def run(name: str, slots: int, steps: int) -> dict[str, Any]:
+    eng = Engine(model_file(name), 2048 * slots, 2, 0, n_seq=slots)
+    try:
+        prompts = [prompt_ids(eng, 300 + 100 * s, s) for s in range(slots)]
+        first, states = [], []
+        for s, ids in enumerate(prompts):
+            eng.use(s)
+            eng.prefill(ids, [], lambda _: None, Cancel())
+            first.append(int(np.argmax(eng.last_logits())))
+            states.append(bytes(eng.snapshot()))
+
+        def restore_all() -> None:
+            for s, ids in enumerate(prompts):
+                eng.use(s)
+                eng.restore(ids, states[s])
+
+        def walk(batched: bool) -> tuple[list[list[np.ndarray]], float]:
+            restore_all()
+            toks, logits = list(first), [[] for _ in range(slots)]
+            t0 = time.perf_counter()
+            for step in range(steps):
+                entries = [(s, len(prompts[s]) + step, toks[s]) for s in range(slots)]
+                outs = decode(eng, entries) if batched else \
+                    [decode(eng, [e])[0] for e in entries]
+                for s, out in enumerate(outs):
+                    logits[s].append(out)
+                    toks[s] = int(np.argmax(out))
+            return logits, (time.perf_counter() - t0) / steps
+
+        alone, alone_s = walk(False)
+        batched, batched_s = walk(True)
+        diff = max(float(np.max(np.abs(a - b))) for s in range(slots)
+                   for a, b in zip(alone[s], batched[s], strict=True))
+        same = all(a.tobytes() == b.tobytes() for s in range(slots)
+                   for a, b in zip(alone[s], batched[s], strict=True))
+        parted = [next((i for i, (a, b) in enumerate(zip(alone[s], batched[s], strict=True))
+                        if int(np.argmax(a)) != int(np.argmax(b))), None) for s in range(slots)]
+        return {"model": name, "slots": slots, "steps": steps, "bit_identical": same,
+                "max_abs_logit_diff": diff, "greedy_parts_at_step": parted,
+                "alone_ms_per_step": round(alone_s * 1000, 2),
+                "batched_ms_per_step": round(batched_s * 1000, 2)}
+    finally:
+        eng.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.decode_batch")
+    p.add_argument("--models", default="smollm2,gemma3,qwen35")
+    p.add_argument("--slots", type=int, default=3)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
+    args = p.parse_args(argv)
+    rows = [run(m, args.slots, args.steps) for m in args.models.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_batch.json").write_text(json.dumps(rows, indent=1))
+    lines = ["| model | slots | steps | batched = alone, bit for bit | max abs logit diff | "
+             "greedy tokens part at step | ms/step alone | ms/step batched |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['slots']} | {r['steps']} | {r['bit_identical']} | "
+                     f"{r['max_abs_logit_diff']:.3g} | {r['greedy_parts_at_step']} | "
+                     f"{r['alone_ms_per_step']} | {r['batched_ms_per_step']} |")
+    (out / "decode_batch.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Restore from the RAM tier versus from disk versus prefill (issue 20).
+
+    python -m bench.ramtier [--model GGUF] [--tokens 1024,4096,8192] [--repeats 3]
+
+For each prompt length n (a multiple of the batch size): a cold prefill of n tokens, then the
+worker's three ways to get the same state back into a slot, each timed and checked to hold
+exactly n tokens:
+- ram: `Engine.restore` from the snapshot held in memory (what the RAM tier keeps);
+- disk (page cache): `store.read_state_file` of the state file just written (the OS still
+  has it cached, as for a recent snapshot), then `Engine.restore`;
+- disk (cold): the same after `posix_fadvise(DONTNEED)` drops the file from the page cache
+  (where the OS honours it);
+- prefill: the n tokens evaluated again.
+Medians of `--repeats` runs, in one process, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backend import keys, store
+from backend.engine import Cancel, Engine
+from proxy.config import Config, cache_identity, default_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def median_s(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(model: str, lengths: list[int], repeats: int, threads: int) -> list[dict[str, Any]]:
+    n_ctx = max(lengths) + 256
+    eng = Engine(model, n_ctx, threads, 0)
+    fp = cache_identity(Config(model=model, n_ctx=n_ctx)).fingerprint()
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(1, eng.n_vocab, 2 * max(lengths)) if int(t) not in
+           eng.eog][:max(lengths)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in lengths:
+            part = ids[:n]
+
+            def prefill() -> None:
+                eng.truncate(0)
+                eng.prefill(part, [], lambda _: None, Cancel())
+
+            prefill_s = median_s(prefill, repeats)
+            state = eng.snapshot()
+            path, size, _ = store.write_state_file(Path(tmp), keys.prefix_keys(b"", part, [n])[n],
+                                                   fp, part, state)
+
+            def ram() -> None:
+                eng.restore(part, state)
+                assert eng.n_live == n
+
+            def disk(cold: bool) -> None:
+                if cold:
+                    fd = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                got, data = store.read_state_file(path, fp, part)
+                eng.restore(part[:got], data)
+                assert eng.n_live == n
+
+            ram_s = median_s(ram, repeats)
+            warm_s = median_s(lambda: disk(False), repeats)
+            cold_s = median_s(lambda: disk(True), repeats)
+            rows.append({"tokens": n, "state_mib": round(size / 2**20, 1),
+                         "ram_s": round(ram_s, 4), "disk_page_cache_s": round(warm_s, 4),
+                         "disk_cold_s": round(cold_s, 4), "prefill_s": round(prefill_s, 3),
+                         "prefill_over_ram": round(prefill_s / ram_s, 1),
+                         "disk_cold_over_ram": round(cold_s / ram_s, 2)})
+    eng.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.ramtier")
+    p.add_argument("--model", default="")
+    p.add_argument("--tokens", default="1024,4096,8192")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
+    a = p.parse_args(argv)
+    model = a.model or default_model()
+    rows = run(model, [int(x) for x in a.tokens.split(",")], a.repeats, a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ramtier.json").write_text(json.dumps({"model": model, "rows": rows}, indent=1))
+    lines = [f"Model `{Path(model).name}`, {a.threads} threads, median of {a.repeats}.", "",
+             "| tokens | state MiB | RAM restore s | disk restore s (page cache) | "
+             "disk restore s (cold) | prefill s | prefill / RAM | disk cold / RAM |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['state_mib']} | {r['ram_s']} | {r['disk_page_cache_s']} | "
+              f"{r['disk_cold_s']} | {r['prefill_s']} | {r['prefill_over_ram']} | "
+              f"{r['disk_cold_over_ram']} |" for r in rows]
+    (out / "ramtier.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

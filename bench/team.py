@@ -1,0 +1,454 @@
+"""`make bench-team`: the agent-team benchmark (issue 20): one model copy, several sessions.
+
+    python -m bench.team [--llama-server PATH] [--arms slots,workers,llama-server]
+        [--main-tokens 6000] [--sub-tokens 3000] [--turns 5] [--tail-tokens 400]
+        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--model GGUF] [--out DIR]
+
+The trace (synthetic, seeded, built here): a main Claude Code-shaped session (a system prompt
+with project notes, tool schemas; each turn appends an assistant tool call, its result and
+user text, about `--tail-tokens`), two subagent sessions started once the main session's
+second turn is answered (their own system prompt, the same tools), and background requests
+(a title after the first turn, a summary between later turns: about 300 tokens, sharing
+nothing with a session). Sent as clients send them: each session's turns one after another,
+the sessions and the background requests at the same time.
+
+Arms, run one after the other in one invocation on one machine (two cores cannot run them at
+once without measuring each other):
+- `slots`: prefixgate, 1 worker with 3 slots (`--parallel 3`, `-c 3 x slot-ctx`);
+- `workers`: prefixgate, 3 workers of 1 slot (`--workers 3`, `-c slot-ctx`): 3 model copies;
+- `llama-server`: llama.cpp's server, `-np 3 -c 3 x slot-ctx`, its defaults otherwise (the
+  host-RAM prompt cache included), sent the exact text prefixgate renders for each request
+  (prefixgate's `/apply-template`), to `/v1/completions`, so both prefill the same tokens.
+
+Reported per arm: wall time, TTFT p50/p95 per request class (main, subagent, background),
+fresh prefill tokens (prefixgate: prompt minus cached; llama-server: its `timings.prompt_n`),
+peak RSS of the server's process tree (sampled every 0.1 s), and for prefixgate where each main
+turn's cache came from (it must never be the disk because of a background request). The peak
+RSS is compared with the model file plus its KV (slot-ctx x 3 tokens x the bytes per token
+llama.cpp reports) plus 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.replay import ROOT, free_port, http_get
+from bench.synth import TOOL_NAMES, paragraphs, tool_schema, words
+
+CLASSES = ("main", "subagent", "background")
+SYSTEM_CHARS_PER_TOKEN = 5.2  # bench.synth's prose estimate (SmolLM2's tokenizer)
+
+
+# --- the trace --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    main_tokens: int = 6000
+    sub_tokens: int = 3000
+    turns: int = 5
+    sub_turns: int = 3
+    tail_tokens: int = 400
+    max_tokens: int = 32
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Request:
+    cls: str  # main | subagent | background
+    name: str  # e.g. main#2, sub1#0, title
+    body: dict[str, Any]  # an OpenAI chat completions body
+    text: str = ""  # what prefixgate renders for it (sent to llama-server)
+
+
+def _session(rng: random.Random, system: str, tools: list[dict[str, Any]], turns: int,
+             tail_tokens: int, max_tokens: int, cls: str, name: str) -> list[Request]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                  {"role": "user", "content": words(rng, 300).capitalize()}]
+    out = []
+    for t in range(turns):
+        out.append(Request(cls, f"{name}#{t}", {
+            "model": "m", "messages": [dict(m) for m in msgs], "tools": tools,
+            "tool_choice": "none", "temperature": 0, "max_tokens": max_tokens,
+            "stream": True}))
+        call = {"id": f"call_{name}_{t}", "type": "function", "function": {
+            "name": rng.choice(tools)["function"]["name"],
+            "arguments": json.dumps({"target": f"src/{rng.choice(TOOL_NAMES)}.py"})}}
+        result_chars = int(tail_tokens * SYSTEM_CHARS_PER_TOKEN * 0.8)
+        msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"],
+                  "content": paragraphs(rng, result_chars)},
+                 {"role": "user", "content": words(rng, 120).capitalize() + "?"}]
+    return out
+
+
+def make_trace(k: Knobs) -> dict[str, list[Request]]:
+    """{"main": [...], "sub1": [...], "sub2": [...], "background": [...]}."""
+    rng = random.Random(k.seed)
+    tools = [{"type": "function", "function": {
+        "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}}
+        for t in (tool_schema(rng, n) for n in TOOL_NAMES[:8])]
+    tool_tokens = len(json.dumps(tools)) // 3
+
+    def system(title: str, tokens: int) -> str:
+        chars = int(max(tokens - tool_tokens, 200) * SYSTEM_CHARS_PER_TOKEN)
+        return f"{title}\n\n" + paragraphs(rng, chars)
+
+    trace = {"main": _session(rng, system("You are Claude Code, a coding agent.", k.main_tokens),
+                              tools, k.turns, k.tail_tokens, k.max_tokens, "main", "main")}
+    for i in (1, 2):
+        trace[f"sub{i}"] = _session(
+            rng, system(f"You are a subagent ({'search' if i == 1 else 'review'}): do one "
+                        "task and report.", k.sub_tokens),
+            tools, k.sub_turns, k.tail_tokens, k.max_tokens, "subagent", f"sub{i}")
+    background = []
+    for t in range(k.turns):
+        what = "a five-word title" if t == 0 else "a one-line summary"
+        background.append(Request("background", f"{'title' if t == 0 else 'summary'}#{t}", {
+            "model": "m", "temperature": 0, "max_tokens": 12, "stream": True,
+            "messages": [{"role": "system", "content": f"Write {what} for this conversation."},
+                         {"role": "user", "content": words(rng, 1200)}]}))
+    trace["background"] = background
+    return trace
+
+
+# --- servers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    arm: str
+    cmd: list[str]
+    log_path: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    peak_rss: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, ready_path: str, timeout_s: float = 600) -> float:
+        t0 = time.perf_counter()
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        log.close()
+        while http_get(f"http://127.0.0.1:{self.port}{ready_path}", 2.0)[0] != 200:
+            if self.proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"{self.arm} did not start:\n"
+                                   + self.log_path.read_text(errors="replace")[-3000:])
+            time.sleep(0.2)
+        threading.Thread(target=self._sample, daemon=True).start()
+        return time.perf_counter() - t0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set() and self.proc is not None:
+            self.peak_rss = max(self.peak_rss, tree_rss(self.proc.pid))
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (/proc)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            m = re.search(r"VmRSS:\s+(\d+) kB", status)
+            total += int(m.group(1)) * 1024 if m else 0
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, AttributeError):
+            continue
+    return total
+
+
+# --- one request ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    cls: str
+    name: str
+    ttft_s: float
+    total_s: float
+    prompt: int
+    fresh: int  # prompt tokens prefilled (not from any cache)
+    source: str  # prefixgate's cache source; "-" for llama-server
+
+
+def send(port: int, req: Request, llama_server: bool) -> Result:
+    if llama_server:
+        path, body = "/v1/completions", {
+            "prompt": req.text, "max_tokens": req.body["max_tokens"], "temperature": 0,
+            "stream": True, "cache_prompt": True}
+    else:
+        path, body = "/v1/chat/completions", {**req.body,
+                                              "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    t0 = time.perf_counter()
+    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{req.name}: HTTP {resp.status}: {resp.read()[:500]!r}")
+    headers = {k.lower(): v for k, v in resp.getheaders()}
+    ttft, usage, timings = None, {}, {}
+    while line := resp.readline():
+        line = line.strip()
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            continue
+        ev = json.loads(line[5:])
+        usage = ev.get("usage") or usage
+        timings = ev.get("timings") or timings
+        if ttft is None and any((c.get("delta") or {}).get("content") or c.get("text")
+                                for c in ev.get("choices") or ()):
+            ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    conn.close()
+    if llama_server:
+        prompt = int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
+        fresh, source = int(timings.get("prompt_n", 0)), "-"
+    else:
+        prompt = int(usage.get("prompt_tokens", 0))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        fresh, source = prompt - cached, headers.get("x-prefixgate-cache-source", "?")
+    return Result(req.cls, req.name, total if ttft is None else ttft, total, prompt, fresh,
+                  source)
+
+
+def replay(port: int, trace: dict[str, list[Request]], llama_server: bool) -> list[Result]:
+    """The sessions as clients send them (module docstring); results in completion order."""
+    results: list[Result] = []
+    lock = threading.Lock()
+    threads: list[threading.Thread] = []
+    errors: list[BaseException] = []
+
+    def go(reqs: list[Request]) -> None:
+        try:
+            for r in reqs:
+                res = send(port, r, llama_server)
+                with lock:
+                    results.append(res)
+        except BaseException as e:  # noqa: BLE001 - reported after the join
+            errors.append(e)
+
+    def spawn(reqs: list[Request]) -> None:
+        t = threading.Thread(target=go, args=(reqs,))
+        t.start()
+        threads.append(t)
+
+    for t, req in enumerate(trace["main"]):
+        go([req])
+        spawn([trace["background"][t]])  # between turns, as the client does
+        if t == 1:
+            spawn(trace["sub1"])
+            spawn(trace["sub2"])
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def kv_bytes_per_token(log: str) -> float:
+    """From llama.cpp's log line `llama_kv_cache: size = X MiB (N cells, ...)`."""
+    m = re.search(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells", log)
+    return float(m.group(1)) * 2**20 / int(m.group(2)) if m else 0.0
+
+
+def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
+            work: Path) -> dict[str, Any]:
+    port = free_port()
+    log = work / f"{arm}.log"
+    slot_ctx = args.slot_ctx
+    common = ["--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads)]
+    if arm == "llama-server":
+        cmd = [args.llama_server, "-m", args.model, "-c", str(3 * slot_ctx), "-np", "3",
+               "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port)]
+        ready = "/health"
+    else:
+        shape = ["--parallel", "3", "-c", str(3 * slot_ctx)] if arm == "slots" else \
+            ["--workers", "3", "-c", str(slot_ctx)]
+        cmd = [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, *common,
+               *shape, "--cache-dir", str(work / f"cache-{arm}"), "--log-level", "DEBUG"
+               if args.debug else "INFO"]
+        ready = "/health"
+    srv = Server(arm, cmd, log, port)
+    startup_s = srv.start(ready)
+    try:
+        t0 = time.perf_counter()
+        results = replay(port, trace, arm == "llama-server")
+        wall = time.perf_counter() - t0
+    finally:
+        srv.stop()
+    text = log.read_text(errors="replace")
+    by = {c: [r for r in results if r.cls == c] for c in CLASSES}
+    out: dict[str, Any] = {
+        "arm": arm, "command": " ".join(cmd[1:] if arm != "llama-server" else cmd[1:]),
+        "startup_s": round(startup_s, 2), "wall_s": round(wall, 2),
+        "fresh_tokens": sum(r.fresh for r in results),
+        "prompt_tokens": sum(r.prompt for r in results),
+        "peak_rss_mib": round(srv.peak_rss / 2**20, 1),
+        "kv_bytes_per_token": kv_bytes_per_token(text),
+        "ttft": {c: {"p50": round(pct([r.ttft_s for r in rs], 0.5), 3),
+                     "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
+                 for c, rs in by.items()},
+        "main_sources": [r.source for r in sorted(by["main"], key=lambda r: r.name)],
+        "requests": [vars(r) if not hasattr(r, "__slots__") else
+                     {k: getattr(r, k) for k in r.__slots__} for r in results],
+    }
+    return out
+
+
+def render_all(args: argparse.Namespace, trace: dict[str, list[Request]], work: Path) -> None:
+    """Every request's prompt text as prefixgate renders it (for llama-server)."""
+    port = free_port()
+    srv = Server("render", [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model,
+                            "--host", "127.0.0.1", "--port", str(port), "-c", "32768",
+                            "--cache-dir", str(work / "cache-render"), "--no-exact-check",
+                            "--disk-prefix-cache", "off"], work / "render.log", port)
+    srv.start("/health")
+    try:
+        for reqs in trace.values():
+            for r in reqs:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("POST", "/apply-template", json.dumps(r.body).encode(),
+                             {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                r.text = json.loads(resp.read())["prompt"]
+                conn.close()
+    finally:
+        srv.stop()
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "# Agent team on one model copy (issue 20)", "",
+        f"`{res['command']}` on {res['machine']}, model `{Path(res['model']).name}` "
+        f"({res['model_mib']:.0f} MiB), slot context {res['slot_ctx']} tokens, "
+        f"{res['requests']} requests ({res['trace']}).", "",
+        "| arm | wall s | fresh prefill tokens | TTFT main p50/p95 s | TTFT subagent p50/p95 s "
+        "| TTFT background p50/p95 s | peak RSS MiB | RSS bound MiB | main turns' cache |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for a in res["arms"]:
+        t = a["ttft"]
+        lines.append(
+            f"| {a['arm']} | {a['wall_s']:.1f} | {a['fresh_tokens']} | "
+            + " | ".join(f"{t[c]['p50']:.2f} / {t[c]['p95']:.2f}" for c in CLASSES)
+            + f" | {a['peak_rss_mib']:.0f} | {a.get('rss_bound_mib', 0):.0f} | "
+            f"{' '.join(a['main_sources'])} |")
+    lines += ["", "Ratios against llama-server (same run): " + ", ".join(
+        f"{a['arm']} wall x{a['wall_vs_llama_server']:.2f}, fresh tokens "
+        f"x{a['fresh_vs_llama_server']:.2f}" for a in res["arms"]
+        if "wall_vs_llama_server" in a), ""]
+    lines += [f"- {c}" for c in res["checks"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.team", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default="slots,workers,llama-server")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"))
+    p.add_argument("--model", default="")
+    p.add_argument("--main-tokens", type=int, default=6000)
+    p.add_argument("--sub-tokens", type=int, default=3000)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--tail-tokens", type=int, default=400)
+    p.add_argument("--slot-ctx", type=int, default=12288)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    if not args.model:
+        from proxy.config import default_model
+        args.model = default_model()
+    arms = args.arms.split(",")
+    if "llama-server" in arms and not shutil.which(args.llama_server):
+        raise SystemExit(f"llama-server not found ({args.llama_server}); build it from the "
+                         "llama-cpp-python sdist (README: benchmarks) and pass --llama-server")
+    k = Knobs(args.main_tokens, args.sub_tokens, args.turns, 3, args.tail_tokens,
+              args.max_tokens, args.seed)
+    trace = make_trace(k)
+    work = Path(tempfile.mkdtemp(prefix="prefixgate-team-"))
+    try:
+        render_all(args, trace, work)
+        results = []
+        for arm in arms:
+            print(f"bench.team: {arm} ...", file=sys.stderr, flush=True)
+            results.append(run_arm(arm, args, trace, work))
+            a = results[-1]
+            print(f"  wall {a['wall_s']} s, fresh {a['fresh_tokens']}, "
+                  f"RSS {a['peak_rss_mib']} MiB, main {a['main_sources']}", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    model_mib = os.path.getsize(args.model) / 2**20
+    peer = next((a for a in results if a["arm"] == "llama-server"), None)
+    checks = []
+    for a in results:
+        kv = a["kv_bytes_per_token"] * 3 * args.slot_ctx / 2**20
+        if kv and a["arm"] == "slots":
+            a["rss_bound_mib"] = round((model_mib + kv) * 1.2, 1)
+            checks.append(f"slots: peak RSS {a['peak_rss_mib']:.0f} MiB "
+                          f"{'<=' if a['peak_rss_mib'] <= a['rss_bound_mib'] else '>'} "
+                          f"model + KV + 20% = {a['rss_bound_mib']:.0f} MiB")
+        if a["arm"] != "llama-server":
+            disk = [s for s in a["main_sources"][1:] if s == "disk"]
+            checks.append(f"{a['arm']}: main turns restored from disk: {len(disk)} "
+                          f"(sources {' '.join(a['main_sources'])})")
+        if peer is not None and a is not peer:
+            a["wall_vs_llama_server"] = a["wall_s"] / peer["wall_s"]
+            a["fresh_vs_llama_server"] = a["fresh_tokens"] / max(peer["fresh_tokens"], 1)
+            checks.append(f"{a['arm']}: wall {a['wall_s']:.1f} s vs llama-server "
+                          f"{peer['wall_s']:.1f} s (x{a['wall_vs_llama_server']:.2f})")
+    res = {"command": "python -m bench.team " + " ".join(argv or sys.argv[1:]),
+           "machine": f"{os.cpu_count()} cores", "model": args.model, "model_mib": model_mib,
+           "slot_ctx": args.slot_ctx, "requests": sum(len(v) for v in trace.values()),
+           "trace": f"main {k.main_tokens} tokens x {k.turns} turns of +{k.tail_tokens}, "
+                    f"2 subagents {k.sub_tokens} tokens x {k.sub_turns} turns, "
+                    f"{len(trace['background'])} background requests, max_tokens "
+                    f"{k.max_tokens}",
+           "arms": results, "checks": checks}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "team.json").write_text(json.dumps(res, indent=1))
+    (out / "team.md").write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
