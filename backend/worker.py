@@ -88,6 +88,18 @@ Emit = Callable[[Event], None]
 
 
 @dataclass(slots=True)
+class _SlotJob:
+    """A slot's job as the HTTP side sees it: `ended` once it has said done, cancelled or
+    error (its last step is then returning), `future` done once its steps have stopped."""
+
+    future: asyncio.Future[None] | None = None
+    ended: bool = False
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+@dataclass(slots=True)
 class _Task:
     slot: int
     steps: Iterator[None]
@@ -154,7 +166,7 @@ class Worker:
         self.scheduler: Scheduler | None = None  # started once the self-check is done (`start`)
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self.runs: dict[str, Cancel] = {}  # run id -> its cancel flag, while it streams
-        self.running: set[int] = set()  # slots with a job
+        self.jobs: dict[int, _SlotJob] = {}  # each slot's latest job
         # per slot, whose prompt the live KV holds (tenant, cache salt): a job of another
         # tenant never keeps any of it, whatever its plan says (the proxy's view of a worker
         # can be stale after a failure); the salt keys it in the RAM tier when it gives way
@@ -308,7 +320,7 @@ class Worker:
             "ready": True, "worker_id": self.worker_id, "n_ctx": self.n_ctx,
             "n_ctx_actual": self.engine.n_ctx, "slots": self.slots,
             "n_live": [s.n_live for s in self.engine.seqs],
-            "busy": [i in self.running for i in range(self.slots)],
+            "busy": [i in self.jobs and not self.jobs[i].done() for i in range(self.slots)],
             "cache_ram": self.ram.stats(), "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
@@ -325,16 +337,25 @@ class Worker:
         if job.slot >= self.slots:
             return web.json_response({"error": f"slot {job.slot}: this worker has "
                                                f"{self.slots} (--parallel)"}, status=400)
-        if job.slot in self.running:  # one job per slot: two proxies, or a proxy's bug
-            return web.json_response({"error": f"slot {job.slot} is running a job"}, status=409)
+        prev = self.jobs.get(job.slot)
+        if prev is not None and not prev.done():
+            if not prev.ended:  # one job per slot: two proxies, or a proxy's bug
+                return web.json_response({"error": f"slot {job.slot} is running a job"},
+                                         status=409)
+            # it said `done` (the proxy released the slot on it): its last step is returning
+            assert prev.future is not None
+            await asyncio.shield(prev.future)
         assert self.scheduler is not None
-        self.running.add(job.slot)
+        this = _SlotJob()
+        self.jobs[job.slot] = this
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         cancel = Cancel()
         self.runs[job.run_id] = cancel
 
         def emit(event: Event) -> None:
+            if isinstance(event, Done | CancelledEvent | Error):
+                this.ended = True  # before the proxy can see it
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         def work() -> Iterator[None]:
@@ -344,14 +365,13 @@ class Worker:
                 log.exception("run failed")
                 emit(Error(f"{type(e).__name__}: {e}"))
 
-        running = asyncio.wrap_future(self.scheduler.submit(job.slot, work()))
+        running = this.future = asyncio.wrap_future(self.scheduler.submit(job.slot, work()))
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
         except BaseException:
             cancel.set()
             await running
-            self.running.discard(job.slot)
             self.runs.pop(job.run_id, None)
             raise
         watch = asyncio.create_task(self._watch(request, cancel))
@@ -377,11 +397,7 @@ class Worker:
             await running
         finally:
             watch.cancel()
-            cancel.set()
-            if running.done():
-                self.running.discard(job.slot)
-            else:  # the slot is free once its job has stopped (at its next step)
-                running.add_done_callback(lambda _: self.running.discard(job.slot))
+            cancel.set()  # a job still running stops at its next step, and frees its slot
             self.runs.pop(job.run_id, None)
         with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
             await resp.write_eof()

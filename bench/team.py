@@ -2,7 +2,8 @@
 
     python -m bench.team [--llama-server PATH] [--arms slots,workers,llama-server]
         [--main-tokens 6000] [--sub-tokens 3000] [--turns 5] [--tail-tokens 400]
-        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--model GGUF] [--out DIR]
+        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn on] [--model GGUF]
+        [--out DIR]
 
 The trace (synthetic, seeded, built here): a main Claude Code-shaped session (a system prompt
 with project notes, tool schemas; each turn appends an assistant tool call, its result and
@@ -137,6 +138,7 @@ class Server:
     port: int
     proc: subprocess.Popen[bytes] | None = None
     peak_rss: int = 0
+    peak_children_rss: int = 0  # the workers, without the proxy process
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self, ready_path: str, timeout_s: float = 600) -> float:
@@ -157,6 +159,8 @@ class Server:
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc is not None:
             self.peak_rss = max(self.peak_rss, tree_rss(self.proc.pid))
+            self.peak_children_rss = max(self.peak_children_rss,
+                                         tree_rss(self.proc.pid) - tree_rss(self.proc.pid, False))
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -170,8 +174,9 @@ class Server:
                 self.proc.wait()
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (/proc)."""
+def tree_rss(pid: int, children: bool = True) -> int:
+    """Resident bytes of a process and all its descendants (/proc); of it alone without
+    `children`."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
@@ -179,6 +184,8 @@ def tree_rss(pid: int) -> int:
             status = Path(f"/proc/{p}/status").read_text()
             m = re.search(r"VmRSS:\s+(\d+) kB", status)
             total += int(m.group(1)) * 1024 if m else 0
+            if not children:
+                break
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, AttributeError):
@@ -283,10 +290,19 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def kv_bytes_per_token(log: str) -> float:
-    """From llama.cpp's log line `llama_kv_cache: size = X MiB (N cells, ...)`."""
-    m = re.search(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells", log)
-    return float(m.group(1)) * 2**20 / int(m.group(2)) if m else 0.0
+def kv_bytes_per_token(model: str) -> int:
+    """An f16 KV cache's bytes per token of this model: K and V of every layer's KV heads."""
+    import llama_cpp
+
+    p = llama_cpp.llama_model_default_params()  # mapped, not read (llama.cpp's default)
+    p.n_gpu_layers = 0
+    m = llama_cpp.llama_model_load_from_file(model.encode(), p)
+    try:
+        head_dim = llama_cpp.llama_model_n_embd(m) // llama_cpp.llama_model_n_head(m)
+        return 2 * 2 * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) \
+            * head_dim
+    finally:
+        llama_cpp.llama_model_free(m)
 
 
 def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
@@ -297,24 +313,28 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
     common = ["--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads)]
     if arm == "llama-server":
         cmd = [args.llama_server, "-m", args.model, "-c", str(3 * slot_ctx), "-np", "3",
-               "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port)]
+               "-t", str(args.threads), "-fa", args.flash_attn, "--host", "127.0.0.1",
+               "--port", str(port)]
         ready = "/health"
     else:
         shape = ["--parallel", "3", "-c", str(3 * slot_ctx)] if arm == "slots" else \
             ["--workers", "3", "-c", str(slot_ctx)]
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, *common,
-               *shape, "--cache-dir", str(work / f"cache-{arm}"), "--log-level", "DEBUG"
+               *shape, "-fa", args.flash_attn, "--cache-dir", str(work / f"cache-{arm}"), "--log-level", "DEBUG"
                if args.debug else "INFO"]
         ready = "/health"
     srv = Server(arm, cmd, log, port)
     startup_s = srv.start(ready)
+    ram_bytes = 0
     try:
         t0 = time.perf_counter()
         results = replay(port, trace, arm == "llama-server")
         wall = time.perf_counter() - t0
+        if arm != "llama-server":
+            ram = json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])["cache_ram"]
+            ram_bytes = sum(w.get("used_bytes", 0) for w in ram["workers"].values())
     finally:
         srv.stop()
-    text = log.read_text(errors="replace")
     by = {c: [r for r in results if r.cls == c] for c in CLASSES}
     out: dict[str, Any] = {
         "arm": arm, "command": " ".join(cmd[1:] if arm != "llama-server" else cmd[1:]),
@@ -322,7 +342,8 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         "fresh_tokens": sum(r.fresh for r in results),
         "prompt_tokens": sum(r.prompt for r in results),
         "peak_rss_mib": round(srv.peak_rss / 2**20, 1),
-        "kv_bytes_per_token": kv_bytes_per_token(text),
+        "peak_workers_rss_mib": round(srv.peak_children_rss / 2**20, 1),
+        "ram_tier_mib_at_end": round(ram_bytes / 2**20, 1),
         "ttft": {c: {"p50": round(pct([r.ttft_s for r in rs], 0.5), 3),
                      "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
                  for c, rs in by.items()},
@@ -361,14 +382,16 @@ def markdown(res: dict[str, Any]) -> str:
         f"({res['model_mib']:.0f} MiB), slot context {res['slot_ctx']} tokens, "
         f"{res['requests']} requests ({res['trace']}).", "",
         "| arm | wall s | fresh prefill tokens | TTFT main p50/p95 s | TTFT subagent p50/p95 s "
-        "| TTFT background p50/p95 s | peak RSS MiB | RSS bound MiB | main turns' cache |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "| TTFT background p50/p95 s | peak RSS MiB (all) | peak RSS MiB (workers) "
+        "| RAM tier MiB at end | main turns' cache |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for a in res["arms"]:
         t = a["ttft"]
         lines.append(
             f"| {a['arm']} | {a['wall_s']:.1f} | {a['fresh_tokens']} | "
             + " | ".join(f"{t[c]['p50']:.2f} / {t[c]['p95']:.2f}" for c in CLASSES)
-            + f" | {a['peak_rss_mib']:.0f} | {a.get('rss_bound_mib', 0):.0f} | "
+            + f" | {a['peak_rss_mib']:.0f} | {a.get('peak_workers_rss_mib', 0):.0f} | "
+            f"{a.get('ram_tier_mib_at_end', 0):.0f} | "
             f"{' '.join(a['main_sources'])} |")
     lines += ["", "Ratios against llama-server (same run): " + ", ".join(
         f"{a['arm']} wall x{a['wall_vs_llama_server']:.2f}, fresh tokens "
@@ -390,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slot-ctx", type=int, default=12288)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
+                   "(llama-server's default, auto, turns it on where it can)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
     p.add_argument("--debug", action="store_true")
@@ -419,13 +444,17 @@ def main(argv: list[str] | None = None) -> None:
     model_mib = os.path.getsize(args.model) / 2**20
     peer = next((a for a in results if a["arm"] == "llama-server"), None)
     checks = []
+    kv = kv_bytes_per_token(args.model) * 3 * args.slot_ctx / 2**20
     for a in results:
-        kv = a["kv_bytes_per_token"] * 3 * args.slot_ctx / 2**20
-        if kv and a["arm"] == "slots":
+        if a["arm"] == "slots":
             a["rss_bound_mib"] = round((model_mib + kv) * 1.2, 1)
-            checks.append(f"slots: peak RSS {a['peak_rss_mib']:.0f} MiB "
-                          f"{'<=' if a['peak_rss_mib'] <= a['rss_bound_mib'] else '>'} "
-                          f"model + KV + 20% = {a['rss_bound_mib']:.0f} MiB")
+            worker = a["peak_workers_rss_mib"] - a["ram_tier_mib_at_end"]
+            checks.append(f"slots: the worker's peak RSS {a['peak_workers_rss_mib']:.0f} MiB, "
+                          f"of which the RAM tier held {a['ram_tier_mib_at_end']:.0f} MiB at the "
+                          f"end; without it {worker:.0f} MiB "
+                          f"{'<=' if worker <= a['rss_bound_mib'] else '>'} model + KV of 3 slots "
+                          f"+ 20% = {a['rss_bound_mib']:.0f} MiB (the model {model_mib:.0f} MiB,"
+                          f" the KV {kv:.0f} MiB)")
         if a["arm"] != "llama-server":
             disk = [s for s in a["main_sources"][1:] if s == "disk"]
             checks.append(f"{a['arm']}: main turns restored from disk: {len(disk)} "
