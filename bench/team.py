@@ -2,7 +2,8 @@
 
     python -m bench.team [--llama-server PATH] [--arms slots,workers,llama-server]
         [--main-tokens 6000] [--sub-tokens 3000] [--turns 5] [--tail-tokens 400]
-        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn on] [--model GGUF]
+        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn on] [--ubatch-size N]
+        [--model GGUF]
         [--out DIR]
 
 The trace (synthetic, seeded, built here): a main Claude Code-shaped session (a system prompt
@@ -311,16 +312,17 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
     log = work / f"{arm}.log"
     slot_ctx = args.slot_ctx
     common = ["--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads)]
+    ub = ["-ub", str(args.ubatch_size)] if args.ubatch_size else []
     if arm == "llama-server":
         cmd = [args.llama_server, "-m", args.model, "-c", str(3 * slot_ctx), "-np", "3",
-               "-t", str(args.threads), "-fa", args.flash_attn, "--host", "127.0.0.1",
+               "-t", str(args.threads), "-fa", args.flash_attn, *ub, "--host", "127.0.0.1",
                "--port", str(port)]
         ready = "/health"
     else:
         shape = ["--parallel", "3", "-c", str(3 * slot_ctx)] if arm == "slots" else \
             ["--workers", "3", "-c", str(slot_ctx)]
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, *common,
-               *shape, "-fa", args.flash_attn, "--cache-dir", str(work / f"cache-{arm}"), "--log-level", "DEBUG"
+               *shape, "-fa", args.flash_attn, *ub, "--cache-dir", str(work / f"cache-{arm}"), "--log-level", "DEBUG"
                if args.debug else "INFO"]
         ready = "/health"
     srv = Server(arm, cmd, log, port)
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slot-ctx", type=int, default=12288)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ubatch-size", type=int, default=0, help="-ub for every arm (default: "
+                   "each server's own: prefixgate 64 on a CPU, llama-server 512)")
     p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
                    "(llama-server's default, auto, turns it on where it can)")
     p.add_argument("--seed", type=int, default=0)
