@@ -55,7 +55,7 @@ from proxy.errors import QueueFull, WorkerFailed
 
 log = logging.getLogger("prefixgate.workers")
 
-HEALTH_TIMEOUT_S = 180.0  # model load time allowed at start (local workers)
+LOADING_NOTE_S = 15.0  # a local worker still loading its model says so this often
 REMOTE_WAIT_S = 600.0  # how long startup waits for a remote worker to answer
 PROBE_INTERVAL_S = 1.0  # remote health probes
 PROBE_TIMEOUT_S = 3.0
@@ -341,7 +341,11 @@ class Pool:
         await self._wait_ready(w)
 
     async def _wait_ready(self, w: Worker) -> None:
-        deadline = asyncio.get_running_loop().time() + HEALTH_TIMEOUT_S
+        """As long as its process lives: a 60 GB model from a slow disk loads for minutes (no
+        fixed limit, as in llama-server); it says every LOADING_NOTE_S that it is loading."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        note = start + LOADING_NOTE_S
         while True:
             if w.process and w.process.returncode is not None:
                 raise RuntimeError(f"worker {w.worker_id} exited with {w.process.returncode} "
@@ -350,9 +354,10 @@ class Pool:
                 h = await w.health()
                 break
             except _UNREACHABLE:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise RuntimeError(f"worker {w.worker_id} not ready after "
-                                       f"{HEALTH_TIMEOUT_S:.0f} s") from None
+                if loop.time() >= note:
+                    log.info("worker %d is still loading %s (%.0f s)", w.worker_id,
+                             os.path.basename(self.cfg.model_path), loop.time() - start)
+                    note += LOADING_NOTE_S
                 await asyncio.sleep(0.1)
         problem = incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path, "",
                                   self.cfg.parallel)
