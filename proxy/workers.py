@@ -251,6 +251,19 @@ class Worker:
             await old.close()
 
 
+def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers: int
+                ) -> str | None:
+    """The GPUs a local worker sees (its CUDA_VISIBLE_DEVICES), or None to leave them as they
+    are. `--workers N` is for N GPUs, one worker each (its `--parallel` slots share it): with
+    GPU layers, several workers and a CUDA_VISIBLE_DEVICES listing at least as many devices,
+    worker i gets the i-th; otherwise every worker sees what the proxy sees (llama.cpp then
+    splits each model across all of them)."""
+    if workers < 2 or n_gpu_layers == 0 or not visible:
+        return None
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    return devices[worker_id] if len(devices) >= workers else None
+
+
 def incompatibility(h: dict[str, Any], fingerprint: bytes, n_ctx: int, model_path: str,
                     volume_id: str, slots: int = 1) -> str | None:
     """Why a worker whose /health says `h` cannot serve this proxy, or None."""
@@ -337,6 +350,11 @@ class Pool:
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        gpus = worker_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), self.cfg.workers,
+                           w.worker_id, self.cfg.n_gpu_layers)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+            log.info("worker %d gets GPU %s (CUDA_VISIBLE_DEVICES)", w.worker_id, gpus)
         w.process = await asyncio.create_subprocess_exec(*self._command(w), env=env)
         await self._wait_ready(w)
 

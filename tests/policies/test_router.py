@@ -97,3 +97,4 @@ def test_margin_is_a_parameter() -> None:
     # With a 100-token margin, 500 tokens ahead of the disk hit is worth the wait.
     workers = [idle(0, 0), busy(1, 20000)]
     assert choose_slot(workers, 19500, margin_tokens=100) == 1
+
