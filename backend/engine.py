@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import llama_cpp
 import numpy as np
@@ -181,6 +181,22 @@ class Seq:
     padded: int = 0  # window cells before this position are a restore's zero padding
 
 
+T = TypeVar("T")
+
+
+class _OfSeq(Generic[T]):
+    """An engine attribute that is a field of the selected slot's sequence (`Engine.seq`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, eng: Engine, owner: type | None = None) -> T:
+        return cast(T, getattr(eng.seq, self.name))
+
+    def __set__(self, eng: Engine, value: T) -> None:
+        setattr(eng.seq, self.name, value)
+
+
 class Engine:
     """One llama.cpp model and context, driven through llama.cpp's C API (the `llama_cpp`
     bindings; no `Llama` object). Not thread-safe: the worker runs it on one thread."""
@@ -285,33 +301,11 @@ class Engine:
         """Act on this slot's sequence from now on."""
         self.seq = self.seqs[slot]
 
-    @property
-    def ids(self) -> np.ndarray:
-        return self.seq.ids
-
-    @property
-    def n_live(self) -> int:
-        return self.seq.n_live
-
-    @n_live.setter
-    def n_live(self, n: int) -> None:
-        self.seq.n_live = n
-
-    @property
-    def exact_n(self) -> int:
-        return self.seq.exact_n
-
-    @exact_n.setter
-    def exact_n(self, n: int) -> None:
-        self.seq.exact_n = n
-
-    @property
-    def padded(self) -> int:
-        return self.seq.padded
-
-    @padded.setter
-    def padded(self, n: int) -> None:
-        self.seq.padded = n
+    # the selected slot's sequence fields (Seq), read and written as the engine's own
+    ids: _OfSeq[np.ndarray] = _OfSeq()
+    n_live: _OfSeq[int] = _OfSeq()
+    exact_n: _OfSeq[int] = _OfSeq()
+    padded: _OfSeq[int] = _OfSeq()
 
     def _clear(self) -> None:
         """Empty this slot's sequence (the other slots keep theirs)."""

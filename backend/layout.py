@@ -44,9 +44,13 @@ A state that does not parse this way raises ValueError; the start-up self-check
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok
 
@@ -167,16 +171,24 @@ def parse(state: bytes | memoryview, n_sections: int, ext: bool | None = None) -
     attention, 2 for a sliding window: the base cache, then the window's). Whether cells carry
     the 12-byte extension (M-RoPE or per-layer embeddings models) is found by trying both
     when `ext` is None."""
-    if ext is None:
-        try:
-            return parse(state, n_sections, False)
-        except ValueError:
-            return parse(state, n_sections, True)
-    r = _Reader(state)
-    r.take("<I")  # magic
-    r.take("<i")  # seq id
-    sections = tuple(_section(r, ext) for _ in range(n_sections))
-    return SeqState(sections, r.pos)
+    def read(ext: bool) -> SeqState:
+        r = _Reader(state)
+        r.take("<I")  # magic
+        r.take("<i")  # seq id
+        sections = tuple(_section(r, ext) for _ in range(n_sections))
+        return SeqState(sections, r.pos)
+    return _either_ext(read, ext)
+
+
+def _either_ext(read: Callable[[bool], T], ext: bool | None) -> T:
+    """`read(ext)`; where `ext` is unknown (None), without the 12-byte cell extension and, if
+    the state does not parse that way, with it."""
+    if ext is not None:
+        return read(ext)
+    try:
+        return read(False)
+    except ValueError:
+        return read(True)
 
 
 def pad_window(state: bytes | memoryview) -> tuple[bytes | memoryview, int]:
@@ -217,24 +229,23 @@ def one_stream(state: bytes | memoryview, n_caches: int, ext: bool | None = None
     one stream writes (module docstring); a one-stream state as it is."""
     if n_caches == 0 or struct.unpack_from("<I", state, 8)[0] == 1:
         return state
-    if ext is None:
-        try:
-            return one_stream(state, n_caches, False)
-        except ValueError:
-            return one_stream(state, n_caches, True)
-    buf, r = memoryview(state), _Reader(state, 8)
-    out: list[bytes | memoryview] = [buf[:8]]
-    for _ in range(n_caches):
-        found: memoryview | None = None
-        for _ in range(r.take("<I")):
-            at = r.pos
-            if _stream(r, ext, at).cell_count:
-                if found is not None:
-                    raise ValueError("a sequence's cells in two streams")
-                found = buf[at:r.pos]
-        out += [struct.pack("<I", 1), found if found is not None else struct.pack("<I", 0)]
-    out.append(buf[r.pos:])  # a hybrid's recurrent state, as it is
-    return b"".join(out)
+    buf = memoryview(state)
+
+    def read(ext: bool) -> bytes:
+        r = _Reader(state, 8)
+        out: list[bytes | memoryview] = [buf[:8]]
+        for _ in range(n_caches):
+            found: memoryview | None = None
+            for _ in range(r.take("<I")):
+                at = r.pos
+                if _stream(r, ext, at).cell_count:
+                    if found is not None:
+                        raise ValueError("a sequence's cells in two streams")
+                    found = buf[at:r.pos]
+            out += [struct.pack("<I", 1), found if found is not None else struct.pack("<I", 0)]
+        out.append(buf[r.pos:])  # a hybrid's recurrent state, as it is
+        return b"".join(out)
+    return _either_ext(read, ext)
 
 
 def many_streams(state: bytes | memoryview, n_caches: int, n_stream: int,
@@ -242,19 +253,17 @@ def many_streams(state: bytes | memoryview, n_caches: int, n_stream: int,
     """A one-stream sequence state in the form a context of `n_stream` KV streams reads."""
     if n_caches == 0 or n_stream == 1:
         return state
-    if ext is None:
-        try:
-            return many_streams(state, n_caches, n_stream, False)
-        except ValueError:
-            return many_streams(state, n_caches, n_stream, True)
-    buf, r = memoryview(state), _Reader(state, 8)
-    out: list[bytes | memoryview] = [buf[:8]]
-    empty = struct.pack("<I", 0) * (n_stream - 1)
-    for _ in range(n_caches):
-        sec = _section(r, ext)
-        out += [struct.pack("<I", n_stream), buf[sec.start + 4:sec.end], empty]
-    out.append(buf[r.pos:])
-    return b"".join(out)
+    buf, empty = memoryview(state), struct.pack("<I", 0) * (n_stream - 1)
+
+    def read(ext: bool) -> bytes:
+        r = _Reader(state, 8)
+        out: list[bytes | memoryview] = [buf[:8]]
+        for _ in range(n_caches):
+            sec = _section(r, ext)
+            out += [struct.pack("<I", n_stream), buf[sec.start + 4:sec.end], empty]
+        out.append(buf[r.pos:])
+        return b"".join(out)
+    return _either_ext(read, ext)
 
 
 def flip_bit(state: bytes | memoryview) -> bytes:

@@ -104,11 +104,12 @@ class RamTier:
         k = self._find(salt, tenant, ids, limit)
         return 0 if k is None else len(self.entries[k].ids)
 
-    def take(self, salt: bytes, tenant: str, ids: np.ndarray, limit: int
+    def take(self, salt: bytes, tenant: str, ids: np.ndarray, limit: int, at_least: int = 1
              ) -> tuple[int, memoryview] | None:
-        """The longest usable entry's (tokens, state), removed from the tier."""
+        """The longest usable entry's (tokens, state), removed from the tier; None where the
+        longest holds fewer than `at_least` tokens (it then stays)."""
         k = self._find(salt, tenant, ids, limit)
-        if k is None:
+        if k is None or len(self.entries[k].ids) < at_least:
             return None
         e = self.entries[k]
         self._drop(k)

@@ -181,12 +181,6 @@ class Worker:
 
     # --- runs on the llama thread ----------------------------------------------------------
 
-    def execute(self, job: Job, emit: Emit, cancel: Cancel) -> None:
-        """The whole job at once, on the calling thread (tests; the server schedules `steps`)."""
-        self.engine.use(job.slot)
-        for _ in self.steps(job, emit, cancel):
-            self.engine.use(job.slot)
-
     def _give_way(self, slot: int, keep: int, job: Job, ids: np.ndarray) -> None:
         """Before a job keeps only `keep` tokens of the slot's live KV: the part a next request
         could reuse goes to the RAM tier (cut back to a batch edge first), unless this prompt
@@ -221,9 +215,11 @@ class Worker:
         ids_np = np.asarray(ids, dtype=np.intc)
         self._give_way(slot, keep, job, ids_np)
         disk = max((r.n_tokens for r in plan.restore if r.n_tokens % eng.align == 0), default=0)
-        ram = self.ram.longest(job.salt, job.tenant, ids_np, last) if exact else 0
-        if ram > keep and ram >= disk:
-            n, state = self.ram.take(job.salt, job.tenant, ids_np, last) or (0, b"")
+        # from RAM where that holds more than the live KV and at least the plan's disk entry
+        got = self.ram.take(job.salt, job.tenant, ids_np, last, max(keep + 1, disk)) \
+            if exact else None
+        if got is not None:
+            n, state = got
             try:
                 eng.restore(ids[:n], state)
                 from_ram, keep = n, n

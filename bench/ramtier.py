@@ -43,6 +43,44 @@ def median_s(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def measure(eng: Engine, fp: bytes, tmp: Path, part: list[int], repeats: int
+            ) -> dict[str, Any]:
+    """One prompt length: its prefill, then its state back from RAM, from disk, from a cold
+    disk (medians)."""
+    n = len(part)
+
+    def prefill() -> None:
+        eng.truncate(0)
+        eng.prefill(part, [], lambda _: None, Cancel())
+
+    prefill_s = median_s(prefill, repeats)
+    state = eng.snapshot()
+    path, size, _ = store.write_state_file(tmp, keys.prefix_keys(b"", part, [n])[n], fp, part,
+                                           state)
+
+    def ram() -> None:
+        eng.restore(part, state)
+        assert eng.n_live == n
+
+    def disk(cold: bool) -> None:
+        if cold:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        got, data = store.read_state_file(path, fp, part)
+        eng.restore(part[:got], data)
+        assert eng.n_live == n
+
+    ram_s = median_s(ram, repeats)
+    warm_s = median_s(lambda: disk(False), repeats)
+    cold_s = median_s(lambda: disk(True), repeats)
+    return {"tokens": n, "state_mib": round(size / 2**20, 1),
+            "ram_s": round(ram_s, 4), "disk_page_cache_s": round(warm_s, 4),
+            "disk_cold_s": round(cold_s, 4), "prefill_s": round(prefill_s, 3),
+            "prefill_over_ram": round(prefill_s / ram_s, 1),
+            "disk_cold_over_ram": round(cold_s / ram_s, 2)}
+
+
 def run(model: str, lengths: list[int], repeats: int, threads: int) -> list[dict[str, Any]]:
     n_ctx = max(lengths) + 256
     eng = Engine(model, n_ctx, threads, 0)
@@ -50,43 +88,11 @@ def run(model: str, lengths: list[int], repeats: int, threads: int) -> list[dict
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(1, eng.n_vocab, 2 * max(lengths)) if int(t) not in
            eng.eog][:max(lengths)]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in lengths:
-            part = ids[:n]
-
-            def prefill() -> None:
-                eng.truncate(0)
-                eng.prefill(part, [], lambda _: None, Cancel())
-
-            prefill_s = median_s(prefill, repeats)
-            state = eng.snapshot()
-            path, size, _ = store.write_state_file(Path(tmp), keys.prefix_keys(b"", part, [n])[n],
-                                                   fp, part, state)
-
-            def ram() -> None:
-                eng.restore(part, state)
-                assert eng.n_live == n
-
-            def disk(cold: bool) -> None:
-                if cold:
-                    fd = os.open(path, os.O_RDONLY)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    os.close(fd)
-                got, data = store.read_state_file(path, fp, part)
-                eng.restore(part[:got], data)
-                assert eng.n_live == n
-
-            ram_s = median_s(ram, repeats)
-            warm_s = median_s(lambda: disk(False), repeats)
-            cold_s = median_s(lambda: disk(True), repeats)
-            rows.append({"tokens": n, "state_mib": round(size / 2**20, 1),
-                         "ram_s": round(ram_s, 4), "disk_page_cache_s": round(warm_s, 4),
-                         "disk_cold_s": round(cold_s, 4), "prefill_s": round(prefill_s, 3),
-                         "prefill_over_ram": round(prefill_s / ram_s, 1),
-                         "disk_cold_over_ram": round(cold_s / ram_s, 2)})
-    eng.close()
-    return rows
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return [measure(eng, fp, Path(tmp), ids[:n], repeats) for n in lengths]
+    finally:
+        eng.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -271,12 +271,16 @@ class Reply:
     completion_tokens: int
     usage: dict[str, Any] | None
     headers: dict[str, str]
+    timings: dict[str, Any] = field(default_factory=dict)  # llama-server's, where it sends them
 
 
 def _openai_event(ev: dict[str, Any], got: dict[str, Any]) -> bool:
-    """One OpenAI stream chunk into `got` (usage); whether it carried content."""
+    """One OpenAI stream chunk into `got` (usage, and llama-server's timings); whether it
+    carried content."""
     if ev.get("usage"):
         got["usage"] = ev["usage"]
+    if ev.get("timings"):
+        got["timings"] = ev["timings"]
     return any((ch.get("delta") or {}).get("content") or (ch.get("delta") or {}).get("tool_calls")
                or ch.get("text") for ch in ev.get("choices") or ())
 
@@ -335,7 +339,8 @@ def stream_request(port: int, path: str, body: dict[str, Any], timeout_s: float)
         conn.close()
     n_gen = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage \
         else chunks
-    return Reply(ttft if ttft is not None else total, total, n_gen, usage, headers)
+    return Reply(ttft if ttft is not None else total, total, n_gen, usage, headers,
+                 got.get("timings") or {})
 
 
 _PEER_PREFIX = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt")

@@ -44,11 +44,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.replay import ROOT, free_port, http_get
+from bench.replay import ROOT, free_port, http_get, stream_request
 from bench.synth import TOOL_NAMES, paragraphs, tool_schema, words
 
 CLASSES = ("main", "subagent", "background")
@@ -142,7 +142,7 @@ class Server:
     peak_children_rss: int = 0  # the workers, without the proxy process
     _stop: threading.Event = field(default_factory=threading.Event)
 
-    def start(self, ready_path: str, timeout_s: float = 600) -> float:
+    def start(self, ready_path: str = "/health", timeout_s: float = 600) -> float:
         t0 = time.perf_counter()
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -216,35 +216,16 @@ def send(port: int, req: Request, llama_server: bool) -> Result:
     else:
         path, body = "/v1/chat/completions", {**req.body,
                                               "stream_options": {"include_usage": True}}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    t0 = time.perf_counter()
-    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"{req.name}: HTTP {resp.status}: {resp.read()[:500]!r}")
-    headers = {k.lower(): v for k, v in resp.getheaders()}
-    ttft, usage, timings = None, {}, {}
-    while line := resp.readline():
-        line = line.strip()
-        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-            continue
-        ev = json.loads(line[5:])
-        usage = ev.get("usage") or usage
-        timings = ev.get("timings") or timings
-        if ttft is None and any((c.get("delta") or {}).get("content") or c.get("text")
-                                for c in ev.get("choices") or ()):
-            ttft = time.perf_counter() - t0
-    total = time.perf_counter() - t0
-    conn.close()
+    r = stream_request(port, path, body, 1800)
     if llama_server:
-        prompt = int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
-        fresh, source = int(timings.get("prompt_n", 0)), "-"
+        fresh = int(r.timings.get("prompt_n", 0))
+        prompt, source = fresh + int(r.timings.get("cache_n", 0)), "-"
     else:
-        prompt = int(usage.get("prompt_tokens", 0))
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        fresh, source = prompt - cached, headers.get("x-prefixgate-cache-source", "?")
-    return Result(req.cls, req.name, total if ttft is None else ttft, total, prompt, fresh,
-                  source)
+        u = r.usage or {}
+        prompt = int(u.get("prompt_tokens", 0))
+        cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        fresh, source = prompt - cached, r.headers.get("x-prefixgate-cache-source", "?")
+    return Result(req.cls, req.name, r.ttft_s, r.total_s, prompt, fresh, source)
 
 
 def replay(port: int, trace: dict[str, list[Request]], llama_server: bool) -> list[Result]:
@@ -317,16 +298,14 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         cmd = [args.llama_server, "-m", args.model, "-c", str(3 * slot_ctx), "-np", "3",
                "-t", str(args.threads), "-fa", args.flash_attn, *ub, "--host", "127.0.0.1",
                "--port", str(port)]
-        ready = "/health"
     else:
         shape = ["--parallel", "3", "-c", str(3 * slot_ctx)] if arm == "slots" else \
             ["--workers", "3", "-c", str(slot_ctx)]
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, *common,
-               *shape, "-fa", args.flash_attn, *ub, "--cache-dir", str(work / f"cache-{arm}"), "--log-level", "DEBUG"
-               if args.debug else "INFO"]
-        ready = "/health"
+               *shape, "-fa", args.flash_attn, *ub, "--cache-dir", str(work / f"cache-{arm}"),
+               "--log-level", "DEBUG" if args.debug else "INFO"]
     srv = Server(arm, cmd, log, port)
-    startup_s = srv.start(ready)
+    startup_s = srv.start()
     ram_bytes = 0
     try:
         t0 = time.perf_counter()
@@ -339,7 +318,7 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         srv.stop()
     by = {c: [r for r in results if r.cls == c] for c in CLASSES}
     out: dict[str, Any] = {
-        "arm": arm, "command": " ".join(cmd[1:] if arm != "llama-server" else cmd[1:]),
+        "arm": arm, "command": " ".join(cmd[1:]),
         "startup_s": round(startup_s, 2), "wall_s": round(wall, 2),
         "fresh_tokens": sum(r.fresh for r in results),
         "prompt_tokens": sum(r.prompt for r in results),
@@ -350,8 +329,7 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
                      "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
                  for c, rs in by.items()},
         "main_sources": [r.source for r in sorted(by["main"], key=lambda r: r.name)],
-        "requests": [vars(r) if not hasattr(r, "__slots__") else
-                     {k: getattr(r, k) for k in r.__slots__} for r in results],
+        "requests": [asdict(r) for r in results],
     }
     return out
 
@@ -363,7 +341,7 @@ def render_all(args: argparse.Namespace, trace: dict[str, list[Request]], work: 
                             "--host", "127.0.0.1", "--port", str(port), "-c", "32768",
                             "--cache-dir", str(work / "cache-render"), "--no-exact-check",
                             "--disk-prefix-cache", "off"], work / "render.log", port)
-    srv.start("/health")
+    srv.start()
     try:
         for reqs in trace.values():
             for r in reqs:
