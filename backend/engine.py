@@ -66,6 +66,7 @@ import numpy as np
 
 from backend import layout
 from backend.placement import apply as placement_params
+from backend.placement import check_gpu_layers, offload_devices
 from policies.prefix import aligned, default_batch, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
@@ -216,6 +217,7 @@ class Engine:
         n_threads_batch: int | None = None,
         placement: Mapping[str, Any] | None = None,
         n_seq: int = 1,
+        progress: Callable[[float], None] | None = None,
     ) -> None:
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
@@ -223,15 +225,27 @@ class Engine:
             if t not in CACHE_TYPES:
                 raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
         _backend_init()
+        check_gpu_layers(n_gpu_layers)
+        gpus = offload_devices()
         mp = llama_cpp.llama_model_default_params()
         # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
         mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
         mp.use_extra_bufts = extra_bufts  # repacked CPU weights (llama.cpp's default: on)
-        keep = placement_params(mp, **(placement or {}))  # held until the model is loaded
+        keep: list[Any] = placement_params(mp, **(placement or {}))  # held while loading
+        if progress is not None:  # llama.cpp's loading progress, 0..1
+            def report(p: float, _: Any) -> bool:
+                progress(p)
+                return True
+            keep.append(llama_cpp.llama_progress_callback(report))
+            mp.progress_callback = keep[-1]
+        free0 = [d["free"] for d in gpus]
+        rss0 = _rss()
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
         del keep
         if not self.model:
             raise ValueError(f"llama.cpp could not load the model {model_path}")
+        free1 = [d["free"] for d in offload_devices()]
+        rss1 = _rss()
         cp = llama_cpp.llama_context_default_params()
         n_batch = n_batch or default_batch(n_gpu_layers)
         # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
@@ -253,6 +267,20 @@ class Engine:
                 f"llama.cpp could not create a context (n_ctx {n_ctx}, K {type_k}, V {type_v}, "
                 f"flash attention {flash_attn}; a quantized V cache needs flash attention)")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
+        # where it all went, for the ready line: weights and KV (with compute buffers), on the
+        # GPUs (their free memory before and after) and in RAM (this process's resident set)
+        free2 = [d["free"] for d in offload_devices()]
+        n_layer = int(llama_cpp.llama_model_n_layer(self.model))
+        self.placement = {
+            "backend": ", ".join(f"{d['name']} ({d['description']})" for d in gpus) or "CPU",
+            "gpu_layers": min(n_gpu_layers if n_gpu_layers >= 0 else n_layer + 1, n_layer + 1)
+            if gpus else 0,
+            "layers": n_layer + 1,  # llama.cpp counts the output layer as one, as its log does
+            "weights_bytes": int(llama_cpp.llama_model_size(self.model)),
+            "vram_weights_bytes": sum(a - b for a, b in zip(free0, free1, strict=True)),
+            "vram_kv_bytes": sum(a - b for a, b in zip(free1, free2, strict=True)),
+            "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(_rss() - rss1, 0),
+        }
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # one slot's context
         self.n_batch = n_batch
@@ -589,6 +617,15 @@ def _memory_of(model: Any, swa_full: bool) -> Memory:
     if n_swa > 0:
         return Memory("window", n_swa, swa_full)
     return Memory("plain")
+
+
+def _rss() -> int:
+    """This process's resident bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

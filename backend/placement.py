@@ -102,3 +102,47 @@ def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
         keep.append(arr_o)
         params.tensor_buft_overrides = ctypes.cast(arr_o, ctypes.c_void_p)
     return keep
+
+
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}  # enum ggml_backend_dev_type
+
+
+def devices() -> list[dict[str, Any]]:
+    """The devices this llama.cpp build can compute on: name ("CPU", "CUDA0"), description
+    ("NVIDIA H100 80GB HBM3"), type (cpu, gpu, igpu, accel), free and total bytes."""
+    ggml = _ggml()
+    ggml.ggml_backend_dev_name.restype = ctypes.c_char_p
+    ggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
+    ggml.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_type.restype = ctypes.c_int
+    ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_memory.restype = None
+    ggml.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                             ctypes.POINTER(ctypes.c_size_t)]
+    out = []
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append({"name": (ggml.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
+                    "description": (ggml.ggml_backend_dev_description(dev) or b"").decode(
+                        errors="replace"),
+                    "type": DEVICE_TYPES.get(ggml.ggml_backend_dev_type(dev), "other"),
+                    "free": free.value, "total": total.value})
+    return out
+
+
+def offload_devices() -> list[dict[str, Any]]:
+    """The devices GPU layers can go to (a GPU, an integrated GPU or an accelerator)."""
+    return [d for d in devices() if d["type"] != "cpu"]
+
+
+def check_gpu_layers(n_gpu_layers: int) -> None:
+    """GPU layers on a build that cannot offload is a ValueError that says how to fix it:
+    llama.cpp would run them on the CPU without a word."""
+    if n_gpu_layers and not offload_devices():
+        raise ValueError(
+            f"-ngl {'all' if n_gpu_layers < 0 else n_gpu_layers} asks for GPU layers, but this "
+            "llama-cpp-python has no GPU backend (a CPU-only build): install the CUDA build "
+            "(`make serve GPU=cuda`, or deploy/Dockerfile; see the README), or give -ngl 0")

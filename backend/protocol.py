@@ -212,3 +212,20 @@ def parse_event(line: bytes | str) -> Event:
         raise ValueError(f"malformed worker event {line[:200]!r}: {type(e).__name__} {e}"
                          ) from None
     return ev
+
+
+def placement_note(p: Mapping[str, Any]) -> str:
+    """A worker's /health "placement" in one phrase, for the ready line: "CUDA0 (NVIDIA H100
+    80GB HBM3): 49/49 layers on the GPU, weights 17.31 GiB VRAM + 0.40 GiB RAM, KV and buffers
+    3.10 GiB VRAM + 0.01 GiB RAM" ("" from a worker that does not report it)."""
+    if not p:
+        return ""
+
+    def gib(key: str) -> str:
+        return f"{int(p.get(key, 0)) / 2**30:.2f} GiB"
+    if not p.get("gpu_layers"):
+        return (f"{p.get('backend', 'CPU')}: no layers on a GPU, weights {gib('weights_bytes')}"
+                f", KV and buffers {gib('ram_kv_bytes')} RAM")
+    return (f"{p['backend']}: {p['gpu_layers']}/{p['layers']} layers on the GPU, weights "
+            f"{gib('vram_weights_bytes')} VRAM + {gib('ram_weights_bytes')} RAM, KV and "
+            f"buffers {gib('vram_kv_bytes')} VRAM + {gib('ram_kv_bytes')} RAM")

@@ -8,7 +8,9 @@
                       "memory" ({"kind": plain | window | recurrent, "n_swa"}),
                       "align" (reuse only at multiples of this: the batch size),
                      "exact" (the start-up self-check: {"ok", "checked", "failure", ...}),
-                      "cache_volume" (the id in its --cache-dir, backend/volume.py)}
+                      "cache_volume" (the id in its --cache-dir, backend/volume.py),
+                      "placement" (backend, GPU layers, VRAM and RAM of weights and KV)}
+                  while it loads: 503 {"status": "loading", "phase", "progress"} (`Boot`)
     POST /run     -> a `backend.protocol.Job` in, its NDJSON event stream out (the events and
                      their order are in backend/protocol.py; a malformed job is a 400, a job
                      for a slot that is running one a 409)
@@ -77,6 +79,7 @@ from backend.protocol import (
     Start,
     Token,
     encode_event,
+    placement_note,
 )
 from backend.ramtier import RamTier
 from policies.decide import Save
@@ -321,6 +324,7 @@ class Worker:
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
             "memory": self.engine.memory.to_wire(), "align": self.engine.align,
+            "placement": self.engine.placement,
             "exact": self.exact,
             "cache_volume": volume.read(self.cache_dir),
         })
@@ -417,12 +421,76 @@ class Worker:
             await asyncio.sleep(0.05)
 
 
-def make_app(worker: Worker, parent_pid: int | None = None) -> web.Application:
+class Boot:
+    """The worker from its first second: it listens at once, and until the model is loaded and
+    self-checked `/health` answers 503 {"status": "loading", "phase", "progress"} (llama.cpp's
+    progress callback, 0..1) and `/run` 503, as llama-server does while it loads. The load runs
+    on its own thread; a load that fails stops the process with its one-line reason."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.phase, self.progress = "loading the model", 0.0
+        self.worker: Worker | None = None  # set once it serves
+        self.error = ""
+        self.started = time.monotonic()
+        # a test's injected fault (PREFIXGATE_FAULT=slow-load): a disk that reads slowly
+        self.slow = os.environ.get("PREFIXGATE_FAULT", "") == "slow-load"
+
+    def _progress(self, p: float) -> None:
+        self.progress = p
+        if self.slow:
+            time.sleep(0.02)
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        spec = self.spec
+        try:
+            engine = load_engine(spec, self._progress)
+            self.phase, self.progress = "self-check", 1.0
+            worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
+                            spec.model_path, spec.flash_attn, spec.n_ctx,
+                            RamTier.from_mib(spec.cache_ram))
+            worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
+            worker.start()
+        except Exception as e:  # said in one line by `serve`, after the server stopped
+            self.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            loop.call_soon_threadsafe(os.kill, os.getpid(), signal.SIGTERM)
+            return
+        log.info("worker %d loaded %s in %.1f s: %s", spec.worker_id,
+                 os.path.basename(spec.model_path), time.monotonic() - self.started,
+                 placement_note(engine.placement))
+        self.worker = worker
+
+    async def begin(self, app: web.Application) -> None:
+        threading.Thread(target=self.load, args=(asyncio.get_running_loop(),),
+                         name="load", daemon=True).start()
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.worker is not None:
+            return await self.worker.health(request)
+        return web.json_response({
+            "ready": False, "status": "loading", "phase": self.phase,
+            "progress": round(self.progress, 3), "worker_id": self.spec.worker_id,
+            "pid": os.getpid(), "seconds": round(time.monotonic() - self.started, 1)},
+            status=503)
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        if self.worker is None:
+            return web.json_response({"error": "loading the model"}, status=503)
+        return await self.worker.run(request)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        if self.worker is None:
+            return web.json_response({"cancelled": False}, status=404)
+        return await self.worker.cancel(request)
+
+
+def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
     """`parent_pid`: the proxy that spawned this worker; the worker stops when it is gone."""
     app = web.Application(client_max_size=64 << 20)
-    app.router.add_get("/health", worker.health)
-    app.router.add_post("/run", worker.run)
-    app.router.add_post("/cancel", worker.cancel)
+    app.router.add_get("/health", boot.health)
+    app.router.add_post("/run", boot.run)
+    app.router.add_post("/cancel", boot.cancel)
+    app.on_startup.append(boot.begin)
     if parent_pid is not None:
         app.cleanup_ctx.append(lambda app: _exit_with_parent(parent_pid))
     return app
@@ -474,13 +542,13 @@ class WorkerSpec:
     cache_ram: int = 0  # MiB of host RAM for states that gave way (-1 no limit, 0 off)
 
 
-def load_engine(spec: WorkerSpec) -> Engine:
+def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
     """The worker's engine, as `serve` and `prefixgate doctor` load it."""
     return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
                   n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
                   type_v=spec.type_v, swa_full=spec.swa_full,
                   n_threads_batch=spec.threads_batch or None, placement=spec.placement,
-                  n_seq=spec.parallel)
+                  n_seq=spec.parallel, progress=progress)
 
 
 def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
@@ -504,22 +572,23 @@ def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
 
 
 def serve(spec: WorkerSpec) -> None:
-    engine = load_engine(spec)
-    worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
-                    spec.model_path, spec.flash_attn, spec.n_ctx, RamTier.from_mib(spec.cache_ram))
-    worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
-    worker.start()
+    """Listen at once (`Boot`), load, serve; a load that failed is a ValueError (one line)."""
+    boot = Boot(spec)
     if spec.listen is not None:
         host, port = spec.listen
-        log.info("worker %d listening on %s:%d (model %s, n_ctx %d, memory %s, cache %s)",
-                 spec.worker_id, host, port, spec.model_path, engine.n_ctx, engine.memory.kind,
-                 spec.cache_dir)
-        web.run_app(make_app(worker), host=host, port=port, print=None, handle_signals=True,
+        log.info("worker %d listening on %s:%d (model %s, cache %s); loading", spec.worker_id,
+                 host, port, spec.model_path, spec.cache_dir)
+        web.run_app(make_app(boot), host=host, port=port, print=None, handle_signals=True,
                     access_log=None)
-        return
-    assert spec.socket is not None
-    if os.path.exists(spec.socket):
-        os.unlink(spec.socket)
-    # spawned by the proxy: stop with it
-    web.run_app(make_app(worker, parent_pid=os.getppid()), path=spec.socket, print=None,
-                handle_signals=True, access_log=None)
+    else:
+        assert spec.socket is not None
+        if os.path.exists(spec.socket):
+            os.unlink(spec.socket)
+        # spawned by the proxy: stop with it
+        web.run_app(make_app(boot, parent_pid=os.getppid()), path=spec.socket, print=None,
+                    handle_signals=True, access_log=None)
+    if boot.error:
+        raise ValueError(boot.error)
+    if boot.worker is None:  # stopped while loading: the load thread is not waited for
+        logging.shutdown()
+        os._exit(0)

@@ -4,8 +4,13 @@
 shared proxy/edge.py).
 
 `make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
-tokenizer), the disk cache (LMDB index, reconciled with the files), the gateway and the worker
-pool, and closes them in reverse order on shutdown, after pending cache commits landed.
+tokenizer: a template that cannot be used stops the start at once), then listens, and opens in
+the background the disk cache (the model file hashed, the LMDB index reconciled with the files),
+the gateway and the worker pool, as llama-server does: until they are ready /health and
+/v1/health answer 503 {"status": "loading", "phase", "progress", "workers"} and every other
+path a 503 in its API's shape (`Loading`). A start that fails there stops the server with its
+one-line reason (`BOOT["error"]`, said by proxy.cli.serve). Shutdown closes them in reverse
+order, after pending cache commits landed.
 
 With --api-keys, /metrics and /props need a key as the APIs do; /health stays open
 (orchestrators probe it). The middleware answers every error in the shape of the API the path
@@ -15,8 +20,11 @@ belongs to: an exception that is not an ApiError is a bug, a 500 logged once wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -27,11 +35,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 
 from backend.index import Index
+from backend.protocol import placement_note
 from proxy import anthropic_api, limits, llama_api, openai_api
 from proxy.cache import DiskCache
 from proxy.config import Config, cache_identity
 from proxy.edge import (
     ALLOWED_KEYS,
+    BOOT,
     CACHE,
     CONFIG,
     GATEWAY,
@@ -46,6 +56,7 @@ from proxy.edge import (
 )
 from proxy.errors import (
     ApiError,
+    Loading,
     MethodNotAllowed,
     NotFound,
     anthropic_response,
@@ -55,7 +66,7 @@ from proxy.errors import (
 from proxy.gateway import Gateway, knobs_of
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
-from proxy.workers import Pool, StartupError
+from proxy.workers import Pool, StartupError, loading_note
 
 log = logging.getLogger("prefixgate")
 
@@ -71,14 +82,22 @@ def error_response(request: web.Request, e: ApiError) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    pool = request.app[POOL]
+    boot, pool = request.app[BOOT], request.app.get(POOL)
     workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy, "exact": w.exact,
                 "live_tokens": sum(len(s.live_ids) for s in w.slots),
                 "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
-                          for s in w.slots]} for w in pool.workers]
-    ok = pool.all_ready
-    return web.json_response({"status": "ok" if ok else "loading", "workers": workers},
-                             status=200 if ok else 503)
+                          for s in w.slots],
+                **({} if w.ready else {"loading": loading_note(w.loading),
+                                       "progress": float(w.loading.get("progress", 0))})}
+               for w in (pool.workers if pool is not None else [])]
+    if boot["ready"] and pool is not None and pool.all_ready:
+        return web.json_response({"status": "ok", "workers": workers})
+    loading = [w["progress"] for w in workers if "progress" in w]
+    return web.json_response({
+        "status": "loading",
+        "phase": boot["phase"] if not boot["ready"] else "a worker is (re)starting",
+        "progress": round(sum(loading) / len(loading), 3) if loading else 0.0,
+        "workers": workers}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -137,11 +156,17 @@ async def props(request: web.Request) -> web.Response:
     })
 
 
+OPEN_WHILE_LOADING = ("/health", "/v1/health")
+
+
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
     try:
+        boot = request.app[BOOT]
+        if not boot["ready"] and request.path not in OPEN_WHILE_LOADING:
+            raise Loading(boot["phase"])
         return await handler(request)
     except ApiError as e:  # after the run started, before a response was prepared: a worker lost
         log.warning("%s %s failed %d: %s", request.method, request.path, e.status, e.message)
@@ -194,38 +219,61 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
         line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
         raise StartupError(f"the chat template in {where} cannot be used:{line} {e}") from None
-    identity = await asyncio.to_thread(cache_identity, cfg)
-    cache = None
-    if cfg.disk_prefix_cache != "off":
-        cfg.cache_path.mkdir(parents=True, exist_ok=True)
-        cache = DiskCache(Index(cfg.cache_path), identity, knobs_of(cfg), cfg.cache_max_bytes,
-                          app[METRICS])
-        await asyncio.to_thread(cache.load)
-        app[CACHE] = cache
-    pool = Pool(cfg, await asyncio.to_thread(identity.fingerprint))  # every worker must match
-    app[POOL] = pool
-    gw = Gateway(cfg, prompts, pool, cache, app[METRICS])
-    app[GATEWAY] = gw
+    starting = asyncio.create_task(_open(app, prompts, t0))
+    yield
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    await _close(app)
+
+
+async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None:
+    """Everything after the listener is up: on a failure the server stops (BOOT["error"])."""
+    cfg, boot = app[CONFIG], app[BOOT]
     try:
+        boot["phase"] = "hashing the model file"
+        identity = await asyncio.to_thread(cache_identity, cfg)
+        fingerprint = await asyncio.to_thread(identity.fingerprint)
+        if cfg.disk_prefix_cache != "off":
+            boot["phase"] = "reading the cache index"
+            cfg.cache_path.mkdir(parents=True, exist_ok=True)
+            cache = DiskCache(Index(cfg.cache_path), identity, knobs_of(cfg),
+                              cfg.cache_max_bytes, app[METRICS])
+            app[CACHE] = cache
+            await asyncio.to_thread(cache.load)
+        boot["phase"] = "loading the model"
+        pool = Pool(cfg, fingerprint)  # every worker must match
+        app[POOL] = pool
+        gw = Gateway(cfg, prompts, pool, app.get(CACHE), app[METRICS])
+        app[GATEWAY] = gw
         await gw.open()
         await pool.start()
-    except BaseException:
-        await pool.close()
-        if cache is not None:
-            cache.close()
-            cache.index.close()
+    except asyncio.CancelledError:
         raise
+    except Exception as e:  # StartupError, a worker that died loading, a cache dir refused
+        boot["error"] = str(e) if isinstance(e, StartupError | RuntimeError | OSError) \
+            else f"{type(e).__name__}: {e}"
+        log.error("prefixgate cannot start: %s", boot["error"])
+        os.kill(os.getpid(), signal.SIGTERM)  # aiohttp stops; proxy.cli.serve says why
+        return
+    boot["phase"], boot["ready"] = "ready", True
+    placement = placement_note(pool.workers[0].placement) if pool.workers else ""
     log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s) x %d slot(s) of "
-             "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s (%.1f s)",
+             "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s%s (%.1f s)",
              cfg.host, cfg.port, app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,
              "off" if cfg.cache_ram == 0 else "unbounded" if cfg.cache_ram < 0
              else f"{cfg.cache_ram} MiB/worker", cfg.disk_prefix_cache,
              prompts.tok.kind, prompts.dialect.name,
              " with <think> reasoning" if prompts.dialect.think else "",
-             time.perf_counter() - t0)
-    yield
-    await gw.close()
-    await pool.close()
+             f"; {placement}" if placement else "", time.perf_counter() - t0)
+
+
+async def _close(app: web.Application) -> None:
+    if GATEWAY in app:
+        await app[GATEWAY].close()
+    if POOL in app:
+        await app[POOL].close()
+    cache = app.get(CACHE)
     if cache is not None:
         cache.close()
         cache.index.close()
@@ -253,6 +301,7 @@ def make_app(cfg: Config) -> web.Application:
     app[CONFIG] = cfg
     app[METRICS] = Metrics()
     app[MODEL_ID] = cfg.alias or model_id_of(cfg.model_path)
+    app[BOOT] = {"phase": "starting", "ready": False, "error": ""}
     keys = set(cfg.api_key)
     if cfg.api_keys:  # read before start (proxy.cli.read_key_file): said in one line there
         keys |= read_key_file(cfg.api_keys)

@@ -40,6 +40,7 @@ def serve(cfg: Config) -> None:
     from aiohttp import web
 
     from proxy.app import make_app
+    from proxy.edge import BOOT
     from proxy.workers import StartupError
 
     logging.basicConfig(level=cfg.log_level.upper(),
@@ -49,6 +50,13 @@ def serve(cfg: Config) -> None:
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
     _check_model(cfg.model_path)
+    if not cfg.worker_url:  # remote workers have GPUs of their own
+        from backend.placement import check_gpu_layers
+
+        try:
+            check_gpu_layers(cfg.n_gpu_layers)
+        except ValueError as e:
+            raise SystemExit(f"prefixgate: {e}") from None
     if cfg.api_keys:
         from proxy.app import read_key_file
 
@@ -61,10 +69,13 @@ def serve(cfg: Config) -> None:
     # the render thread parses and renders big requests; let it hand the GIL to the event
     # loop every millisecond (5 by default), so other clients' latency stays low meanwhile
     sys.setswitchinterval(0.001)
+    app = make_app(cfg)
     try:
-        web.run_app(make_app(cfg), sock=sock, print=None, access_log=None)
-    except StartupError as e:  # a worker that cannot serve this proxy: say why, no traceback
+        web.run_app(app, sock=sock, print=None, access_log=None)
+    except StartupError as e:  # a template that cannot be used: say why, no traceback
         raise SystemExit(f"prefixgate: {e}") from None
+    if app[BOOT]["error"]:  # a worker that cannot serve this proxy, found after listening
+        raise SystemExit(f"prefixgate: {app[BOOT]['error']}")
 
 
 def _check_model(path: str) -> None:

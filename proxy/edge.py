@@ -52,6 +52,7 @@ POOL = web.AppKey("pool", Pool)
 CACHE = web.AppKey("cache", DiskCache)
 MODEL_ID = web.AppKey("model_id", str)
 ALLOWED_KEYS = web.AppKey("allowed_keys", frozenset)
+BOOT = web.AppKey("boot", dict)  # {"phase", "ready", "error"}: proxy.app.lifecycle's progress
 
 ErrorResponse = Callable[[ApiError], web.Response]
 Parse = Callable[[Any, str], ChatRequest]

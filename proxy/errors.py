@@ -94,6 +94,19 @@ class WorkerFailed(ApiError):
     kind = "api_error"
 
 
+class Loading(ApiError):
+    """Everything but /health while the model loads (llama-server's 503 "Loading model")."""
+
+    status = 503
+    kind = "unavailable_error"
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"Loading model ({phase}); /health says when it is ready")
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "5"}
+
+
 _ANTHROPIC_TYPES = {
     "invalid_request_error": "invalid_request_error",
     "authentication_error": "authentication_error",

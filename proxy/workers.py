@@ -47,7 +47,7 @@ from typing import Any
 import aiohttp
 
 from backend import volume
-from backend.protocol import Event, Job, parse_event
+from backend.protocol import Event, Job, parse_event, placement_note
 from policies.prefix import common_prefix_len, live_reuse
 from policies.router import SlotView, choose_slot
 from proxy.config import Config, worker_argv
@@ -66,6 +66,16 @@ RECHECK_TRIES = 40  # after a lost stream: health probes before leaving it to it
 RECHECK_INTERVAL_S = 0.25
 
 _UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+
+
+class WorkerLoading(aiohttp.ClientError):
+    """A worker that answers /health 503 while it loads: not ready yet (an unreachable one, to
+    every rule that does not look closer), with its phase and progress."""
+
+    def __init__(self, status: dict[str, Any]) -> None:
+        super().__init__(f"loading ({status.get('phase', 'loading')}, "
+                         f"{float(status.get('progress', 0)):.0%})")
+        self.status = status
 
 
 class StartupError(RuntimeError):
@@ -167,6 +177,8 @@ class Worker:
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
     streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
     checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
+    loading: dict[str, Any] = field(default_factory=dict)  # its /health while it loads
+    placement: dict[str, Any] = field(default_factory=dict)  # where its model went
 
     def __post_init__(self) -> None:
         if not self.slots:
@@ -192,9 +204,11 @@ class Worker:
     @property
     def memory_note(self) -> str:
         """Its slots, memory, reuse granularity and self-check's verdict for the ready line."""
+        where = placement_note(self.placement)
         return (f"{len(self.slots)} slot(s), memory {self.memory}, reuse at multiples of "
                 f"{self.align}, "
-                + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})"))
+                + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})")
+                + (f"; {where}" if where else ""))
 
     @property
     def name(self) -> str:
@@ -209,6 +223,11 @@ class Worker:
         assert self.session is not None
         async with self.session.get(self.base_url + "/health",
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status == 503:
+                with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
+                    status = await r.json()
+                    if isinstance(status, dict) and status.get("status") == "loading":
+                        raise WorkerLoading(status)
             r.raise_for_status()
             return dict(await r.json())
 
@@ -249,6 +268,13 @@ class Worker:
         if self.session is not None:
             old, self.session = self.session, self.new_session()
             await old.close()
+
+
+def loading_note(status: dict[str, Any]) -> str:
+    """"loading the model 42%" from a loading worker's /health ("starting" before it answers)."""
+    if not status:
+        return "starting"
+    return f"{status.get('phase', 'loading')} {float(status.get('progress', 0)):.0%}"
 
 
 def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers: int
@@ -360,10 +386,11 @@ class Pool:
 
     async def _wait_ready(self, w: Worker) -> None:
         """As long as its process lives: a 60 GB model from a slow disk loads for minutes (no
-        fixed limit, as in llama-server); it says every LOADING_NOTE_S that it is loading."""
+        fixed limit, as in llama-server); it says every LOADING_NOTE_S how far it got."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         note = start + LOADING_NOTE_S
+        log.info("worker %d loading %s", w.worker_id, os.path.basename(self.cfg.model_path))
         while True:
             if w.process and w.process.returncode is not None:
                 raise RuntimeError(f"worker {w.worker_id} exited with {w.process.returncode} "
@@ -371,10 +398,13 @@ class Pool:
             try:
                 h = await w.health()
                 break
-            except _UNREACHABLE:
+            except _UNREACHABLE as e:
+                if isinstance(e, WorkerLoading):
+                    w.loading = e.status
                 if loop.time() >= note:
-                    log.info("worker %d is still loading %s (%.0f s)", w.worker_id,
-                             os.path.basename(self.cfg.model_path), loop.time() - start)
+                    log.info("worker %d is loading %s: %s, %.0f s", w.worker_id,
+                             os.path.basename(self.cfg.model_path), loading_note(w.loading),
+                             loop.time() - start)
                     note += LOADING_NOTE_S
                 await asyncio.sleep(0.1)
         problem = incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path, "",
@@ -440,6 +470,7 @@ class Pool:
         w.exact_failure = str(exact.get("failure", ""))
         w.boot_id = str(h.get("boot_id", ""))
         w.set_slots(int(h.get("slots", 1)))
+        w.placement, w.loading = dict(h.get("placement") or {}), {}
 
     async def _first_contact(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -450,6 +481,8 @@ class Pool:
                 h = await w.health(PROBE_TIMEOUT_S)
                 break
             except _UNREACHABLE as e:
+                if isinstance(e, WorkerLoading):  # loading: no limit while it makes progress
+                    w.loading, start = e.status, loop.time()
                 now = loop.time()
                 if now - start > REMOTE_WAIT_S:
                     raise StartupError(f"{w.name} did not answer /health within "

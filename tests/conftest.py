@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +79,9 @@ class Server:
 
 
 def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
-                 env: dict[str, str] | None = None, timeout_s: float = 120) -> Server:
+                 env: dict[str, str] | None = None, timeout_s: float = 120,
+                 while_loading: Callable[[Server], None] | None = None) -> Server:
+    """The server, once /health says ok; `while_loading` is called between polls before."""
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or tmp / "cache"
@@ -100,6 +102,8 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
             raise RuntimeError(f"server exited {proc.returncode}:\n{srv.log()}")
         if http_get(srv.url + "/health", timeout_s=2)[0] == 200:
             return srv
+        if while_loading is not None:
+            while_loading(srv)
         time.sleep(0.2)
     srv.stop()
     raise RuntimeError(f"server not ready in {timeout_s} s:\n{srv.log()}")

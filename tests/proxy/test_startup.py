@@ -1,0 +1,106 @@
+"""Start-up you can watch (issue 21): the server listens at once, and while the worker loads
+its model `/health` and `/v1/health` answer 503 {"status": "loading", "phase", "progress"} with
+llama.cpp's loading progress; every other path answers 503 in its API's shape (OpenAI's
+`unavailable_error`, Anthropic's `overloaded_error`) with a Retry-After, as llama-server does.
+Then it is ready and serves. The worker reads a slow disk by an injected fault
+(PREFIXGATE_FAULT=slow-load: a pause in llama.cpp's progress callback); everything else is real.
+
+A `-ngl` on a CPU-only build is a start-up error that says how to fix it, and a start that
+fails after the listener is up (here: no worker can load the model) still ends with one line
+and a non-zero status."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from tests.conftest import N_CTX, ROOT, Server, http_get, start_server
+from tests.models import model_file
+
+pytestmark = pytest.mark.model
+
+
+def post(srv: Server, path: str, body: Any) -> tuple[int, Any, dict[str, str]]:
+    req = urllib.request.Request(srv.url + path, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def test_health_says_loading_with_progress_until_ready(tmp_path: Path) -> None:
+    health: list[dict[str, Any]] = []
+    refused: list[tuple[str, int, Any, dict[str, str]]] = []
+
+    def probe(srv: Server) -> None:
+        for path in ("/health", "/v1/health"):
+            status, body = http_get(srv.url + path, timeout_s=2)
+            if status:  # 0: not listening yet (the interpreter is still importing)
+                assert status == 503, (path, status, body)
+                health.append(json.loads(body))
+        if len(refused) < 4:
+            chat = {"model": "m", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            for path in ("/v1/chat/completions", "/v1/messages"):
+                try:
+                    refused.append((path, *post(srv, path, chat)))
+                except OSError:
+                    pass
+
+    srv = start_server(tmp_path, env={"PREFIXGATE_FAULT": "slow-load"}, while_loading=probe)
+    try:
+        assert health and all(h["status"] == "loading" for h in health)
+        progress = [h["progress"] for h in health]
+        assert progress == sorted(progress), progress  # it only moves forward
+        assert any(0 < p < 1 for p in progress), progress  # seen part-way, not just 0 and 1
+        assert {"hashing the model file", "loading the model"} & {h["phase"] for h in health}
+        loading = [w["loading"] for h in health for w in h["workers"]]
+        assert any(note.startswith("loading the model ") for note in loading), loading
+        assert refused, "no API request was made while loading"
+        for path, status, body, headers in refused:
+            assert status == 503 and headers.get("Retry-After") == "5", (path, status, body)
+            if path == "/v1/messages":
+                assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+            else:
+                assert body["error"]["type"] == "unavailable_error"
+            assert "Loading model" in json.dumps(body)
+        # ready: /health says ok, the API serves, and the ready line names where the model went
+        assert srv.get_json("/health")["status"] == "ok"
+        assert srv.get_json("/v1/health")["status"] == "ok"
+        status, body, _ = post(srv, "/v1/chat/completions", {
+            "model": "m", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+        log = srv.log()
+        assert "worker 0 is loading" not in log or "loading the model" in log
+        ready = next(line for line in log.splitlines() if "prefixgate ready on" in line)
+        assert "CPU: no layers on a GPU, weights" in ready, ready
+    finally:
+        srv.stop()
+
+
+def run_serve(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--port", "0",
+                           "--n-ctx", str(N_CTX), "--cache-dir", str(tmp / "cache"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(bool(llama_cpp.llama_supports_gpu_offload()),
+                    reason="this llama-cpp-python offloads to a GPU")
+def test_gpu_layers_on_a_cpu_only_build_is_a_start_up_error(tmp_path: Path) -> None:
+    out = run_serve(tmp_path, "-ngl", "99")
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefixgate: ") and "-ngl 99" in last and "GPU=cuda" in last, last
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert model_file("smollm2")  # the default model: nothing else was wrong
