@@ -55,6 +55,7 @@ CacheKey = NewType("CacheKey", bytes)
 KEY_SIZE_BYTES = 16
 _HASH_CHUNK_BYTES = 16 << 20  # the model file is read in chunks of this size
 _HASHES_FILE = "model-hashes.json"
+_HASH_NOTE_S = 5.0  # a long first hash says how far it got this often
 _HASHES_KEPT = 32  # model files remembered in it, the most recently hashed
 _SETTLED_NS = 2_000_000_000  # a file changed more recently than this is hashed, not remembered
 # v2: workers load models without llama.cpp's CPU extra buffer types (backend/engine.py), which
@@ -126,11 +127,18 @@ def _stamp(path: str | os.PathLike[str]) -> str | None:
 
 def _hash_file(path: str | os.PathLike[str]) -> str:
     started = time.perf_counter()
+    note = started + _HASH_NOTE_S
     hasher = xxhash.xxh3_128()
     buf = memoryview(bytearray(_HASH_CHUNK_BYTES))
+    size, done = os.path.getsize(path), 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             hasher.update(buf[:n])
+            done += n
+            if time.perf_counter() >= note:  # a 60 GB file from a slow disk: say how far
+                log.info("hashing the model file %s (once per file version): %.0f%% of %.1f GB",
+                         path, 100 * done / max(size, 1), size / 1e9)
+                note += _HASH_NOTE_S
     log.info("hashed the model file %s in %.1f s", path, time.perf_counter() - started)
     return hasher.hexdigest()
 
