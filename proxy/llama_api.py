@@ -8,6 +8,12 @@ with them (issue 21):
                          it (normalized and laid out stable first, as a request would be)
     GET  /slots          every slot of every worker: id, worker, slot, n_ctx, is_processing,
                          live_tokens, a hash of the tenant whose KV it holds, exact
+    POST /completion     llama-server's native completion: {"prompt", "n_predict" (-1: to the
+                         context's end), "stream", "stop", "temperature", "top_k", "top_p",
+                         "min_p", "seed", "json_schema", ...} -> {"content", "stop": true,
+                         "stop_type" (eos | word | limit), "stopping_word", "tokens_predicted",
+                         "tokens_evaluated", "tokens_cached", "timings", ...}; streamed as SSE
+                         chunks {"content", "stop": false}, then the final object (no [DONE])
     GET  /v1/health, /models   the same as /health and /v1/models
 
 The ids are prefixgate's own, the ones the cache keys on (equal to llama.cpp's: the tokenizer
@@ -18,16 +24,30 @@ rendering run on the gateway's render thread, never on the event loop.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from aiohttp import web
 
-from proxy.chat import expect_dict
-from proxy.edge import CONFIG, GATEWAY, LIMITS, POOL, check_auth, read_body
-from proxy.errors import BadRequest
+from proxy.chat import ChatRequest, expect_dict, opt_bool, opt_int, parse_sampling, parse_stop
+from proxy.edge import (
+    CONFIG,
+    GATEWAY,
+    LIMITS,
+    MODEL_ID,
+    POOL,
+    cache_headers,
+    check_auth,
+    read_body,
+    serve,
+    sse_response,
+    with_pings,
+)
+from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.limits import load as load_json
-from proxy.openai_api import parse_chat
+from proxy.openai_api import parse_chat, timings_json
 from proxy.prompt import PromptBuilder
+from proxy.run import Run
 
 
 def tokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
@@ -83,8 +103,81 @@ async def slots(request: web.Request) -> web.Response:
         for i, s in enumerate(request.app[POOL].slots)])
 
 
+def parse_native(body: Any, tenant: str) -> ChatRequest:
+    """A /completion body as a raw-prompt request (the prompt is used as it is: no template)."""
+    body = expect_dict(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string (token-id prompts are not "
+                         "supported: /tokenize shows the ids a text gets)", param="prompt")
+    n_predict = opt_int(body, "n_predict", -1)
+    if n_predict == 0:
+        raise BadRequest("'n_predict': 0 (evaluate the prompt only) is not supported; give -1 "
+                         "or a number of tokens", param="n_predict")
+    schema = body.get("json_schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise BadRequest("'json_schema' must be a JSON schema object", param="json_schema")
+    return ChatRequest(api="completion", messages=(), prompt=prompt,
+                       sampling=parse_sampling(body),
+                       max_tokens=None if n_predict is None or n_predict < 0 else n_predict,
+                       stop=parse_stop(body.get("stop")), stream=opt_bool(body, "stream"),
+                       tenant=tenant, json_schema=schema)
+
+
+def _final(request: web.Request, req: ChatRequest, run: Run, content: str) -> dict[str, Any]:
+    """llama-server's last /completion object: the text (all of it, or "" when streamed), why
+    it stopped, the token counts and the timings."""
+    u = run.usage
+    stop_type = "limit" if run.finish_reason == "length" else "word" if run.state.stop \
+        else "eos"
+    cfg = request.app[CONFIG]
+    return {"content": content, "id_slot": 0, "stop": True, "model": request.app[MODEL_ID],
+            "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
+            "tokens_cached": u.cached_tokens, "prompt": req.prompt, "truncated": False,
+            "has_new_line": "\n" in content, "stop_type": stop_type,
+            "stopping_word": run.state.stop or "",
+            "generation_settings": {"n_ctx": cfg.slot_ctx, "n_predict": req.max_tokens or -1,
+                                    "stop": list(req.stop), **req.sampling},
+            "timings": timings_json(run)}
+
+
+async def _respond_native(request: web.Request, req: ChatRequest, run: Run
+                          ) -> web.StreamResponse:
+    if not req.stream:
+        text = "".join([piece async for piece in run.pieces()])
+        return web.json_response(_final(request, req, run, text), headers=cache_headers(run))
+    resp = await sse_response(request, cache_headers(run))
+
+    async def keepalive() -> None:  # an SSE comment during a long prefill
+        await resp.write(b": keepalive\n\n")
+
+    def chunk(body: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    try:
+        async for piece in with_pings(run.pieces(), request.app[CONFIG].ping_interval_s,
+                                      keepalive):
+            await resp.write(chunk({"content": piece, "stop": False, "id_slot": 0,
+                                    "index": 0}))
+    except ApiError as e:
+        await resp.write(chunk({"error": {"code": e.status, "message": e.message,
+                                          "type": e.kind}}))
+        return resp
+    await resp.write(chunk(_final(request, req, run, "")))
+    await resp.write_eof()
+    return resp
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    return await serve(request, "completion", parse_native, openai_response, _respond_native)
+
+
 def add_routes(app: web.Application, health: Any, models: Any) -> None:
     app.router.add_get("/slots", slots)
+    app.router.add_post("/completion", completion)
+    app.router.add_post("/completions", completion)
     app.router.add_post("/tokenize", _handler(tokenize))
     app.router.add_post("/detokenize", _handler(detokenize))
     app.router.add_post("/apply-template", _handler(apply_template))

@@ -37,6 +37,7 @@ from proxy.dialects import (
 )
 from proxy.edge import (
     CONFIG,
+    GATEWAY,
     MODEL_ID,
     cache_headers,
     client_gone,
@@ -234,13 +235,30 @@ def parse_completion(body: Any, tenant: str) -> ChatRequest:
     return ChatRequest(api="completions", messages=(), prompt=prompt, **_common(body, tenant))
 
 
-def usage_json(u: Usage) -> dict[str, Any]:
+def usage_json(u: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
+
+
+def reasoning_tokens(decode: Callable[[list[int]], str], ids: list[int], end: str) -> int:
+    """How many of the generated `ids` are reasoning: those up to the first whose text closes
+    it (`end`: "</think>", Harmony's "<|end|>"), all of them when it never closed; a binary
+    search over prefixes, a few decodes."""
+    if end not in decode(ids):
+        return len(ids)
+    lo, hi = 1, len(ids)  # the shortest prefix whose text holds `end`
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if end in decode(ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def timings_json(run: Run) -> dict[str, Any]:
@@ -265,12 +283,23 @@ class Responder:
     """Renders one run as a chat.completion or text_completion, JSON or SSE. Reasoning goes
     in `reasoning_content` (llama-server's and vLLM's field), in messages and in deltas."""
 
-    def __init__(self, req: ChatRequest, run: Run, model_id: str, chat: bool) -> None:
+    def __init__(self, req: ChatRequest, run: Run, model_id: str, chat: bool,
+                 decode: Callable[[list[int]], str]) -> None:
         self.req, self.run, self.model, self.chat = req, run, model_id, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.n_calls = 0
+        self.reasoned = False  # a ReasoningDelta came: usage counts its tokens
+        self.decode = decode
+
+    def _usage(self) -> dict[str, Any]:
+        n = 0
+        dialect = self.run.prep.dialect
+        if self.reasoned and dialect is not None:
+            end = dialect.think[1] if dialect.think else "<|end|>"
+            n = reasoning_tokens(self.decode, self.run.state.gen_ids, end)
+        return usage_json(self.run.usage, n)
 
     def _events(self) -> AsyncIterator[Event]:
         return events(self.run.pieces(), self.run.prep.stream() if self.chat else None)
@@ -295,6 +324,7 @@ class Responder:
                 parts.append(ev.text)
             elif isinstance(ev, ReasoningDelta):
                 reasoning.append(ev.text)
+                self.reasoned = True
             elif isinstance(ev, CallDone):
                 calls.append(ev.call)
         self.n_calls = len(calls)
@@ -305,17 +335,17 @@ class Responder:
         if calls:
             choice["message"]["tool_calls"] = [_call_json(c) for c in calls]
         body = {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage_json(self.run.usage),
+                "model": self.model, "choices": [choice], "usage": self._usage(),
                 "timings": timings_json(self.run)}
         return web.json_response(body, headers=cache_headers(self.run))
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None,
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                timings: dict[str, Any] | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
                                 "model": self.model, "choices": choices}
         if usage is not None:
-            body["usage"] = usage_json(usage)
+            body["usage"] = usage
         if timings is not None:
             body["timings"] = timings
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
@@ -330,6 +360,7 @@ class Responder:
         if isinstance(ev, TextDelta):
             return self._chunk([self._choice(ev.text, None, True)])
         if isinstance(ev, ReasoningDelta):
+            self.reasoned = True
             return self._delta({"reasoning_content": ev.text})
         if isinstance(ev, CallOpen):
             return self._delta({"tool_calls": [{
@@ -367,7 +398,7 @@ class Responder:
                            timings=timings_json(self.run))
         await resp.write(last)
         if include_usage:
-            await resp.write(self._chunk([], self.run.usage))
+            await resp.write(self._chunk([], self._usage()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -379,7 +410,8 @@ class Responder:
 def _respond(chat: bool) -> Callable[[web.Request, ChatRequest, Run],
                                     Awaitable[web.StreamResponse]]:
     async def respond(request: web.Request, req: ChatRequest, run: Run) -> web.StreamResponse:
-        r = Responder(req, run, request.app[MODEL_ID], chat)
+        r = Responder(req, run, request.app[MODEL_ID], chat,
+                      request.app[GATEWAY].prompts.tok.decode)
         return await (r.stream(request, req.include_usage, request.app[CONFIG].ping_interval_s)
                       if req.stream else r.json(request))
 

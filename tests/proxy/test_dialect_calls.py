@@ -100,6 +100,8 @@ def test_reasoning_is_separated_on_the_openai_api(thinking: Server) -> None:
     m = r.choices[0].message
     assert m.content is None or m.content == ""
     assert getattr(m, "reasoning_content", "")  # the llama-server / vLLM field
+    details = r.usage.completion_tokens_details  # never closed: every token is reasoning
+    assert details is not None and details.reasoning_tokens == r.usage.completion_tokens == 12
     deltas = [ch.choices[0].delta for ch in c.chat.completions.create(
         model="m", messages=MESSAGES, max_tokens=12, temperature=0,  # type: ignore[arg-type]
         stream=True) if ch.choices]
@@ -111,6 +113,22 @@ def test_reasoning_is_separated_on_the_openai_api(thinking: Server) -> None:
                                                 {"enable_thinking": False}})
     assert off.choices[0].message.content
     assert not getattr(off.choices[0].message, "reasoning_content", None)
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("pieces", "end", "expected"), [
+    (["<think>", "a", "b", "</think>", "x"], "</think>", 4),  # up to the closing token
+    (["a", "</", "think>", "x", "y"], "</think>", 3),  # a tag split over two tokens
+    (["a", "b"], "</think>", 2),  # never closed (cut by max_tokens): all of it
+    (["<|channel|>", "analysis", "<|message|>", "hm", "<|end|>", "<|start|>"], "<|end|>", 5),
+])
+def test_reasoning_tokens_count_up_to_the_close(pieces: list[str], end: str,
+                                                expected: int) -> None:
+    from proxy.openai_api import reasoning_tokens
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids)
+    assert reasoning_tokens(decode, list(range(len(pieces))), end) == expected
 
 
 def test_thinking_blocks_on_the_anthropic_api(thinking: Server) -> None:

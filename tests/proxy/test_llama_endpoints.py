@@ -186,3 +186,36 @@ def test_timings_in_llama_servers_shape(server: Server) -> None:
         assert t["cache_n"] == u["prompt_tokens_details"]["cached_tokens"]
         assert t["predicted_n"] == u["completion_tokens"]
         assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
+
+
+def test_native_completion_in_llama_servers_shape(server: Server) -> None:
+    """/completion: the same greedy text as /v1/completions for the same raw prompt; why it
+    stopped (limit, word); streamed chunks that add up to it, then the final object."""
+    prompt = "<|im_start|>user\nWrite a long story about a cat.<|im_end|>\n<|im_start|>assistant\n"
+    c = openai.OpenAI(base_url=server.v1, api_key="k", max_retries=0, timeout=120)
+    oai = c.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+    status, r = post(server, "/completion", {"prompt": prompt, "n_predict": 12,
+                                             "temperature": 0})
+    assert status == 200, r
+    assert r["content"] == oai.choices[0].text and r["stop"] is True
+    assert r["stop_type"] == "limit" and r["stopping_word"] == ""
+    assert r["tokens_predicted"] == 12 and r["tokens_evaluated"] == oai.usage.prompt_tokens
+    assert r["timings"]["prompt_n"] + r["timings"]["cache_n"] == r["tokens_evaluated"]
+    assert r["tokens_cached"] == r["timings"]["cache_n"]
+    assert {"id_slot", "model", "prompt", "generation_settings", "truncated"} <= set(r)
+    word = r["content"].split()[1] if len(r["content"].split()) > 1 else r["content"][:2]
+    status, w = post(server, "/completion", {"prompt": prompt, "n_predict": 12,
+                                             "temperature": 0, "stop": [word]})
+    assert status == 200 and w["stop_type"] == "word" and w["stopping_word"] == word
+    assert r["content"].startswith(w["content"]) and word not in w["content"]
+    req = urllib.request.Request(server.url + "/completion", data=json.dumps(
+        {"prompt": prompt, "n_predict": 12, "temperature": 0, "stream": True}).encode(),
+        headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        events = [json.loads(e[len("data: "):]) for e in resp.read().decode().split("\n\n")
+                  if e.startswith("data: ")]
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events[:-1]) == r["content"]
+    assert events[-1]["stop_type"] == "limit" and events[-1]["tokens_predicted"] == 12
+    status, err = post(server, "/completion", {"prompt": [1, 2, 3]})
+    assert status == 400 and err["error"]["param"] == "prompt"
