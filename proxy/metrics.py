@@ -5,6 +5,8 @@ What they mean:
 - hit ratio = rate(prefixgate_cached_tokens_total) / rate(prefixgate_prompt_tokens_total).
 - lookups: hit (the disk entry covers the whole reusable prefix), partial (a shorter entry was
   used), miss (nothing on disk); live-only reuse is counted under cached_tokens{source="live"}.
+- time to first token by source: the request's cache source (as in its log line), "cold" where
+  nothing was reused (the log's source=none).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Metrics:
                                       "Time to write a state file (off the hot path)",
                                       buckets=_LATENCY, registry=r)
         self.ttft_seconds = Histogram("prefixgate_time_to_first_token_seconds",
-                                      "Request arrival to first token", ["api"],
+                                      "Request arrival to first token, by API and cache source "
+                                      "(live, ram, disk, cold)", ["api", "source"],
                                       buckets=_LATENCY, registry=r)
         self.prefill_seconds = Histogram("prefixgate_prefill_seconds",
                                          "Worker prefill time per request",

@@ -517,7 +517,8 @@ class Run:
             m.lookups.labels(plan.lookup).inc()
         m.prefill_seconds.observe(self.timings.get("prefill_s", 0.0))
         if self.ttft_s is not None:
-            m.ttft_seconds.labels(api).observe(self.ttft_s)
+            m.ttft_seconds.labels(api, "cold" if u.source == "none" else u.source).observe(
+                self.ttft_s)
         saves = ",".join(f"{s.reason}@{s.n_tokens}" for s in plan.saves) or "-"
         log.info(
             "%s prompt=%d cached=%d source=%s scope=%s boundary=%s lookup=%s saves=%s "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_compose_file_is_valid_and_wires_proxy_to_workers() -> None:
     for key in ("PREFIXGATE_MODEL", "PREFIXGATE_N_CTX", "PREFIXGATE_FLASH_ATTN",
                 "PREFIXGATE_CACHE_DIR"):
         assert proxy["environment"][key] == worker["environment"][key], key
-    assert sorted(proxy["volumes"]) == sorted(worker["volumes"])
+    assert set(worker["volumes"]) <= set(proxy["volumes"])
     assert any(v.endswith(":/cache:rw") for v in proxy["volumes"])
     # the proxy points at the worker's listen address; the worker gets a GPU
     assert proxy["environment"]["PREFIXGATE_WORKER_URL"] == "http://worker-0:9000"
@@ -84,6 +85,46 @@ def test_prometheus_config_and_rules_pass_promtool() -> None:
     run(promtool, "check", "rules", "rules.yml")
     # the alerts fire on the conditions they name, on synthetic series (deploy/rules_test.yml)
     assert "SUCCESS" in run(promtool, "test", "rules", "rules_test.yml")
+
+
+def test_prometheus_reads_its_api_key_where_compose_mounts_it() -> None:
+    """The key file prometheus.yml names (relative to itself) is the one compose mounts from
+    PROMETHEUS_API_KEY_FILE; the proxy's --api-keys file is the one from API_KEYS_FILE. The
+    defaults are the empty files in deploy/secrets (no key), which promtool also needs."""
+    services = compose_config()["services"]
+    prom_cfg = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    auth = prom_cfg["scrape_configs"][0]["authorization"]
+    assert auth.get("type", "Bearer") == "Bearer"
+    mounts = {target: source for source, target, *_ in
+              (v.split(":") for v in services["prometheus"]["volumes"])}
+    config_dir = Path(next(a for a in services["prometheus"]["command"]
+                           if a.startswith("--config.file=")).split("=", 1)[1]).parent
+    key_file = DEPLOY / "secrets/prometheus_api_key"
+    assert mounts[str(config_dir / auth["credentials_file"])] == str(key_file)
+    proxy = services["proxy"]
+    proxy_mounts = {target: source for source, target, *_ in
+                    (v.split(":") for v in proxy["volumes"])}
+    assert proxy_mounts[proxy["environment"]["PREFIXGATE_API_KEYS"]] == str(
+        DEPLOY / "secrets/api_keys")
+    for default in ("prometheus_api_key", "api_keys"):
+        assert (DEPLOY / "secrets" / default).read_text() == "", "the defaults hold no key"
+
+
+def test_cuda_architectures_are_ggml_default_everywhere() -> None:
+    """The Dockerfile's default, the compose file's and .env.example's are one list: ggml's
+    default for CUDA 12.8 (llama.cpp's ggml/src/ggml-cuda/CMakeLists.txt, as the Dockerfile's
+    comment says), Maxwell and Pascal included."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "ARG CUDA_VERSION=12.8." in dockerfile
+    found = {
+        "Dockerfile": re.search(r'^ARG CUDA_ARCHITECTURES="([^"]+)"$', dockerfile, re.M),
+        "docker-compose.yml": re.search(r"\$\{CUDA_ARCHITECTURES:-([^}]+)\}",
+                                        (DEPLOY / "docker-compose.yml").read_text()),
+        ".env.example": re.search(r"^CUDA_ARCHITECTURES=(.+)$",
+                                  (DEPLOY / ".env.example").read_text(), re.M)}
+    ggml_12_8 = ("50-virtual;61-virtual;70-virtual;75-virtual;80-virtual;86-real;89-real;"
+                 "90-virtual;120a-real")
+    assert {name: m and m[1] for name, m in found.items()} == dict.fromkeys(found, ggml_12_8)
 
 
 def test_grafana_provisioning_finds_the_dashboard_and_its_data_source() -> None:

@@ -7,12 +7,16 @@ saved), a live hit, a disk restore, then a broken cache directory (a snapshot wr
 An alert's expression is empty while the alert is quiet, so each is also evaluated with its
 comparisons as `bool` (0 = quiet, 1 = firing): still empty only when a metric or label it reads
 does not exist. The write failure is real, so that alert must fire.
+
+A proxy with --api-key is scraped with the key from Prometheus's credentials file, the one
+deploy/prometheus.yml names (docker-compose mounts PROMETHEUS_API_KEY_FILE there).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 import shutil
 import subprocess
 import time
@@ -82,8 +86,9 @@ def expressions() -> dict[str, str]:
 
 
 class Prometheus:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key_file: Path) -> None:
         self.url = url
+        self.key_file = key_file  # the API key it scrapes with
 
     def api(self, path: str, **params: str) -> Any:
         status, body = http_get(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}")
@@ -98,7 +103,8 @@ class Prometheus:
 
 @pytest.fixture
 def prometheus_for(tmp_path: Path) -> Iterator[Any]:
-    """Starts Prometheus with deploy/prometheus.yml scraping `target` every second."""
+    """Starts Prometheus with deploy/prometheus.yml scraping `target` every second; the API key
+    file it names (relative to the config, as compose mounts it) starts as the repository's."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(target: str) -> Prometheus:
@@ -108,6 +114,10 @@ def prometheus_for(tmp_path: Path) -> Iterator[Any]:
         jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
         jobs["prefixgate"]["static_configs"] = [{"targets": [target]}]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+        key_path = jobs["prefixgate"]["authorization"]["credentials_file"]
+        key_file = tmp_path / key_path
+        key_file.parent.mkdir(parents=True, exist_ok=True)
+        key_file.write_text((DEPLOY / key_path).read_text())  # empty: no key
         port = free_port()
         log = open(tmp_path / "prometheus.log", "wb")
         procs.append(subprocess.Popen(
@@ -115,7 +125,7 @@ def prometheus_for(tmp_path: Path) -> Iterator[Any]:
              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{port}"],
             stdout=log, stderr=subprocess.STDOUT))
-        prom = Prometheus(f"http://127.0.0.1:{port}")
+        prom = Prometheus(f"http://127.0.0.1:{port}", key_file)
         deadline = time.time() + 60
         while http_get(prom.url + "/-/ready", timeout_s=2)[0] != 200:
             assert procs[0].poll() is None and time.time() < deadline, \
@@ -135,11 +145,11 @@ def system_prompt(topic: str) -> str:
                     for i in range(1, 5))
 
 
-def ask(srv: Server, system: str | None, question: str) -> str:
+def ask(srv: Server, system: str | None, question: str, key: str = "k") -> str:
     messages = [{"role": "user", "content": question}]
     if system:
         messages.insert(0, {"role": "system", "content": system})
-    c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=180)
+    c = openai.OpenAI(base_url=srv.v1, api_key=key, max_retries=0, timeout=180)
     raw = c.chat.completions.with_raw_response.create(model="m", messages=messages,
                                                        temperature=0, max_tokens=4)
     return str(raw.headers["x-prefixgate-cache-source"])
@@ -187,6 +197,9 @@ def test_every_dashboard_and_rule_expression_has_data(tmp_path: Path, prometheus
             time.sleep(1)
             missing = empty()
         assert not missing, "no data for:\n" + "\n".join(f"{m}: {exprs[m]}" for m in missing)
+        # time to first token under each request's cache source (the header said which)
+        ttft = prom.query("sum by (source) (prefixgate_time_to_first_token_seconds_count)")
+        assert {r["metric"]["source"] for r in ttft} == {"cold", "live", "disk"}, ttft
 
         # one more hit once the counters' series have been scraped: a series first scraped
         # after all its increments has a rate of zero
@@ -202,6 +215,27 @@ def test_every_dashboard_and_rule_expression_has_data(tmp_path: Path, prometheus
                    "PrefixgateCacheWritesFailing to fire")
     # the proxy is gone: the scrape fails, which is what PrefixgateDown watches
     wait_until(lambda: prom.query('up{job="prefixgate"} == 0'), "a failed scrape")
+
+
+def test_a_server_with_an_api_key_is_scraped_with_it(tmp_path: Path,
+                                                     prometheus_for: Any) -> None:
+    """Without the key the scrape fails (401: the target is down, PrefixgateDown watches it);
+    the key written into the credentials file is read at the next scrape, no restart. The key
+    is never in the proxy's log, at debug level."""
+    key = "sk-prefixgate-" + secrets.token_hex(12)
+    with running(tmp_path, "--workers", "1", "--api-key", key, "--log-level", "debug") as srv:
+        assert srv.get("/metrics")[0] == 401
+        prom = prometheus_for(f"127.0.0.1:{srv.port}")  # with the repository's empty key
+        wait_until(lambda: prom.query('up{job="prefixgate"} == 0'), "a refused scrape")
+        target = prom.api("targets")["activeTargets"][0]
+        assert "401" in target["lastError"], target
+
+        prom.key_file.write_text(key + "\n")
+        wait_until(lambda: prom.query('up{job="prefixgate"} == 1'), "a scrape with the key")
+        assert ask(srv, None, "Name a prime number.", key=key) == "none"
+        wait_until(lambda: prom.query('prefixgate_time_to_first_token_seconds_count'
+                                      '{source="cold"} > 0'), "the request to be scraped")
+    assert key not in srv.log()
 
 
 def test_with_bool_leaves_matchers_alone() -> None:

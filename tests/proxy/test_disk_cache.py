@@ -65,6 +65,13 @@ def flush_live(srv: Server) -> None:
     ask(srv, [{"role": "user", "content": "Unrelated: name a prime number."}])
 
 
+def ttft_by_source(srv: Server) -> dict[str, int]:
+    """Requests in /metrics' time to first token, by cache source."""
+    found = re.findall(r'^prefixgate_time_to_first_token_seconds_count\{api="\w+",source="(\w+)"\}'
+                       r' (\S+)$', srv.get("/metrics")[1], re.M)
+    return {source: int(float(n)) for source, n in found}
+
+
 def test_miss_save_hit_restart_disk_hit_same_output(tmp_path: Path) -> None:
     msgs = convo("Which rule is about files?")
     with running(tmp_path, "--workers", "1") as srv:
@@ -74,6 +81,7 @@ def test_miss_save_hit_restart_disk_hit_same_output(tmp_path: Path) -> None:
         assert {e.reason for e in saved} == {"cold"}, "a cold prefill snapshots the anchor"
         hit = ask(srv, msgs)
         assert hit["source"] == "live" and hit["cached"] >= reusable(miss["prompt"])
+        assert ttft_by_source(srv) == {"cold": 1, "live": 1}  # source "none" is counted cold
     with running(tmp_path, "--workers", "1", cache_dir=srv.cache_dir) as srv2:
         disk = ask(srv2, msgs)
         assert disk["source"] == "disk", srv2.log()
@@ -81,6 +89,7 @@ def test_miss_save_hit_restart_disk_hit_same_output(tmp_path: Path) -> None:
         flush_live(srv2)
         again = ask(srv2, msgs)
         assert again["source"] == "disk"
+        assert ttft_by_source(srv2)["disk"] == 2
         assert "lookup=hit" in srv2.log()
     assert miss["text"] == hit["text"] == disk["text"] == again["text"]
 
