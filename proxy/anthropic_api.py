@@ -350,7 +350,7 @@ class Responder:
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence): the worker says which stop string matched."""
         run = self.run
-        if self.n_calls:
+        if self.n_calls and run.finish_reason != "length":  # a call max_tokens cut: max_tokens
             return "tool_use", None
         if run.state.stop is not None:
             return "stop_sequence", run.state.stop

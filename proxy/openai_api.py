@@ -305,7 +305,10 @@ class Responder:
         return events(self.run.pieces(), self.run.prep.stream() if self.chat else None)
 
     def _finish(self) -> str:
-        return "tool_calls" if self.n_calls else self.run.finish_reason
+        # a call that max_tokens cut is still a call (with the arguments that completed), and
+        # the answer says "length", as OpenAI's does
+        return "tool_calls" if self.n_calls and self.run.finish_reason != "length" \
+            else self.run.finish_reason
 
     def _choice(self, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
         if not self.chat:

@@ -94,8 +94,11 @@ class Dialect:
         declared = Tools.of(() if choice == "none" else tools)
         if not declared.types and self.think is None and not self.channels:
             return None
+        forced = tuple(t["function"]["name"] for t in tools
+                       if choice == "required" or (isinstance(choice, dict)
+                                                   and t["function"]["name"] == choice["name"]))
         return Stream(functools.partial(self.scan, think=self.think), declared,
-                      self.inside_think(prompt))
+                      self.inside_think(prompt), forced)
 
     def forced(self, tools: tuple[dict[str, Any], ...], choice: Any, prompt: str) -> str | None:
         """GBNF for exactly one call (to the named tool for {"name"}); None unless forced."""

@@ -284,10 +284,15 @@ class Stream:
     """Generated text in, events out (see the module docstring): `feed(piece)` as pieces
     arrive, `finish()` once at the end."""
 
-    def __init__(self, scan: Any, tools: Tools, inside_think: bool = False) -> None:
+    def __init__(self, scan: Any, tools: Tools, inside_think: bool = False,
+                 forced: tuple[str, ...] = ()) -> None:
         self._scan = scan
         self.tools = tools
         self.inside_think = inside_think
+        # a forced call (tool_choice required or named): the names it may call. The grammar
+        # lets the model write nothing but the call, so no text goes out: an answer that
+        # max_tokens cut is still a call, never its raw markup as text (`finish`)
+        self.forced = forced
         self.text = ""
         self.calls = 0
         self._sent: list[Any] = []  # per item: chars sent (text) or members sent (call)
@@ -297,10 +302,33 @@ class Stream:
 
     def feed(self, piece: str) -> list[Event]:
         self.text += piece
-        return self._diff(False)
+        out = self._diff(False)
+        if self.forced:  # the grammar allows only the call: text is a piece of its markup
+            return [e for e in out if not isinstance(e, TextDelta)]
+        return out
 
     def finish(self) -> list[Event]:
-        return self._diff(True)
+        out = self._diff(True)
+        if not self.forced or self._broken:
+            return out
+        # the grammar allowed nothing but the call: text now is a call cut before its name
+        # ended. It is the one tool that may be called, with no arguments, or the one whose
+        # name that cut text is a start of; otherwise nothing
+        cut = "".join(e.text for e in out if isinstance(e, TextDelta))
+        out = [e for e in out if not isinstance(e, TextDelta)]
+        if self.calls == 0 and not any(k is Call for k in self._kinds):
+            fits = list(self.forced) if len(self.forced) == 1 else \
+                [n for n in self.forced if _cut_name_fits(cut, n)]
+            if len(fits) == 1:
+                self._kinds.append(Call)
+                self._sent.append(-2)
+                k = len(self._kinds) - 1
+                self._ids.append(uuid.uuid4().hex[:24])
+                out += [CallOpen(self._index(k), self._ids[k], fits[0]),
+                        ArgsDelta(self._index(k), "{}"),
+                        CallDone(self._index(k), ToolCall(self._ids[k], fits[0], {}))]
+                self.calls += 1
+        return out
 
     def _diff(self, final: bool) -> list[Event]:
         if self._broken:
@@ -358,6 +386,13 @@ class Stream:
                   k, type(item).__name__)
         self._broken = True
         return out
+
+
+def _cut_name_fits(cut: str, name: str) -> bool:
+    """Whether `name` may be the one a call cut in `cut` was writing: the last run of name-like
+    characters in it is a start of `name` (empty: only a single declared name fits)."""
+    m = re.search(r"[A-Za-z0-9_.\-]*$", cut.rstrip('"'))
+    return name.startswith(m.group(0) if m else "")
 
 
 # --- the common shape: reasoning first, then text with call sections ------------------------

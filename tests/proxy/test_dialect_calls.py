@@ -157,3 +157,33 @@ def test_thinking_blocks_on_the_anthropic_api(thinking: Server) -> None:
     without = c.messages.count_tokens(model="m", messages=history,  # type: ignore
                                       tools=tools).input_tokens  # type: ignore[arg-type]
     assert with_thought > without
+
+
+@pytest.mark.parametrize("max_tokens", [2, 9])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(templated: tuple[str, Server],
+                                                         max_tokens: int) -> None:
+    """Cut in its markup or name (2 tokens) or in its arguments (9): a tool call with the
+    arguments that completed and finish_reason "length", never the raw markup as content."""
+    name, srv = templated
+    c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=600)
+    tools = [{"type": "function", "function": {"name": "read_file", "description": DESCRIPTION,
+                                               "parameters": SCHEMA}}]
+    r = c.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=max_tokens, temperature=0,  # type: ignore
+        tools=tools, tool_choice={"type": "function", "function": {"name": "read_file"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length", (name, choice)
+    assert not choice.message.content, (name, choice.message.content)
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["read_file"], (name, choice)  # type: ignore
+    args = json.loads(calls[0].function.arguments)  # type: ignore[union-attr]
+    assert set(args) <= {"path", "limit", "mode"}, (name, args)
+    streamed = list(c.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=max_tokens, temperature=0,  # type: ignore
+        tools=tools, tool_choice={"type": "function", "function": {"name": "read_file"}},
+        stream=True))
+    deltas = [ch.choices[0].delta for ch in streamed if ch.choices]
+    assert not "".join(d.content or "" for d in deltas), name
+    assert [d.tool_calls[0].function.name for d in deltas  # type: ignore[index,union-attr]
+            if d.tool_calls and d.tool_calls[0].function.name] == ["read_file"]
+    assert streamed[-1].choices[0].finish_reason == "length"
