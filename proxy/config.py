@@ -7,6 +7,7 @@ A flag wins over its variable; the variable wins over the default. The variable 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 from dataclasses import dataclass, field, fields
@@ -55,6 +56,9 @@ class Config:
     host: str = "127.0.0.1"  # listen address
     port: int = 8080  # listen port
     model: str = ""  # GGUF path; "" = the embedded default model
+    # or a Hugging Face repository's GGUF: user/model[:quant], and the file in it (proxy/hub.py)
+    hf_repo: str = ""
+    hf_file: str = ""
     chat_template_file: str = ""  # a Jinja chat template used instead of the GGUF's own
     # how the model writes tool calls and reasoning (proxy/dialects); "" = found from the
     # chat template
@@ -150,6 +154,10 @@ class Config:
 
 _HELP = {
     "host": "listen address", "port": "listen port", "model": "GGUF model path",
+    "hf_repo": "a Hugging Face repository's GGUF instead of --model: user/model[:quant] "
+               "(default quant Q4_K_M), through the Hugging Face cache (HF_HUB_OFFLINE=1: "
+               "only the cache)",
+    "hf_file": "the GGUF file in the --hf-repo repository (default: picked by the quant)",
     "chat_template_file": "a Jinja chat template file used instead of the model's own",
     "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
                     "mistral | hermes (default: found from the chat template)",
@@ -193,6 +201,8 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "host": ((), "LLAMA_ARG_HOST"),
     "port": ((), "LLAMA_ARG_PORT"),
     "model": (("-m",), "LLAMA_ARG_MODEL"),
+    "hf_repo": (("-hf", "-hfr"), "LLAMA_ARG_HF_REPO"),
+    "hf_file": (("-hff",), "LLAMA_ARG_HF_FILE"),
     "alias": (("-a",), "LLAMA_ARG_ALIAS"),
     "chat_template_file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
     "n_ctx": (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE"),
@@ -353,6 +363,13 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
     cfg = Config(**values)
+    if cfg.hf_repo and not cfg.model:  # a --model wins (a worker gets the resolved path)
+        from proxy.hub import resolve
+
+        try:
+            cfg = dataclasses.replace(cfg, model=resolve(cfg.hf_repo, cfg.hf_file))
+        except ValueError as e:
+            raise SystemExit(f"prefixgate: {e}") from None
     if not 1 <= cfg.parallel <= MAX_PARALLEL:
         raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: give 1 to {MAX_PARALLEL} "
                          "slots per worker")
