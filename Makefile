@@ -52,8 +52,30 @@ $(MODELS)/qwen35-random.gguf: $(STAMP) $(FIXTURES)/.llama.cpp bench/random_model
 .PHONY: fixtures
 fixtures: $(FIXTURES)/.llama.cpp $(MODELS)/gemma-3-270m-q4_k_m.gguf $(MODELS)/qwen35-random.gguf
 
-serve: $(STAMP)
-	$(BIN)/prefixgate serve --host $(HOST) --port $(PORT)
+# GPU=cuda: llama-cpp-python rebuilt with CUDA (needs nvcc, the CUDA toolkit; about 15-30
+# minutes, not from pip's cache: a cached CPU wheel would be taken) and served with every layer on the GPU. It stops with an
+# error rather than fall back to the CPU. On macOS the default build already uses Metal.
+# ARGS: more flags for prefixgate serve, e.g. ARGS="-m ~/models/qwen3-coder-30b.gguf -c 65536".
+# CUDA_ARCHITECTURES: native (the GPU of this machine); e.g. 89 to build where no GPU is seen.
+GPU  ?=
+ARGS ?=
+CUDA_ARCHITECTURES ?= native
+CUDA_STAMP := $(VENV)/.installed-cuda
+
+$(CUDA_STAMP): | $(STAMP)
+	@command -v nvcc >/dev/null || test -x /usr/local/cuda/bin/nvcc || { echo "make serve \
+	GPU=cuda: no nvcc here; install the CUDA toolkit (it puts nvcc in /usr/local/cuda/bin), \
+	or use deploy/Dockerfile"; exit 1; }
+	PATH="$$PATH:/usr/local/cuda/bin" CMAKE_ARGS="-DGGML_CUDA=on \
+		-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) $(CMAKE_ARGS)" \
+		$(BIN)/pip install --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(BIN)/python -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() \
+		else 'llama-cpp-python was built without GPU offload')"
+	touch $@
+
+serve: $(STAMP) $(if $(filter cuda,$(GPU)),$(CUDA_STAMP))
+	$(BIN)/prefixgate serve --host $(HOST) --port $(PORT) $(if $(GPU),-ngl all) $(ARGS)
 
 # two layers: the exact tables (no model process, seconds), then the real-model layer
 test: $(STAMP) fixtures
