@@ -56,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, Literal, TypeVar, cast
@@ -504,15 +504,17 @@ class Engine:
         on_stop: Callable[[int], None],
         cancel: Cancel,
         on_batch: Callable[[int], None] | None = None,
-    ) -> Iterator[None]:
+    ) -> Generator[None, None, float]:
         """Evaluate ids[n_live:] in the cold run's blocks of `align` tokens (module rules),
         stopping at each batch edge of `stops_at` to call on_stop(position) (a snapshot point).
         Every batch is exact, so a cancelled prefill keeps what it evaluated for the next
         request; on_batch(n_live) follows each one. A live state that does not end at a batch
         edge is first cut back to one (where the memory refuses, to none). Yields before each
         batch but the first (another slot may run there; never after the last batch, whose
-        logits the first sample reads)."""
+        logits the first sample reads). Returns the seconds spent in llama_decode (not in
+        other slots' steps between): what the prefill itself cost (policies.costs)."""
         a = self.align
+        busy = 0.0
         if self.n_live % a:
             self.truncate(aligned(self.n_live, a))
         points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids) and p % a == 0)
@@ -524,12 +526,15 @@ class Engine:
                 first = False
                 if cancel.is_set:
                     raise Cancelled()
+                t = time.perf_counter()
                 self._decode(ids[self.n_live : min(p, aligned(self.n_live, a) + a)])
+                busy += time.perf_counter() - t
                 self.exact_n = self.n_live
                 if on_batch is not None:
                     on_batch(self.n_live)
             if p in points:
                 on_stop(p)
+        return busy
 
     def generate(
         self,

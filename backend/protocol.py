@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from policies.decide import Plan
@@ -119,6 +119,8 @@ class Done:
     prefill_s: float
     decode_s: float
     pending_saves: int  # saves this run started, all reported before the stream ends
+    # the worker's measured costs after this run (policies.costs.Costs.to_wire): {} for none
+    costs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +169,7 @@ _ADMITS: dict[str, Callable[[Any], bool]] = {
     "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "list": lambda v: isinstance(v, list),
+    "dict[str, Any]": lambda v: isinstance(v, dict),
     "FinishReason": lambda v: v in ("stop", "length", "stop_sequence"),
 }
 _ADMITS["int | None"] = lambda v: v is None or _ADMITS["int"](v)

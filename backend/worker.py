@@ -82,6 +82,7 @@ from backend.protocol import (
     placement_note,
 )
 from backend.ramtier import RamTier
+from policies.costs import Costs, pays
 from policies.decide import Save
 from policies.prefix import aligned, keep_max
 
@@ -178,6 +179,9 @@ class Worker:
         # the start-up self-check's verdict (`exactness`); not ok: nothing is reused, whatever a
         # plan says
         self.exact: dict[str, object] = {"ok": True, "checked": False, "failure": ""}
+        # what prefill and restores cost here, measured as it runs (policies.costs): the
+        # proxy's decide restores only what pays, this worker's RAM tier likewise
+        self.costs = Costs()
 
     def start(self) -> None:
         self.scheduler = Scheduler(self.engine)
@@ -221,10 +225,16 @@ class Worker:
         # from RAM where that holds more than the live KV and at least the plan's disk entry
         got = self.ram.take(job.salt, job.tenant, ids_np, last, max(keep + 1, disk)) \
             if exact else None
+        if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
+            self.ram.put(job.salt, job.tenant, ids_np[: got[0]].copy(), got[1])  # kept
+            got = None
         if got is not None:
             n, state = got
             try:
+                t = time.perf_counter()
                 eng.restore(ids[:n], state)
+                self.costs = self.costs.add_restore("ram", len(state),
+                                                    time.perf_counter() - t)
                 from_ram, keep = n, n
             except ValueError as e:  # never expected: the state was this engine's own
                 log.warning("a RAM tier state did not restore (%s); trying the disk", e)
@@ -235,11 +245,16 @@ class Worker:
             if r.n_tokens % eng.align:  # never a hit the cold run's batches cannot replay
                 continue
             try:
+                t = time.perf_counter()
+                if self.engine.fault == "slow-disk":  # a test's injected fault: a slow disk
+                    time.sleep(SLOW_DISK_S)
                 n, state = store.read_state_file(self.cache_dir / r.file, self.fingerprint, ids)
                 if n != r.n_tokens:
                     raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                      f"{r.n_tokens}")
                 eng.restore(ids[:n], state)
+                self.costs = self.costs.add_restore("disk", len(state),
+                                                    time.perf_counter() - t)
                 restored, keep = n, min(n, last)
                 break
             except store.CacheFault as e:
@@ -265,9 +280,11 @@ class Worker:
         for p in sorted(p for p in saves if p < eng.n_live and eng.can_snapshot_behind(p)):
             write(p, eng.snapshot_behind(p))
         try:
-            yield from eng.prefill_steps(ids, [p for p in saves if p >= eng.n_live],
-                                         lambda p: write(p, eng.snapshot()), cancel,
-                                         lambda n: emit(Prefill(n)))
+            start = eng.n_live
+            busy = yield from eng.prefill_steps(ids, [p for p in saves if p >= eng.n_live],
+                                                lambda p: write(p, eng.snapshot()), cancel,
+                                                lambda n: emit(Prefill(n)))
+            self.costs = self.costs.add_prefill(start, len(ids), busy)
             yield from self._generate(job, emit, cancel, t0, pending)
         except Cancelled:  # what it prefilled stays live; snapshots taken are still written
             emit(CancelledEvent(*eng.reusable(), len(pending)))
@@ -295,7 +312,7 @@ class Worker:
         if tail:
             emit(Token(None, tail))
         emit(Done(finish, matched, n_gen, *eng.reusable(), t1 - t0, time.perf_counter() - t1,
-                  len(pending)))
+                  len(pending), self.costs.to_wire()))
 
     # --- runs on the writer thread ---------------------------------------------------------
 
@@ -324,7 +341,7 @@ class Worker:
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
             "memory": self.engine.memory.to_wire(), "align": self.engine.align,
-            "placement": self.engine.placement,
+            "placement": self.engine.placement, "costs": self.costs.to_wire(),
             "exact": self.exact,
             "cache_volume": volume.read(self.cache_dir),
         })
@@ -497,6 +514,7 @@ def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
 
 
 PARENT_CHECK_S = 1.0
+SLOW_DISK_S = 3.0  # PREFIXGATE_FAULT=slow-disk: each state file read takes this much longer
 
 
 async def _exit_with_parent(parent_pid: int) -> AsyncIterator[None]:

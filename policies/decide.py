@@ -16,6 +16,8 @@ Inputs, all plain data:
 - ``recent``: this tenant's recent prompts, most recent first (the ring; only ``auto`` reads
   it, its first ``scope.window`` entries).
 - ``knobs``: :class:`policies.plan.CacheKnobs`.
+- ``worker.costs``: the worker's measured prefill and restore costs (``policies.costs``), or
+  None before it reported any.
 
 Rules (the positions themselves are ``policies.plan``'s):
 
@@ -35,6 +37,9 @@ Rules (the positions themselves are ``policies.plan``'s):
 4. ``restore``: the stored entries longer than the live reuse, longest first (none when the
    live reuse already reaches ``keep_max``); the worker tries them in order, so a broken file
    falls back to the next one.
+   An entry is offered only where restoring it pays (``policies.costs.pays``: its estimated
+   restore time from its size below the estimated prefill from the live reuse to its end); the
+   longest one that does not is named in ``restore_skipped``, for the log line and a metric.
 5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
    last message start) or ``keep_max``, ``partial`` for a shorter one (e.g. only the anchor),
    ``miss`` for none.
@@ -61,6 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from policies.costs import Costs, pays
 from policies.plan import (
     CacheKnobs,
     MessageStart,
@@ -94,6 +100,7 @@ class Hit:
     n_tokens: int  # the entry holds KV for exactly this many tokens
     key: bytes
     file: str  # relative to the cache directory
+    size_bytes: int = 0  # its state file's size (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,7 @@ class WorkerFacts:
     cut_back: bool = True  # its memory can cut a restored snapshot back (plain attention)
     align: int = 1  # reuse only at multiples of this (its batch size; 1: anywhere)
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
+    costs: Costs | None = None  # its measured costs (None: none reported yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +145,7 @@ class Plan:
     lookup: Lookup
     boundary: int | None  # the scope boundary, for the log line
     anchor_skipped: str | None  # why a cold anchor was not saved, for the log line
+    restore_skipped: str | None = None  # an entry not restored because prefill is faster
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -148,6 +157,7 @@ class Plan:
             "lookup": self.lookup,
             "boundary": self.boundary,
             "anchor_skipped": self.anchor_skipped,
+            "restore_skipped": self.restore_skipped,
         }
 
     @classmethod
@@ -169,6 +179,8 @@ class Plan:
                 lookup=lookup,
                 boundary=None if d["boundary"] is None else _int(d["boundary"]),
                 anchor_skipped=None if d["anchor_skipped"] is None else _str(d["anchor_skipped"]),
+                restore_skipped=None if d["restore_skipped"] is None
+                else _str(d["restore_skipped"]),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed plan: {type(e).__name__} {e}") from None
@@ -238,14 +250,23 @@ def decide(
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
                       else "partial")
+    offered = [h for h in hits if h.n_tokens > live_n and live_n < keep_max]
+    paying = [h for h in offered
+              if pays(worker.costs, live_n, h.n_tokens, h.size_bytes, "disk")]
+    skipped = None
+    if offered and offered[0] not in paying:
+        h, c = offered[0], worker.costs
+        assert c is not None  # without costs every restore pays
+        skipped = (f"{h.n_tokens} tokens: restore ~{c.restore_s(h.size_bytes, 'disk'):.3f} s "
+                   f">= prefill ~{c.prefill_s(live_n, h.n_tokens):.3f} s")
     return Plan(
-        restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in hits
-                      if h.n_tokens > live_n and live_n < keep_max),
+        restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in paying),
         saves=tuple(Save(s.n_tokens, s.reason) for s in saves),
         keep_max=keep_max,
         live_ok=worker.live_ok,
         lookup=lookup,
         boundary=boundary,
         anchor_skipped=anchor_skipped,
+        restore_skipped=skipped,
     )
 

@@ -136,6 +136,10 @@ async def props(request: web.Request) -> web.Response:
         "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure}
                   for w in request.app[POOL].workers],
+        # what each worker measured prefill and restores to cost: decide restores only what
+        # is faster than prefilling it (policies.costs)
+        "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
+                  for w in request.app[POOL].workers},
         "default_generation_settings": {"n_ctx": cfg.slot_ctx},
         "cache_ram": {"mib": cfg.cache_ram,
                       "workers": {str(k): v for k, v in

@@ -135,7 +135,8 @@ class DiskCache:
     def lookup(self, facts: Facts, tenant: str) -> Stored:
         with self._lock:
             found = self._forest.match(tenant, facts.ids)
-            return Stored(hits=tuple(Hit(n, k, self._entries[k].file)
+            return Stored(hits=tuple(Hit(n, k, self._entries[k].file,
+                                         self._entries[k].size_bytes)
                                      for n, k in found[:RESTORE_CANDIDATES]),
                           positions=frozenset(n for n, _ in found))
 

@@ -106,7 +106,8 @@ class Gateway:
             w = slot.worker
             plan = decide(facts, stored, WorkerFacts(slot.live_prefix(ids, tenant),
                                                      slot.live_tenant == tenant,
-                                                     w.memory == "plain", w.align, w.exact),
+                                                     w.memory == "plain", w.align, w.exact,
+                                                     w.costs),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":
                 self._trace_miss(ids, tenant)

@@ -44,6 +44,9 @@ class Metrics:
                                  registry=r)
         self.evicted_bytes = Counter("prefixgate_cache_evicted_bytes_total",
                                      "Bytes of evicted state files", registry=r)
+        self.restores_skipped = Counter(
+            "prefixgate_restores_skipped_total",
+            "Stored entries not restored because the worker prefills them faster", registry=r)
         self.restore_seconds = Histogram("prefixgate_restore_seconds",
                                          "Time to restore a state file into a worker",
                                          buckets=_LATENCY, registry=r)

@@ -141,6 +141,7 @@ class Release:
     live_ids: tuple[int, ...]
     suspect: bool = False  # its stream was lost: it may have died (see Pool.release)
     floor: int = 0  # the shortest prefix of live_ids the worker's memory can be cut back to
+    costs: dict[str, Any] | None = None  # the worker's measured costs, from its `Done`
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +243,8 @@ class RunState:
         self.saves_expected = ev.pending_saves
         live = (*self.ids, *self.gen_ids)[: ev.n_live]
         # abandoned: the cancel came too late, the run finished anyway
-        return self._end("cancelled" if self.abandoned else "ok", live, floor=ev.floor)
+        return self._end("cancelled" if self.abandoned else "ok", live, floor=ev.floor,
+                         costs=ev.costs or None)
 
     def _cancelled(self, ev: Cancelled) -> list[Effect]:
         self.live_n = ev.n_live
@@ -279,7 +281,8 @@ class RunState:
         return [Count("cancelled"), SendCancel()]
 
     def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None,
-             suspect: bool = False, floor: int = 0) -> list[Effect]:
+             suspect: bool = False, floor: int = 0, costs: dict[str, Any] | None = None
+             ) -> list[Effect]:
         if self.ended:
             return []
         self.ended = True
@@ -292,7 +295,7 @@ class RunState:
             fx.append(Record())
         elif not self.abandoned:  # a cancel was counted when it was asked for
             fx.append(Count(outcome))
-        fx.append(Release(tuple(live), suspect, floor))
+        fx.append(Release(tuple(live), suspect, floor, costs))
         return fx
 
 
@@ -331,7 +334,8 @@ class WorkerClient(Protocol):
 
 class Releaser(Protocol):
     async def release(self, w: Any, live_ids: list[int], tenant: str = "",
-                      suspect: bool = False, floor: int = 0) -> None: ...
+                      suspect: bool = False, floor: int = 0,
+                      costs: dict[str, Any] | None = None) -> None: ...
 
 
 class Committer(Protocol):
@@ -515,6 +519,8 @@ class Run:
         m.generated_tokens.inc(u.completion_tokens)
         if plan.lookup != "off":
             m.lookups.labels(plan.lookup).inc()
+        if plan.restore_skipped:
+            m.restores_skipped.inc()
         m.prefill_seconds.observe(self.timings.get("prefill_s", 0.0))
         if self.ttft_s is not None:
             m.ttft_seconds.labels(api, "cold" if u.source == "none" else u.source).observe(
@@ -528,7 +534,8 @@ class Run:
             self.timings.get("prefill_s", 0.0), self.timings.get("decode_s", 0.0),
             self.ttft_s or 0.0, u.completion_tokens, self.finish_reason,
             self.worker.label,
-            f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
+            (f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
+            + (f" restore_skipped=\"{plan.restore_skipped}\"" if plan.restore_skipped else ""))
 
     async def _count(self, fx: Count) -> None:
         self.deps.metrics.requests.labels(self.prep.req.api, fx.outcome).inc()
@@ -541,7 +548,7 @@ class Run:
                      self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source, st.outcome,
                      len(fx.live_ids), self.worker.label)
         await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect,
-                                     fx.floor)
+                                     fx.floor, fx.costs)
 
     async def _send_cancel(self, fx: SendCancel) -> None:
         """The worker stops at its next prefill batch or token and keeps what it prefilled; a

@@ -48,6 +48,7 @@ import aiohttp
 
 from backend import volume
 from backend.protocol import Event, Job, parse_event, placement_note
+from policies.costs import Costs
 from policies.prefix import common_prefix_len, live_reuse
 from policies.router import SlotView, choose_slot
 from proxy.config import Config, worker_argv
@@ -178,6 +179,7 @@ class Worker:
     streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
     checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
     loading: dict[str, Any] = field(default_factory=dict)  # its /health while it loads
+    costs: Costs | None = None  # its measured prefill and restore costs (policies.costs)
     placement: dict[str, Any] = field(default_factory=dict)  # where its model went
 
     def __post_init__(self) -> None:
@@ -196,6 +198,13 @@ class Worker:
         """Its live KV is gone (a restart) or unknown (down): every slot's."""
         for s in self.slots:
             s.forget()
+
+    def learn(self, costs: dict[str, Any]) -> None:
+        """Its costs as it reported them (a `Done`, its /health); malformed: kept as they were."""
+        try:
+            self.costs = Costs.from_wire(costs)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s reported malformed costs: %s", self.name, e)
 
     def set_slots(self, n: int) -> None:
         if n != len(self.slots):
@@ -471,6 +480,8 @@ class Pool:
         w.boot_id = str(h.get("boot_id", ""))
         w.set_slots(int(h.get("slots", 1)))
         w.placement, w.loading = dict(h.get("placement") or {}), {}
+        if h.get("costs"):
+            w.learn(h["costs"])
 
     async def _first_contact(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -633,13 +644,16 @@ class Pool:
             self._waiting -= 1
 
     async def release(self, s: Slot, live_ids: list[int], tenant: str = "",
-                      suspect: bool = False, floor: int = 0) -> None:
+                      suspect: bool = False, floor: int = 0,
+                      costs: dict[str, Any] | None = None) -> None:
         """The run is over. `suspect`: its stream was lost, so the worker may have died; it
         takes no request until its /health answers with the same boot id (`_recheck`), and a
         local worker that died is restarted by its supervisor meanwhile: requests queued behind
         a crash wait for it instead of failing on the dead process."""
         async with self._cond:
             w = s.worker
+            if costs:
+                w.learn(costs)
             # a worker that restarted or went down while running this request holds nothing
             fresh = w.ready and w.restarts == s.acquired_at_restarts
             s.live_ids = live_ids if fresh else []

@@ -578,6 +578,7 @@ def test_to_wire_shape() -> None:
         "lookup": "partial",
         "boundary": 40,
         "anchor_skipped": "prompt of 41000 tokens exceeds cold max 30000",
+        "restore_skipped": None,
     }
 
 

@@ -315,3 +315,29 @@ def test_a_killed_proxy_loses_no_snapshot_and_leaves_no_worker(tmp_path: Path) -
         assert "orphans_adopted=" in srv2.log()
         again = ask(srv2, msgs, max_tokens=1)
     assert (again["source"], again["cached"]) == ("disk", reusable(first["prompt"])), srv2.log()
+
+
+def test_a_restore_slower_than_prefill_is_skipped(tmp_path: Path) -> None:
+    """The worker measures its prefill and its disk restores as it runs; once a restore is
+    known to be slower than prefilling its tokens (here a disk made slow by an injected fault,
+    PREFIXGATE_FAULT=slow-disk: each state file read takes 3 s longer), decide prefills instead:
+    the log line names it, a metric counts it, /props shows the estimates, the answer is the
+    cold one."""
+    msgs = convo("Which rule is about files?")
+    with running(tmp_path, "--workers", "1", env={"PREFIXGATE_FAULT": "slow-disk"}) as srv:
+        cold = ask(srv, msgs)
+        entries(srv.cache_dir, until=bool)
+        flush_live(srv)
+        slow = ask(srv, msgs)  # nothing measured yet: a restore pays until it is measured
+        assert slow["source"] == "disk", srv.log()
+        costs = srv.get_json("/props")["costs"]["0"]
+        assert costs["samples"]["disk"] == 1 and costs["samples"]["prefill"] >= 2, costs
+        assert costs["disk_restore"]["bytes_per_s"] > 0
+        flush_live(srv)
+        skipped = ask(srv, msgs)
+        assert (skipped["source"], skipped["cached"]) == ("none", 0), srv.log()
+        line = [x for x in srv.log().splitlines() if "restore_skipped=" in x]
+        assert len(line) == 1 and "lookup=hit" in line[0], line
+        assert re.search(r"^prefixgate_restores_skipped_total 1\.0$", srv.get("/metrics")[1],
+                         re.M)
+    assert cold["text"] == slow["text"] == skipped["text"]
