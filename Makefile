@@ -160,7 +160,13 @@ bench-team: $(STAMP) $(LLAMA_SERVER)
 
 bench-slots: $(STAMP) fixtures
 	$(BIN)/python -m bench.decode_batch
-	$(BIN)/python -m bench.ramtier
+	$(BIN)/python -m bench.ramtier --tokens 1024,4096,8192 --out bench/results/issue20
+
+# issue 21's break-even table: prefill vs restore from RAM and from a cold disk at 1K-32K
+# tokens, and what decide chooses from the costs a worker learns (about 10 minutes on 2 cores)
+.PHONY: bench-breakeven
+bench-breakeven: $(STAMP)
+	$(BIN)/python -m bench.ramtier --repeats 1
 
 # crash loop (issue 14): kill -9 the worker or the proxy at each phase of a save; exits 1 on an
 # answer that differs from a cold run's or a `prefixgate cache verify` that fails

@@ -1,6 +1,7 @@
-"""Restore from the RAM tier versus from disk versus prefill (issue 20).
+"""Restore from the RAM tier versus from disk versus prefill (issue 20), and what `decide`
+makes of it: the break-even table (issue 21).
 
-    python -m bench.ramtier [--model GGUF] [--tokens 1024,4096,8192] [--repeats 3]
+    python -m bench.ramtier [--model GGUF] [--tokens 1024,4096,16384,32768] [--repeats 3]
 
 For each prompt length n (a multiple of the batch size): a cold prefill of n tokens, then the
 worker's three ways to get the same state back into a slot, each timed and checked to hold
@@ -12,6 +13,10 @@ exactly n tokens:
   (where the OS honours it);
 - prefill: the n tokens evaluated again.
 Medians of `--repeats` runs, in one process, one after the other.
+
+Then the worker's cost model (`policies.costs`) is fed these measurements, as a worker feeds it
+as it runs, and each row says what `pays` chooses for a restore from RAM and from a cold disk,
+beside which one was measured faster: the two columns must agree.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 
 from backend import keys, store
 from backend.engine import Cancel, Engine
+from policies.costs import Costs, pays
 from proxy.config import Config, cache_identity, default_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +80,7 @@ def measure(eng: Engine, fp: bytes, tmp: Path, part: list[int], repeats: int
     ram_s = median_s(ram, repeats)
     warm_s = median_s(lambda: disk(False), repeats)
     cold_s = median_s(lambda: disk(True), repeats)
-    return {"tokens": n, "state_mib": round(size / 2**20, 1),
+    return {"tokens": n, "state_mib": round(size / 2**20, 1), "state_bytes": size,
             "ram_s": round(ram_s, 4), "disk_page_cache_s": round(warm_s, 4),
             "disk_cold_s": round(cold_s, 4), "prefill_s": round(prefill_s, 3),
             "prefill_over_ram": round(prefill_s / ram_s, 1),
@@ -95,16 +101,38 @@ def run(model: str, lengths: list[int], repeats: int, threads: int) -> list[dict
         eng.close()
 
 
+def decisions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with what decide would choose from the costs all rows taught the model (as a
+    worker learns them: each prefill from 0, each restore with its bytes), beside the faster
+    one measured."""
+    costs = Costs()
+    for r in rows:
+        costs = costs.add_prefill(0, r["tokens"], r["prefill_s"])
+        costs = costs.add_restore("ram", r["state_bytes"], r["ram_s"])
+        costs = costs.add_restore("disk", r["state_bytes"], r["disk_cold_s"])
+    out = []
+    for r in rows:
+        row = dict(r)
+        for source, measured in (("ram", r["ram_s"]), ("disk", r["disk_cold_s"])):
+            row[f"{source}_choice"] = "restore" if pays(costs, 0, r["tokens"], r["state_bytes"],
+                                                        source) else "prefill"
+            row[f"{source}_faster"] = "restore" if measured < r["prefill_s"] else "prefill"
+            row[f"{source}_est_s"] = round(costs.restore_s(r["state_bytes"], source), 4)
+        row["prefill_est_s"] = round(costs.prefill_s(0, r["tokens"]), 3)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="bench.ramtier")
     p.add_argument("--model", default="")
-    p.add_argument("--tokens", default="1024,4096,8192")
+    p.add_argument("--tokens", default="1024,4096,16384,32768")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue21"))
     a = p.parse_args(argv)
     model = a.model or default_model()
-    rows = run(model, [int(x) for x in a.tokens.split(",")], a.repeats, a.threads)
+    rows = decisions(run(model, [int(x) for x in a.tokens.split(",")], a.repeats, a.threads))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ramtier.json").write_text(json.dumps({"model": model, "rows": rows}, indent=1))
@@ -115,6 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"| {r['tokens']} | {r['state_mib']} | {r['ram_s']} | {r['disk_page_cache_s']} | "
               f"{r['disk_cold_s']} | {r['prefill_s']} | {r['prefill_over_ram']} | "
               f"{r['disk_cold_over_ram']} |" for r in rows]
+    lines += ["", "What decide chooses from the cost model these measurements taught "
+              "(policies.costs, as a worker learns it), beside the faster one measured:", "",
+              "| tokens | prefill est s | RAM est s | RAM: chosen / faster | disk est s | "
+              "disk (cold): chosen / faster |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['prefill_est_s']} | {r['ram_est_s']} | {r['ram_choice']} / "
+              f"{r['ram_faster']} | {r['disk_est_s']} | {r['disk_choice']} / {r['disk_faster']} |"
+              for r in rows]
     (out / "ramtier.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
