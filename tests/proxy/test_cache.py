@@ -78,8 +78,9 @@ def test_lookup_finds_stored_prefixes_by_tokens_longest_first(cache: DiskCache) 
     assert cache.lookup(facts, "").hits == ()
     keys = {n: save(cache, n) for n in (100, 437, 700, 1000)}  # 437: inside any message
     stored = cache.lookup(facts, "")
-    # the hit and its two fallbacks, each named by its key and file
-    assert stored.hits == tuple(Hit(n, keys[n], entry_of(cache.index, keys[n]).file)  # type: ignore
+    # the hit and its two fallbacks, each named by its key, file and size (decide weighs it)
+    assert stored.hits == tuple(Hit(n, keys[n], entry_of(cache.index, keys[n]).file,  # type: ignore
+                                    entry_of(cache.index, keys[n]).size_bytes)  # type: ignore
                                 for n in (1000, 700, 437))
     assert stored.positions == frozenset({100, 437, 700, 1000})
     assert found(cache, OTHER) == [100]  # diverges at 400: only what lies before it
