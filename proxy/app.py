@@ -168,8 +168,8 @@ async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
     try:
-        boot = request.app[BOOT]
-        if not boot["ready"] and request.path not in OPEN_WHILE_LOADING:
+        boot = request.app.get(BOOT)  # (an app of a test may have none: it is ready)
+        if boot is not None and not boot["ready"] and request.path not in OPEN_WHILE_LOADING:
             raise Loading(boot["phase"])
         return await handler(request)
     except ApiError as e:  # after the run started, before a response was prepared: a worker lost
