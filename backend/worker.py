@@ -82,6 +82,7 @@ from backend.protocol import (
     placement_note,
 )
 from backend.ramtier import RamTier
+from backend.shared import SharedFault, SharedTier
 from policies.costs import Costs, pays
 from policies.decide import Save
 from policies.prefix import aligned, keep_max
@@ -182,6 +183,10 @@ class Worker:
         # what prefill and restores cost here, measured as it runs (policies.costs): the
         # proxy's decide restores only what pays, this worker's RAM tier likewise
         self.costs = Costs()
+        # the shared snapshot tier (backend.shared, --shared-tier), and what it did
+        self.shared: SharedTier | None = None
+        self.shared_stats = {"published_bytes": 0, "publish_failures": 0, "pulls": 0,
+                             "pulled_bytes": 0, "pull_s": 0.0, "verify_failures": 0}
 
     def start(self) -> None:
         self.scheduler = Scheduler(self.engine)
@@ -239,6 +244,7 @@ class Worker:
             except ValueError as e:  # never expected: the state was this engine's own
                 log.warning("a RAM tier state did not restore (%s); trying the disk", e)
                 keep = live()
+        pulled: list[Saved] = []  # entries pulled from the shared tier: local entries now
         for r in plan.restore if exact and not from_ram else ():  # longest first
             if r.n_tokens <= keep:
                 break
@@ -248,7 +254,10 @@ class Worker:
                 t = time.perf_counter()
                 if self.engine.fault == "slow-disk":  # a test's injected fault: a slow disk
                     time.sleep(SLOW_DISK_S)
-                n, state = store.read_state_file(self.cache_dir / r.file, self.fingerprint, ids)
+                file = r.file
+                if file.startswith(SHARED_PREFIX):
+                    file = self._pull(r.key, r.n_tokens, job.tenant, pulled)
+                n, state = store.read_state_file(self.cache_dir / file, self.fingerprint, ids)
                 if n != r.n_tokens:
                     raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                      f"{r.n_tokens}")
@@ -259,6 +268,12 @@ class Worker:
                 break
             except store.CacheFault as e:
                 faults.append(Fault(e.reason, str(e), r.file))
+                if r.file.startswith(SHARED_PREFIX) and pulled:  # verified: not kept locally
+                    self.shared_stats["verify_failures"] += 1
+                    with contextlib.suppress(OSError):
+                        (self.cache_dir / pulled.pop().file).unlink()
+            except SharedFault as e:
+                faults.append(Fault("missing", f"shared tier: {e}", r.file))
             except ValueError as e:
                 faults.append(Fault("corrupt", str(e), r.file))
             keep = live()  # a failed restore may have cleared the live KV
@@ -266,15 +281,20 @@ class Worker:
         # from here on the KV holds (a prefix of) this prompt
         self.owners[slot], self.salts[slot] = job.tenant, job.salt
         emit(Start(keep, restored, time.perf_counter() - t0, tuple(faults), from_ram))
+        pending: list[Future[None]] = []
+        for saved in pulled:  # a pulled file is a local entry now: the proxy commits it
+            emit(saved)
+            done: Future[None] = Future()
+            done.set_result(None)
+            pending.append(done)
         yield
 
         saves = {s.n_tokens: s for s in plan.saves if exact and s.n_tokens % eng.align == 0}
-        pending: list[Future[None]] = []
 
         def write(p: int, state: memoryview) -> None:
             key = keys.prefix_keys(job.salt, ids, [p])[p]
             pending.append(self.writer_thread.submit(self._write, saves[p], key, ids[:p], state,
-                                                     emit))
+                                                     emit, job.tenant))
 
         # behind the reuse: copied from the live KV, where the memory can be cut back there
         for p in sorted(p for p in saves if p < eng.n_live and eng.can_snapshot_behind(p)):
@@ -314,10 +334,26 @@ class Worker:
         emit(Done(finish, matched, n_gen, *eng.reusable(), t1 - t0, time.perf_counter() - t1,
                   len(pending), self.costs.to_wire()))
 
+    def _pull(self, key: bytes, n_tokens: int, tenant: str, pulled: list[Saved]) -> str:
+        """A shared entry pulled into the local tier (raises SharedFault): its file, which the
+        caller verifies as any other; its `Saved` (reason "shared") is kept for the proxy."""
+        if self.shared is None:
+            raise SharedFault("this worker has no --shared-tier")
+        t = time.perf_counter()
+        path = store.state_path(self.cache_dir, keys.CacheKey(key))
+        size = self.shared.pull(key, tenant, path)
+        self.shared_stats["pulls"] += 1
+        self.shared_stats["pulled_bytes"] += size
+        self.shared_stats["pull_s"] += time.perf_counter() - t
+        file = str(path.relative_to(self.cache_dir))
+        pulled.append(Saved(n_tokens, key.hex(), "shared", file, size,
+                            store.read_header(path).checksum, time.perf_counter() - t))
+        return file
+
     # --- runs on the writer thread ---------------------------------------------------------
 
     def _write(self, save: Save, key: keys.CacheKey, ids: list[int], state: memoryview,
-               emit: Emit) -> None:
+               emit: Emit, tenant: str = "") -> None:
         t0 = time.perf_counter()
         try:
             path, size, checksum = store.write_state_file(
@@ -328,6 +364,14 @@ class Worker:
             return
         emit(Saved(len(ids), key.hex(), save.reason, str(path.relative_to(self.cache_dir)),
                    size, checksum, time.perf_counter() - t0))
+        if self.shared is not None:  # after the local commit: the shared tier is the extra
+            try:
+                self.shared_stats["published_bytes"] += self.shared.publish(
+                    key, tenant, len(ids), checksum, path)
+            except SharedFault as e:
+                self.shared_stats["publish_failures"] += 1
+                log.warning("shared tier: a snapshot of %d tokens not published: %s",
+                            len(ids), e)
 
     # --- HTTP ------------------------------------------------------------------------------
 
@@ -342,6 +386,7 @@ class Worker:
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
             "memory": self.engine.memory.to_wire(), "align": self.engine.align,
             "placement": self.engine.placement, "costs": self.costs.to_wire(),
+            "shared": self.shared_stats if self.shared is not None else None,
             "exact": self.exact,
             "cache_volume": volume.read(self.cache_dir),
         })
@@ -467,6 +512,8 @@ class Boot:
                             spec.model_path, spec.flash_attn, spec.n_ctx,
                             RamTier.from_mib(spec.cache_ram))
             worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
+            if spec.shared_tier:
+                worker.shared = SharedTier(spec.shared_tier, worker.fingerprint)
             worker.start()
         except Exception as e:  # said in one line by `serve`, after the server stopped
             self.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
@@ -514,6 +561,7 @@ def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
 
 
 PARENT_CHECK_S = 1.0
+SHARED_PREFIX = "shared:"  # a plan's restore entry in the shared tier, not (yet) a local file
 SLOW_DISK_S = 3.0  # PREFIXGATE_FAULT=slow-disk: each state file read takes this much longer
 
 
@@ -558,6 +606,7 @@ class WorkerSpec:
     placement: dict[str, object] = field(default_factory=dict)
     parallel: int = 1  # slots: sequences in the one context (n_ctx is shared among them)
     cache_ram: int = 0  # MiB of host RAM for states that gave way (-1 no limit, 0 off)
+    shared_tier: str = ""  # redis://... of the shared snapshot tier ("" none)
 
 
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:

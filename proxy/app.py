@@ -109,7 +109,10 @@ async def metrics(request: web.Request) -> web.Response:
         m.workers_busy.labels(str(w.worker_id)).set(1 if w.busy else 0)
         m.workers_exact.labels(str(w.worker_id)).set(1 if w.exact else 0)
         m.slots_busy.labels(str(w.worker_id)).set(sum(s.busy for s in w.slots))
-    for worker_id, ram in (await pool.ram_stats()).items():
+    for worker_id, stats in (await pool.worker_stats()).items():
+        ram = stats["cache_ram"]
+        for stat, value in stats["shared"].items():
+            m.shared.labels(str(worker_id), stat).set(value)
         m.ram_bytes.labels(str(worker_id)).set(ram.get("used_bytes", 0))
         m.ram_budget_bytes.labels(str(worker_id)).set(ram.get("budget_bytes", 0))
         m.ram_entries.labels(str(worker_id)).set(ram.get("entries", 0))
@@ -124,6 +127,7 @@ async def props(request: web.Request) -> web.Response:
     cache = request.app.get(CACHE)
     prompt = m.prompt_tokens._value.get()
     cached = sum(c._value.get() for c in m.cached_tokens._metrics.values())
+    stats = await request.app[POOL].worker_stats()
     return web.json_response({
         "server": "prefixgate",
         "model": request.app[MODEL_ID], "model_path": cfg.model_path,
@@ -142,8 +146,9 @@ async def props(request: web.Request) -> web.Response:
                   for w in request.app[POOL].workers},
         "default_generation_settings": {"n_ctx": cfg.slot_ctx},
         "cache_ram": {"mib": cfg.cache_ram,
-                      "workers": {str(k): v for k, v in
-                                  (await request.app[POOL].ram_stats()).items()}},
+                      "workers": {str(k): v["cache_ram"] for k, v in stats.items()}},
+        "shared_tier": {"on": bool(cfg.shared_tier),
+                        "workers": {str(k): v["shared"] for k, v in stats.items()}},
         "cache": {
             "policy": cfg.disk_prefix_cache, "dir": str(cfg.cache_path),
             "min_tokens": cfg.kv_cache_min_tokens,

@@ -143,7 +143,7 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
                       cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
                       socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
-                      cfg.cache_ram)
+                      cfg.cache_ram, cfg.shared_tier)
 
 
 def doctor(argv: list[str]) -> None:

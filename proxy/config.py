@@ -116,6 +116,9 @@ class Config:
     # MiB of host RAM for live states that had to give way (llama-server's --cache-ram):
     # restored before the disk; -1 no limit, 0 off
     cache_ram: int = 8192
+    # the shared snapshot tier behind the local one (backend/shared.py): redis://HOST:PORT/DB
+    # of a Redis or Valkey the team's prefixgate hosts share; "" = none
+    shared_tier: str = ""
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
     # streams: an Anthropic ping, an OpenAI SSE comment after this many silent seconds
@@ -189,6 +192,9 @@ _HELP = {
     "mlock": "lock the weights in RAM", "mmap": "map the model file (--no-mmap: read it)",
     "parallel": "slots per worker: sessions served at once from one model copy, sharing "
                 "-c (llama-server's -np)",
+    "shared_tier": "redis://HOST:PORT of a Redis or Valkey shared by several prefixgate hosts: "
+                   "snapshots are published there and pulled by a host that misses locally "
+                   "(bound it with Redis's maxmemory and an LRU policy)",
     "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
                  "(-1 no limit, 0 off)",
 }
@@ -322,13 +328,15 @@ def _coerce(name: str, value: Any) -> Any:
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "mlock", "mmap", "flash_attn",
                  "cache_type_k", "cache_type_v", "swa_full", "ubatch_size", "exact_check",
-                 "parallel", "cache_ram", "cache_dir", "log_level")
+                 "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier")
 
 
 def worker_argv(cfg: Config) -> list[str]:
     """The flags that give a worker this Config's worker fields."""
     argv: list[str] = []
     for name in WORKER_FIELDS:
+        if name == "shared_tier":  # its URL may hold a password: by environment, never argv
+            continue
         value = getattr(cfg, "model_path" if name == "model" else name)
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

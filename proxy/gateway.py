@@ -22,9 +22,11 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from policies.decide import Facts, Stored, WorkerFacts, decide
+from backend.keys import prefix_keys
+from backend.shared import SharedFault, SharedTier
+from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
-from policies.prefix import common_prefix_len
+from policies.prefix import common_prefix_len, keep_max
 from policies.ring import Ring
 from policies.scope import Scope, parse_scope
 from proxy.cache import DiskCache
@@ -32,7 +34,7 @@ from proxy.chat import ChatRequest
 from proxy.config import Config
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared, PromptBuilder
-from proxy.run import Run, RunDeps
+from proxy.run import SHARED_PREFIX, Run, RunDeps
 from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")
@@ -42,6 +44,7 @@ T = TypeVar("T")
 RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
 SHUTDOWN_COMMIT_WAIT_S = 30.0  # how long a stopping proxy waits for snapshots being written
 OFF = Scope("off")
+SHARED_CANDIDATES = 2048  # batch edges asked of the shared tier per lookup (128K tokens at 64)
 
 
 def tenant_id(api_key: str) -> str:
@@ -73,12 +76,41 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self._render = ThreadPoolExecutor(1, thread_name_prefix="render")
         self.deps = RunDeps(pool, cache, metrics, self.spawn, cfg.request_timeout_s)
+        self.shared: SharedTier | None = None  # the shared snapshot tier (--shared-tier)
 
     async def open(self) -> None:
         """The ring survives restarts, so `auto` does too."""
         if self.cache is not None:
             for tenant, ids in await self.cache.read(self.cache.ring_load):
                 self.ring.push(tenant, ids)
+            if self.cfg.shared_tier:
+                self.shared = SharedTier(self.cfg.shared_tier, self.pool.fingerprint)
+
+    async def _shared_lookup(self, facts: Facts, stored: Stored, tenant: str) -> Stored:
+        """A prompt the local tier does not cover: the longest prefix the shared tier holds
+        (its candidate keys at every batch edge past the local hit, one round trip), put first
+        among the hits as a `shared:` entry the worker pulls. A tier that fails is a miss."""
+        assert self.shared is not None and self.cache is not None
+        a = self.cfg.batch
+        top = keep_max(len(facts.ids), a)
+        if stored.longest >= top:
+            return stored
+        positions = range(top, stored.longest, -a)[:SHARED_CANDIDATES]
+        salt = await self.cache.read(self.cache.salt, tenant)
+        candidates = {n: bytes(k) for n, k in prefix_keys(salt, facts.ids, positions).items()}
+        shared = self.shared
+        try:
+            found = await asyncio.to_thread(shared.longest, candidates, tenant)
+        except SharedFault as e:
+            self.metrics.shared_lookups.labels("error").inc()
+            log.warning("shared tier lookup failed (a miss): %s", e)
+            return stored
+        self.metrics.shared_lookups.labels("hit" if found else "miss").inc()
+        if found is None:
+            return stored
+        n, key, size = found
+        return Stored((Hit(n, key, SHARED_PREFIX + key.hex(), size), *stored.hits),
+                      stored.positions | {n})
 
     async def offload(self, fn: Callable[..., T], *args: object) -> T:
         """Run CPU work of a request (parse, render, tokenize) on the render thread: one at a
@@ -97,6 +129,8 @@ class Gateway:
         stored = Stored()
         if self.cache is not None and facts.scope.kind != "off":
             stored = await self.cache.read(self.cache.lookup, facts, tenant)
+            if self.shared is not None:
+                stored = await self._shared_lookup(facts, stored, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
         slot = await self.pool.acquire(list(ids), stored.longest, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth)
@@ -143,6 +177,8 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         """At shutdown, pending cache commits (snapshots a worker is still writing after the
         response went out) get up to SHUTDOWN_COMMIT_WAIT_S to land; a file whose entry is not
         committed would be an orphan, deleted at the next start."""

@@ -44,6 +44,14 @@ class Metrics:
                                  registry=r)
         self.evicted_bytes = Counter("prefixgate_cache_evicted_bytes_total",
                                      "Bytes of evicted state files", registry=r)
+        self.shared_lookups = Counter(
+            "prefixgate_shared_lookups_total",
+            "Shared tier lookups of prompts the local tier did not cover: hit, miss, error",
+            ["result"], registry=r)
+        self.shared = Gauge("prefixgate_shared_worker", "What each worker did with the shared "
+                            "tier: published_bytes, publish_failures, pulls, pulled_bytes, "
+                            "pull_s, verify_failures (since it started)", ["worker", "stat"],
+                            registry=r)
         self.restores_skipped = Counter(
             "prefixgate_restores_skipped_total",
             "Stored entries not restored because the worker prefills them faster", registry=r)

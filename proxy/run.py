@@ -57,6 +57,7 @@ from proxy.prompt import Prepared
 
 log = logging.getLogger("prefixgate")
 
+SHARED_PREFIX = "shared:"  # a plan entry in the shared tier (backend.worker pulls it)
 PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
 
 
@@ -162,7 +163,7 @@ Effect = (Emit | Finish | Fail | Commit | SaveFailure | Drop | Touch | Progress 
 class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # not prefilled: live KV kept or restored from disk
-    source: str = "none"  # "live" | "ram" | "disk" | "none"
+    source: str = "none"  # "live" | "ram" | "disk" | "shared" | "none"
     created_tokens: int = 0  # prefilled tokens covered by a new snapshot
     completion_tokens: int = 0
 
@@ -216,7 +217,9 @@ class RunState:
         if ev.ram:
             u.source = "ram"
         elif ev.restored:
-            u.source = "disk"
+            shared = any(r.n_tokens == ev.restored and r.file.startswith(SHARED_PREFIX)
+                         for r in self.plan.restore)
+            u.source = "shared" if shared else "disk"
             fx += [Touch(r.key, ev.restore_s) for r in self.plan.restore
                    if r.n_tokens == ev.restored]
         elif ev.keep:

@@ -385,6 +385,8 @@ class Pool:
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        if self.cfg.shared_tier:  # not on the command line: the URL may hold a password
+            env["PREFIXGATE_SHARED_TIER"] = self.cfg.shared_tier
         gpus = worker_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), self.cfg.workers,
                            w.worker_id, self.cfg.n_gpu_layers)
         if gpus is not None:
@@ -588,14 +590,16 @@ class Pool:
 
     # --- routing ---------------------------------------------------------------------------
 
-    async def ram_stats(self) -> dict[int, dict[str, int]]:
-        """Each ready worker's RAM tier (its /health), by worker id; one that does not answer
-        in time is left out."""
-        async def one(w: Worker) -> tuple[int, dict[str, int]] | None:
+    async def worker_stats(self) -> dict[int, dict[str, Any]]:
+        """Each ready worker's RAM tier and shared tier use (its /health), by worker id; one
+        that does not answer in time is left out."""
+        async def one(w: Worker) -> tuple[int, dict[str, Any]] | None:
             try:
-                return w.worker_id, dict((await w.health(PROBE_TIMEOUT_S)).get("cache_ram", {}))
+                h = await w.health(PROBE_TIMEOUT_S)
             except (*_UNREACHABLE, ValueError):
                 return None
+            return w.worker_id, {"cache_ram": dict(h.get("cache_ram") or {}),
+                                 "shared": dict(h.get("shared") or {})}
         got = await asyncio.gather(*(one(w) for w in self.workers if w.ready))
         return dict(g for g in got if g is not None)
 

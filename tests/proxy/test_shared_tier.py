@@ -1,0 +1,140 @@
+"""The shared snapshot tier across hosts (issue 22): a real `redis-server` (Debian's package)
+on loopback, two prefixgate instances with their own cache directories and the same model.
+
+A session's turns run on A; A is killed (SIGKILL); the next turn, sent to B, restores from the
+shared tier: it prefills at most the turn's new tokens, and its greedy answer equals a cold
+run's. A corrupted chunk is a verified miss; a Redis that is gone is a miss; a tenant never
+pulls another's entry. No request fails in any of it."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import running
+from tests.models import BATCH
+from tests.proxy.test_disk_cache import ask, convo, entries
+
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="needs Debian's redis-server (.ci/run installs it)")]
+
+
+PASSWORD = "redis-pw-never-logged"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Redis:
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"  # a secret, never logged
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--requirepass", PASSWORD,
+             "--appendonly", "no", "--dir", str(tmp), "--maxmemory", "512mb",
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        self.client = redis.Redis(port=self.port, password=PASSWORD)
+        deadline = time.time() + 10
+        while True:
+            try:
+                self.client.ping()
+                return
+            except redis.ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def entries(self) -> list[bytes]:
+        return list(self.client.scan_iter("pg:*:e:*"))
+
+    def wait_entries(self, at_least: int) -> list[bytes]:
+        deadline = time.time() + 15
+        while len(found := self.entries()) < at_least and time.time() < deadline:
+            time.sleep(0.1)
+        return found
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Redis]:
+    r = Redis(tmp_path)
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def test_a_session_moves_to_another_host_with_its_cache(tmp_path: Path,
+                                                        redis_server: Redis) -> None:
+    shared = ("--workers", "1", "--shared-tier", redis_server.url)
+    turn1, turn2, turn3 = (convo("Which rule is about files?", history=h) for h in (0, 1, 2))
+    with running(tmp_path / "a", *shared) as a:
+        ask(a, turn1)
+        second = ask(a, turn2)
+        entries(a.cache_dir, until=lambda f: any(e.n_tokens > BATCH * 4 for e in f))
+        published = redis_server.wait_entries(2)
+        assert published, a.log()
+        a.proc.send_signal(signal.SIGKILL)  # the host goes; its worker follows its parent
+        a.proc.wait()
+    with running(tmp_path / "b", *shared) as b:
+        moved = ask(b, turn3)
+        assert moved["source"] == "shared", b.log()
+        new_tokens = moved["prompt"] - second["prompt"]
+        assert moved["prompt"] - moved["cached"] <= new_tokens + 2 * BATCH, (moved, second)
+        pulled = entries(b.cache_dir, until=lambda f: any(e.reason == "shared" for e in f))
+        assert any(e.reason == "shared" for e in pulled), "a pulled snapshot is local now"
+        metrics = b.get("/metrics")[1]
+        assert 'prefixgate_shared_lookups_total{result="hit"} 1.0' in metrics
+        assert 'prefixgate_shared_worker{stat="pulls",worker="0"} 1.0' in metrics
+        assert PASSWORD not in a.log() + b.log()
+    with running(tmp_path / "cold", "--workers", "1", "--disk-prefix-cache", "off") as cold:
+        assert ask(cold, turn3)["text"] == moved["text"]
+
+
+def test_a_corrupted_chunk_a_lost_redis_and_another_tenant_are_misses(
+        tmp_path: Path, redis_server: Redis) -> None:
+    shared = ("--workers", "1", "--shared-tier", redis_server.url, "--tenant-isolation")
+    msgs = convo("Which rule mentions the API?")
+    other = convo("Which rule is about invented APIs?")
+    with running(tmp_path / "a", *shared) as a:
+        ask(a, msgs, key="alice")
+        ask(a, other, key="alice")
+        redis_server.wait_entries(2)
+    for chunk in redis_server.client.scan_iter("pg:*:c:*"):  # flip a byte in every chunk
+        data = bytearray(redis_server.client.get(chunk) or b"")
+        data[len(data) // 2] ^= 0xFF
+        redis_server.client.set(chunk, bytes(data))
+    with running(tmp_path / "b", *shared) as b:
+        bob = ask(b, msgs, key="bob")  # alice's entry: never bob's
+        assert (bob["source"], bob["cached"]) == ("none", 0)
+        corrupt = ask(b, other, key="alice")  # alice's, but its bytes do not verify
+        assert corrupt["source"] in ("none", "live") and corrupt["cached"] < BATCH * 2, \
+            b.log()
+        assert "shared" not in {e.reason for e in entries(b.cache_dir)}, "nothing bad kept"
+        redis_server.stop()  # the tier goes away: a miss, never an error
+        gone = ask(b, convo("Name one rule."), key="alice")
+        assert gone["source"] in ("none", "live")
+        assert 'prefixgate_shared_lookups_total{result="error"}' in b.get("/metrics")[1]
+        assert "shared tier lookup failed" in b.log() and PASSWORD not in b.log()
+    with running(tmp_path / "cold", "--workers", "1", "--disk-prefix-cache", "off") as cold:
+        assert ask(cold, msgs)["text"] == bob["text"]
+        assert ask(cold, other)["text"] == corrupt["text"]
