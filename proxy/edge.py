@@ -24,12 +24,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import xxhash
 from aiohttp import web
 
+from backend.keys import pack_ids
 from proxy import limits
 from proxy.cache import DiskCache
 from proxy.chat import ChatRequest
@@ -37,6 +39,7 @@ from proxy.config import Config
 from proxy.errors import ApiError, BadRequest, TooLarge, Unauthorized, internal_error
 from proxy.gateway import Gateway
 from proxy.metrics import Metrics
+from proxy.prompt import Prepared
 from proxy.run import Run
 from proxy.workers import Pool
 
@@ -116,11 +119,34 @@ def client_gone(request: web.Request) -> bool:
 
 
 def cache_headers(run: Run) -> dict[str, str]:
-    """What the cache did for this request, on both APIs."""
+    """What the cache did for this request, on both APIs, and its session affinity key."""
     return {"X-Prefixgate-Cached-Tokens": str(run.usage.cached_tokens),
             "X-Prefixgate-Cache-Source": run.usage.source,
             "X-Prefixgate-Worker": run.worker.label,
-            "X-Prefixgate-Restore-Seconds": f"{run.timings.get('restore_s', 0.0):.4f}"}
+            "X-Prefixgate-Restore-Seconds": f"{run.timings.get('restore_s', 0.0):.4f}",
+            "X-Prefixgate-Affinity": affinity_key(run.headers, run.prep)}
+
+
+# the session id headers clients send, the most specific first: Claude Code (v2.1.86+), Codex,
+# others, and the generic affinity header a load balancer or a gateway may set
+SESSION_HEADERS = ("X-Claude-Code-Session-Id", "Session-Id", "Session_Id", "X-Session-Id",
+                   "X-Session-Affinity")
+STABLE_PREFIX_TOKENS = 4096  # no message start to cut at: this many tokens name the session
+
+
+def affinity_key(headers: Mapping[str, str], prep: Prepared) -> str:
+    """A stable key per session, for a load balancer to keep it on one host (its cache is
+    there): `s-` and a hash of the client's session id header where one is sent, else `p-` and
+    a hash of the prompt's stable prefix (the tokens before its first user message: system
+    prompt and tools). Opaque: the session id itself is not shown."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name, "").strip()
+        if value and len(value) <= 256:
+            return "s-" + xxhash.xxh3_64_hexdigest(value.encode())
+    r = prep.rendered
+    cut = next((p for p, role in r.message_starts if role == "user" and p > 0),
+               STABLE_PREFIX_TOKENS)
+    return "p-" + xxhash.xxh3_64_hexdigest(pack_ids(r.ids[:cut]))
 
 
 async def sse_response(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
@@ -179,6 +205,7 @@ async def serve(request: web.Request, api: str, parse: Parse, error: ErrorRespon
         req = await gw.offload(parse_body, await read_body(request), tenant, parse,
                                request.app[LIMITS])
         run = await gw.start(await gw.prepare(req))
+        run.headers = request.headers
     except ApiError as e:
         return reject(request, api, e, error)
     except Exception as e:

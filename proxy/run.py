@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -381,6 +381,7 @@ class Run:
         self.run_id = uuid.uuid4().hex
         self.state = RunState(prep.rendered.ids, plan)
         self.ttft_s: float | None = None
+        self.headers: Mapping[str, str] = {}  # the client's request headers (its session id)
         self._cm: contextlib.AbstractAsyncContextManager[EventStream] | None = None
         self._stream: EventStream | None = None
         self._queue: asyncio.Queue[str | BaseException | None] = asyncio.Queue()

@@ -219,3 +219,25 @@ def test_native_completion_in_llama_servers_shape(server: Server) -> None:
     assert events[-1]["stop_type"] == "limit" and events[-1]["tokens_predicted"] == 12
     status, err = post(server, "/completion", {"prompt": [1, 2, 3]})
     assert status == 400 and err["error"]["param"] == "prompt"
+
+
+def test_the_affinity_key_follows_the_session(server: Server) -> None:
+    """X-Prefixgate-Affinity: the same for every turn of a session, from the client's session
+    header where one is sent (Claude Code's X-Claude-Code-Session-Id), else from the prompt's
+    stable prefix (system prompt and tools); different for another session."""
+    def affinity(system: str, user: str, session: str = "") -> str:
+        req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps({
+            "model": "m", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}]}).encode(),
+            headers={"content-type": "application/json",
+                     **({"X-Claude-Code-Session-Id": session} if session else {})})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return str(r.headers["X-Prefixgate-Affinity"])
+    by_header = affinity("You are terse.", "Hi", "3f6c-session")
+    assert by_header.startswith("s-") and "3f6c" not in by_header
+    assert affinity("Another system prompt.", "Bye", "3f6c-session") == by_header
+    by_prefix = affinity("You are terse.", "Hi")
+    assert by_prefix.startswith("p-") and by_prefix != by_header
+    assert affinity("You are terse.", "A later turn, longer.") == by_prefix
+    assert affinity("You are verbose.", "Hi") != by_prefix
