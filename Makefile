@@ -167,6 +167,12 @@ bench-slots: $(STAMP) fixtures
 
 # issue 21's break-even table: prefill vs restore from RAM and from a cold disk at 1K-32K
 # tokens, and what decide chooses from the costs a worker learns (about 10 minutes on 2 cores)
+# issue 22: sessions over 2 hosts behind HAProxy, one killed halfway, with and without the
+# shared tier (needs Debian's haproxy and redis-server; about 10 minutes on 2 cores)
+.PHONY: bench-hosts
+bench-hosts: $(STAMP)
+	$(BIN)/python -m bench.hosts
+
 .PHONY: bench-breakeven
 bench-breakeven: $(STAMP)
 	$(BIN)/python -m bench.ramtier --repeats 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ class SharedTier:
                     i += 1
             self._redis.hset(self._entry(key), mapping={
                 "n_tokens": n_tokens, "size": size, "chunks": i, "tenant": tenant_tag,
-                "checksum": checksum})
+                "checksum": checksum, "published_s": int(time.time())})
         except self._errors as e:
             raise SharedFault(f"publish to {self.url}: {type(e).__name__}: {e}") from None
         return size
@@ -138,3 +139,47 @@ class SharedTier:
     def close(self) -> None:
         with contextlib.suppress(*self._errors):
             self._redis.close()
+
+
+def entries(url: str) -> list[dict[str, Any]]:
+    """Every entry of the tier, all models (`prefixgate cache shared-ls`): its namespace (the
+    model and configuration), key, tokens, size, chunks and age."""
+    import redis
+
+    r = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+    try:
+        out = []
+        for name in r.scan_iter("pg:*:e:*", count=1000):
+            ns, _, key = name.decode().rpartition(":e:")
+            fields = {k.decode(): v.decode() for k, v in r.hgetall(name).items()}
+            if fields:
+                out.append({"namespace": ns, "key": key, **fields})
+        return out
+    except (redis.RedisError, OSError) as e:
+        raise SharedFault(f"{redacted(url)}: {type(e).__name__}: {e}") from None
+    finally:
+        r.close()
+
+
+def prune(url: str, older_than_s: float = 0.0, namespace: str = "") -> tuple[int, int]:
+    """Delete entries published more than `older_than_s` ago (0: all), of one namespace or all,
+    with their chunks (`prefixgate cache shared-prune`); (entries, chunks) deleted."""
+    import redis
+
+    r = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+    now, n_entries, n_chunks = time.time(), 0, 0
+    try:
+        for e in entries(url):
+            if namespace and e["namespace"] != namespace:
+                continue
+            if older_than_s and now - float(e.get("published_s", now)) < older_than_s:
+                continue
+            r.delete(f"{e['namespace']}:e:{e['key']}")  # the entry first: no half-pull after
+            chunks = [f"{e['namespace']}:c:{e['key']}:{i}" for i in range(int(e["chunks"]))]
+            n_chunks += int(r.delete(*chunks)) if chunks else 0
+            n_entries += 1
+        return n_entries, n_chunks
+    except (redis.RedisError, OSError) as e:
+        raise SharedFault(f"{redacted(url)}: {type(e).__name__}: {e}") from None
+    finally:
+        r.close()

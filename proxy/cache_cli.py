@@ -1,4 +1,5 @@
-"""`prefixgate cache stats|ls|verify|clear --cache-dir DIR`: look into a cache without a server.
+"""`prefixgate cache stats|ls|verify|clear --cache-dir DIR`: look into a cache without a server;
+`prefixgate cache shared-ls|shared-prune --shared-tier URL [--older-than S]`: the shared tier.
 
 Run it while no prefixgate writes the same cache directory (`clear` and `verify --fix` change it).
 A damaged index is reported, not opened (exit status 1); `verify --fix` moves it aside and
@@ -35,12 +36,19 @@ def _human(n: float) -> str:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="prefixgate cache", description=__doc__)
-    p.add_argument("action", choices=["stats", "ls", "verify", "clear"])
+    p.add_argument("action", choices=["stats", "ls", "verify", "clear", "shared-ls",
+                                      "shared-prune"])
+    p.add_argument("--shared-tier", default=os.environ.get("PREFIXGATE_SHARED_TIER", ""),
+                   help="redis://... of the shared tier (shared-ls, shared-prune)")
+    p.add_argument("--older-than", type=float, default=0.0, metavar="SECONDS",
+                   help="shared-prune: only entries published longer ago (default: all)")
     p.add_argument("--cache-dir", default=os.environ.get("PREFIXGATE_CACHE_DIR",
                                                          "~/.cache/prefixgate"))
     p.add_argument("--fix", action="store_true", help="verify: drop entries that fail")
     args = p.parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(message)s")
+    if args.action.startswith("shared-"):
+        return shared(args.action, args.shared_tier, args.older_than)
     cache_dir = Path(os.path.expanduser(args.cache_dir))
     if not (cache_dir / "index.lmdb").exists():
         raise SystemExit(f"no prefixgate cache in {cache_dir}")
@@ -96,3 +104,25 @@ def main(argv: list[str]) -> None:
         else:
             n = index.clear()
             out(f"cleared {n} entries")
+
+
+def shared(action: str, url: str, older_than_s: float) -> None:
+    from backend.shared import SharedFault, entries, prune
+
+    if not url:
+        raise SystemExit("give --shared-tier redis://HOST:PORT/DB (or PREFIXGATE_SHARED_TIER)")
+    try:
+        if action == "shared-ls":
+            found = entries(url)
+            out(f"{'model':16}  {'key':32}  {'tokens':>7}  {'size':>10}  {'age':>8}")
+            now = time.time()
+            for e in sorted(found, key=lambda e: float(e.get("published_s", 0))):
+                age = now - float(e.get("published_s", now))
+                out(f"{e['namespace'][3:19]:16}  {e['key']:32}  {int(e['n_tokens']):7d}  "
+                    f"{_human(int(e['size'])):>10}  {age:7.0f}s")
+            out(f"{len(found)} entries, {_human(sum(int(e['size']) for e in found))}")
+        else:
+            n, chunks = prune(url, older_than_s)
+            out(f"pruned {n} entries ({chunks} chunks)")
+    except SharedFault as e:
+        raise SystemExit(f"prefixgate cache: {e}") from None

@@ -138,3 +138,32 @@ def test_a_corrupted_chunk_a_lost_redis_and_another_tenant_are_misses(
     with running(tmp_path / "cold", "--workers", "1", "--disk-prefix-cache", "off") as cold:
         assert ask(cold, msgs)["text"] == bob["text"]
         assert ask(cold, other)["text"] == corrupt["text"]
+
+
+def test_cache_commands_list_and_prune_the_shared_tier(tmp_path: Path,
+                                                       redis_server: Redis) -> None:
+    """`prefixgate cache shared-ls|shared-prune` on a state file published here (no model)."""
+    import sys
+
+    from backend import store
+    from backend.keys import CacheKey
+    from backend.shared import SharedTier
+    from tests.conftest import ROOT
+
+    path, _size, checksum = store.write_state_file(tmp_path, CacheKey(b"k" * 16), b"f" * 16,
+                                                   [1, 2, 3], memoryview(b"x" * 1000))
+    SharedTier(redis_server.url, b"f" * 16).publish(b"k" * 16, "", 3, checksum, path)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "proxy.cli", "cache", *args,
+                               "--shared-tier", redis_server.url], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    ls = cli("shared-ls")
+    assert ls.returncode == 0 and (b"k" * 16).hex() in ls.stdout and "1 entries" in ls.stdout
+    assert cli("shared-prune", "--older-than", "3600").stdout.startswith("pruned 0 entries")
+    assert cli("shared-prune").stdout.startswith("pruned 1 entries (1 chunks)")
+    assert redis_server.entries() == [] and not list(redis_server.client.scan_iter("pg:*"))
+    redis_server.stop()
+    down = cli("shared-ls")
+    assert down.returncode != 0 and "Connection refused" in down.stderr
+    assert PASSWORD not in down.stdout + down.stderr
