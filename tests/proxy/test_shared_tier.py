@@ -167,3 +167,36 @@ def test_cache_commands_list_and_prune_the_shared_tier(tmp_path: Path,
     down = cli("shared-ls")
     assert down.returncode != 0 and "Connection refused" in down.stderr
     assert PASSWORD not in down.stdout + down.stderr
+
+
+def test_a_publish_or_pull_cut_short_is_a_miss(tmp_path: Path, redis_server: Redis) -> None:
+    """What Redis killed mid-publish or mid-pull leaves (no model: state files written here):
+    chunks without their entry are never found; an entry whose chunk is gone, or a Redis that
+    dies before the pull, is a SharedFault (the caller's miss) and leaves no file behind."""
+    from backend import store
+    from backend.keys import CacheKey
+    from backend.shared import SharedFault, SharedTier
+
+    tier = SharedTier(redis_server.url, b"f" * 16)
+    key = b"a" * 16
+    path, _size, checksum = store.write_state_file(tmp_path / "src", CacheKey(key), b"f" * 16,
+                                                   [1, 2, 3], memoryview(b"x" * 1000))
+    tier.publish(key, "t", 3, checksum, path)
+    entry = redis_server.client.scan_iter("pg:*:e:*").__next__()
+    fields = redis_server.client.hgetall(entry)
+    redis_server.client.delete(entry)  # a publish killed before its entry was written
+    assert tier.longest({3: key}, "t") is None
+    redis_server.client.hset(entry, mapping=fields)
+    assert tier.longest({3: key}, "t") == (3, key, path.stat().st_size)
+    assert tier.longest({3: key}, "another tenant") is None
+    dest = tmp_path / "dst" / "kv" / "a.kv"
+    for chunk in redis_server.client.scan_iter("pg:*:c:*"):
+        redis_server.client.delete(chunk)  # evicted, or the pull's Redis went away
+    with pytest.raises(SharedFault, match="chunk 0 of 1 is gone"):
+        tier.pull(key, "t", dest)
+    assert not dest.exists() and not list(dest.parent.iterdir()), "no file, no temp file"
+    redis_server.stop()
+    with pytest.raises(SharedFault, match="ConnectionError"):
+        tier.pull(key, "t", dest)
+    with pytest.raises(SharedFault):
+        tier.longest({3: key}, "t")
