@@ -111,8 +111,8 @@ async def metrics(request: web.Request) -> web.Response:
         m.slots_busy.labels(str(w.worker_id)).set(sum(s.busy for s in w.slots))
     for worker_id, stats in (await pool.worker_stats()).items():
         ram = stats["cache_ram"]
-        for stat, value in stats["shared"].items():
-            m.shared.labels(str(worker_id), stat).set(value)
+        for stat in SHARED_STATS:  # zero where the worker has no shared tier
+            m.shared.labels(str(worker_id), stat).set(stats["shared"].get(stat, 0))
         m.ram_bytes.labels(str(worker_id)).set(ram.get("used_bytes", 0))
         m.ram_budget_bytes.labels(str(worker_id)).set(ram.get("budget_bytes", 0))
         m.ram_entries.labels(str(worker_id)).set(ram.get("entries", 0))
@@ -166,6 +166,8 @@ async def props(request: web.Request) -> web.Response:
 
 
 OPEN_WHILE_LOADING = ("/health", "/v1/health")
+SHARED_STATS = ("published_bytes", "publish_failures", "pulls", "pulled_bytes", "pull_s",
+                "verify_failures")  # a worker's /health "shared" (backend.worker)
 
 
 @web.middleware

@@ -48,6 +48,11 @@ class Metrics:
             "prefixgate_shared_lookups_total",
             "Shared tier lookups of prompts the local tier did not cover: hit, miss, error",
             ["result"], registry=r)
+        # every series from the start (zero until used): dashboards show 0, not "no data"
+        for result in ("hit", "miss", "error"):
+            self.shared_lookups.labels(result)
+        for source in ("live", "ram", "disk", "shared"):
+            self.cached_tokens.labels(source)
         self.shared = Gauge("prefixgate_shared_worker", "What each worker did with the shared "
                             "tier: published_bytes, publish_failures, pulls, pulled_bytes, "
                             "pull_s, verify_failures (since it started)", ["worker", "stat"],
