@@ -225,8 +225,7 @@ class Engine:
             if t not in CACHE_TYPES:
                 raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
         _backend_init()
-        check_gpu_layers(n_gpu_layers)
-        gpus = offload_devices()
+        gpus = check_gpu_layers(n_gpu_layers)
         mp = llama_cpp.llama_model_default_params()
         # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
         mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers

@@ -18,6 +18,7 @@ the model is loaded. A buffer name no device has is a ValueError that lists the 
 from __future__ import annotations
 
 import ctypes
+import functools
 import pathlib
 from typing import Any
 
@@ -31,16 +32,22 @@ class _Override(ctypes.Structure):  # struct llama_model_tensor_buft_override
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+@functools.cache
 def _ggml() -> ctypes.CDLL:
+    """ggml's device API (loaded and declared once)."""
     lib = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml.so"
     ggml = ctypes.CDLL(str(lib) if lib.exists() else "libggml.so")
-    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-    ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_buft_name.restype = ctypes.c_char_p
-    ggml.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    ptr, size, name = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p
+    for fn, restype, argtypes in (
+            ("ggml_backend_dev_count", ctypes.c_size_t, []),
+            ("ggml_backend_dev_get", ptr, [ctypes.c_size_t]),
+            ("ggml_backend_dev_buffer_type", ptr, [ptr]),
+            ("ggml_backend_buft_name", name, [ptr]),
+            ("ggml_backend_dev_name", name, [ptr]),
+            ("ggml_backend_dev_description", name, [ptr]),
+            ("ggml_backend_dev_type", ctypes.c_int, [ptr]),
+            ("ggml_backend_dev_memory", None, [ptr, size, size])):
+        getattr(ggml, fn).restype, getattr(ggml, fn).argtypes = restype, argtypes
     return ggml
 
 
@@ -111,15 +118,6 @@ def devices() -> list[dict[str, Any]]:
     """The devices this llama.cpp build can compute on: name ("CPU", "CUDA0"), description
     ("NVIDIA H100 80GB HBM3"), type (cpu, gpu, igpu, accel), free and total bytes."""
     ggml = _ggml()
-    ggml.ggml_backend_dev_name.restype = ctypes.c_char_p
-    ggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
-    ggml.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_dev_type.restype = ctypes.c_int
-    ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_dev_memory.restype = None
-    ggml.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                             ctypes.POINTER(ctypes.c_size_t)]
     out = []
     for i in range(ggml.ggml_backend_dev_count()):
         dev = ggml.ggml_backend_dev_get(i)
@@ -138,11 +136,13 @@ def offload_devices() -> list[dict[str, Any]]:
     return [d for d in devices() if d["type"] != "cpu"]
 
 
-def check_gpu_layers(n_gpu_layers: int) -> None:
-    """GPU layers on a build that cannot offload is a ValueError that says how to fix it:
-    llama.cpp would run them on the CPU without a word."""
-    if n_gpu_layers and not offload_devices():
+def check_gpu_layers(n_gpu_layers: int) -> list[dict[str, Any]]:
+    """The devices GPU layers can go to; GPU layers on a build that has none is a ValueError
+    that says how to fix it: llama.cpp would run them on the CPU without a word."""
+    gpus = offload_devices()
+    if n_gpu_layers and not gpus:
         raise ValueError(
             f"-ngl {'all' if n_gpu_layers < 0 else n_gpu_layers} asks for GPU layers, but this "
             "llama-cpp-python has no GPU backend (a CPU-only build): install the CUDA build "
             "(`make serve GPU=cuda`, or deploy/Dockerfile; see the README), or give -ngl 0")
+    return gpus

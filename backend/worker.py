@@ -82,7 +82,7 @@ from backend.protocol import (
     placement_note,
 )
 from backend.ramtier import RamTier
-from backend.shared import SharedFault, SharedTier
+from backend.shared import SHARED_PREFIX, STATS, SharedFault, SharedTier
 from policies.costs import Costs, pays
 from policies.decide import Save
 from policies.prefix import aligned, keep_max
@@ -185,8 +185,7 @@ class Worker:
         self.costs = Costs()
         # the shared snapshot tier (backend.shared, --shared-tier), and what it did
         self.shared: SharedTier | None = None
-        self.shared_stats = {"published_bytes": 0, "publish_failures": 0, "pulls": 0,
-                             "pulled_bytes": 0, "pull_s": 0.0, "verify_failures": 0}
+        self.shared_stats: dict[str, float] = dict.fromkeys(STATS, 0)
 
     def start(self) -> None:
         self.scheduler = Scheduler(self.engine)
@@ -561,7 +560,6 @@ def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
 
 
 PARENT_CHECK_S = 1.0
-SHARED_PREFIX = "shared:"  # a plan's restore entry in the shared tier, not (yet) a local file
 SLOW_DISK_S = 3.0  # PREFIXGATE_FAULT=slow-disk: each state file read takes this much longer
 
 

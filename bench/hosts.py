@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,29 +34,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.replay import free_port, http_get
 from bench.team import Knobs, make_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(port: int, path: str = "/health", timeout_s: float = 180) -> None:
+def wait_ready(port: int, timeout_s: float = 180) -> None:
     deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
+    while http_get(f"http://127.0.0.1:{port}/health", 2)[0] != 200:
+        if time.time() > deadline:
+            raise SystemExit(f"nothing ready on port {port} in {timeout_s:.0f} s")
         time.sleep(0.2)
-    raise SystemExit(f"nothing ready on port {port} in {timeout_s:.0f} s")
 
 
 class Proc:
@@ -83,7 +71,7 @@ def serve(work: Path, name: str, threads: int, *extra: str) -> tuple[Proc, int]:
                  "--cache-dir", str(work / name / "cache"), "--n-ctx", "16384",
                  "--threads", str(threads), "--cache-ram", "0", *extra],
                 work / f"{name}.log")
-    wait_http(port)
+    wait_ready(port)
     return proc, port
 
 

@@ -36,6 +36,7 @@ from prometheus_client import generate_latest
 
 from backend.index import Index
 from backend.protocol import placement_note
+from backend.shared import STATS as SHARED_STATS
 from proxy import anthropic_api, limits, llama_api, openai_api
 from proxy.cache import DiskCache
 from proxy.config import Config, cache_identity
@@ -166,8 +167,6 @@ async def props(request: web.Request) -> web.Response:
 
 
 OPEN_WHILE_LOADING = ("/health", "/v1/health")
-SHARED_STATS = ("published_bytes", "publish_failures", "pulls", "pulled_bytes", "pull_s",
-                "verify_failures")  # a worker's /health "shared" (backend.worker)
 
 
 @web.middleware

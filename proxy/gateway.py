@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from backend.keys import prefix_keys
-from backend.shared import SharedFault, SharedTier
+from backend.shared import SHARED_PREFIX, SharedFault, SharedTier
 from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
 from policies.prefix import common_prefix_len, keep_max
@@ -34,7 +34,7 @@ from proxy.chat import ChatRequest
 from proxy.config import Config
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared, PromptBuilder
-from proxy.run import SHARED_PREFIX, Run, RunDeps
+from proxy.run import Run, RunDeps
 from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")

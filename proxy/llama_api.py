@@ -45,7 +45,7 @@ from proxy.edge import (
 )
 from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.limits import load as load_json
-from proxy.openai_api import parse_chat, timings_json
+from proxy.openai_api import parse_chat, raw_prompt, timings_json
 from proxy.prompt import PromptBuilder
 from proxy.run import Run
 
@@ -106,12 +106,8 @@ async def slots(request: web.Request) -> web.Response:
 def parse_native(body: Any, tenant: str) -> ChatRequest:
     """A /completion body as a raw-prompt request (the prompt is used as it is: no template)."""
     body = expect_dict(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("'prompt' must be a non-empty string (token-id prompts are not "
-                         "supported: /tokenize shows the ids a text gets)", param="prompt")
+    prompt = raw_prompt(body, " (token-id prompts are not supported: /tokenize shows the ids "
+                              "a text gets)")
     n_predict = opt_int(body, "n_predict", -1)
     if n_predict == 0:
         raise BadRequest("'n_predict': 0 (evaluate the prompt only) is not supported; give -1 "

@@ -225,14 +225,21 @@ def parse_response_format(raw: Any) -> Any:
     return schema
 
 
-def parse_completion(body: Any, tenant: str) -> ChatRequest:
-    body = expect_dict(body)
+def raw_prompt(body: dict[str, Any], why: str = "") -> str:
+    """A completion's `prompt`: a non-empty string, or a list of one (`why`: said after the
+    error where the API has more to say)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("'prompt' must be a non-empty string", param="prompt")
-    return ChatRequest(api="completions", messages=(), prompt=prompt, **_common(body, tenant))
+        raise BadRequest("'prompt' must be a non-empty string" + why, param="prompt")
+    return prompt
+
+
+def parse_completion(body: Any, tenant: str) -> ChatRequest:
+    body = expect_dict(body)
+    return ChatRequest(api="completions", messages=(), prompt=raw_prompt(body),
+                       **_common(body, tenant))
 
 
 def usage_json(u: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from backend.protocol import (
     Start,
     Token,
 )
+from backend.shared import SHARED_PREFIX
 from policies.decide import Plan
 from policies.scope import format_scope
 from proxy.errors import WorkerFailed
@@ -57,7 +58,6 @@ from proxy.prompt import Prepared
 
 log = logging.getLogger("prefixgate")
 
-SHARED_PREFIX = "shared:"  # a plan entry in the shared tier (backend.worker pulls it)
 PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
 
 

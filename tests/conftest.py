@@ -148,3 +148,57 @@ def model_path() -> str:
     from proxy.config import default_model
 
     return default_model()
+
+
+# --- the shared tier's Redis (tests/proxy/test_shared_tier.py, tests/deploy/test_haproxy.py)
+
+PASSWORD = "redis-pw-never-logged"
+
+
+class Redis:
+    """A real redis-server on loopback, with a password (a secret no log may show)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"  # a secret, never logged
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--requirepass", PASSWORD,
+             "--appendonly", "no", "--dir", str(tmp), "--maxmemory", "512mb",
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        self.client = redis.Redis(port=self.port, password=PASSWORD)
+        deadline = time.time() + 10
+        while True:
+            try:
+                self.client.ping()
+                return
+            except redis.ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def entries(self) -> list[bytes]:
+        return list(self.client.scan_iter("pg:*:e:*"))
+
+    def wait_entries(self, at_least: int) -> list[bytes]:
+        deadline = time.time() + 15
+        while len(found := self.entries()) < at_least and time.time() < deadline:
+            time.sleep(0.1)
+        return found
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Redis]:
+    r = Redis(tmp_path)
+    try:
+        yield r
+    finally:
+        r.stop()

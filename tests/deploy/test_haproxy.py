@@ -9,16 +9,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.conftest import ROOT, running
+from tests.conftest import ROOT, Redis, free_port, running
 from tests.models import BATCH
 from tests.proxy.test_disk_cache import convo, entries
-from tests.proxy.test_shared_tier import Redis, free_port
 
 HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/sbin")
 pytestmark = [pytest.mark.model,
@@ -26,15 +24,6 @@ pytestmark = [pytest.mark.model,
                                  or shutil.which("redis-server") is None,
                                  reason="needs Debian's haproxy and redis-server "
                                         "(.ci/run installs them)")]
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Redis]:
-    r = Redis(tmp_path)
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def ask(url: str, session: str, messages: list[dict]) -> dict:

@@ -10,77 +10,18 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import running
+from tests.conftest import PASSWORD, Redis, running
 from tests.models import BATCH
 from tests.proxy.test_disk_cache import ask, convo, entries
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="needs Debian's redis-server (.ci/run installs it)")]
-
-
-PASSWORD = "redis-pw-never-logged"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Redis:
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"  # a secret, never logged
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--requirepass", PASSWORD,
-             "--appendonly", "no", "--dir", str(tmp), "--maxmemory", "512mb",
-             "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        self.client = redis.Redis(port=self.port, password=PASSWORD)
-        deadline = time.time() + 10
-        while True:
-            try:
-                self.client.ping()
-                return
-            except redis.ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def entries(self) -> list[bytes]:
-        return list(self.client.scan_iter("pg:*:e:*"))
-
-    def wait_entries(self, at_least: int) -> list[bytes]:
-        deadline = time.time() + 15
-        while len(found := self.entries()) < at_least and time.time() < deadline:
-            time.sleep(0.1)
-        return found
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Redis]:
-    r = Redis(tmp_path)
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def test_a_session_moves_to_another_host_with_its_cache(tmp_path: Path,
