@@ -45,9 +45,8 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import jinja2
@@ -56,7 +55,9 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from proxy.tokenizer import Tokenizer
+from proxy import resume
+from proxy.resume import Run
+from proxy.tokenizer import Segment, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# recorded renders kept for later ones to resume: two per conversation (with and without the
+# generation prompt), each holding its text
+_RECENT_RENDERS = 64
 # located message starts remembered across requests (two ints each)
 _PREFIX_CACHE_ENTRIES = 65536
 # how much of a message's content is searched for to find where its role header ends
@@ -90,10 +94,6 @@ class Rendered:
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 def _tojson(
@@ -171,10 +171,13 @@ class ChatTemplate:
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
+        env.globals["strftime_now"] = resume.strftime_now
         self._template = env.from_string(source)
-        self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
+        ast = env.parse(source)
+        self.supports_tools = "tools" in meta.find_undeclared_variables(ast)
         self.prefixes = _PrefixCache(_PREFIX_CACHE_ENTRIES)
+        # recent recorded renders, for later ones to resume (proxy/resume.py)
+        self.runs = resume.Runs(_RECENT_RENDERS) if resume.resumable(source, ast) else None
         self.extra: dict[str, Any] = {}  # the request's template variables (bound())
 
     def bound(self, extra: dict[str, Any]) -> ChatTemplate:
@@ -196,12 +199,20 @@ class ChatTemplate:
         """The template's text for ``messages``; raises ``jinja2.TemplateError`` subclasses."""
         return self._template.render(self._context(messages, tools, add_generation_prompt))
 
-    def generate(
-        self, messages: list[Any], tools: list[dict[str, Any]] | None = None
-    ) -> Iterator[str]:
-        """The text of ``render(messages, tools, add_generation_prompt=False)`` in the pieces the
-        template writes it in, each produced when the consumer asks for it."""
-        return self._template.generate(self._context(messages, tools, False))
+    def key_of(self, tools: list[dict[str, Any]] | None) -> tuple[Any, ...]:
+        """What renders must share, besides their messages, for one to resume another: the
+        tools and the variables, serialized (strictly: 1 and 1.0 differ, and key order
+        counts)."""
+        return (json.dumps(tools, ensure_ascii=False, default=repr),
+                json.dumps(self.extra, ensure_ascii=False, default=repr))
+
+    def record(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool, key: tuple[Any, ...], keep: bool = True) -> Run:
+        """``render(messages, tools, add_generation_prompt)`` as a recorded render, resumed
+        from a recent one of the same conversation where that is proven to change nothing
+        (proxy/resume.py); `key`: ``key_of(tools)``. `keep`: remember it for later renders."""
+        return resume.render(self._template, self.runs, (add_generation_prompt, *key), messages,
+                             self._context([], tools, add_generation_prompt), keep)
 
     def _context(
         self, messages: list[Any], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
@@ -243,22 +254,25 @@ def render_prompt(
     With ``continue_final`` the prompt ends right after the final (assistant) message's
     content, so the model continues it; a template that does not render that content verbatim
     raises ``CannotContinue``."""
+    key = template.key_of(tools)
+    if template.runs is not None:
+        messages = resume.Signed(messages)  # one signature per message for all its renders
+    run = template.record(messages, tools, not continue_final, key)
     if continue_final:
-        text = _open_final_message(template.render(messages, tools, add_generation_prompt=False),
-                                   str(messages[-1].get("content") or ""))
+        text = _open_final_message(run.text, str(messages[-1].get("content") or ""))
     else:
-        text = template.render(messages, tools, add_generation_prompt=True)
-    starts = _message_char_starts(template, messages, tools, text)  # index -> char offset
+        text = run.text
+    starts = _message_char_starts(template, messages, tools, text, key,
+                                  run if continue_final else None)  # index -> offset
     header_ends = _header_char_ends(messages, starts, text)
 
     offsets = sorted({*starts.values(), *header_ends})
-    segments = tok.encode_segments(text)
-    ids = [i for segment in segments for i in segment.ids]
+    segments, ids = _tokenized(tok, run, text)
     token_at = dict(zip(offsets, tok.token_positions(text, segments, offsets), strict=True))
 
     shift = 0
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-        ids.insert(0, tok.bos_id)
+        ids = (tok.bos_id, *ids)
         shift = 1
     boundaries = sorted({token_at[o] + shift for o in offsets} | {len(ids)})
     message_starts = tuple(
@@ -266,7 +280,50 @@ def render_prompt(
         for i in sorted(starts)
         if i < len(messages)
     )
-    return Rendered(text, tuple(ids), tuple(boundaries), message_starts)
+    return Rendered(text, ids, tuple(boundaries), message_starts)
+
+
+def _tokenized(tok: Tokenizer, run: Run, text: str) -> tuple[list[Segment], tuple[int, ...]]:
+    """(segments, ids) of `text`: the segments of the text the render `run` resumed from are
+    reused up to a special token both texts share (``Tokenizer.reusable_segments``), the
+    rest split and tokenized."""
+    prior = run.prior.get("tokens")
+    segments: list[Segment] | None = None
+    if prior is not None:
+        old_text, old_segments, old_ids = prior
+        k = tok.reusable_segments(old_segments, _common_prefix(text, old_text, run.shared))
+        if k:
+            reused = sum(len(s.ids) for s in old_segments[:k])
+            more = tok.encode_segments(text, old_segments[k - 1].end)
+            segments = [*old_segments[:k], *more]
+            ids = old_ids[:reused] + tuple(i for s in more for i in s.ids)
+    if segments is None:
+        segments = tok.encode_segments(text)
+        ids = tuple(i for s in segments for i in s.ids)
+    run.memo["tokens"] = (text, segments, ids)
+    return segments, ids
+
+
+def _common_prefix(a: str, b: str, known: int = 0) -> int:
+    """The length of the longest common prefix of `a` and `b`, known to be at least `known`:
+    compared in chunks from there, then bisected in the chunk that differs."""
+    n = min(len(a), len(b))
+    if a.startswith(b) or b.startswith(a):
+        return n
+    lo = min(known, n)
+    step = 4096
+    while lo < n:
+        hi = min(lo + step, n)
+        if a[lo:hi] != b[lo:hi]:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo
+        lo = hi
+    return n
 
 
 class CannotContinue(ValueError):
@@ -289,16 +346,43 @@ def _message_char_starts(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     text: str,
+    key: tuple[Any, ...] | None = None,
+    run: Run | None = None,
 ) -> dict[int, int]:
     """Message index (len(messages): the generation prompt) -> char offset where it starts:
     the traced starts when a sample checks out, else every prefix rendered (module docstring).
+    `run`: the recorded render of ``messages`` without a generation prompt, when there is one.
     """
-    keys = _chain_keys(messages, tools, template.extra)
-    for candidate in _traced_starts(template, messages, tools, text):
-        starts = _checked(template, messages, tools, text, keys, candidate)
-        if starts is not None:
-            return starts
-    return _rendered_starts(template, messages, tools, text, keys)
+    key = template.key_of(tools) if key is None else key
+    if run is None:
+        try:
+            run = template.record(messages, tools, False, key)
+        except Exception as exc:
+            log.debug("template failed on the traced messages: %s", exc)
+    if run is not None:
+        known = _known_starts(run, text)
+        for candidate in _traced_starts(template, messages, tools, text, key, run):
+            verified: dict[int, int] = {}
+            starts = _checked(template, messages, tools, text, key, candidate, known, verified)
+            if starts is not None:
+                run.memo["starts"] = (verified, text)
+                return starts
+    starts = _rendered_starts(template, messages, tools, text,
+                              _chain_keys(messages, tools, template.extra), key)
+    if run is not None:
+        run.memo["starts"] = (starts, text)
+    return starts
+
+
+def _known_starts(run: Run, text: str) -> dict[int, int]:
+    """The starts the render this one resumed from had verified, of the messages the two
+    share, when ``text`` still begins with what they cover."""
+    if "starts" not in run.prior or run.common == 0:
+        return {}
+    starts, old_text = run.prior["starts"]
+    known = {i: s for i, s in starts.items() if i <= run.common}
+    end = max(known.values(), default=0)
+    return known if text[:end] == old_text[:end] else {}
 
 
 def _rendered_starts(
@@ -307,10 +391,12 @@ def _rendered_starts(
     tools: list[dict[str, Any]] | None,
     text: str,
     keys: Sequence[int],
+    key: tuple[Any, ...] | None = None,
 ) -> dict[int, int]:
     """The definition: every prefix rendered, but one located in an earlier request (same
     tools, same messages[:i]) is taken from the template's prefix cache when the text between
     it and the previous start hashes as it did then."""
+    key = template.key_of(tools) if key is None else key
     starts: dict[int, int] = {}
     last = 0
     for i in range(len(messages) + 1):
@@ -318,7 +404,7 @@ def _rendered_starts(
         if hit is not None and hit[0] >= last and hash(text[last : hit[0]]) == hit[1]:
             starts[i] = last = hit[0]
             continue
-        start = _render_start(template, messages, tools, text, i)
+        start = _render_start(template, messages, tools, text, i, key)
         if start is not None and start >= last:
             template.prefixes.put(keys[i], (start, hash(text[last:start])))
             starts[i] = last = start
@@ -331,10 +417,13 @@ def _render_start(
     tools: list[dict[str, Any]] | None,
     text: str,
     i: int,
+    key: tuple[Any, ...] | None = None,
 ) -> int | None:
-    """The length of ``messages[:i]`` rendered, when that rendering is a prefix of ``text``."""
+    """The length of ``messages[:i]`` rendered, when that rendering is a prefix of ``text``
+    (a recorded render, resumed from the one of all the messages)."""
+    key = template.key_of(tools) if key is None else key
     try:
-        prefix = template.render(messages[:i], tools, add_generation_prompt=False)
+        prefix = template.record(messages[:i], tools, False, key, keep=False).text
     except Exception as exc:  # a template may refuse a partial conversation
         log.debug("template refused the first %d messages: %s", i, exc)
         return None
@@ -351,113 +440,38 @@ def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     return keys
 
 
-class _Trace:
-    """How much text a traced rendering had written when it pulled each message from a loop
-    over the messages (the last pull counts), and when it first read the message after that."""
-
-    __slots__ = ("at", "pulled", "read")
-
-    def __init__(self, n_messages: int) -> None:
-        self.at = 0  # characters written so far
-        self.pulled: list[int | None] = [None] * n_messages
-        self.read: list[int | None] = [None] * n_messages
-
-
-class _TracedList(list):  # type: ignore[type-arg]
-    """The messages as a traced rendering sees them: iterating records a pull of each message;
-    a slice (``messages[1:]``) is traced too. The template cannot reach the trace (the sandbox
-    refuses names starting with ``_``)."""
-
-    def __init__(self, items: list[Any], trace: _Trace, indices: range) -> None:
-        super().__init__(items)
-        self._trace = trace
-        self._indices = indices
-
-    def __iter__(self) -> Iterator[Any]:
-        trace = self._trace
-        for i, item in zip(self._indices, list.__iter__(self), strict=True):
-            trace.pulled[i], trace.read[i] = trace.at, None
-            yield item
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return _TracedList(list.__getitem__(self, index), self._trace, self._indices[index])
-        return list.__getitem__(self, index)
-
-
-class _TracedMessage(dict):  # type: ignore[type-arg]
-    """One message, equal to it; the first read of it after a pull is recorded."""
-
-    __slots__ = ("_trace", "_i")
-
-    def __init__(self, message: dict[str, Any], trace: _Trace, i: int) -> None:
-        super().__init__(message)
-        self._trace = trace
-        self._i = i
-
-    def _seen(self) -> None:
-        if self._trace.read[self._i] is None:
-            self._trace.read[self._i] = self._trace.at
-
-    def __getitem__(self, key: Any) -> Any:
-        self._seen()
-        return dict.__getitem__(self, key)
-
-    def __contains__(self, key: object) -> bool:
-        self._seen()
-        return dict.__contains__(self, key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self._seen()
-        return dict.get(self, key, default)
-
-    def keys(self) -> Any:
-        self._seen()
-        return dict.keys(self)
-
-    def values(self) -> Any:
-        self._seen()
-        return dict.values(self)
-
-    def items(self) -> Any:
-        self._seen()
-        return dict.items(self)
-
-
 def _traced_starts(
     template: ChatTemplate,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     text: str,
+    key: tuple[Any, ...] | None = None,
+    run: Run | None = None,
 ) -> list[list[int | None]]:
-    """Candidate starts (index len(messages): the generation prompt) from one traced rendering.
+    """Candidate starts (index len(messages): the generation prompt) from one recorded
+    rendering without a generation prompt (`run`, rendered here when not given).
 
-    Two readings of the trace, the likelier first: where the template first read a message
+    Two readings of the record, the likelier first: where the template first read a message
     after pulling it (a loop that asks ``loop.last`` pulls the next message early), and where
     it pulled it (a template that writes text before reading the message). A message never
-    pulled has no start. Message 0's start needs no trace: rendering no messages costs nothing
-    (and some templates refuse it). No candidates when the template fails on the traced
-    messages.
+    pulled has no start. Message 0's start needs no record: rendering no messages costs
+    nothing (and some templates refuse it). No candidates when the template fails on the
+    recorded messages.
     """
-    if not all(isinstance(m, dict) for m in messages):
-        return []
-    trace = _Trace(len(messages))
-    traced = [_TracedMessage(m, trace, i) for i, m in enumerate(messages)]
-    pieces = []
-    try:
-        for piece in template.generate(_TracedList(traced, trace, range(len(messages))), tools):
-            pieces.append(piece)
-            trace.at += len(piece)
-    except Exception as exc:
-        log.debug("template failed on the traced messages: %s", exc)
-        return []
-    whole = "".join(pieces)
+    key = template.key_of(tools) if key is None else key
+    if run is None:
+        try:
+            run = template.record(messages, tools, False, key)
+        except Exception as exc:
+            log.debug("template failed on the traced messages: %s", exc)
+            return []
+    whole = run.text
     end = [len(whole) if text.startswith(whole) else None]
     read = [r if r is not None and p is not None else p
-            for r, p in zip(trace.read, trace.pulled, strict=True)]
-    candidates = [read + end] + ([trace.pulled + end] if trace.pulled != read else [])
+            for r, p in zip(run.read, run.pulled, strict=True)]
+    candidates = [read + end] + ([run.pulled + end] if run.pulled != read else [])
     if messages:
-        first = _render_start(template, messages, tools, text, 0)
+        first = _render_start(template, messages, tools, text, 0, key)
         for candidate in candidates:
             candidate[0] = first
     return candidates
@@ -468,27 +482,32 @@ def _checked(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     text: str,
-    keys: Sequence[int],
+    key: tuple[Any, ...] | None,
     candidate: Sequence[int | None],
+    known: dict[int, int] | None = None,
+    verified: dict[int, int] | None = None,
 ) -> dict[int, int] | None:
     """``candidate``'s starts when they are in order and every sampled one (:func:`_samples`)
-    equals the definition's answer (a rendering, or a start the prefix cache holds); else None.
-    """
+    equals the definition's answer (a rendering, or a start verified for the same messages in
+    the render this one resumed from: `known`); else None. `verified` gets the starts checked
+    (rendered or known), for the next request to know."""
+    key = template.key_of(tools) if key is None else key
+    known = known or {}
+    verified = {} if verified is None else verified
     starts = {i: c for i, c in enumerate(candidate) if c is not None}
     offsets = list(starts.values())
     if offsets != sorted(offsets):
         return None
-    previous = dict(zip(starts, [0, *offsets], strict=False))  # i -> the start before i's
     for i in _samples(messages):
         start = candidate[i]
-        if start is not None:
-            hit = template.prefixes.get(keys[i])
-            if hit == (start, hash(text[previous[i] : start])):
-                continue
-        if _render_start(template, messages, tools, text, i) != start:
+        if start is not None and known.get(i) == start:
+            verified[i] = start
+            continue
+        if _render_start(template, messages, tools, text, i, key) != start:
             return None
         if start is not None:
-            template.prefixes.put(keys[i], (start, hash(text[previous[i] : start])))
+            verified[i] = start
+    verified.update((i, s) for i, s in known.items() if starts.get(i) == s)
     return starts
 
 

@@ -160,19 +160,32 @@ class _SpecialSplitter:
         if self._by_length and not _can_partially_overlap(self._by_length):
             self._pattern = re.compile("|".join(re.escape(t) for t in self._by_length))
 
-    def split(self, text: str) -> list[tuple[int, int, int | None]]:
-        """Return (start, end, special id or None) pieces covering ``text`` in order."""
+    def split(self, text: str, start: int = 0) -> list[tuple[int, int, int | None]]:
+        """Return (start, end, special id or None) pieces covering ``text[start:]`` in order
+        (`start` > 0 only where `resumable`)."""
         if not self._by_length:
-            return [(0, len(text), None)] if text else []
+            return [(start, len(text), None)] if len(text) > start else []
         if self._pattern is not None:
-            return self._split_regex(text)
+            return self._split_regex(text, start)
+        assert start == 0
         return self._split_exact(text)
 
-    def _split_regex(self, text: str) -> list[tuple[int, int, int | None]]:
+    @property
+    def resumable(self) -> bool:
+        """Whether the pieces after a special token are those of the text after it: the regex
+        scans left to right (llama.cpp's longest-first carving is the same when no special's
+        text can overlap another's)."""
+        return self._pattern is not None or not self._by_length
+
+    @property
+    def longest(self) -> int:
+        return len(self._by_length[0]) if self._by_length else 0
+
+    def _split_regex(self, text: str, start: int = 0) -> list[tuple[int, int, int | None]]:
         assert self._pattern is not None
         pieces: list[tuple[int, int, int | None]] = []
-        pos = 0
-        for m in self._pattern.finditer(text):
+        pos = start
+        for m in self._pattern.finditer(text, start):
             start, end = m.span()
             if start > pos:
                 pieces.append((pos, start, None))
@@ -292,13 +305,16 @@ class Tokenizer:
             ids.extend(segment.ids)
         return ids
 
-    def encode_segments(self, text: str) -> list[Segment]:
-        """``text`` as consecutive segments: special tokens and the fragments between them."""
+    def encode_segments(self, text: str, start: int = 0) -> list[Segment]:
+        """``text`` as consecutive segments: special tokens and the fragments between them;
+        from `start` on, which must be a special token's end in a text split before
+        (`reusable_segments`)."""
         if self._whole_text:
+            assert start == 0
             if not text:
                 return []
             return [Segment(0, len(text), tuple(self._encode_fragments([text])[0]), False)]
-        pieces = self._splitter.split(text)
+        pieces = self._splitter.split(text, start)
         found: dict[str, tuple[int, ...]] = {}
         missing: list[str] = []
         for start, end, sid in pieces:
@@ -322,6 +338,18 @@ class Tokenizer:
             else Segment(start, end, found[text[start:end]], False)
             for start, end, sid in pieces
         ]
+
+    def reusable_segments(self, segments: Sequence[Segment], equal: int) -> int:
+        """How many leading `segments` of a text are the segments of any text equal to it in
+        its first `equal` characters: up to a special token that ends far enough before them
+        that no match the splitter tries there reads past them (0: none)."""
+        if self._whole_text or not self._splitter.resumable:
+            return 0
+        limit = equal - self._splitter.longest
+        k = bisect_right(segments, limit, key=lambda s: s.end)  # those ending by the limit
+        while k > 0 and not segments[k - 1].special:
+            k -= 1
+        return k
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens rendered as their text; invalid UTF-8 is replaced."""

@@ -122,8 +122,7 @@ def by_definition(name: str, messages: list[dict[str, Any]], tools: Any, text: s
 
 def traced_ones_trusted(template: ChatTemplate, messages: list[dict[str, Any]], tools: Any,
                         text: str) -> bool:
-    keys = _chain_keys(messages, tools)
-    return any(_checked(template, messages, tools, text, keys, candidate) is not None
+    return any(_checked(template, messages, tools, text, None, candidate) is not None
                for candidate in _traced_starts(template, messages, tools, text))
 
 

@@ -1,0 +1,641 @@
+"""Renders of a chat template that resume from an earlier render of the same conversation.
+
+Agents re-send the whole history every turn, so the template's main loop over the messages
+would redo, every turn, the work of the turn before. A render here is *recorded*: the messages
+reach the template as a list and dicts equal to them (``TracedList``, ``TracedMessage``) that
+record what the template observed of them, and at each boundary of a loop over the messages
+written at the template's top level the record keeps how much text was out, the template's
+namespaces (``namespace()`` objects, the only state a Jinja loop carries from one iteration to
+the next) and what had been observed since the loop began. A later render of the same
+template, tools, variables and generation flag whose messages start with the same ``m``
+messages resumes each such loop at a boundary ``k`` of the earlier render when that is proven
+to change nothing:
+
+- the template's top-level state where the loop began is the same (every top-level variable,
+  namespaces by their attributes, the messages by which ones they are) and so is the text
+  written before it;
+- everything the loop observed of the messages before boundary ``k`` is within the first
+  ``m`` (an item pulled, peeked or indexed, a message read), and it did not observe the list's
+  length (``loop.length``, ``|length``, an index from the end, the end of the iteration) unless
+  both lists have the same length;
+- the namespaces at ``k`` hold plain values (strings, numbers, lists and dicts of them).
+
+Then the earlier render's text up to ``k`` is the text this one would write, its namespaces
+are what this one's would be, and the loop goes on from item ``k``. A Jinja template is
+deterministic code whose only inputs are its variables; those are equal or observed, so
+this is a proof, not a guess. What a template cannot be followed through makes it render in
+full: ``loop.changed`` (state the record does not keep), a loop inside a ``{% set %}`` or
+``{% filter %}`` block (its text is buffered, not yet written), a value the comparison does
+not know. ``strftime_now`` is noted: a render resumes from another only while the clock reads
+the same. Messages are compared strictly (``same``): ``1``, ``1.0``
+and ``true`` render differently, and so do the same keys in another order.
+
+Each render also records the offsets the template had written when it pulled and first read
+each message after pulling it (``Run.pulled``, ``Run.read``); proxy/template.py reads the
+messages' starts off them. A resumed render replays the earlier one's records up to ``k``, so
+both are what a render from the start would record.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from datetime import datetime
+from types import FrameType
+from typing import Any
+
+from jinja2 import nodes
+from jinja2.runtime import LoopContext, Macro, Namespace, missing
+
+__all__ = ["Run", "Runs", "Signed", "TracedList", "TracedMessage", "render", "resumable", "same"]
+
+_LOOP_NEXT = LoopContext.__next__.__code__
+_JSON_CODES = frozenset({json.JSONEncoder.encode.__code__, json.JSONEncoder.iterencode.__code__})
+_ROOT = ("root", "<template>")
+_current = threading.local()  # the run under way on this thread
+
+
+def strftime_now(fmt: str) -> str:
+    """HF's ``strftime_now`` global; a recorded render notes what it read of the clock, and a
+    later one resumes from it only while the clock still reads the same."""
+    now = datetime.now().strftime(fmt)
+    run = getattr(_current, "run", None)
+    if run is not None:
+        run.clock.append((fmt, now))
+    return now
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal and rendered alike: the same types (``1``, ``1.0`` and ``True`` differ) and dict
+    keys in the same order."""
+    if a is b:
+        return True
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is str:
+        return bool(a == b)
+    if t is dict:
+        if len(a) != len(b):
+            return False
+        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
+            if ka != kb or not (va is vb or same(va, vb)):
+                return False
+        return True
+    if t is list or t is tuple:
+        return len(a) == len(b) and all(map(same, a, b))
+    if t is int or t is float or t is bool or a is None:
+        return bool(a == b)
+    return False
+
+
+def _plain(v: Any) -> bool:
+    t = type(v)
+    if t is str or t is int or t is float or t is bool or v is None:
+        return True
+    if t is list or t is tuple:
+        return all(map(_plain, v))
+    if t is dict:
+        return all(type(k) is str and _plain(x) for k, x in v.items())
+    return False
+
+
+def _attrs(ns: Namespace) -> dict[str, Any]:
+    attrs: dict[str, Any] = object.__getattribute__(ns, "_Namespace__attrs")
+    return attrs
+
+
+class _Loop:
+    """One top-level loop over the messages in a render; per boundary recorded (before the
+    loop's item ``pos``, fetched from the list: an item peeked by ``loop.last`` has none): text
+    out, namespaces' attributes, the highest message index observed since the loop began,
+    whether the length was, and how long the run's log was."""
+
+    __slots__ = ("first", "state", "out", "names", "pos", "at", "spaces", "seen", "length",
+                 "log")
+
+    def __init__(self, first: int, state: dict[str, Any], out: int, names: tuple[str, ...]
+                 ) -> None:
+        self.first = first
+        self.state = state
+        self.out = out
+        self.names = names
+        self.pos: list[int] = []
+        self.at: list[int] = []
+        self.spaces: list[tuple[dict[str, Any], ...]] = []
+        self.seen: list[int] = []
+        self.length: list[bool] = []
+        self.log: list[int] = []
+
+
+class Run:
+    """One render: its text, its loops and what it recorded of each message."""
+
+    __slots__ = ("key", "messages", "context", "text", "loops", "log", "pulled", "read", "at",
+                 "pieces", "seen", "length", "loop", "source", "common", "resumed", "shared",
+                 "memo", "prior", "clock", "sigs", "chain")
+
+    def __init__(self, key: tuple[Any, ...], messages: list[dict[str, Any]],
+                 context: dict[str, Any], source: Run | None, common: int) -> None:
+        self.key = key
+        self.messages = messages
+        self.context = context
+        self.text = ""
+        self.loops: list[_Loop] = []
+        self.log: list[tuple[int, int, int]] = []  # (message, 0 pulled | 1 read, offset)
+        self.pulled: list[int | None] = [None] * len(messages)
+        self.read: list[int | None] = [None] * len(messages)
+        self.at = 0
+        self.pieces: list[str] = []
+        self.seen = -1  # observed since the active loop began
+        self.length = False
+        self.loop: _Loop | None = None  # the top-level loop under way
+        self.source = source
+        self.common = common  # messages equal to the source's
+        self.resumed = 0  # loop items not rendered again
+        self.shared = 0  # leading characters of the text known equal to the source's
+        self.clock: list[tuple[str, str]] = []  # (format, what strftime_now gave)
+        self.sigs: list[Any] = []
+        self.chain: list[int] = []
+        # what proxy.template derived from this render (verified starts, segments), and what it
+        # had derived from the source's
+        self.memo: dict[str, Any] = {}
+        self.prior: dict[str, Any] = source.memo if source is not None else {}
+
+    def see(self, i: int) -> None:
+        if i > self.seen:
+            self.seen = i
+
+    def pull(self, i: int) -> None:
+        self.pulled[i], self.read[i] = self.at, None
+        self.log.append((i, 0, self.at))
+
+    def first_read(self, i: int) -> None:
+        if self.read[i] is None:
+            self.read[i] = self.at
+            self.log.append((i, 1, self.at))
+
+    # -- loop boundaries ---------------------------------------------------------------------
+
+    def boundary(self, it: _Iter, caller: FrameType) -> None:
+        """Before `it` hands out its next item, called from a top-level loop."""
+        loop = self.loop
+        if it.pos == 0:
+            if loop is not None:
+                return  # a loop inside the loop under way: its pulls are observations only
+            root = caller.f_back if caller.f_code is _LOOP_NEXT else caller
+            assert root is not None
+            names = root.f_locals
+            state = {k: _snapshot(v) for k, v in names.items() if k.startswith("l_0_")}
+            spaces = tuple(k for k, v in names.items()
+                           if k.startswith("l_0_") and isinstance(v, Namespace))
+            loop = _Loop(it.indices.start, state, self.at, spaces)
+            self.loop = it.loop = loop
+            self.seen, self.length = -1, False
+            self.loops.append(loop)
+            self._resume(it, caller, names)
+        elif it.loop is not loop:
+            return
+        assert loop is not None
+        loop.pos.append(it.pos)
+        loop.at.append(self.at)
+        loop.spaces.append(tuple(dict(_attrs(it.namespaces[n])) for n in loop.names))
+        loop.seen.append(self.seen)
+        loop.length.append(self.length)
+        loop.log.append(len(self.log))
+
+    def _resume(self, it: _Iter, caller: FrameType, names: dict[str, Any]) -> None:
+        it.namespaces = {n: names[n] for n in self.loop.names} if self.loop else {}
+        src = self.source
+        loop = self.loop
+        assert loop is not None
+        ordinal = len(self.loops) - 1
+        if src is None or ordinal >= len(src.loops):
+            return
+        old = src.loops[ordinal]
+        if (old.first != loop.first or old.names != loop.names or old.out != self.at
+                or any(datetime.now().strftime(f) != t for f, t in src.clock)
+                or not _same_state(old.state, loop.state, self.common, src.context,
+                                   self.context)
+                or "".join(self.pieces) != src.text[: self.at]):
+            return
+        m, equal_length = self.common, len(src.messages) == len(self.messages)
+        b = len(old.pos) - 1  # the latest boundary that holds
+        while b > 0 and not (old.pos[b] < len(it.items) and old.seen[b] < m
+                             and (equal_length or not old.length[b])
+                             and all(map(_plain_space, old.spaces[b]))):
+            b -= 1
+        k = old.pos[b] if b > 0 else 0
+        if k <= 0:
+            return
+        # the text, the namespaces, the records and the loop's counters at boundary b
+        self.pieces.append(src.text[old.out : old.at[b]])
+        for name, attrs in zip(old.names, old.spaces[b], strict=True):
+            mine = _attrs(it.namespaces[name])
+            mine.clear()
+            mine.update(attrs)
+        base = len(self.log)
+        start = old.log[0]
+        for i, kind, at in src.log[start : old.log[b]]:
+            if kind == 0:
+                self.pulled[i], self.read[i] = at, None
+            else:
+                self.read[i] = at
+        self.log.extend(src.log[start : old.log[b]])
+        loop.pos.extend(old.pos[:b])
+        loop.at.extend(old.at[:b])
+        loop.spaces.extend(old.spaces[:b])
+        loop.seen.extend(old.seen[:b])
+        loop.length.extend(old.length[:b])
+        loop.log.extend(base + p - start for p in old.log[:b])
+        self.at = self.shared = old.at[b]
+        self.seen, self.length = old.seen[b], old.length[b]
+        if caller.f_code is _LOOP_NEXT:
+            ctx: LoopContext = caller.f_locals["self"]
+            ctx.index0 = k - 1
+            ctx._current = it.items[k - 1]
+        it.pos = k
+        self.resumed += k
+
+
+def _plain_space(attrs: dict[str, Any]) -> bool:
+    return all(map(_plain, attrs.values()))
+
+
+class _Snapshot:
+    __slots__ = ("kind", "value")
+
+    def __init__(self, kind: str, value: Any) -> None:
+        self.kind = kind
+        self.value = value
+
+
+def _snapshot(v: Any) -> Any:
+    if isinstance(v, Namespace):
+        return _Snapshot("namespace", dict(_attrs(v)))
+    if type(v) is TracedList:
+        return _Snapshot("messages", (v._indices.start, v._indices.step))
+    if type(v) is TracedMessage:
+        return _Snapshot("message", v._i)
+    if isinstance(v, Macro):
+        return _Snapshot("macro", v.name)
+    return v
+
+
+def _same_state(old: dict[str, Any], new: dict[str, Any], common: int,
+                old_context: dict[str, Any], new_context: dict[str, Any]) -> bool:
+    """The top-level variables alike; one still holding the value the render was given is
+    alike by the runs' equal keys (tools and variables compared once, not per loop)."""
+    if old.keys() != new.keys():
+        return False
+    for k, a in old.items():
+        b = new[k]
+        if a is b or (a is old_context.get(k[4:], missing)
+                      and b is new_context.get(k[4:], missing)):
+            continue
+        if type(a) is _Snapshot:
+            if type(b) is not _Snapshot or a.kind != b.kind:
+                return False
+            if a.kind == "namespace":
+                if not same(a.value, b.value):
+                    return False
+            elif a.kind == "message":
+                if a.value != b.value or a.value >= common:
+                    return False
+            elif a.value != b.value:
+                return False
+        elif a is missing or b is missing or not same(a, b):
+            return False
+    return True
+
+
+class _Iter:
+    """An iteration over a TracedList: each item handed out is observed; a top-level loop's
+    boundaries are recorded (and may resume)."""
+
+    __slots__ = ("items", "indices", "run", "pos", "loop", "top", "namespaces")
+
+    def __init__(self, items: list[Any], indices: range, run: Run, top: bool) -> None:
+        self.items = items
+        self.indices = indices
+        self.run = run
+        self.pos = 0
+        self.loop: _Loop | None = None
+        self.top = top  # forward, step 1: may be a resumable loop
+        self.namespaces: dict[str, Namespace] = {}
+
+    def __iter__(self) -> _Iter:
+        return self
+
+    def __next__(self) -> Any:
+        run = self.run
+        if self.top:
+            caller = sys._getframe(1)
+            code = caller.f_code
+            if code is _LOOP_NEXT:
+                root = caller.f_back
+                if root is not None and (root.f_code.co_name, root.f_code.co_filename) == _ROOT:
+                    run.boundary(self, caller)
+            elif (code.co_name, code.co_filename) == _ROOT:
+                run.boundary(self, caller)
+        pos = self.pos
+        if pos >= len(self.items):
+            run.length = True
+            if run.loop is self.loop:
+                run.loop = None
+            raise StopIteration
+        i = self.indices[pos]
+        self.pos = pos + 1
+        run.see(i)
+        run.pull(i)
+        return self.items[pos]
+
+
+class TracedList(list):  # type: ignore[type-arg]
+    """The messages as a recorded render sees them. The template cannot reach the record (the
+    sandbox refuses names starting with ``_``)."""
+
+    def __init__(self, items: list[Any], run: Run, indices: range) -> None:
+        super().__init__(items)
+        self._run = run
+        self._indices = indices
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Iter(list(list.__iter__(self)), self._indices, self._run,
+                     self._indices.step == 1)
+
+    def __reversed__(self) -> Iterator[Any]:
+        return _Iter(list(reversed(list(list.__iter__(self)))), self._indices[::-1], self._run,
+                     False)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return TracedList(list.__getitem__(self, index), self._run, self._indices[index])
+        if isinstance(index, int) and index < 0:
+            self._run.length = True
+        try:
+            item = list.__getitem__(self, index)
+        except IndexError:
+            self._run.length = True
+            raise
+        self._run.see(self._indices[index])
+        return item
+
+    def __len__(self) -> int:
+        self._run.length = True
+        return list.__len__(self)
+
+    def __bool__(self) -> bool:
+        if list.__len__(self):
+            self._run.see(self._indices[0])
+            return True
+        self._run.length = True
+        return False
+
+    def _all(self) -> None:
+        self._run.length = True
+        if list.__len__(self):
+            self._run.see(max(self._indices[0], self._indices[-1]))
+
+    def __contains__(self, item: object) -> bool:
+        self._all()
+        return list.__contains__(self, item)
+
+    def __eq__(self, other: object) -> bool:
+        self._all()
+        return list.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        self._all()
+        return list.__ne__(self, other)
+
+    def __add__(self, other: Any) -> Any:
+        self._all()
+        return list.__add__(self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        self._all()
+        return list(other) + list(list.__iter__(self))
+
+    def __mul__(self, n: Any) -> Any:
+        self._all()
+        return list.__mul__(self, n)
+
+    __rmul__ = __mul__
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._all()
+        return list.__repr__(self)
+
+    __str__ = __repr__
+
+    def index(self, *args: Any) -> int:
+        self._all()
+        return list.index(self, *args)
+
+    def count(self, item: Any) -> int:
+        self._all()
+        return list.count(self, item)
+
+    def copy(self) -> list[Any]:
+        self._all()
+        return list(list.__iter__(self))
+
+
+class TracedMessage(dict):  # type: ignore[type-arg]
+    """One message, equal to it; reading it is observed (and the first read after a pull is
+    recorded)."""
+
+    __slots__ = ("_run", "_i")
+
+    def __init__(self, message: dict[str, Any], run: Run, i: int) -> None:
+        super().__init__(message)
+        self._run = run
+        self._i = i
+
+    def _seen(self) -> None:
+        run = self._run
+        run.see(self._i)
+        run.first_read(self._i)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._seen()
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        self._seen()
+        return dict.__contains__(self, key)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._seen()
+        return dict.__iter__(self)
+
+    def __len__(self) -> int:
+        self._seen()
+        return dict.__len__(self)
+
+    def __eq__(self, other: object) -> bool:
+        self._seen()
+        return dict.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        self._seen()
+        return dict.__ne__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._seen()
+        return dict.__repr__(self)
+
+    __str__ = __repr__
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._seen()
+        return dict.get(self, key, default)
+
+    def keys(self) -> Any:
+        self._seen()
+        return dict.keys(self)
+
+    def values(self) -> Any:
+        self._seen()
+        return dict.values(self)
+
+    def items(self) -> Any:
+        self._seen()
+        if sys._getframe(1).f_code in _JSON_CODES:
+            self._run.length = True  # serialized inside a list: the list's end is read too
+        return dict.items(self)
+
+    def copy(self) -> dict[str, Any]:
+        self._seen()
+        return dict(dict.items(self))
+
+
+def resumable(source: str, ast: nodes.Template) -> bool:
+    """Whether renders of this template may resume (see the module rules)."""
+    if "changed(" in source:
+        return False
+    for block in ast.find_all((nodes.AssignBlock, nodes.FilterBlock, nodes.CallBlock)):
+        if any(True for _ in block.find_all(nodes.For)):
+            return False
+    return True
+
+
+def signatures(messages: list[dict[str, Any]]) -> list[Any]:
+    """Per message, a value equal for two messages exactly when they are ``same`` (messages
+    hold JSON values: strings, numbers, booleans, null, lists and dicts)."""
+    out: list[Any] = []
+    for m in messages:
+        if all(type(v) is str for v in m.values()):
+            out.append(tuple(m.items()))
+        else:
+            out.append(json.dumps(m, ensure_ascii=False, default=repr))
+    return out
+
+
+class Runs:
+    """Recent renders of one template, by (generation flag, tools, variables), found by the
+    hash chain of their messages' signatures; bounded LRU; thread-safe."""
+
+    def __init__(self, max_runs: int) -> None:
+        self.max_runs = max_runs
+        self._runs: OrderedDict[int, Run] = OrderedDict()
+        self._index: dict[tuple[Any, int], Run] = {}  # (key, chain of messages[:i]) -> run
+        self._lock = threading.Lock()
+
+    def find(self, key: tuple[Any, ...], chain: list[int], sigs: list[Any]
+             ) -> tuple[Run | None, int]:
+        """The recent render sharing the most leading messages with these, and how many: the
+        longest prefix whose chain hash is indexed (bisected: a render indexes every prefix of
+        its messages), confirmed by comparing the signatures."""
+        with self._lock:
+            index = self._index
+            if (key, chain[0]) not in index:
+                return None, 0
+            lo, hi = 0, len(chain) - 1  # (key, chain[lo]) is indexed
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (key, chain[mid]) in index:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            run = index[(key, chain[lo])]
+        if run.sigs[:lo] != sigs[:lo]:  # a hash collision
+            return None, 0
+        return run, lo
+
+    def add(self, run: Run) -> None:
+        with self._lock:
+            self._runs[id(run)] = run
+            for h in run.chain:
+                self._index[(run.key, h)] = run
+            while len(self._runs) > self.max_runs:
+                _, old = self._runs.popitem(last=False)
+                for h in old.chain:
+                    if self._index.get((old.key, h)) is old:
+                        del self._index[(old.key, h)]
+
+
+class Signed(list):  # type: ignore[type-arg]
+    """Messages with their ``signatures`` and ``chain_of`` computed once; a leading slice
+    (``messages[:i]``) keeps its share of both."""
+
+    def __init__(self, messages: list[dict[str, Any]], sigs: list[Any] | None = None,
+                 chain: list[int] | None = None) -> None:
+        super().__init__(messages)
+        self.sigs = signatures(messages) if sigs is None else sigs
+        self.chain = chain_of(self.sigs) if chain is None else chain
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            stop = len(self) if index.stop is None else min(max(index.stop, 0), len(self))
+            if index.stop is None or index.stop >= 0:
+                return Signed(list.__getitem__(self, index), self.sigs[:stop],
+                              self.chain[: stop + 1])
+        return list.__getitem__(self, index)
+
+
+def chain_of(sigs: list[Any]) -> list[int]:
+    """Hashes of every prefix of the signatures (index i: the first i)."""
+    chain = [0]
+    for sig in sigs:
+        chain.append(hash((chain[-1], sig)))
+    return chain
+
+
+def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
+           messages: list[dict[str, Any]], context: dict[str, Any], keep: bool = True) -> Run:
+    """Render `template` (a compiled jinja2 Template) with `context` and the recorded
+    `messages`, resuming from the best of `runs` (None: from the start); raises what the
+    template raises. `keep`: remember this render for later ones. `messages` may be
+    ``Signed`` already (computed once for all renders of one request)."""
+    source, common = None, 0
+    if runs is not None:
+        if not isinstance(messages, Signed):
+            messages = Signed(messages)
+        source, common = runs.find(key, messages.chain, messages.sigs)
+    run = Run(key, messages, context, source, common)
+    if isinstance(messages, Signed):
+        run.sigs, run.chain = messages.sigs, messages.chain
+    traced = TracedList([TracedMessage(m, run, i) for i, m in enumerate(messages)], run,
+                        range(len(messages)))
+    outer, _current.run = getattr(_current, "run", None), run
+    try:
+        for piece in template.generate({**context, "messages": traced}):
+            run.pieces.append(piece)
+            run.at += len(piece)
+    finally:
+        _current.run = outer
+    run.text = "".join(run.pieces)
+    run.pieces = []
+    run.loop = None
+    run.source = None  # a chain of sources would keep every earlier render alive
+    if keep and runs is not None:
+        runs.add(run)
+    return run

@@ -1,0 +1,122 @@
+"""Incremental preparation equals the full one (issue 23): a template that resumes its renders
+from the previous turn's (proxy/resume.py) and reuses its tokenization gives, for every request,
+the text, token ids, boundaries and message starts of a template that prepares it from nothing.
+
+Random agent sessions (tool calls with typed arguments, reasoning, tool results, user turns,
+a background request between turns, an edit in the middle of the history, a continued final
+message) are grown turn by turn through every template in tests/fixtures/templates and the
+shapes tests/proxy/test_template_starts.py writes, with and without tools; each request is
+prepared by one warm template (as the proxy keeps it) and by a fresh one."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import default_model
+from proxy.dialects import for_template
+from proxy.gguf import read_metadata
+from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
+from proxy.tokenizer import Tokenizer, load_tokenizer
+from tests.proxy.test_template_starts import TEMPLATES as SHAPES
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
+REAL = {p.stem: p.read_text() for p in sorted(FIXTURES.glob("*.jinja"))}
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                    "limit": {"type": "integer"}},
+                   "required": ["path"]}}}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    model = default_model()
+    return load_tokenizer(model, read_metadata(model), verify=False)
+
+
+def session(seed: int, turns: int) -> list[list[dict[str, Any]]]:
+    """The requests of one agent session: each extends the one before it, except a background
+    request now and then, and one edit of an early message."""
+    rng = random.Random(seed)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent." + " Be brief." * rng.randrange(3)},
+        {"role": "user", "content": "Fix the bug in main.py"}]
+    requests = [list(messages)]
+    for t in range(turns):
+        r = rng.random()
+        if r < 0.55:
+            args = {"path": f"src/f{t}.py", "limit": rng.choice([1, 1.0, 20, True])}
+            turn: dict[str, Any] = {"role": "assistant", "content": rng.choice(["", "Looking."]),
+                                    "tool_calls": [{"id": f"call{t:05d}", "type": "function",
+                                                    "function": {"name": "read_file",
+                                                                 "arguments": args}}]}
+            if rng.random() < 0.5:
+                turn["reasoning_content"] = "Read it first. " * rng.randrange(1, 3)
+            messages = [*messages, turn, {"role": "tool", "tool_call_id": f"call{t:05d}",
+                                          "content": f"x = {t}\n" * rng.randrange(1, 4)}]
+        elif r < 0.85:
+            turn = {"role": "assistant", "content": f"Step {t} done."}
+            if rng.random() < 0.5:
+                turn["reasoning_content"] = "ok"
+            messages = [*messages, turn, {"role": "user", "content": f"Now step {t + 1}"}]
+        elif r < 0.93:  # a title request beside the session
+            requests.append([messages[0], {"role": "user", "content": f"Title for {t}?"}])
+            continue
+        else:  # the client rewrote an early message (a compaction, an edited prompt)
+            messages = [messages[0], {"role": "user", "content": f"Fix the bug (take {t})"},
+                        *messages[2:]]
+        requests.append(list(messages))
+    return requests
+
+
+def prepared(template: ChatTemplate, tok: Tokenizer, messages: list[dict[str, Any]],
+             tools: Any, continue_final: bool) -> Rendered | str:
+    """The rendered prompt, or the kind of error the template raised."""
+    try:
+        return render_prompt(template, tok, messages, tools, continue_final)
+    except CannotContinue:
+        return "cannot continue"
+    except Exception as e:  # the template refuses this conversation: both must
+        return type(e).__name__
+
+
+def resumed(template: ChatTemplate) -> int:
+    assert template.runs is not None
+    return max((r.resumed for r in template.runs._runs.values()), default=0)
+
+
+@pytest.mark.parametrize("name", [*REAL, *SHAPES])
+def test_incremental_preparation_equals_the_full_one(name: str, tok: Tokenizer) -> None:
+    source = REAL.get(name) or SHAPES[name]
+    warm = ChatTemplate(source, "<s>", "</s>")
+    history = for_template(source).messages
+    compared = skipped_loops = 0
+    for seed in range(3):
+        for tools in (TOOLS, None):
+            for messages in session(seed, turns=12):
+                messages = history(messages)
+                continue_final = messages[-1]["role"] == "assistant"
+                got = prepared(warm, tok, messages, tools, continue_final)
+                cold = ChatTemplate(source, "<s>", "</s>")
+                assert got == prepared(cold, tok, messages, tools, continue_final), \
+                    (name, seed, len(messages))
+                if isinstance(got, Rendered):
+                    assert got.text == _plain(cold, messages, tools, continue_final)
+                    compared += 1
+                    skipped_loops += resumed(warm) if warm.runs is not None else 0
+    assert compared >= 20
+    if name in REAL:  # every real template resumes its renders, some more than others
+        assert skipped_loops > 0
+
+
+def _plain(template: ChatTemplate, messages: list[dict[str, Any]], tools: Any,
+           continue_final: bool) -> str:
+    text = template.render(messages, tools, not continue_final)
+    if not continue_final:
+        return text
+    body = str(messages[-1].get("content") or "").strip()
+    return text[: text.rfind(body) + len(body)]
