@@ -9,11 +9,13 @@ LMDB index are as a running proxy's would be), and the measured request re-sends
 history plus one new user turn (a different one each repetition, so the new text is never
 cached). Stages, each timed on the proxy's real code:
 
-- parse: `json.loads` of the body bytes and `openai_api.parse_chat`
-- prepare: `proxy.prompt.PromptBuilder.prepare` (normalize, tools into the prompt, render the
-  template, tokenize, find the safe boundaries); its parts are timed again alone: `render`
-  (the Jinja template on the whole conversation) and `tokenize` (`Tokenizer.encode_segments` of
-  the rendered text)
+- parse: `proxy.edge.parse_body` of the body bytes, as the server parses every request: JSON
+  within `proxy.limits`' bounds, then `openai_api.parse_chat`
+- prepare: `proxy.prompt.PromptBuilder.prepare` (normalize, lay out, tools into the prompt,
+  render the template, tokenize, find the safe boundaries); its parts are timed again alone, on
+  requests of their own: `messages` (`PromptBuilder.messages`: normalize, lay out, tools,
+  dialect) and `render_prompt` (`proxy.template.render_prompt`: the template rendered, resumed
+  from the previous turn's render where proven equal, the message starts, the tokenization)
 - decide: `proxy.cache.DiskCache.lookup` and `policies.decide.decide`, as `Gateway.start` calls
   them (candidate keys over the prompt, one LMDB read, the ring comparison, the save plan),
   against a real `backend.index.Index` in a temporary directory, filled as the earlier turns
@@ -118,14 +120,15 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
     from backend.index import Index
     from backend.keys import CacheIdentity, prefix_keys
     from backend.protocol import Saved
-    from bench.prompts import load_builder, prepare
+    from bench.prompts import load_builder, prepare, prepare_request
     from policies.decide import WorkerFacts, decide
     from policies.ring import Ring
-    from proxy import openai_api
+    from proxy import edge, limits, openai_api
     from proxy.cache import DiskCache
     from proxy.config import Config
     from proxy.gateway import RING_CAPACITY, facts_of, knobs_of
     from proxy.metrics import Metrics
+    from proxy.template import render_prompt
 
     builder = load_builder()
     rows = session_rows(target, builder)
@@ -162,24 +165,26 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
             return json.dumps(with_new_turn(body, next(variants))).encode()
 
         raws = [fresh_raw() for _ in range(reps * 4 + 2)]
-        it_parse, it_prep, it_render, it_tok = (iter(raws[i::4]) for i in range(4))
-        parse = timed(lambda: openai_api.parse_chat(json.loads(next(it_parse)), ""), reps)
-        prepare_t = timed(lambda: prepare(builder, json.loads(next(it_prep))), reps)
+        it_parse, it_prep, it_msgs, it_render = (iter(raws[i::4]) for i in range(4))
+
+        def parse_one(raw: bytes) -> Any:
+            return edge.parse_body(raw, "", openai_api.parse_chat, limits.LIMITS)
+
+        parse = timed(lambda: parse_one(next(it_parse)), reps)
+        reqs = {name: [parse_one(r) for r in rs]
+                for name, rs in (("prep", it_prep), ("msgs", it_msgs), ("render", it_render))}
+        prep_reqs, msg_reqs, render_reqs = (iter(reqs[k]) for k in ("prep", "msgs", "render"))
+        prepare_t = timed(lambda: prepare_request(builder, next(prep_reqs)), reps)
         prep = prepare(builder, body)
         decide_t = timed(lambda: decide_one(prep), reps)
+        messages_t = timed(lambda: builder.messages(next(msg_reqs)), reps)
 
         def render_one() -> None:
-            req = openai_api.parse_chat(json.loads(next(it_render)), "")
-            builder.template.render(list(req.messages), list(req.tools) or None)
+            messages, tools = builder.messages(next(render_reqs))
+            render_prompt(builder.template, builder.tok, messages, tools)
 
         render_t = timed(render_one, reps)
-        tok = builder.tok
-
-        def tokenize_one() -> None:
-            text = json.loads(next(it_tok))["messages"][-1]["content"]
-            tok.encode_segments(prep.rendered.text + text)
-
-        tokenize = timed(tokenize_one, reps)
+        render_t = (max(0.0, render_t[0] - messages_t[0]), max(0.0, render_t[1] - messages_t[1]))
         cache.close()
         cache.index.close()
     cold_builder = load_builder()
@@ -189,8 +194,8 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         "target_tokens": target, "prompt_tokens": n, "messages": len(body["messages"]),
         "stored_entries": len(cache),
         "uncached_tail_tokens": n - prev_n, "reps": reps,
-        "parse_ms": parse, "prepare_ms": prepare_t, "render_ms": render_t,
-        "tokenize_ms": tokenize, "decide_ms": decide_t,
+        "parse_ms": parse, "prepare_ms": prepare_t, "messages_ms": messages_t,
+        "render_prompt_ms": render_t, "decide_ms": decide_t,
         "proxy_ms": tuple(a + b + c for a, b, c in zip(parse, prepare_t, decide_t, strict=True)),
         "cold_prepare_ms": cold,
     }
@@ -249,9 +254,9 @@ def markdown(res: dict[str, Any]) -> str:
         "other load on the machine); wall ms in parentheses. Worker = prefill of the uncached "
         f"tail + a {DECODE_TOKENS}-token decode on the real model.",
         "",
-        "| prompt tokens | stored entries | new tail tokens | parse "
-        "| prepare (render + tokenize + boundaries) "
-        "| of which render | of which tokenize | decide | **proxy total** | worker | "
+        "| prompt tokens | stored entries | new tail tokens | parse (limits + API) "
+        "| prepare (messages + render + tokenize + boundaries) "
+        "| of which messages | of which render_prompt | decide | **proxy total** | worker | "
         "proxy / worker | proxy / worker CPU per thread | **proxy / worker floor** | "
         "cold prepare (new conversation) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -268,7 +273,7 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(
             f"| {r['prompt_tokens']} | {r.get('stored_entries', '-')} | "
             f"{r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
-            f"{ms(r['prepare_ms'])} | {ms(r['render_ms'])} | {ms(r['tokenize_ms'])} | "
+            f"{ms(r['prepare_ms'])} | {ms(r['messages_ms'])} | {ms(r['render_prompt_ms'])} | "
             f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {w['worker_ms']:.0f}{est} | "
             f"{r['proxy_fraction_of_worker']:.3%} | "
             f"{r['proxy_fraction_of_worker_idle']:.3%} | "

@@ -14,6 +14,7 @@ from typing import Any
 
 from policies.scope import parse_scope
 from proxy import anthropic_api, openai_api
+from proxy.chat import ChatRequest
 from proxy.config import Config
 from proxy.prompt import Prepared, PromptBuilder
 from proxy.template import Rendered
@@ -33,6 +34,11 @@ def prepare(builder: PromptBuilder, body: dict[str, Any], fmt: str = "openai") -
     """`fmt`: 'openai' (a chat completions body) or 'anthropic' (a Messages body)."""
     req = anthropic_api.parse_request(body, "") if fmt == "anthropic" else \
         openai_api.parse_chat(body, "")
+    return prepare_request(builder, req)
+
+
+def prepare_request(builder: PromptBuilder, req: ChatRequest) -> Prepared:
+    """A parsed request prepared as the gateway prepares it (no context limit)."""
     return builder.prepare(req, UNBOUNDED_CTX, parse_scope(Config().disk_prefix_cache))
 
 

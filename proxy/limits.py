@@ -20,9 +20,12 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,16 +80,201 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def load(raw: bytes, limits: Limits = LIMITS) -> Any:
     """The parsed body, or a BadRequest naming the first bound it breaks (see the module rules).
-    `raw` is at most max_body_bytes long: the server refuses longer bodies before this."""
+    `raw` is at most max_body_bytes long: the server refuses longer bodies before this.
+    A body that repeats a recent one's text up to some message reuses what was parsed of it
+    (`_Recent`)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(f"the request body is not valid UTF-8 (byte {e.start}): send UTF-8 "
                          "JSON") from None
+    if (len(text) <= limits.max_string_chars and limits.max_depth >= 3
+            and "\\ud" not in text and "\\uD" not in text):
+        body = _RECENT.load(text, limits)
+        if body is not None:
+            return body
     try:
         return parse(text, limits)
     except json.JSONDecodeError as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+class _Parsed:
+    """A body parsed with the spans of its top-level values and of the messages."""
+
+    __slots__ = ("text", "limits", "body", "spans", "messages")
+
+    def __init__(self, text: str, limits: Limits) -> None:
+        self.text = text
+        self.limits = limits
+        self.body: dict[str, Any] = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # top-level key -> its value's span
+        self.messages: list[tuple[int, int, Any]] = []  # (start, end, value) per message
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+class _Recent:
+    """The last bodies parsed, so that the next turn of a conversation (the same text up to its
+    new messages: agents re-send the history byte for byte) parses only what is new. A value is
+    reused when its whole text lies in the part both bodies share, so it is the value the
+    parser would make of it again, and it met the bounds then; a reused message is the same
+    object as before (later stages remember their work by it). The text is parsed with the
+    json module's own scanner, value by value; anything unusual (not an object, a duplicate
+    key, a lone surrogate escape, a string longer than the bounds allow) takes the plain
+    path, and so does anything that fails, which then says why."""
+
+    def __init__(self, max_bodies: int = 8, max_chars: int = 64 << 20) -> None:
+        self.max_bodies = max_bodies
+        self.max_chars = max_chars
+        self._bodies: list[_Parsed] = []
+        self._lock = threading.Lock()
+
+    def load(self, text: str, limits: Limits) -> dict[str, Any] | None:
+        with self._lock:
+            candidates = [b for b in self._bodies if b.limits is limits]
+        best, shared = None, 0
+        for old in reversed(candidates):  # the newest first: likely this conversation's
+            if shared and (len(old.text) <= shared or old.text[shared] != text[shared:shared + 1]):
+                continue  # it cannot share more than the best so far
+            n = _shared_chars(text, old.text)
+            if n > shared:
+                best, shared = old, n
+        try:
+            parsed = _parse_top(text, limits, best if shared else None, shared)
+        except Exception:  # noqa: BLE001 - the plain path raises the error the client sees
+            return None
+        if parsed is None:
+            return None
+        with self._lock:
+            self._bodies = [b for b in self._bodies if b is not best][-(self.max_bodies - 1):]
+            self._bodies.append(parsed)
+            while sum(len(b.text) for b in self._bodies) > self.max_chars and self._bodies:
+                self._bodies.pop(0)
+        return parsed.body
+
+
+_RECENT = _Recent()
+
+
+def _shared_chars(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share (compared in chunks, then bisected)."""
+    n = min(len(a), len(b))
+    if a.startswith(b) or b.startswith(a):
+        return n
+    lo, step = 0, 4096
+    while lo < n:
+        hi = min(lo + step, n)
+        if a[lo:hi] != b[lo:hi]:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo
+        lo = hi
+    return n
+
+
+def _parse_top(text: str, limits: Limits, old: _Parsed | None, shared: int) -> _Parsed | None:
+    """`text` parsed as an object with its spans, reusing `old`'s values that end within the
+    first `shared` characters; None when it is not an object this handles."""
+    scan = _decoder(limits).scan_once
+    out = _Parsed(text, limits)
+    ws = _WS.match
+    i = ws(text, 0).end()
+    if text[i : i + 1] != "{":
+        return None
+    i = ws(text, i + 1).end()
+    fresh: list[Any] = []  # values parsed now: they get the bounds' walk
+    if text[i : i + 1] == "}":
+        i += 1
+    else:
+        while True:
+            if text[i : i + 1] != '"':
+                return None
+            key, i = json.decoder.scanstring(text, i + 1)
+            i = ws(text, i).end()
+            if text[i : i + 1] != ":" or key in out.body:
+                return None
+            i = ws(text, i + 1).end()
+            start = i
+            if key == "messages" and text[i : i + 1] == "[":
+                value, i = _parse_messages(text, i, scan, out, old, shared, fresh)
+            else:
+                span = old.spans.get(key) if old is not None else None
+                if span is not None and span[0] == start and span[1] <= shared:
+                    value, i = old.body[key], span[1]
+                elif (span is not None and old is not None and text[i : i + 1] in '{["'
+                        and old.text[span[0]:span[1]] == text[i : i + span[1] - span[0]]):
+                    # the same text at another offset (after new messages): an object, array
+                    # or string ends where its text does, so it is the same value
+                    value, i = old.body[key], i + span[1] - span[0]
+                else:
+                    value, i = scan(text, i)
+                    fresh.append(value)
+            out.body[key] = value
+            out.spans[key] = (start, i)
+            i = ws(text, i).end()
+            if text[i : i + 1] == ",":
+                i = ws(text, i + 1).end()
+                continue
+            if text[i : i + 1] != "}":
+                return None
+            i += 1
+            break
+    if ws(text, i).end() != len(text):
+        return None
+    if len(out.body) > 0 and not all(_within(v, limits, 2) for v in fresh):
+        return None
+    return out
+
+
+def _parse_messages(text: str, i: int, scan: Any, out: _Parsed, old: _Parsed | None,
+                    shared: int, fresh: list[Any]) -> tuple[list[Any], int]:
+    """The messages array at `text[i]` ("["), its items reused from `old` while they lie in
+    the shared text at the same offsets."""
+    ws = _WS.match
+    items: list[Any] = []
+    before = old.messages if old is not None and old.spans.get("messages", (-1,))[0] == i \
+        else []
+    i = ws(text, i + 1).end()
+    if text[i : i + 1] == "]":
+        return items, i + 1
+    k = bisect.bisect_right(before, shared, key=lambda m: m[1])  # those wholly shared
+    if k and before[0][0] == i:  # the same text up to the end of message k - 1
+        out.messages += before[:k]
+        items += [value for _, _, value in before[:k]]
+        i = ws(text, before[k - 1][1]).end()
+        if text[i : i + 1] == ",":
+            i = ws(text, i + 1).end()
+        else:
+            k = len(items) - 1  # the array ends there: take the last item's turn below
+            del out.messages[-1], items[-1]
+            i = before[k][0]
+    else:
+        k = 0
+    while True:
+        if k < len(before) and before[k][0] == i and before[k][1] <= shared:
+            _, end, value = before[k]
+        else:
+            value, end = scan(text, i)
+            if not _within(value, out.limits, 3):
+                raise ValueError("a bound is broken: the plain path says where")
+        out.messages.append((i, end, value))
+        items.append(value)
+        k += 1
+        i = ws(text, end).end()
+        if text[i : i + 1] == ",":
+            i = ws(text, i + 1).end()
+            continue
+        if text[i : i + 1] != "]":
+            raise ValueError("not an array")
+        if len(items) > out.limits.max_array_items:
+            raise ValueError("too many items: the plain path says so")
+        return items, i + 1
 
 
 def parse(text: str, limits: Limits = LIMITS, where: str = "") -> Any:
@@ -94,13 +282,18 @@ def parse(text: str, limits: Limits = LIMITS, where: str = "") -> Any:
     (OpenAI's tool call arguments); `where` prefixes the paths in messages. Text that is not
     JSON raises json.JSONDecodeError; a bound broken, BadRequest."""
     try:
-        value = json.loads(text, parse_int=_int_parser(limits, where),
-                           parse_constant=_no_constant)
+        value = _decoder(limits).decode(text)
     except RecursionError:
         raise BadRequest(f"{where or 'the request body'} nests far deeper than "
                          f"{limits.max_depth} levels (limit max_depth)", param=where or None
                          ) from None
-    _walk(value, limits, "\\ud" in text or "\\uD" in text, (where,) if where else ())
+    except _LongInt as e:
+        raise BadRequest(f"{where or 'the request body'} has an integer of {e.digits} digits; "
+                         f"at most {limits.max_int_digits} are accepted (limit "
+                         "max_int_digits)", param=where or None) from None
+    surrogates = "\\ud" in text or "\\uD" in text
+    if surrogates or len(text) > limits.max_string_chars or not _within(value, limits):
+        _walk(value, limits, surrogates, (where,) if where else ())
     return value
 
 
@@ -128,16 +321,45 @@ def check_request(body: Any, limits: Limits = LIMITS) -> None:
 # --- parsing -------------------------------------------------------------------------------
 
 
-def _int_parser(limits: Limits, where: str) -> Any:
+class _LongInt(Exception):
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+@functools.cache
+def _decoder(limits: Limits) -> json.JSONDecoder:
+    """One decoder per set of bounds (making one costs more than decoding a tool call's
+    arguments)."""
     def parse_int(s: str) -> int:
         digits = len(s) - s.startswith("-")
         if digits > limits.max_int_digits:
-            raise BadRequest(f"{where or 'the request body'} has an integer of {digits} digits; "
-                             f"at most {limits.max_int_digits} are accepted (limit "
-                             "max_int_digits)", param=where or None)
+            raise _LongInt(digits)
         return int(s)
 
-    return parse_int
+    return json.JSONDecoder(parse_int=parse_int, parse_constant=_no_constant)
+
+
+def _within(value: Any, limits: Limits, depth0: int = 1) -> bool:
+    """Whether `value`, at nesting level `depth0`, keeps its nesting and arrays within the
+    bounds, level by level (strings need no look: the caller knows none can be too long or
+    hold a lone surrogate). False sends the caller to `_walk`, which finds the first bound
+    broken and says where."""
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = depth0 - 1
+    while level:
+        depth += 1
+        if depth > limits.max_depth:
+            return False
+        below = []
+        for v in level:
+            if type(v) is dict:
+                below += [x for x in v.values() if type(x) is dict or type(x) is list]
+            elif len(v) > limits.max_array_items:
+                return False
+            else:
+                below += [x for x in v if type(x) is dict or type(x) is list]
+        level = below
+    return True
 
 
 def _no_constant(name: str) -> Any:

@@ -47,6 +47,7 @@ from proxy.edge import (
     with_pings,
 )
 from proxy.errors import ApiError, BadRequest, openai_response
+from proxy.memo import IdMemo
 from proxy.run import Run, Usage
 
 
@@ -84,6 +85,10 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
                          param="messages")
     out = []
     for i, m in enumerate(raw):
+        parsed = _PARSED.get(m)
+        if parsed is not None:  # the same message as in a recent body (proxy/memo.py)
+            out.append(parsed)
+            continue
         if not isinstance(m, dict):
             raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'",
                              param=f"messages[{i}]")
@@ -103,8 +108,11 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
-        out.append(msg)
+        out.append(_PARSED.put(m, msg))
     return tuple(out)
+
+
+_PARSED = IdMemo()  # a body's message -> what parse_messages made of it
 
 
 def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
@@ -130,6 +138,9 @@ def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
 def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
     if raw is None:
         return ()
+    parsed: tuple[dict[str, Any], ...] | None = _PARSED.get(raw)
+    if parsed is not None:  # the same tools as in a recent body (proxy/memo.py)
+        return parsed
     if not isinstance(raw, list):
         raise BadRequest("'tools' must be a list of {type: function, function: {...}}",
                          param="tools")
@@ -143,7 +154,7 @@ def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
             raise BadRequest(f"tool {fn['name']!r}: 'parameters' must be a JSON schema object",
                              param="tools")
         tools.append({"type": "function", "function": fn})
-    return tuple(tools)
+    return _PARSED.put(raw, tuple(tools))
 
 
 def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

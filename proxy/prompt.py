@@ -44,6 +44,7 @@ from proxy.dialects import Dialect, Stream, for_template
 from proxy.dialects.grammar import clean_schema, grammar_error
 from proxy.errors import BadRequest, ContextOverflow
 from proxy.gguf import read_metadata
+from proxy.memo import IdMemo, TextMemo
 from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
 from proxy.tokenizer import Tokenizer, load_tokenizer
 from proxy.tools import apply as tool_prompt
@@ -67,30 +68,48 @@ class Prepared:
         return self.dialect.stream(self.req.tools, self.req.tool_choice, self.rendered.text)
 
 
+_NONE = object()
+
+
 class Normalizer:
     """Strips volatile bytes (per-request ids, billing lines) from system and user text."""
 
     def __init__(self, patterns: tuple[str, ...]) -> None:
         self.patterns = patterns
         self._res = [re.compile(p) for p in patterns]
+        self._memo = TextMemo()
+        self._messages = IdMemo()
 
     def text(self, s: str) -> str:
+        hit = self._memo.get(s)
+        if hit is not None:
+            return str(hit)
+        out = s
         for r in self._res:
-            s = r.sub("", s)
-        return s
+            out = r.sub("", out)
+        self._memo.put(s, out, len(s))
+        return out
 
     def messages(self, messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
         out = []
+        memo = self._messages
         for m in messages:
-            c = m.get("content")
-            if (self._res and m.get("role") in ("system", "developer", "user")
-                    and isinstance(c, str)):
-                text = self.text(c)
-                if c and not text and m.get("role") == "system":
-                    continue  # it held only volatile bytes
-                m = {**m, "content": text}
-            out.append(m)
+            done = memo.get(m, _NONE)
+            if done is _NONE:
+                done = memo.put(m, self._message(m))
+            if done is not None:
+                out.append(done)
         return out
+
+    def _message(self, m: dict[str, Any]) -> dict[str, Any] | None:
+        """`m` normalized; None when it held only volatile bytes."""
+        c = m.get("content")
+        if self._res and m.get("role") in ("system", "developer", "user") and isinstance(c, str):
+            text = self.text(c)
+            if c and not text and m.get("role") == "system":
+                return None
+            return m if text == c else {**m, "content": text}
+        return m
 
 
 class Layout:
@@ -100,6 +119,8 @@ class Layout:
     def __init__(self, patterns: tuple[str, ...]) -> None:
         self.patterns = patterns
         self._res = [re.compile(p) for p in patterns]
+        self._memo = TextMemo()
+        self._pairs = IdMemo(1024)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         roles = [m.get("role") for m in messages]
@@ -109,17 +130,32 @@ class Layout:
         system, user = messages[s].get("content"), messages[u].get("content")
         if s > u or not isinstance(system, str) or not isinstance(user, str):
             return messages
+        moved = self._memo.get((system, user), _NONE)
+        if moved is _NONE:
+            moved = self._move(system, user)
+            self._memo.put((system, user), moved, len(system) + len(user))
+        if moved is None:
+            return messages
+        out = list(messages)
+        pair = self._pairs.get(messages[u])  # the same messages as before: the same objects
+        if pair is None or pair[0] is not messages[s] or pair[1] != moved:
+            pair = self._pairs.put(messages[u], (
+                messages[s], moved, {**messages[s], "content": moved[0]},
+                {**messages[u], "content": moved[1]}))
+        out[s], out[u] = pair[2], pair[3]
+        return out
+
+    def _move(self, system: str, user: str) -> tuple[str, str] | None:
+        """(the system text without its volatile blocks, the user text after them), or None
+        when there are none."""
         blocks: list[str] = []
         for r in self._res:
             blocks += [b.strip() for b in r.findall(system)]
             system = r.sub("", system)
         blocks = [b for b in blocks if b]
         if not blocks:
-            return messages
-        out = list(messages)
-        out[s] = {**messages[s], "content": system.rstrip()}
-        out[u] = {**messages[u], "content": "\n\n".join([*blocks, user])}
-        return out
+            return None
+        return system.rstrip(), "\n\n".join([*blocks, user])
 
 
 class PromptBuilder:
@@ -150,6 +186,17 @@ class PromptBuilder:
         return cls(template, tok, volatile_patterns, volatile_blocks, stable_layout,
                    tool_dialect)
 
+    def messages(self, req: ChatRequest
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(the messages, the tools) the template renders: volatile bytes stripped, laid out
+        stable first, tools into the prompt where the template does not take them, history
+        in the dialect's fields."""
+        messages, tools = tool_prompt(
+            self.template.supports_tools,
+            self.layout.messages(self.normalizer.messages(req.messages)), req.tools,
+            self.stable_layout, self.section)
+        return self.dialect.messages(messages), tools
+
     def render(self, req: ChatRequest) -> tuple[Rendered, str | None]:
         """(the rendered, tokenized prompt, the forced-call grammar or None)."""
         if req.prompt is not None:
@@ -157,11 +204,7 @@ class PromptBuilder:
             if self.tok.add_bos and self.tok.bos_id is not None:
                 ids = (self.tok.bos_id, *ids)
             return Rendered(req.prompt, ids, (len(ids),), ()), None
-        messages, tools = tool_prompt(
-            self.template.supports_tools,
-            self.layout.messages(self.normalizer.messages(req.messages)), req.tools,
-            self.stable_layout, self.section)
-        messages = self.dialect.messages(messages)
+        messages, tools = self.messages(req)
         try:
             rendered = render_prompt(self.template.bound(req.template_kwargs), self.tok,
                                      messages, tools, req.continue_final)

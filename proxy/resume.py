@@ -50,6 +50,8 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.runtime import LoopContext, Macro, Namespace, missing
 
+from proxy.memo import IdMemo
+
 __all__ = ["Run", "Runs", "Signed", "TracedList", "TracedMessage", "render", "resumable", "same"]
 
 _LOOP_NEXT = LoopContext.__next__.__code__
@@ -531,12 +533,20 @@ def signatures(messages: list[dict[str, Any]]) -> list[Any]:
     """Per message, a value equal for two messages exactly when they are ``same`` (messages
     hold JSON values: strings, numbers, booleans, null, lists and dicts)."""
     out: list[Any] = []
+    memo = _SIGNATURES
     for m in messages:
-        if all(type(v) is str for v in m.values()):
-            out.append(tuple(m.items()))
-        else:
-            out.append(json.dumps(m, ensure_ascii=False, default=repr))
+        sig = memo.get(m)
+        if sig is None:
+            if all(type(v) is str for v in m.values()):
+                sig = tuple(m.items())
+            else:
+                sig = json.dumps(m, ensure_ascii=False, default=repr)
+            memo.put(m, sig)
+        out.append(sig)
     return out
+
+
+_SIGNATURES = IdMemo()  # a message (not changed in place: proxy/memo.py) -> its signature
 
 
 class Runs:

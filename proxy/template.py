@@ -179,6 +179,9 @@ class ChatTemplate:
         # recent recorded renders, for later ones to resume (proxy/resume.py)
         self.runs = resume.Runs(_RECENT_RENDERS) if resume.resumable(source, ast) else None
         self.extra: dict[str, Any] = {}  # the request's template variables (bound())
+        # tools by their objects' identity -> (the objects, kept alive; their JSON): a request
+        # that re-sends the same tools (proxy/limits.py reuses them) serializes them once
+        self._keys: dict[tuple[int, ...], tuple[list[Any], str]] = {}
 
     def bound(self, extra: dict[str, Any]) -> ChatTemplate:
         """This template with the request's own variables (`enable_thinking`,
@@ -203,8 +206,14 @@ class ChatTemplate:
         """What renders must share, besides their messages, for one to resume another: the
         tools and the variables, serialized (strictly: 1 and 1.0 differ, and key order
         counts)."""
-        return (json.dumps(tools, ensure_ascii=False, default=repr),
-                json.dumps(self.extra, ensure_ascii=False, default=repr))
+        ids = tuple(map(id, tools or ()))
+        hit = self._keys.get(ids)
+        if hit is None or not all(a is b for a, b in zip(hit[0], tools or (), strict=True)):
+            hit = (list(tools or ()), json.dumps(tools, ensure_ascii=False, default=repr))
+            if len(self._keys) > 256:
+                self._keys.clear()
+            self._keys[ids] = hit
+        return (hit[1], json.dumps(self.extra, ensure_ascii=False, default=repr))
 
     def record(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, key: tuple[Any, ...], keep: bool = True) -> Run:
@@ -262,13 +271,32 @@ def render_prompt(
         text = _open_final_message(run.text, str(messages[-1].get("content") or ""))
     else:
         text = run.text
+    prior = run.prior
+    shapes = prior.get("shapes", [])[: run.common]
+    shapes += [_shape(m) for m in messages[len(shapes):]]
+    run.memo["shapes"] = shapes
     starts = _message_char_starts(template, messages, tools, text, key,
-                                  run if continue_final else None)  # index -> offset
-    header_ends = _header_char_ends(messages, starts, text)
+                                  run if continue_final else None, shapes)  # index -> offset
+    old_text = prior.get("tokens", ("",))[0]
+    equal = _common_prefix(text, old_text, run.shared) if prior else 0  # chars as before
+    headers: dict[int, tuple[int, int, int | None]] = {}
+    header_ends = _header_char_ends(messages, starts, text, headers,
+                                    prior.get("headers", {}), min(equal, len(text)),
+                                    run.common)
+    run.memo["headers"] = headers
 
     offsets = sorted({*starts.values(), *header_ends})
-    segments, ids = _tokenized(tok, run, text)
-    token_at = dict(zip(offsets, tok.token_positions(text, segments, offsets), strict=True))
+    segments, ids, reused, tokens = _tokenized(tok, run, text, equal)
+    old_at: dict[int, int] = prior.get("positions", {})
+    token_at = {o: old_at[o] for o in offsets if o < reused and o in old_at}
+    rest = [o for o in offsets if o not in token_at]
+    if rest and rest[0] >= reused and reused:
+        k = len(segments) - sum(1 for s in segments if s.start >= reused)
+        token_at.update(zip(rest, (tokens + p for p in tok.token_positions(
+            text, segments[k:], rest)), strict=True))
+    elif rest:
+        token_at.update(zip(rest, tok.token_positions(text, segments, rest), strict=True))
+    run.memo["positions"] = token_at
 
     shift = 0
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
@@ -283,25 +311,28 @@ def render_prompt(
     return Rendered(text, ids, tuple(boundaries), message_starts)
 
 
-def _tokenized(tok: Tokenizer, run: Run, text: str) -> tuple[list[Segment], tuple[int, ...]]:
-    """(segments, ids) of `text`: the segments of the text the render `run` resumed from are
-    reused up to a special token both texts share (``Tokenizer.reusable_segments``), the
-    rest split and tokenized."""
+def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
+               ) -> tuple[list[Segment], tuple[int, ...], int, int]:
+    """(segments, ids, the character offset and the token count up to which they are the
+    previous text's) of `text`: the segments of the text the render `run` resumed from, equal
+    to this one in its first `equal` characters, are reused up to a special token both share
+    (``Tokenizer.reusable_segments``); the rest is split and tokenized."""
     prior = run.prior.get("tokens")
-    segments: list[Segment] | None = None
     if prior is not None:
-        old_text, old_segments, old_ids = prior
-        k = tok.reusable_segments(old_segments, _common_prefix(text, old_text, run.shared))
+        _, old_segments, old_ids = prior
+        k = tok.reusable_segments(old_segments, equal)
         if k:
             reused = sum(len(s.ids) for s in old_segments[:k])
-            more = tok.encode_segments(text, old_segments[k - 1].end)
+            end = old_segments[k - 1].end
+            more = tok.encode_segments(text, end)
             segments = [*old_segments[:k], *more]
             ids = old_ids[:reused] + tuple(i for s in more for i in s.ids)
-    if segments is None:
-        segments = tok.encode_segments(text)
-        ids = tuple(i for s in segments for i in s.ids)
+            run.memo["tokens"] = (text, segments, ids)
+            return segments, ids, end, reused
+    segments = tok.encode_segments(text)
+    ids = tuple(i for s in segments for i in s.ids)
     run.memo["tokens"] = (text, segments, ids)
-    return segments, ids
+    return segments, ids, 0, 0
 
 
 def _common_prefix(a: str, b: str, known: int = 0) -> int:
@@ -348,11 +379,12 @@ def _message_char_starts(
     text: str,
     key: tuple[Any, ...] | None = None,
     run: Run | None = None,
+    shapes: list[Any] | None = None,
 ) -> dict[int, int]:
     """Message index (len(messages): the generation prompt) -> char offset where it starts:
     the traced starts when a sample checks out, else every prefix rendered (module docstring).
-    `run`: the recorded render of ``messages`` without a generation prompt, when there is one.
-    """
+    `run`: the recorded render of ``messages`` without a generation prompt, when there is one;
+    `shapes`: the messages' ``_shape``s, when known."""
     key = template.key_of(tools) if key is None else key
     if run is None:
         try:
@@ -363,7 +395,8 @@ def _message_char_starts(
         known = _known_starts(run, text)
         for candidate in _traced_starts(template, messages, tools, text, key, run):
             verified: dict[int, int] = {}
-            starts = _checked(template, messages, tools, text, key, candidate, known, verified)
+            starts = _checked(template, messages, tools, text, key, candidate, known, verified,
+                              shapes)
             if starts is not None:
                 run.memo["starts"] = (verified, text)
                 return starts
@@ -486,6 +519,7 @@ def _checked(
     candidate: Sequence[int | None],
     known: dict[int, int] | None = None,
     verified: dict[int, int] | None = None,
+    shapes: list[Any] | None = None,
 ) -> dict[int, int] | None:
     """``candidate``'s starts when they are in order and every sampled one (:func:`_samples`)
     equals the definition's answer (a rendering, or a start verified for the same messages in
@@ -498,7 +532,7 @@ def _checked(
     offsets = list(starts.values())
     if offsets != sorted(offsets):
         return None
-    for i in _samples(messages):
+    for i in _samples(messages, shapes):
         start = candidate[i]
         if start is not None and known.get(i) == start:
             verified[i] = start
@@ -511,7 +545,7 @@ def _checked(
     return starts
 
 
-def _samples(messages: Sequence[dict[str, Any]]) -> list[int]:
+def _samples(messages: Sequence[dict[str, Any]], shapes: list[Any] | None = None) -> list[int]:
     """The positions whose traced start is checked by rendering: 0, the powers of two (the same
     as the conversation grows, so the next turn finds them in the prefix cache), the last two,
     and the first position of each pair of neighbouring message shapes (role, content type,
@@ -522,7 +556,7 @@ def _samples(messages: Sequence[dict[str, Any]]) -> list[int]:
     while power < n:
         picks.add(power)
         power *= 2
-    shapes = [_shape(m) for m in messages]
+    shapes = [_shape(m) for m in messages] if shapes is None else shapes
     seen: set[tuple[Any, Any]] = set()
     for i in range(n + 1):
         pair = (shapes[i - 1] if i else None, shapes[i] if i < n else None)
@@ -542,20 +576,40 @@ def _fingerprint(value: Any) -> str:
 
 
 def _header_char_ends(
-    messages: Sequence[dict[str, Any]], starts: dict[int, int], text: str
+    messages: Sequence[dict[str, Any]], starts: dict[int, int], text: str,
+    found: dict[int, tuple[int, int, int | None]] | None = None,
+    before: dict[int, tuple[int, int, int | None]] | None = None,
+    equal: int = 0, common: int = 0,
 ) -> list[int]:
-    """Char offsets where a located message's content begins after its role header."""
+    """Char offsets where a located message's content begins after its role header. `found`
+    gets (begin, end, offset or None) per located message; `before` is that of the previous
+    text, equal to this one in its first `equal` characters, whose first `common` messages
+    are these: a message among them searched for in the same span of the shared text is not
+    searched again."""
     ends = []
+    before = before or {}
     located = sorted(starts)
     for k, i in enumerate(located[:-1] if located and located[-1] == len(messages) else located):
-        content = messages[i].get("content")
-        if not isinstance(content, str) or not content.strip():
-            continue
         begin = starts[i]
         end = starts[located[k + 1]] if k + 1 < len(located) else len(text)
-        for needle in (content[:_CONTENT_NEEDLE_CHARS], content.lstrip()[:_CONTENT_NEEDLE_CHARS]):
-            at = text.find(needle, begin, end)
-            if at > begin:
-                ends.append(at)
-                break
+        old = before.get(i)
+        if old is not None and i < common and old[0] == begin and old[1] == end <= equal:
+            at = old[2]
+        else:
+            at = _header_end(messages[i], text, begin, end)
+        if found is not None:
+            found[i] = (begin, end, at)
+        if at is not None:
+            ends.append(at)
     return ends
+
+
+def _header_end(message: dict[str, Any], text: str, begin: int, end: int) -> int | None:
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip():
+        return None
+    for needle in (content[:_CONTENT_NEEDLE_CHARS], content.lstrip()[:_CONTENT_NEEDLE_CHARS]):
+        at = text.find(needle, begin, end)
+        if at > begin:
+            return at
+    return None

@@ -551,11 +551,11 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
         for i, t in enumerate(tokens)
     ]
 
+    # without character offsets, which nothing here reads: a third less work
+    batch = getattr(hf, "encode_batch_fast", hf.encode_batch)
+
     def encode_fragments(fragments: list[str]) -> list[list[int]]:
-        if len(fragments) == 1:
-            out = [hf.encode(fragments[0], add_special_tokens=False).ids]
-        else:
-            out = [e.ids for e in hf.encode_batch(fragments, add_special_tokens=False)]
+        out = [e.ids for e in batch(fragments, add_special_tokens=False)]
         if unmapped:
             out = [
                 [i for i in ids if i < n_vocab] if max(ids, default=0) >= n_vocab else ids

@@ -26,6 +26,7 @@ from typing import Any
 from proxy.dialects.grammar import strip_schema_noise
 from proxy.dialects.hermes import CLOSE, OPEN
 from proxy.errors import BadRequest
+from proxy.memo import IdMemo
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -116,33 +117,59 @@ def call_text(name: str, arguments: Any) -> str:
 def hermes_messages(messages: list[dict[str, Any]], tools: tuple[dict[str, Any], ...],
                     tools_first: bool = False) -> list[dict[str, Any]]:
     """Messages for a template without tool support: everything tool-related becomes text.
-    `tools_first`: the tools section before the system text (stable first), else after it."""
+    `tools_first`: the tools section before the system text (stable first), else after it.
+    Each message it writes comes from one message, or from a run of tool results and the user
+    message after them; it is remembered by the messages it came from (proxy/memo.py), so a
+    history sent again gives the same objects without the work."""
     out: list[dict[str, Any]] = []
     if tools:  # the system message, joined or new
-        out.append(with_section(messages[:1], tools_section(tools), tools_first)[0])
-        if messages and messages[0].get("role") == "system":
+        section = _SECTIONS.get(tools)
+        if section is None:
+            section = _SECTIONS.put(tools, tools_section(tools))
+        head = messages[0] if messages and messages[0].get("role") == "system" else None
+        key = (head, section, tools_first)
+        done = _HEADS.get(tools)
+        if done is None or done[0] is not head or done[1:3] != key[1:]:
+            done = _HEADS.put(tools, (*key, with_section(messages[:1], section,
+                                                         tools_first)[0]))
+        out.append(done[3])
+        if head is not None:
             messages = messages[1:]
-    from_tool = False  # the last message in `out` holds tool responses
-    for m in messages:
-        role = m.get("role")
-        if role == "assistant" and m.get("tool_calls"):
-            calls = [call_text(c["function"]["name"], c["function"].get("arguments", {}))
-                     for c in m["tool_calls"]]
-            content = m.get("content") or ""
-            out.append({"role": "assistant",
-                        "content": "\n".join([content, *calls] if content else calls)})
-            from_tool = False
-        elif role == "tool":
-            block = "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"
-            if from_tool:
-                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + block}
-            else:
-                out.append({"role": "user", "content": block})
-            from_tool = True
-        elif role == "user" and from_tool:
-            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + m["content"]}
-            from_tool = False
-        else:
-            out.append({"role": role, "content": m.get("content") or ""})
-            from_tool = False
+    i, n = 0, len(messages)
+    while i < n:
+        j = i + 1
+        if messages[i].get("role") == "tool":  # a run of tool results, and the user after it
+            while j < n and messages[j].get("role") == "tool":
+                j += 1
+            if j < n and messages[j].get("role") == "user":
+                j += 1
+        group = messages[i:j]
+        done = _GROUPS.get(group[-1])
+        if done is None or len(done[0]) != len(group) or \
+                not all(a is b for a, b in zip(done[0], group, strict=True)):
+            done = _GROUPS.put(group[-1], (group, _hermes_group(group)))
+        out.append(done[1])
+        i = j
     return out
+
+
+def _hermes_group(group: list[dict[str, Any]]) -> dict[str, Any]:
+    m = group[0]
+    role = m.get("role")
+    if role == "assistant" and m.get("tool_calls"):
+        calls = [call_text(c["function"]["name"], c["function"].get("arguments", {}))
+                 for c in m["tool_calls"]]
+        content = m.get("content") or ""
+        return {"role": "assistant", "content": "\n".join([content, *calls] if content else calls)}
+    if role != "tool":
+        return {"role": role, "content": m.get("content") or ""}
+    text = "\n".join("<tool_response>\n" + (t.get("content") or "") + "\n</tool_response>"
+                     for t in group if t.get("role") == "tool")
+    if group[-1].get("role") == "user":
+        text += "\n" + group[-1]["content"]
+    return {"role": "user", "content": text}
+
+
+_SECTIONS = IdMemo(256)  # tools -> their section
+_HEADS = IdMemo(256)  # tools -> (system message, section, tools first, the joined message)
+_GROUPS = IdMemo()  # last message of a group -> (the group, the message it gives)

@@ -1,0 +1,60 @@
+"""Work remembered across requests, for the history agents re-send every turn.
+
+    TextMemo   results of a pure function of strings (regexes over a long system prompt),
+               bounded by the characters of its keys
+    IdMemo     results of a pure function of one object, by that object's identity: the
+               messages a body shares with the previous one are the same objects
+               (proxy/limits.py reuses them), so each later stage does its work once per message
+
+Both forget the oldest first and are thread-safe. A value found is the value the function
+gave for this very key: an IdMemo keeps its keys alive, so an id is never reused under it.
+What they hold must not be changed by whoever gets it (nothing on the request path changes a
+message in place).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_MISSING = object()
+
+
+class TextMemo:
+    def __init__(self, max_chars: int = 64 << 20) -> None:
+        self.max_chars = max_chars
+        self._data: dict[Any, tuple[Any, int]] = {}
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        hit = self._data.get(key)
+        return default if hit is None else hit[0]
+
+    def put(self, key: Any, value: Any, chars: int) -> None:
+        with self._lock:
+            if key in self._data or chars > self.max_chars:
+                return
+            self._data[key] = (value, chars)
+            self._chars += chars
+            while self._chars > self.max_chars:
+                _, gone = self._data.pop(next(iter(self._data)))
+                self._chars -= gone
+
+
+class IdMemo:
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self.max_entries = max_entries
+        self._data: dict[int, tuple[Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        hit = self._data.get(id(key))
+        return hit[1] if hit is not None and hit[0] is key else default
+
+    def put(self, key: Any, value: Any) -> Any:
+        with self._lock:
+            self._data[id(key)] = (key, value)
+            while len(self._data) > self.max_entries:
+                del self._data[next(iter(self._data))]
+        return value
