@@ -452,15 +452,15 @@ class TracedMessage(dict):  # type: ignore[type-arg]
     """One message, equal to it; reading it is observed (and the first read after a pull is
     recorded)."""
 
-    __slots__ = ("_run", "_i")
+    __slots__ = ("_cell", "_i")
 
-    def __init__(self, message: dict[str, Any], run: Run, i: int) -> None:
+    def __init__(self, message: dict[str, Any], cell: list[Run], i: int) -> None:
         super().__init__(message)
-        self._run = run
+        self._cell = cell  # [the run under way]: one wrapper serves every render of a request
         self._i = i
 
     def _seen(self) -> None:
-        run = self._run
+        run = self._cell[0]
         run.see(self._i)
         run.first_read(self._i)
 
@@ -511,7 +511,7 @@ class TracedMessage(dict):  # type: ignore[type-arg]
     def items(self) -> Any:
         self._seen()
         if sys._getframe(1).f_code in _JSON_CODES:
-            self._run.length = True  # serialized inside a list: the list's end is read too
+            self._cell[0].length = True  # serialized inside a list: its end is read too
         return dict.items(self)
 
     def copy(self) -> dict[str, Any]:
@@ -597,18 +597,30 @@ class Signed(list):  # type: ignore[type-arg]
     (``messages[:i]``) keeps its share of both."""
 
     def __init__(self, messages: list[dict[str, Any]], sigs: list[Any] | None = None,
-                 chain: list[int] | None = None) -> None:
+                 chain: list[int] | None = None, root: Signed | None = None) -> None:
         super().__init__(messages)
         self.sigs = signatures(messages) if sigs is None else sigs
         self.chain = chain_of(self.sigs) if chain is None else chain
+        self.root = self if root is None else root
+        self.wrappers: list[TracedMessage] | None = None  # the root's, made once
+        self.cell: list[Any] = [None] if root is None else root.cell
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
             stop = len(self) if index.stop is None else min(max(index.stop, 0), len(self))
             if index.stop is None or index.stop >= 0:
                 return Signed(list.__getitem__(self, index), self.sigs[:stop],
-                              self.chain[: stop + 1])
+                              self.chain[: stop + 1], self.root)
         return list.__getitem__(self, index)
+
+    def traced(self, run: Run) -> list[TracedMessage]:
+        """The messages as `run` shows them to the template: wrappers made once for the
+        request, pointed at the run under way (its renders run one after the other)."""
+        root = self.root
+        if root.wrappers is None:
+            root.wrappers = [TracedMessage(m, root.cell, i) for i, m in enumerate(root)]
+        root.cell[0] = run
+        return root.wrappers[: len(self)]
 
 
 def chain_of(sigs: list[Any]) -> list[int]:
@@ -633,8 +645,10 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
     run = Run(key, messages, context, source, common)
     if isinstance(messages, Signed):
         run.sigs, run.chain = messages.sigs, messages.chain
-    traced = TracedList([TracedMessage(m, run, i) for i, m in enumerate(messages)], run,
-                        range(len(messages)))
+        items = messages.traced(run)
+    else:
+        items = [TracedMessage(m, [run], i) for i, m in enumerate(messages)]
+    traced = TracedList(items, run, range(len(messages)))
     outer, _current.run = getattr(_current, "run", None), run
     try:
         for piece in template.generate({**context, "messages": traced}):

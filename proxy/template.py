@@ -40,6 +40,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import logging
@@ -291,7 +292,7 @@ def render_prompt(
     token_at = {o: old_at[o] for o in offsets if o < reused and o in old_at}
     rest = [o for o in offsets if o not in token_at]
     if rest and rest[0] >= reused and reused:
-        k = len(segments) - sum(1 for s in segments if s.start >= reused)
+        k = bisect.bisect_left(segments, reused, key=lambda s: s.start)
         token_at.update(zip(rest, (tokens + p for p in tok.token_positions(
             text, segments[k:], rest)), strict=True))
     elif rest:
