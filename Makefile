@@ -143,6 +143,12 @@ synth: $(STAMP)
 overhead: $(BENCH_STAMP)
 	$(BIN)/python -m bench.overhead
 
+# the proxy's cost per request before and after (issue 23): BASE's build in a git worktree and
+# this tree, measured alternately by the same harness: make overhead-compare [BASE=783a131]
+.PHONY: overhead-compare
+overhead-compare: $(BENCH_STAMP)
+	$(BIN)/python -m bench.overhead_compare $(if $(BASE),--base $(BASE))
+
 # several sessions on one model copy (issue 20): the agent-team replay against llama-server -np 3
 # (built here from the llama.cpp sources the llama-cpp-python sdist vendors, the engine's own
 # llama.cpp; about 25 min on 2 cores, once), batched versus solo decode, RAM vs disk vs prefill

@@ -177,14 +177,18 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         prepare_t = timed(lambda: prepare_request(builder, next(prep_reqs)), reps)
         prep = prepare(builder, body)
         decide_t = timed(lambda: decide_one(prep), reps)
-        messages_t = timed(lambda: builder.messages(next(msg_reqs)), reps)
+        # the parts of prepare (a build before issue 23 has no PromptBuilder.messages: None)
+        messages_t: tuple[float, float] | None = None
+        render_t: tuple[float, float] | None = None
+        if hasattr(builder, "messages"):
+            messages_t = timed(lambda: builder.messages(next(msg_reqs)), reps)
 
-        def render_one() -> None:
-            messages, tools = builder.messages(next(render_reqs))
-            render_prompt(builder.template, builder.tok, messages, tools)
+            def render_one() -> None:
+                messages, tools = builder.messages(next(render_reqs))
+                render_prompt(builder.template, builder.tok, messages, tools)
 
-        render_t = timed(render_one, reps)
-        render_t = (max(0.0, render_t[0] - messages_t[0]), max(0.0, render_t[1] - messages_t[1]))
+            both = timed(render_one, reps)
+            render_t = (max(0.0, both[0] - messages_t[0]), max(0.0, both[1] - messages_t[1]))
         cache.close()
         cache.index.close()
     cold_builder = load_builder()
@@ -263,7 +267,7 @@ def markdown(res: dict[str, Any]) -> str:
     ]
 
     def ms(v: Any) -> str:
-        return f"{v[0]:.1f} ({v[1]:.1f})"
+        return "-" if v is None else f"{v[0]:.1f} ({v[1]:.1f})"
 
     rate = res.get("floor_prefill_tok_s", FLOOR_PREFILL_TOK_S)
 

@@ -43,7 +43,7 @@ class TextMemo:
 
 
 class IdMemo:
-    def __init__(self, max_entries: int = 1 << 16) -> None:
+    def __init__(self, max_entries: int = 1 << 14) -> None:
         self.max_entries = max_entries
         self._data: dict[int, tuple[Any, Any]] = {}
         self._lock = threading.Lock()
