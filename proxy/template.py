@@ -394,7 +394,9 @@ def _message_char_starts(
             log.debug("template failed on the traced messages: %s", exc)
     if run is not None:
         known = _known_starts(run, text)
-        for candidate in _traced_starts(template, messages, tools, text, key, run):
+        if text.startswith(run.text):  # the definition of the generation prompt's start
+            known[len(messages)] = len(run.text)
+        for candidate in _traced_starts(template, messages, tools, text, key, run, known):
             verified: dict[int, int] = {}
             starts = _checked(template, messages, tools, text, key, candidate, known, verified,
                               shapes)
@@ -481,6 +483,7 @@ def _traced_starts(
     text: str,
     key: tuple[Any, ...] | None = None,
     run: Run | None = None,
+    known: dict[int, int] | None = None,
 ) -> list[list[int | None]]:
     """Candidate starts (index len(messages): the generation prompt) from one recorded
     rendering without a generation prompt (`run`, rendered here when not given).
@@ -489,8 +492,8 @@ def _traced_starts(
     after pulling it (a loop that asks ``loop.last`` pulls the next message early), and where
     it pulled it (a template that writes text before reading the message). A message never
     pulled has no start. Message 0's start needs no record: rendering no messages costs
-    nothing (and some templates refuse it). No candidates when the template fails on the
-    recorded messages.
+    nothing (and some templates refuse it), and it is in `known` (starts verified before)
+    after the first turn. No candidates when the template fails on the recorded messages.
     """
     key = template.key_of(tools) if key is None else key
     if run is None:
@@ -505,7 +508,8 @@ def _traced_starts(
             for r, p in zip(run.read, run.pulled, strict=True)]
     candidates = [read + end] + ([run.pulled + end] if run.pulled != read else [])
     if messages:
-        first = _render_start(template, messages, tools, text, 0, key)
+        first = known[0] if known and 0 in known else \
+            _render_start(template, messages, tools, text, 0, key)
         for candidate in candidates:
             candidate[0] = first
     return candidates
