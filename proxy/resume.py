@@ -39,6 +39,7 @@ both are what a render from the start would record.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 from collections import OrderedDict
@@ -53,6 +54,8 @@ from jinja2.runtime import LoopContext, Macro, Namespace, missing
 from proxy.memo import IdMemo
 
 __all__ = ["Run", "Runs", "Signed", "TracedList", "TracedMessage", "render", "resumable", "same"]
+
+log = logging.getLogger(__name__)
 
 _LOOP_NEXT = LoopContext.__next__.__code__
 _JSON_CODES = frozenset({json.JSONEncoder.encode.__code__, json.JSONEncoder.iterencode.__code__})
@@ -198,7 +201,14 @@ class Run:
             self.loop = it.loop = loop
             self.seen, self.length = -1, False
             self.loops.append(loop)
-            self._resume(it, caller, names)
+            it.namespaces = {n: names[n] for n in loop.names}
+            try:
+                b = self._holds(it)
+            except Exception:  # a fault of this module must cost a full render, not a request
+                log.exception("resuming a render failed; rendering it in full")
+                b = 0
+            if b:
+                self._resume(it, caller, b)
         elif it.loop is not loop:
             return
         assert loop is not None
@@ -209,31 +219,38 @@ class Run:
         loop.length.append(self.length)
         loop.log.append(len(self.log))
 
-    def _resume(self, it: _Iter, caller: FrameType, names: dict[str, Any]) -> None:
-        it.namespaces = {n: names[n] for n in self.loop.names} if self.loop else {}
+    def _holds(self, it: _Iter) -> int:
+        """The latest boundary of the source's same loop at which this render may resume (see
+        the module rules); 0: none."""
         src = self.source
         loop = self.loop
         assert loop is not None
         ordinal = len(self.loops) - 1
         if src is None or ordinal >= len(src.loops):
-            return
+            return 0
         old = src.loops[ordinal]
         if (old.first != loop.first or old.names != loop.names or old.out != self.at
                 or any(datetime.now().strftime(f) != t for f, t in src.clock)
                 or not _same_state(old.state, loop.state, self.common, src.context,
                                    self.context)
                 or "".join(self.pieces) != src.text[: self.at]):
-            return
+            return 0
         m, equal_length = self.common, len(src.messages) == len(self.messages)
         b = len(old.pos) - 1  # the latest boundary that holds
         while b > 0 and not (old.pos[b] < len(it.items) and old.seen[b] < m
                              and (equal_length or not old.length[b])
                              and all(map(_plain_space, old.spaces[b]))):
             b -= 1
-        k = old.pos[b] if b > 0 else 0
-        if k <= 0:
-            return
-        # the text, the namespaces, the records and the loop's counters at boundary b
+        return b if b > 0 and old.pos[b] > 0 else 0
+
+    def _resume(self, it: _Iter, caller: FrameType, b: int) -> None:
+        """Go on from the source's boundary `b` of this loop: its text, namespaces, records
+        and the loop's counters."""
+        src = self.source
+        loop = self.loop
+        assert src is not None and loop is not None
+        old = src.loops[len(self.loops) - 1]
+        k = old.pos[b]
         self.pieces.append(src.text[old.out : old.at[b]])
         for name, attrs in zip(old.names, old.spaces[b], strict=True):
             mine = _attrs(it.namespaces[name])

@@ -120,3 +120,23 @@ def _plain(template: ChatTemplate, messages: list[dict[str, Any]], tools: Any,
         return text
     body = str(messages[-1].get("content") or "").strip()
     return text[: text.rfind(body) + len(body)]
+
+
+def test_a_fault_while_resuming_costs_a_full_render_not_the_request(
+        tok: Tokenizer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug in deciding where to resume (a fault injected here) renders in full: the same
+    prompt, and a log line that says so."""
+    from proxy import resume
+
+    source = REAL["Qwen3-Coder"]
+    warm = ChatTemplate(source, "<s>", "</s>")
+    first, second = session(5, turns=4)[-2:]
+    render_prompt(warm, tok, first, TOOLS)
+
+    def broken(self: Any, it: Any) -> int:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(resume.Run, "_holds", broken)
+    got = render_prompt(warm, tok, second, TOOLS)
+    assert got == render_prompt(ChatTemplate(source, "<s>", "</s>"), tok, second, TOOLS)
+    assert "resuming a render failed" in caplog.text

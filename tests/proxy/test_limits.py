@@ -194,3 +194,73 @@ def test_limits_are_configurable_by_name() -> None:
     for bad in ("max_messages", "nope=3", "max_depth=-1", "max_depth=ten"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             with_overrides((bad,))
+
+
+# --- a body that repeats a recent one (issue 23): reused values, the same answers -------------
+
+
+def conversation_body(n: int, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    messages: list[Any] = [{"role": "system", "content": "You are a coding agent."}]
+    for i in range(n):
+        messages.append({"role": "user", "content": f"step {i} " + "x" * rng.randrange(40)})
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{i}", "type": "function",
+             "function": {"name": "read", "arguments": json.dumps({"n": i, "f": 1.0})}}]})
+        messages.append({"role": "tool", "tool_call_id": f"c{i}", "content": f"line {i}"})
+    return {"model": "m", "messages": messages, "tools": [tool("read", {"type": "object"})],
+            "max_tokens": 16}
+
+
+def test_a_growing_conversation_reuses_what_it_repeats() -> None:
+    """Each turn parses to what json.loads makes of it; the messages (and the tools after them)
+    it repeats are the very objects parsed the turn before; an edit in the middle is parsed
+    again from there."""
+    before: Any = None
+    for n in range(1, 8):
+        body = conversation_body(n)
+        if n >= 5:  # the client rewrote an early message at turn 5
+            body["messages"][1] = {"role": "user", "content": "rewritten"}
+        raw = json.dumps(body).encode()
+        got = load(raw)
+        assert got == json.loads(raw) and json.dumps(got) == json.dumps(json.loads(raw))
+        if before is not None:
+            shared = 1 if n == 5 else len(before["messages"])
+            assert all(a is b for a, b in zip(got["messages"][:shared],
+                                              before["messages"][:shared], strict=True))
+            assert got["messages"][shared] is not before["messages"][shared] \
+                if shared < len(before["messages"]) else True
+            assert got["tools"] is before["tools"]  # the same text after the new messages
+        before = got
+
+
+def test_a_new_message_that_breaks_a_bound_is_refused_as_without_reuse() -> None:
+    """The reused part met the bounds; a new message is checked, and refused with the words
+    the plain parse uses (which the fallback gives)."""
+    body = conversation_body(3)
+    load(json.dumps(body).encode())
+    deep: Any = "x"
+    for _ in range(70):
+        deep = [deep]
+    body["messages"].append({"role": "user", "content": deep})
+    raw = json.dumps(body).encode()
+    with pytest.raises(BadRequest) as reused:
+        load(raw)
+    with pytest.raises(BadRequest) as plain:
+        parse(raw.decode())
+    assert str(reused.value) == str(plain.value) and "max_depth" in str(reused.value)
+    for bad in (b'{"messages": [{"role": "user", "content": "hi"}], "x": NaN}',
+                b'{"messages": [{"role": "user", "content": "hi"}], "x": 1' + b"0" * 30 + b"}"):
+        with pytest.raises(BadRequest) as e:
+            load(bad)
+        assert "not valid JSON" in str(e.value) or "max_int_digits" in str(e.value)
+
+
+def test_reuse_is_per_set_of_bounds() -> None:
+    """A body parsed under other bounds is not reused: those bounds were not checked."""
+    small = replace(LIMITS, max_array_items=4)
+    body = conversation_body(1)
+    load(json.dumps(body).encode())  # 4 messages: within both
+    body["messages"].append(M)
+    with pytest.raises(BadRequest, match="max_array_items"):
+        load(json.dumps(body).encode(), small)
