@@ -117,10 +117,11 @@ class _Loop:
     """One top-level loop over the messages in a render; per boundary recorded (before the
     loop's item ``pos``, fetched from the list: an item peeked by ``loop.last`` has none): text
     out, namespaces' attributes, the highest message index observed since the loop began,
-    whether the length was, and how long the run's log was."""
+    whether the length was, and how much the run's log had grown since the loop began
+    (`log0`: its length then)."""
 
     __slots__ = ("first", "state", "out", "names", "pos", "at", "spaces", "seen", "length",
-                 "log")
+                 "log", "log0")
 
     def __init__(self, first: int, state: dict[str, Any], out: int, names: tuple[str, ...]
                  ) -> None:
@@ -134,6 +135,7 @@ class _Loop:
         self.seen: list[int] = []
         self.length: list[bool] = []
         self.log: list[int] = []
+        self.log0 = 0
 
 
 class Run:
@@ -141,7 +143,7 @@ class Run:
 
     __slots__ = ("key", "messages", "context", "text", "loops", "log", "pulled", "read", "at",
                  "pieces", "seen", "length", "loop", "source", "common", "resumed", "shared",
-                 "memo", "prior", "clock", "sigs", "chain")
+                 "memo", "prior", "clock", "sigs", "chain", "positions")
 
     def __init__(self, key: tuple[Any, ...], messages: list[dict[str, Any]],
                  context: dict[str, Any], source: Run | None, common: int) -> None:
@@ -165,6 +167,9 @@ class Run:
         self.clock: list[tuple[str, str]] = []  # (format, what strftime_now gave)
         self.sigs: list[Any] = []
         self.chain: list[int] = []
+        # whether `pulled` and `read` are wanted (a render without the generation prompt whose
+        # starts are read): only then does a resumed render replay its source's records
+        self.positions = True
         # what proxy.template derived from this render (verified starts, segments), and what it
         # had derived from the source's
         self.memo: dict[str, Any] = {}
@@ -198,6 +203,7 @@ class Run:
             spaces = tuple(k for k, v in names.items()
                            if k.startswith("l_0_") and isinstance(v, Namespace))
             loop = _Loop(it.indices.start, state, self.at, spaces)
+            loop.log0 = len(self.log)
             self.loop = it.loop = loop
             self.seen, self.length = -1, False
             self.loops.append(loop)
@@ -217,7 +223,7 @@ class Run:
         loop.spaces.append(tuple(dict(_attrs(it.namespaces[n])) for n in loop.names))
         loop.seen.append(self.seen)
         loop.length.append(self.length)
-        loop.log.append(len(self.log))
+        loop.log.append(len(self.log) - loop.log0)
 
     def _holds(self, it: _Iter) -> int:
         """The latest boundary of the source's same loop at which this render may resume (see
@@ -226,7 +232,7 @@ class Run:
         loop = self.loop
         assert loop is not None
         ordinal = len(self.loops) - 1
-        if src is None or ordinal >= len(src.loops):
+        if src is None or ordinal >= len(src.loops) or (self.positions and not src.positions):
             return 0
         old = src.loops[ordinal]
         if (old.first != loop.first or old.names != loop.names or old.out != self.at
@@ -256,20 +262,21 @@ class Run:
             mine = _attrs(it.namespaces[name])
             mine.clear()
             mine.update(attrs)
-        base = len(self.log)
-        start = old.log[0]
-        for i, kind, at in src.log[start : old.log[b]]:
-            if kind == 0:
-                self.pulled[i], self.read[i] = at, None
-            else:
-                self.read[i] = at
-        self.log.extend(src.log[start : old.log[b]])
-        loop.pos.extend(old.pos[:b])
-        loop.at.extend(old.at[:b])
-        loop.spaces.extend(old.spaces[:b])
-        loop.seen.extend(old.seen[:b])
-        loop.length.extend(old.length[:b])
-        loop.log.extend(base + p - start for p in old.log[:b])
+        if self.positions:  # the records, for proxy/template.py to read off the starts
+            entries = src.log[old.log0 : old.log0 + old.log[b]]
+            pulled, read = self.pulled, self.read
+            for i, kind, at in entries:
+                if kind == 0:
+                    pulled[i], read[i] = at, None
+                else:
+                    read[i] = at
+            self.log += entries
+        loop.pos += old.pos[:b]
+        loop.at += old.at[:b]
+        loop.spaces += old.spaces[:b]
+        loop.seen += old.seen[:b]
+        loop.length += old.length[:b]
+        loop.log += old.log[:b]
         self.at = self.shared = old.at[b]
         self.seen, self.length = old.seen[b], old.length[b]
         if caller.f_code is _LOOP_NEXT:
@@ -649,17 +656,21 @@ def chain_of(sigs: list[Any]) -> list[int]:
 
 
 def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
-           messages: list[dict[str, Any]], context: dict[str, Any], keep: bool = True) -> Run:
+           messages: list[dict[str, Any]], context: dict[str, Any], keep: bool = True,
+           positions: bool = True) -> Run:
     """Render `template` (a compiled jinja2 Template) with `context` and the recorded
     `messages`, resuming from the best of `runs` (None: from the start); raises what the
     template raises. `keep`: remember this render for later ones. `messages` may be
-    ``Signed`` already (computed once for all renders of one request)."""
+    ``Signed`` already (computed once for all renders of one request). `positions`: whether
+    ``Run.pulled`` and ``Run.read`` will be read (a render that resumes from one without them
+    must not want them: it renders in full)."""
     source, common = None, 0
     if runs is not None:
         if not isinstance(messages, Signed):
             messages = Signed(messages)
         source, common = runs.find(key, messages.chain, messages.sigs)
     run = Run(key, messages, context, source, common)
+    run.positions = positions
     if isinstance(messages, Signed):
         run.sigs, run.chain = messages.sigs, messages.chain
         items = messages.traced(run)

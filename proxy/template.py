@@ -220,9 +220,12 @@ class ChatTemplate:
                add_generation_prompt: bool, key: tuple[Any, ...], keep: bool = True) -> Run:
         """``render(messages, tools, add_generation_prompt)`` as a recorded render, resumed
         from a recent one of the same conversation where that is proven to change nothing
-        (proxy/resume.py); `key`: ``key_of(tools)``. `keep`: remember it for later renders."""
+        (proxy/resume.py); `key`: ``key_of(tools)``. `keep`: remember it for later renders.
+        The message starts are read off kept renders without the generation prompt only, so
+        only those keep the offsets where each message was pulled and read."""
         return resume.render(self._template, self.runs, (add_generation_prompt, *key), messages,
-                             self._context([], tools, add_generation_prompt), keep)
+                             self._context([], tools, add_generation_prompt), keep,
+                             positions=keep and not add_generation_prompt)
 
     def _context(
         self, messages: list[Any], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
