@@ -2,7 +2,8 @@
 
 Rules:
 
-- ``common_prefix_len(a, b)`` is the number of leading token ids that ``a`` and ``b`` share: the
+- ``common_prefix_len(a, b)`` is the number of leading token ids (or characters of two texts:
+  the proxy compares a request's text with the previous one's) that ``a`` and ``b`` share: the
   greatest ``L`` with ``a[:L] == b[:L]``. It is on the hot path (a 30K-token prompt against up to
   30 ring entries per request), so it never walks the tokens in a Python loop. It walks
   fixed-size chunks with C-level slice comparisons until one differs (or the shorter side ends),
@@ -18,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 # Ids compared per slice while walking forward: big enough that the Python loop runs ~30 times
 # for a 30K-token prompt, small enough that the bisect inside the mismatching chunk is short.
@@ -26,16 +28,18 @@ CHUNK_TOKENS = 1024
 LINEAR_TOKENS = 16
 
 
-def _as_tuple(ids: Sequence[int]) -> tuple[int, ...]:
-    # A list never equals a tuple, so both sides are compared as tuples; a tuple is not copied.
-    return ids if isinstance(ids, tuple) else tuple(ids)
+def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
+    # A list never equals a tuple, so both sides are compared as tuples; a tuple (or a text)
+    # is not copied.
+    return ids if isinstance(ids, tuple | str) else tuple(ids)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading token ids ``a`` and ``b`` share."""
+def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
+    """Number of leading items ``a`` and ``b`` share: token ids, or characters of two texts;
+    ``start``: a number of them known to be shared already."""
     ta, tb = _as_tuple(a), _as_tuple(b)
     n = min(len(ta), len(tb))
-    lo = 0  # invariant: ta[:lo] == tb[:lo]
+    lo = min(start, n)  # invariant: ta[:lo] == tb[:lo]
     while lo < n:
         hi = min(lo + CHUNK_TOKENS, n)
         if ta[lo:hi] != tb[lo:hi]:

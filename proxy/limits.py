@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from policies.prefix import common_prefix_len
 from proxy.errors import BadRequest
 
 
@@ -138,7 +139,7 @@ class _Recent:
         for old in reversed(candidates):  # the newest first: likely this conversation's
             if shared and (len(old.text) <= shared or old.text[shared] != text[shared:shared + 1]):
                 continue  # it cannot share more than the best so far
-            n = _shared_chars(text, old.text)
+            n = common_prefix_len(text, old.text)
             if n > shared:
                 best, shared = old, n
         try:
@@ -156,26 +157,6 @@ class _Recent:
 
 
 _RECENT = _Recent()
-
-
-def _shared_chars(a: str, b: str) -> int:
-    """How many leading characters `a` and `b` share (compared in chunks, then bisected)."""
-    n = min(len(a), len(b))
-    if a.startswith(b) or b.startswith(a):
-        return n
-    lo, step = 0, 4096
-    while lo < n:
-        hi = min(lo + step, n)
-        if a[lo:hi] != b[lo:hi]:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if a[lo:mid] == b[lo:mid]:
-                    lo = mid
-                else:
-                    hi = mid
-            return lo
-        lo = hi
-    return n
 
 
 def _parse_top(text: str, limits: Limits, old: _Parsed | None, shared: int) -> _Parsed | None:
@@ -227,7 +208,7 @@ def _parse_top(text: str, limits: Limits, old: _Parsed | None, shared: int) -> _
             break
     if ws(text, i).end() != len(text):
         return None
-    if len(out.body) > 0 and not all(_within(v, limits, 2) for v in fresh):
+    if not all(_within(v, limits, 2) for v in fresh):
         return None
     return out
 

@@ -56,6 +56,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from policies.prefix import common_prefix_len
 from proxy import resume
 from proxy.resume import Run
 from proxy.tokenizer import Segment, Tokenizer
@@ -282,7 +283,7 @@ def render_prompt(
     starts = _message_char_starts(template, messages, tools, text, key,
                                   run if continue_final else None, shapes)  # index -> offset
     old_text = prior.get("tokens", ("",))[0]
-    equal = _common_prefix(text, old_text, run.shared) if prior else 0  # chars as before
+    equal = common_prefix_len(text, old_text, run.shared) if prior else 0  # chars as before
     headers: dict[int, tuple[int, int, int | None]] = {}
     header_ends = _header_char_ends(messages, starts, text, headers,
                                     prior.get("headers", {}), min(equal, len(text)),
@@ -339,28 +340,6 @@ def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
     return segments, ids, 0, 0
 
 
-def _common_prefix(a: str, b: str, known: int = 0) -> int:
-    """The length of the longest common prefix of `a` and `b`, known to be at least `known`:
-    compared in chunks from there, then bisected in the chunk that differs."""
-    n = min(len(a), len(b))
-    if a.startswith(b) or b.startswith(a):
-        return n
-    lo = min(known, n)
-    step = 4096
-    while lo < n:
-        hi = min(lo + step, n)
-        if a[lo:hi] != b[lo:hi]:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if a[lo:mid] == b[lo:mid]:
-                    lo = mid
-                else:
-                    hi = mid
-            return lo
-        lo = hi
-    return n
-
-
 class CannotContinue(ValueError):
     """The template does not render the final message's content verbatim."""
 
@@ -390,11 +369,7 @@ def _message_char_starts(
     `run`: the recorded render of ``messages`` without a generation prompt, when there is one;
     `shapes`: the messages' ``_shape``s, when known."""
     key = template.key_of(tools) if key is None else key
-    if run is None:
-        try:
-            run = template.record(messages, tools, False, key)
-        except Exception as exc:
-            log.debug("template failed on the traced messages: %s", exc)
+    run = run or _recorded(template, messages, tools, key)
     if run is not None:
         known = _known_starts(run, text)
         if text.startswith(run.text):  # the definition of the generation prompt's start
@@ -411,6 +386,17 @@ def _message_char_starts(
     if run is not None:
         run.memo["starts"] = (starts, text)
     return starts
+
+
+def _recorded(template: ChatTemplate, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None, key: tuple[Any, ...]) -> Run | None:
+    """The recorded render of `messages` without the generation prompt; None when the
+    template fails on them."""
+    try:
+        return template.record(messages, tools, False, key)
+    except Exception as exc:
+        log.debug("template failed on the traced messages: %s", exc)
+        return None
 
 
 def _known_starts(run: Run, text: str) -> dict[int, int]:
@@ -473,10 +459,8 @@ def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
                 extra: dict[str, Any] | None = None) -> list[int]:
     """The prefix cache's key of (tools, variables, messages[:i]) for every i in
     0..len(messages)."""
-    keys = [hash(("tools", _fingerprint(tools), _fingerprint(extra or {})))]
-    for message in messages:
-        keys.append(hash((keys[-1], _fingerprint(message))))
-    return keys
+    base = hash(("tools", _fingerprint(tools), _fingerprint(extra or {})))
+    return [hash((base, h)) for h in resume.chain_of(resume.signatures(messages))]
 
 
 def _traced_starts(
@@ -499,12 +483,9 @@ def _traced_starts(
     after the first turn. No candidates when the template fails on the recorded messages.
     """
     key = template.key_of(tools) if key is None else key
+    run = run or _recorded(template, messages, tools, key)
     if run is None:
-        try:
-            run = template.record(messages, tools, False, key)
-        except Exception as exc:
-            log.debug("template failed on the traced messages: %s", exc)
-            return []
+        return []
     whole = run.text
     end = [len(whole) if text.startswith(whole) else None]
     read = [r if r is not None and p is not None else p

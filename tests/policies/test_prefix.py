@@ -55,3 +55,13 @@ def test_common_prefix_len_every_mismatch_position_near_chunk_edges() -> None:
     for at in range(len(base)):
         other = tuple(x + 1 - 1 for x in base[:at]) + (7,) + tuple(base[at + 1 :])
         assert common_prefix_len(base, other) == at
+
+
+def test_texts_and_a_known_shared_start() -> None:
+    """Two texts compare by character (the proxy's previous request's text against this one's),
+    and a start known to be shared is not compared again; the answer is the same."""
+    a = "x" * 5000 + "abc" + "y" * 3000
+    b = "x" * 5000 + "abd"
+    for start in (0, 17, 5000, 5002):
+        assert common_prefix_len(a, b, start) == 5002
+    assert common_prefix_len(a, a[:4096], 100) == 4096
