@@ -107,7 +107,7 @@ def anchor_position(starts: Sequence[MessageStart]) -> int | None:
 
 
 def _longest_recent_prefix(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> int:
-    ids = tuple(ids)  # converted once, not once per ring entry
+    ids = ids if isinstance(ids, tuple) else tuple(ids)  # converted once, not per ring entry
     best = 0
     for other in recent:
         if len(other) <= best:

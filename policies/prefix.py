@@ -10,6 +10,12 @@ Rules:
   bisects that chunk with slice comparisons, and finishes the last few ids one by one: about
   ``L / CHUNK_TOKENS + log2(CHUNK_TOKENS)`` Python steps; each shared id is compared once in C.
   (Comparing the whole span first does not pay: on a mismatch it compares the shared part twice.)
+- ``TokenIds``: a tuple of token ids that also carries ``packed``, the same ids as 4-byte native
+  integers. Where both sides have it, ``common_prefix_len`` compares them with ``bytes.startswith``
+  (memcmp, no copy; bisected only when they differ): about 5 us for two 32K-token prompts
+  instead of about 170 us. Whoever builds ids a turn at a time (``proxy.template``) makes them;
+  anything else is compared as before. Equal ids always have equal packed forms, so the answer
+  is the same either way.
 - ``live_reuse(shared, live_n, floor)``: what a worker's live state can keep of a prompt that
   shares ``shared`` tokens with its ``live_n`` live ones, when its memory can be cut back no
   further than ``floor`` (0 for plain attention, ``live_n`` for a recurrent state: only the whole
@@ -18,7 +24,8 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 # Ids compared per slice while walking forward: big enough that the Python loop runs ~30 times
@@ -26,6 +33,48 @@ from typing import Any
 CHUNK_TOKENS = 1024
 # Below this span the bisect stops and the last ids are compared one by one.
 LINEAR_TOKENS = 16
+
+
+_PACK = "i"  # array typecode of a packed id
+ID_BYTES = array(_PACK).itemsize
+assert ID_BYTES == 4, "token ids are packed as 4-byte integers"
+
+
+def pack(ids: Iterable[int]) -> bytes:
+    """Token ids as 4-byte native integers."""
+    return array(_PACK, ids).tobytes()
+
+
+class TokenIds(tuple[int, ...]):
+    """Token ids, with ``packed``: the same ids packed (``pack``), built alongside them."""
+
+    packed: bytes
+
+    def __new__(cls, ids: Iterable[int], packed: bytes | None = None) -> TokenIds:
+        self = super().__new__(cls, ids)
+        self.packed = pack(self) if packed is None else packed
+        assert len(self.packed) == len(self) * ID_BYTES
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TokenIds, (tuple(self), self.packed))
+
+
+def _common_packed(a: bytes, b: bytes, start: int) -> int:
+    """``common_prefix_len`` of two packed id sequences, in ids."""
+    n = min(len(a), len(b)) // ID_BYTES
+    lo = min(start, n)  # invariant: the first lo ids are equal
+    view = memoryview(b)
+    if a.startswith(view[lo * ID_BYTES : n * ID_BYTES], lo * ID_BYTES):
+        return n
+    hi = n  # invariant: the first hi ids are not all equal
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a.startswith(view[lo * ID_BYTES : mid * ID_BYTES], lo * ID_BYTES):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
@@ -37,6 +86,8 @@ def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
     """Number of leading items ``a`` and ``b`` share: token ids, or characters of two texts;
     ``start``: a number of them known to be shared already."""
+    if isinstance(a, TokenIds) and isinstance(b, TokenIds):
+        return _common_packed(a.packed, b.packed, start)
     ta, tb = _as_tuple(a), _as_tuple(b)
     n = min(len(ta), len(tb))
     lo = min(start, n)  # invariant: ta[:lo] == tb[:lo]

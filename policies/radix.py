@@ -9,8 +9,9 @@ Rules:
   where a new entry ends inside it or where ids diverge from it, so every entry sits at a node's
   end. Inserting a key again (at any position) moves it.
 - ``match(ids)``: every stored entry that is a prefix of ``ids``, as ``(n_tokens, key)``, longest
-  first. Walking compares whole runs with C-level slice comparisons
-  (``policies.prefix.common_prefix_len``): about one Python step per node on the path.
+  first. Walking compares whole runs with C-level slice comparisons, or, for ``TokenIds``, with
+  ``bytes.startswith`` against each node's packed run (no copy): about one Python step per node
+  on the path.
 - ``delete(key)``: the entry goes; a node left with no entry and no child is removed, and a node
   with no entry and one child merges with it, so the tree stays as small as its entries.
 - ``ids_of(key)``: the full token ids of an entry; ``parent_of(key)``: the longest stored entry
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from policies.prefix import common_prefix_len
+from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, pack
 
 
 @dataclass(eq=False, slots=True)
@@ -35,6 +36,10 @@ class _Node:
     depth: int  # tokens from the root to this node's end
     key: bytes | None = None  # the entry stored for exactly `depth` tokens
     children: dict[int, _Node] = field(default_factory=dict)  # first id of the run -> child
+    packed: bytes = b""  # the run packed (policies.prefix.pack), kept with it
+
+    def __post_init__(self) -> None:
+        self.packed = pack(self.run)
 
 
 class RadixTree:
@@ -72,6 +77,7 @@ class RadixTree:
     def match(self, ids: Sequence[int]) -> list[tuple[int, bytes]]:
         """Every stored prefix of ``ids``: ``(n_tokens, key)``, longest first."""
         ids = ids if isinstance(ids, tuple) else tuple(ids)
+        packed = ids.packed if isinstance(ids, TokenIds) else None
         found: list[tuple[int, bytes]] = []
         node, pos = self._root, 0
         while pos < len(ids):
@@ -79,7 +85,8 @@ class RadixTree:
             if child is None:
                 break
             n = len(child.run)
-            if ids[pos : pos + n] != child.run:
+            if (not packed.startswith(child.packed, pos * ID_BYTES) if packed is not None
+                    else ids[pos : pos + n] != child.run):
                 break  # the prompt ends or diverges inside this run: no entry there
             node, pos = child, pos + n
             if node.key is not None:
@@ -135,6 +142,7 @@ class RadixTree:
         upper = _Node(node.run[:m], parent, node.depth - len(node.run) + m)
         parent.children[upper.run[0]] = upper
         node.run = node.run[m:]
+        node.packed = node.packed[m * ID_BYTES :]
         node.parent = upper
         upper.children[node.run[0]] = node
         return upper
@@ -150,6 +158,7 @@ class RadixTree:
             if len(node.children) == 1:  # merge with the only child
                 (child,) = node.children.values()
                 child.run = node.run + child.run
+                child.packed = node.packed + child.packed
                 child.parent = parent
                 parent.children[child.run[0]] = child
             return

@@ -7,8 +7,9 @@ Rules:
   into a full ring drops the oldest prompt of any tenant.
 - ``recent(tenant, n)`` returns up to ``n`` of that tenant's prompts, most recent first; other
   tenants' prompts are never compared with (isolation), they only share the capacity.
-- A pushed prompt is stored as a tuple copy, so later changes to the caller's list do not leak in
-  and ``common_prefix_len`` compares it without converting.
+- A pushed prompt is stored as a tuple (a list is copied, so later changes to it do not leak
+  in; a tuple, ``TokenIds`` included, is kept as it is), so ``common_prefix_len`` compares it
+  without converting.
 
 ``auto:N`` reads the first N entries of ``recent`` before the current prompt is pushed, so a
 prompt is never compared with itself.
@@ -36,7 +37,7 @@ class Ring:
 
     def push(self, tenant: str, ids: Sequence[int]) -> None:
         """Record ``ids`` as ``tenant``'s most recent prompt."""
-        self._entries.appendleft((tenant, tuple(ids)))
+        self._entries.appendleft((tenant, ids if isinstance(ids, tuple) else tuple(ids)))
 
     def recent(self, tenant: str, n: int) -> list[tuple[int, ...]]:
         """Up to ``n`` of ``tenant``'s prompts, most recent first."""

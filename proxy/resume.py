@@ -60,7 +60,11 @@ log = logging.getLogger(__name__)
 _LOOP_NEXT = LoopContext.__next__.__code__
 _JSON_CODES = frozenset({json.JSONEncoder.encode.__code__, json.JSONEncoder.iterencode.__code__})
 _ROOT = ("root", "<template>")
-_current = threading.local()  # the run under way on this thread
+class _Current(threading.local):
+    run: Run | None = None  # the run under way on this thread
+
+
+_current = _Current()
 
 
 def strftime_now(fmt: str) -> str:
@@ -476,17 +480,17 @@ class TracedMessage(dict):  # type: ignore[type-arg]
     """One message, equal to it; reading it is observed (and the first read after a pull is
     recorded)."""
 
-    __slots__ = ("_cell", "_i")
+    __slots__ = ("_i",)
 
-    def __init__(self, message: dict[str, Any], cell: list[Run], i: int) -> None:
+    def __init__(self, message: dict[str, Any], i: int) -> None:
         super().__init__(message)
-        self._cell = cell  # [the run under way]: one wrapper serves every render of a request
-        self._i = i
+        self._i = i  # the message's index; the run observed is the one under way on the thread
 
     def _seen(self) -> None:
-        run = self._cell[0]
-        run.see(self._i)
-        run.first_read(self._i)
+        run = _current.run
+        if run is not None:
+            run.see(self._i)
+            run.first_read(self._i)
 
     def __getitem__(self, key: Any) -> Any:
         self._seen()
@@ -535,7 +539,8 @@ class TracedMessage(dict):  # type: ignore[type-arg]
     def items(self) -> Any:
         self._seen()
         if sys._getframe(1).f_code in _JSON_CODES:
-            self._cell[0].length = True  # serialized inside a list: its end is read too
+            if _current.run is not None:
+                _current.run.length = True  # serialized inside a list: its end is read too
         return dict.items(self)
 
     def copy(self) -> dict[str, Any]:
@@ -627,7 +632,6 @@ class Signed(list):  # type: ignore[type-arg]
         self.chain = chain_of(self.sigs) if chain is None else chain
         self.root = self if root is None else root
         self.wrappers: list[TracedMessage] | None = None  # the root's, made once
-        self.cell: list[Any] = [None] if root is None else root.cell
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
@@ -637,14 +641,30 @@ class Signed(list):  # type: ignore[type-arg]
                               self.chain[: stop + 1], self.root)
         return list.__getitem__(self, index)
 
-    def traced(self, run: Run) -> list[TracedMessage]:
-        """The messages as `run` shows them to the template: wrappers made once for the
-        request, pointed at the run under way (its renders run one after the other)."""
+    def traced(self) -> list[TracedMessage]:
+        """The messages as a render shows them to the template (``wrapped``), found once for
+        the request."""
         root = self.root
         if root.wrappers is None:
-            root.wrappers = [TracedMessage(m, root.cell, i) for i, m in enumerate(root)]
-        root.cell[0] = run
+            root.wrappers = wrapped(root)
         return root.wrappers[: len(self)]
+
+
+def wrapped(messages: list[dict[str, Any]]) -> list[TracedMessage]:
+    """A ``TracedMessage`` per message. A wrapper holds no render's state (it reports to the
+    run under way on its thread), so the wrapper of a message object at the same index is
+    made once and serves every later request that re-sends that object."""
+    out: list[TracedMessage] = []
+    memo = _WRAPPERS
+    for i, m in enumerate(messages):
+        w = memo.get(m)
+        if w is None or w._i != i:
+            w = memo.put(m, TracedMessage(m, i))
+        out.append(w)
+    return out
+
+
+_WRAPPERS = IdMemo()  # a message (not changed in place: proxy/memo.py) -> its wrapper
 
 
 def chain_of(sigs: list[Any]) -> list[int]:
@@ -673,9 +693,9 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
     run.positions = positions
     if isinstance(messages, Signed):
         run.sigs, run.chain = messages.sigs, messages.chain
-        items = messages.traced(run)
+        items = messages.traced()
     else:
-        items = [TracedMessage(m, [run], i) for i, m in enumerate(messages)]
+        items = wrapped(messages)
     traced = TracedList(items, run, range(len(messages)))
     outer, _current.run = getattr(_current, "run", None), run
     try:

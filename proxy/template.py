@@ -56,7 +56,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from policies.prefix import common_prefix_len
+from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, pack
 from proxy import resume
 from proxy.resume import Run
 from proxy.tokenizer import Segment, Tokenizer
@@ -305,7 +305,7 @@ def render_prompt(
 
     shift = 0
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-        ids = (tok.bos_id, *ids)
+        ids = TokenIds((tok.bos_id, *ids), pack((tok.bos_id,)) + ids.packed)
         shift = 1
     boundaries = sorted({token_at[o] + shift for o in offsets} | {len(ids)})
     message_starts = tuple(
@@ -331,13 +331,22 @@ def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
             end = old_segments[k - 1].end
             more = tok.encode_segments(text, end)
             segments = [*old_segments[:k], *more]
-            ids = old_ids[:reused] + tuple(i for s in more for i in s.ids)
+            new = _joined(more)
+            ids = TokenIds(old_ids[:reused] + new,
+                           old_ids.packed[: reused * ID_BYTES] + pack(new))
             run.memo["tokens"] = (text, segments, ids)
             return segments, ids, end, reused
     segments = tok.encode_segments(text)
-    ids = tuple(i for s in segments for i in s.ids)
+    ids = TokenIds(_joined(segments))
     run.memo["tokens"] = (text, segments, ids)
     return segments, ids, 0, 0
+
+
+def _joined(segments: Sequence[Segment]) -> tuple[int, ...]:
+    out: list[int] = []
+    for s in segments:
+        out.extend(s.ids)
+    return tuple(out)
 
 
 class CannotContinue(ValueError):

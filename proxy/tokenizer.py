@@ -267,6 +267,111 @@ class _LRU:
         return len(self._data)
 
 
+class _Words:
+    """Fragments -> ids through pre-tokens: llama.cpp's pre-tokenizer regexes run here (the
+    ``regex`` module, as HF's isolated ``Split`` would run them), and each distinct pre-token is
+    BPE-encoded by HF once and remembered. A prompt repeats its words (a 32K-token prompt has a
+    few thousand distinct ones), and HF spends most of its time splitting and mapping the text,
+    so this costs a third to a half of HF's whole-fragment path on a new conversation. BPE acts
+    on each pre-token alone, so the ids are the same; ``_build_hf_tokenizer`` uses this path only
+    when it agrees with HF's on the probe, and ``load_tokenizer`` then checks it against
+    llama.cpp as before.
+
+    The memory is two generations of at most ``capacity`` pre-tokens each (a lookup in the old
+    one moves the entry to the young one; a full young generation becomes the old one), so it is
+    bounded and keeps what recent prompts use; pre-tokens longer than ``_LONGEST`` characters are
+    not kept."""
+
+    _LONGEST = 64
+
+    def __init__(self, patterns: list[Any], encode: Callable[[list[str]], list[list[int]]],
+                 capacity: int = 1 << 15) -> None:
+        self._patterns = patterns
+        self._encode = encode
+        self._capacity = capacity
+        self._young: dict[str, tuple[int, ...]] = {}
+        self._old: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def build(cls, regexes: Sequence[str], encode: Callable[[list[str]], list[list[int]]]
+              ) -> _Words | None:
+        """None when the ``regex`` module is missing or does not take a pattern."""
+        try:
+            import regex
+        except ImportError:
+            return None
+        try:
+            patterns = [regex.compile(r) for r in regexes]
+        except regex.error as exc:
+            log.info("tokenizer: a pre-tokenizer regex does not compile here (%s)", exc)
+            return None
+        return cls(patterns, encode)
+
+    def split(self, fragment: str) -> list[str]:
+        """The pre-tokens of `fragment`: each pattern in turn splits the pieces of the one
+        before it, keeping matches and the gaps between them."""
+        pieces = [fragment]
+        *firsts, last = self._patterns
+        for pattern in firsts:
+            pieces = [w for p in pieces for w in _isolated(pattern, p)]
+        out: list[str] = []
+        for p in pieces:
+            found = last.findall(p)
+            # the patterns llama.cpp uses match every character; a gap takes the slow path
+            out.extend(found if sum(map(len, found)) == len(p) else _isolated(last, p))
+        return out
+
+    def __call__(self, fragments: list[str]) -> list[list[int]]:
+        young, old = self._young, self._old
+        split = [self.split(f) for f in fragments]
+        found: dict[str, tuple[int, ...]] = {}
+        missing: list[str] = []
+        for words in split:
+            for w in words:
+                if w in found:
+                    continue
+                ids = young.get(w)
+                if ids is None:
+                    ids = old.get(w)
+                    if ids is None:
+                        missing.append(w)
+                        found[w] = ()
+                        continue
+                    young[w] = ids
+                found[w] = ids
+        if missing:
+            for w, ids in zip(missing, self._encode(missing), strict=True):
+                found[w] = tuple(ids)
+                if len(w) <= self._LONGEST:
+                    young[w] = found[w]
+        if len(young) > self._capacity:  # another thread may do the same: harmless
+            self._old, self._young = young, {}
+        out: list[list[int]] = []
+        for words in split:
+            ids_out: list[int] = []
+            extend = ids_out.extend
+            for w in words:
+                extend(found[w])
+            out.append(ids_out)
+        return out
+
+
+def _isolated(pattern: Any, text: str) -> list[str]:
+    """`text` split at `pattern`'s matches, each match and each gap a piece (HF's "isolated")."""
+    pieces = []
+    pos = 0
+    for m in pattern.finditer(text):
+        start, end = m.span()
+        if start > pos:
+            pieces.append(text[pos:start])
+        if end > start:
+            pieces.append(text[start:end])
+        pos = end
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
+
+
 class Tokenizer:
     """Text <-> token ids for one model, equal to llama.cpp's tokenizer (see module docstring)."""
 
@@ -551,17 +656,32 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
         for i, t in enumerate(tokens)
     ]
 
-    # without character offsets, which nothing here reads: a third less work
-    batch = getattr(hf, "encode_batch_fast", hf.encode_batch)
+    def batch_of(tokenizer: HFTokenizer) -> Callable[[list[str]], list[list[int]]]:
+        # without character offsets, which nothing here reads: a third less work
+        batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
-    def encode_fragments(fragments: list[str]) -> list[list[int]]:
-        out = [e.ids for e in batch(fragments, add_special_tokens=False)]
-        if unmapped:
-            out = [
-                [i for i in ids if i < n_vocab] if max(ids, default=0) >= n_vocab else ids
-                for ids in out
-            ]
-        return out
+        def encode(texts: list[str]) -> list[list[int]]:
+            out = [e.ids for e in batch(texts, add_special_tokens=False)]
+            if unmapped:
+                out = [
+                    [i for i in ids if i < n_vocab] if max(ids, default=0) >= n_vocab else ids
+                    for ids in out
+                ]
+            return out
+
+        return encode
+
+    encode_fragments = batch_of(hf)
+    # the same BPE fed pre-tokens split here: only the byte mapping left to HF
+    hf_words = HFTokenizer(model)
+    hf_words.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False)
+    words = _Words.build(pre.regexes, batch_of(hf_words))
+    probe = [_PROBE[a:b] for a, b, sid in _SpecialSplitter(specials).split(_PROBE) if sid is None]
+    if words is not None and words(probe) == encode_fragments(probe):
+        encode_fragments = words
+    elif words is not None:
+        log.info("tokenizer: the pre-token path differs from HF's on the probe; not used")
 
     bos = md.get("tokenizer.ggml.bos_token_id")
     return Tokenizer(

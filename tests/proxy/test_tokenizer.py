@@ -16,7 +16,7 @@ import pytest
 
 from proxy.gguf import read_metadata
 from proxy.template import load_template
-from proxy.tokenizer import Tokenizer, _SpecialSplitter, load_tokenizer
+from proxy.tokenizer import Tokenizer, _SpecialSplitter, _Words, load_tokenizer
 
 
 def _default_model() -> str:
@@ -195,6 +195,16 @@ def test_builds_hf_kind_with_llamacpp_attributes(tok: Tokenizer, llama: Any) -> 
     assert tok.special_tokens["<|im_end|>"] == 2
     assert len(tok.special_tokens) == 17
     assert 2 in tok.eog_ids and 0 in tok.eog_ids
+    # fragments go through the pre-token path (the parity tests below check its ids)
+    assert isinstance(tok._encode_fragments, _Words)
+
+
+def test_pre_token_split_keeps_gaps_and_applies_patterns_in_turn() -> None:
+    words = _Words.build([r"\p{N}", r"[a-z]+"], lambda texts: [[len(t)] for t in texts])
+    assert words is not None
+    # digits isolated first; the second pattern then splits each piece, gaps kept as pieces
+    assert words.split("ab12 cd!") == ["ab", "1", "2", " ", "cd", "!"]
+    assert words(["ab12 cd!", "ab"]) == [[2, 1, 1, 1, 2, 1], [2]]
 
 
 @pytest.mark.parametrize("name", CORPUS_NAMES)

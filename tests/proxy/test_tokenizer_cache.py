@@ -83,8 +83,10 @@ def test_large_prompts_leave_at_most_the_bound_behind(metadata: dict[str, Any]) 
         retained = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    # the accounting is honest: what stays allocated is about what the cache counts
-    assert 0.5 * tok.cached_bytes <= retained <= 1.25 * bound, (retained, tok.cached_bytes)
+    # the accounting is honest and errs high: what stays allocated is at most about what the
+    # cache counts (each id counted as its own int object: ids of a repeated word share theirs
+    # with the pre-token memo, so the count is an upper bound) plus that memo
+    assert 0.25 * tok.cached_bytes <= retained <= 1.25 * bound, (retained, tok.cached_bytes)
     assert tok.cached_bytes > 0.9 * bound  # full: older fragments were evicted
     # evicted or kept, the ids are those of a tokenizer that never saw the other prompts
     for text in (texts[0], texts[-1]):
