@@ -585,7 +585,8 @@ class Runs:
     def __init__(self, max_runs: int) -> None:
         self.max_runs = max_runs
         self._runs: OrderedDict[int, Run] = OrderedDict()
-        self._index: dict[tuple[Any, int], Run] = {}  # (key, chain of messages[:i]) -> run
+        # key -> chain hash of messages[:i] -> the latest run of those messages
+        self._index: dict[tuple[Any, ...], dict[int, Run]] = {}
         self._lock = threading.Lock()
 
     def find(self, key: tuple[Any, ...], chain: list[int], sigs: list[Any]
@@ -594,17 +595,17 @@ class Runs:
         longest prefix whose chain hash is indexed (bisected: a render indexes every prefix of
         its messages), confirmed by comparing the signatures."""
         with self._lock:
-            index = self._index
-            if (key, chain[0]) not in index:
+            index = self._index.get(key)
+            if index is None or chain[0] not in index:
                 return None, 0
-            lo, hi = 0, len(chain) - 1  # (key, chain[lo]) is indexed
+            lo, hi = 0, len(chain) - 1  # chain[lo] is indexed
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if (key, chain[mid]) in index:
+                if chain[mid] in index:
                     lo = mid
                 else:
                     hi = mid - 1
-            run = index[(key, chain[lo])]
+            run = index[chain[lo]]
         if run.sigs[:lo] != sigs[:lo]:  # a hash collision
             return None, 0
         return run, lo
@@ -612,13 +613,15 @@ class Runs:
     def add(self, run: Run) -> None:
         with self._lock:
             self._runs[id(run)] = run
-            for h in run.chain:
-                self._index[(run.key, h)] = run
+            self._index.setdefault(run.key, {}).update(dict.fromkeys(run.chain, run))
             while len(self._runs) > self.max_runs:
                 _, old = self._runs.popitem(last=False)
+                index = self._index[old.key]
                 for h in old.chain:
-                    if self._index.get((old.key, h)) is old:
-                        del self._index[(old.key, h)]
+                    if index.get(h) is old:
+                        del index[h]
+                if not index:
+                    del self._index[old.key]
 
 
 class Signed(list):  # type: ignore[type-arg]

@@ -558,7 +558,9 @@ def _samples(messages: Sequence[dict[str, Any]], shapes: list[Any] | None = None
     seen: set[tuple[Any, Any]] = set()
     for i in range(n + 1):
         pair = (shapes[i - 1] if i else None, shapes[i] if i < n else None)
-        if pair not in seen and len(seen) < _SHAPE_SAMPLES:
+        if pair not in seen:
+            if len(seen) == _SHAPE_SAMPLES:
+                break
             seen.add(pair)
             picks.add(i)
     return sorted(picks)
