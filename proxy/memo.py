@@ -52,6 +52,15 @@ class IdMemo:
         hit = self._data.get(id(key))
         return hit[1] if hit is not None and hit[0] is key else default
 
+    def get_many(self, keys: Any, default: Any = None) -> list[Any]:
+        """``[self.get(k, default) for k in keys]``, in one call (a history's messages)."""
+        data = self._data
+        out = []
+        for key in keys:
+            hit = data.get(id(key))
+            out.append(hit[1] if hit is not None and hit[0] is key else default)
+        return out
+
     def put(self, key: Any, value: Any) -> Any:
         with self._lock:
             self._data[id(key)] = (key, value)

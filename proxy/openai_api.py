@@ -84,8 +84,7 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
         raise BadRequest("'messages' must be a non-empty list of {role, content}",
                          param="messages")
     out = []
-    for i, m in enumerate(raw):
-        parsed = _PARSED.get(m)
+    for i, (m, parsed) in enumerate(zip(raw, _PARSED.get_many(raw), strict=True)):
         if parsed is not None:  # the same message as in a recent body (proxy/memo.py)
             out.append(parsed)
             continue

@@ -93,8 +93,7 @@ class Normalizer:
     def messages(self, messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
         out = []
         memo = self._messages
-        for m in messages:
-            done = memo.get(m, _NONE)
+        for m, done in zip(messages, memo.get_many(messages, _NONE), strict=True):
             if done is _NONE:
                 done = memo.put(m, self._message(m))
             if done is not None:

@@ -240,7 +240,7 @@ class Run:
             return 0
         old = src.loops[ordinal]
         if (old.first != loop.first or old.names != loop.names or old.out != self.at
-                or any(datetime.now().strftime(f) != t for f, t in src.clock)
+                or (src.clock and any(datetime.now().strftime(f) != t for f, t in src.clock))
                 or not _same_state(old.state, loop.state, self.common, src.context,
                                    self.context)
                 or "".join(self.pieces) != src.text[: self.at]):
@@ -563,8 +563,7 @@ def signatures(messages: list[dict[str, Any]]) -> list[Any]:
     hold JSON values: strings, numbers, booleans, null, lists and dicts)."""
     out: list[Any] = []
     memo = _SIGNATURES
-    for m in messages:
-        sig = memo.get(m)
+    for m, sig in zip(messages, memo.get_many(messages), strict=True):
         if sig is None:
             if all(type(v) is str for v in m.values()):
                 sig = tuple(m.items())
@@ -659,8 +658,7 @@ def wrapped(messages: list[dict[str, Any]]) -> list[TracedMessage]:
     made once and serves every later request that re-sends that object."""
     out: list[TracedMessage] = []
     memo = _WRAPPERS
-    for i, m in enumerate(messages):
-        w = memo.get(m)
+    for i, (m, w) in enumerate(zip(messages, memo.get_many(messages), strict=True)):
         if w is None or w._i != i:
             w = memo.put(m, TracedMessage(m, i))
         out.append(w)

@@ -48,6 +48,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import jinja2
@@ -324,22 +325,28 @@ def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
     (``Tokenizer.reusable_segments``); the rest is split and tokenized."""
     prior = run.prior.get("tokens")
     if prior is not None:
-        _, old_segments, old_ids = prior
+        _, old_segments, old_ids, old_counts = prior
         k = tok.reusable_segments(old_segments, equal)
         if k:
-            reused = sum(len(s.ids) for s in old_segments[:k])
+            reused = old_counts[k - 1]
             end = old_segments[k - 1].end
             more = tok.encode_segments(text, end)
             segments = [*old_segments[:k], *more]
             new = _joined(more)
             ids = TokenIds(old_ids[:reused] + new,
                            old_ids.packed[: reused * ID_BYTES] + pack(new))
-            run.memo["tokens"] = (text, segments, ids)
+            counts = [*old_counts[:k], *_counts(more, reused)]
+            run.memo["tokens"] = (text, segments, ids, counts)
             return segments, ids, end, reused
     segments = tok.encode_segments(text)
     ids = TokenIds(_joined(segments))
-    run.memo["tokens"] = (text, segments, ids)
+    run.memo["tokens"] = (text, segments, ids, _counts(segments, 0))
     return segments, ids, 0, 0
+
+
+def _counts(segments: Sequence[Segment], before: int) -> list[int]:
+    """Per segment, the tokens up to its end (`before` tokens precede the first)."""
+    return list(accumulate((len(s.ids) for s in segments), initial=before))[1:]
 
 
 def _joined(segments: Sequence[Segment]) -> tuple[int, ...]:

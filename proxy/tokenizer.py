@@ -15,9 +15,12 @@ How llama.cpp tokenizes, and how this module mirrors it:
 2. **Fragments.** For BPE ("gpt2") vocabularies with a known ``tokenizer.ggml.pre``, a HF
    ``tokenizers`` BPE model is built from the GGUF's own tokens and merges, with llama.cpp's
    pre-tokenizer regexes for that pre type (``_PRE_REGEXES``) as isolated splits followed by the
-   GPT-2 byte mapping. Anything else (SPM "llama", WPM, UGM, unknown pre types, models whose
-   specials strip whitespace) uses llama.cpp's own tokenizer through ``llama_cpp.Llama(...,
-   vocab_only=True)``, with one warning line.
+   GPT-2 byte mapping. Fragments are not handed to HF whole: the same regexes run here
+   (``_Words``, the ``regex`` module) and each distinct pre-token goes to HF's BPE once and is
+   remembered, which costs a third to a half of HF's own splitting on new text; this path is
+   used only where it gives HF's ids on the probe. Anything else (SPM "llama", WPM, UGM,
+   unknown pre types, models whose specials strip whitespace) uses llama.cpp's own tokenizer
+   through ``llama_cpp.Llama(..., vocab_only=True)``, with one warning line.
 3. **Per-fragment cache.** Because the split on specials comes first, tokenizing fragment by
    fragment and concatenating equals tokenizing the whole text. Fragment ids are kept in an LRU
    keyed on the fragment text, so a 30K-token conversation re-sent with one new turn only
@@ -42,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -324,21 +328,17 @@ class _Words:
     def __call__(self, fragments: list[str]) -> list[list[int]]:
         young, old = self._young, self._old
         split = [self.split(f) for f in fragments]
-        found: dict[str, tuple[int, ...]] = {}
+        found: dict[str, Any] = dict.fromkeys(chain.from_iterable(split))  # the distinct ones
         missing: list[str] = []
-        for words in split:
-            for w in words:
-                if w in found:
-                    continue
-                ids = young.get(w)
+        for w in found:
+            ids = young.get(w)
+            if ids is None:
+                ids = old.get(w)
                 if ids is None:
-                    ids = old.get(w)
-                    if ids is None:
-                        missing.append(w)
-                        found[w] = ()
-                        continue
-                    young[w] = ids
-                found[w] = ids
+                    missing.append(w)
+                    continue
+                young[w] = ids
+            found[w] = ids
         if missing:
             for w, ids in zip(missing, self._encode(missing), strict=True):
                 found[w] = tuple(ids)
@@ -346,14 +346,8 @@ class _Words:
                     young[w] = found[w]
         if len(young) > self._capacity:  # another thread may do the same: harmless
             self._old, self._young = young, {}
-        out: list[list[int]] = []
-        for words in split:
-            ids_out: list[int] = []
-            extend = ids_out.extend
-            for w in words:
-                extend(found[w])
-            out.append(ids_out)
-        return out
+        get = found.__getitem__
+        return [list(chain.from_iterable(map(get, words))) for words in split]
 
 
 def _isolated(pattern: Any, text: str) -> list[str]:
