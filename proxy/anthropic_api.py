@@ -22,6 +22,11 @@ Parsing into the internal, OpenAI-shaped messages:
   that ends in an assistant turn with text is continued, as the API does it: the prompt ends
   inside that turn (no end-of-turn, no new header) and the reply is only the continuation;
   trailing whitespace there is a 400, as on the API.
+- A body that re-sends a recent body's messages (the same objects: ``proxy.limits`` reuses the
+  values of text it parsed before) resumes that body's parse after them (`_Recent`): the
+  builder never changes a message it made once it is out (a merge replaces it with a merged
+  copy), so the messages before the new ones are the same objects as last time, and every
+  later stage remembers its work by them (proxy/memo.py).
 - tools `{name, description, input_schema}` become function tools; server tools (a `type`
   other than `custom`) are ignored, prefixgate cannot run them. tool_choice auto / any / tool /
   none maps to auto / required / named / none (proxy.tools).
@@ -45,6 +50,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -141,13 +147,36 @@ class _Builder:
     """Accumulates OpenAI-shaped messages, merging as the module rules say."""
 
     def __init__(self, system: str) -> None:
+        self.system_in = system  # the body's own system text
         self.system = system
         self.out: list[dict[str, Any]] = []
         self.tool_names: dict[str, str] = {}  # tool_use id -> tool name, for tool messages
+        self.names: list[tuple[str, str]] = []  # the same, in the order they were met
+        # after each raw message: (messages out, the last of them, names met, system text)
+        self.states: list[tuple[int, dict[str, Any] | None, int, str]] = []
+        self.head: dict[str, Any] | None = None  # the system message made of `system`
+
+    def checkpoint(self) -> None:
+        self.states.append((len(self.out), self.out[-1] if self.out else None, len(self.names),
+                            self.system))
+
+    def resume(self, old: _Builder, n: int) -> None:
+        """Be `old` as it was after its first `n` raw messages."""
+        n_out, last, n_names, self.system = old.states[n - 1]
+        self.out = [*old.out[: n_out - 1], last] if last is not None else []
+        self.names = old.names[:n_names]
+        self.tool_names = dict(self.names)
+        self.states = old.states[:n]
+
+    def _last_for_merge(self) -> dict[str, Any]:
+        """The last message, made a copy of first: a message out is never changed."""
+        last = self.out[-1] = dict(self.out[-1])
+        return last
 
     def user_text(self, text: str) -> None:
         last = self.out[-1] if self.out else None
         if last is not None and last["role"] == "user":
+            last = self._last_for_merge()
             last["content"] = last["content"] + "\n\n" + text if last["content"] else text
         else:
             self.out.append({"role": "user", "content": text})
@@ -214,6 +243,7 @@ class _Builder:
                                      "object", param=_where(i, j))
                 tid = str(b.get("id", ""))
                 self.tool_names[tid] = name
+                self.names.append((tid, name))
                 calls.append({"id": tid, "type": "function",
                               "function": {"name": name, "arguments": args}})
             elif kind not in _DROPPED:
@@ -226,6 +256,7 @@ class _Builder:
             msg["reasoning_content"] = "\n\n".join(thoughts)
         last = self.out[-1] if self.out else None
         if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
+            last = self._last_for_merge()
             last["content"] = "\n\n".join(p for p in (last["content"], msg["content"]) if p)
             if thoughts:
                 last["reasoning_content"] = "\n\n".join(
@@ -235,9 +266,47 @@ class _Builder:
         else:
             self.out.append(msg)
 
-    def messages(self) -> tuple[dict[str, Any], ...]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return tuple(head + self.out)
+    def messages(self, old: _Builder | None = None) -> tuple[dict[str, Any], ...]:
+        """The messages; the system message is `old`'s own when its text is the same."""
+        if not self.system:
+            return tuple(self.out)
+        head = old.head if old is not None and old.head is not None and \
+            old.head["content"] == self.system else {"role": "system", "content": self.system}
+        self.head = head
+        return (head, *self.out)
+
+
+class _Recent:
+    """The builders of the last bodies parsed, with the raw messages they took (see the module
+    rules); thread-safe."""
+
+    def __init__(self, max_bodies: int = 8) -> None:
+        self.max_bodies = max_bodies
+        self._parses: list[tuple[list[Any], _Builder]] = []
+        self._lock = threading.Lock()
+
+    def find(self, system: str, raw: list[Any]) -> tuple[_Builder | None, int]:
+        """The recent builder whose raw messages begin with the most of `raw` (the same
+        objects), and how many, at most all but the last."""
+        with self._lock:
+            parses = list(self._parses)
+        best, shared = None, 0
+        for old_raw, old in reversed(parses):
+            if old.system_in != system or not old_raw or old_raw[0] is not raw[0]:
+                continue
+            n = min(len(old_raw), len(raw) - 1)
+            k = next((i for i in range(n) if old_raw[i] is not raw[i]), n)
+            if k > shared:
+                best, shared = old, k
+        return best, shared
+
+    def add(self, raw: list[Any], b: _Builder, replaces: _Builder | None) -> None:
+        with self._lock:
+            kept = [p for p in self._parses if p[1] is not replaces]
+            self._parses = [*kept[-(self.max_bodies - 1):], (raw, b)]
+
+
+_RECENT = _Recent()
 
 
 def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
@@ -301,8 +370,12 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
         raise BadRequest("'messages' is required: a non-empty list of {role, content}",
                          param="messages")
     b = _Builder(_text_blocks(body.get("system"), "system"))
-    for i, m in enumerate(raw):
-        b.add(m, i)
+    old, start = _RECENT.find(b.system_in, raw)
+    if old is not None:
+        b.resume(old, start)
+    for i in range(start, len(raw)):
+        b.add(raw[i], i)
+        b.checkpoint()
     max_tokens = None if count_only else opt_int(body, "max_tokens", 1)
     if max_tokens is None and not count_only:
         raise BadRequest("'max_tokens' is required: the most tokens to generate",
@@ -315,8 +388,10 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
     if continue_final and last["content"] != last["content"].rstrip():
         raise BadRequest("messages: final assistant content cannot end with trailing whitespace",
                          param=f"messages.{len(raw) - 1}.content")
+    messages = b.messages(old)
+    _RECENT.add(raw, b, old)
     return ChatRequest(
-        api="anthropic", messages=b.messages(), tools=tools,
+        api="anthropic", messages=messages, tools=tools,
         tool_choice=parse_choice(body.get("tool_choice"), tools),
         sampling=parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
         max_tokens=max_tokens, stop=parse_stop(body.get("stop_sequences"), "stop_sequences"),

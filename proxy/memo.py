@@ -6,8 +6,10 @@
                messages a body shares with the previous one are the same objects
                (proxy/limits.py reuses them), so each later stage does its work once per message
 
-Both forget the oldest first and are thread-safe. A value found is the value the function
-gave for this very key: an IdMemo keeps its keys alive, so an id is never reused under it.
+Both forget the oldest first, a quarter at a time (a dict rebuilt once, not one entry popped
+off the front per put: that scans the deleted entries again every time), and are
+thread-safe. A value found is the value the function gave for this very key: an IdMemo keeps
+its keys alive, so an id is never reused under it.
 What they hold must not be changed by whoever gets it (nothing on the request path changes a
 message in place).
 """
@@ -15,6 +17,7 @@ message in place).
 from __future__ import annotations
 
 import threading
+from itertools import islice
 from typing import Any
 
 _MISSING = object()
@@ -37,9 +40,15 @@ class TextMemo:
                 return
             self._data[key] = (value, chars)
             self._chars += chars
-            while self._chars > self.max_chars:
-                _, gone = self._data.pop(next(iter(self._data)))
-                self._chars -= gone
+            if self._chars > self.max_chars:  # the oldest out, down to three quarters
+                drop, n = self._chars - self.max_chars * 3 // 4, 0
+                for _, gone in self._data.values():
+                    drop -= gone
+                    self._chars -= gone
+                    n += 1
+                    if drop <= 0:
+                        break
+                self._data = dict(islice(self._data.items(), n, None))
 
 
 class IdMemo:
@@ -64,6 +73,6 @@ class IdMemo:
     def put(self, key: Any, value: Any) -> Any:
         with self._lock:
             self._data[id(key)] = (key, value)
-            while len(self._data) > self.max_entries:
-                del self._data[next(iter(self._data))]
+            if len(self._data) > self.max_entries:  # the oldest quarter out
+                self._data = dict(islice(self._data.items(), self.max_entries // 4, None))
         return value

@@ -210,3 +210,62 @@ def test_error_shapes(error: ApiError, openai_shape: dict[str, Any],
                       anthropic_shape: dict[str, Any]) -> None:
     assert openai_body(error) == openai_shape
     assert anthropic_body(error) == anthropic_shape
+
+
+def _random_anthropic_messages(rng: Any, n: int) -> list[dict[str, Any]]:
+    """Turns that exercise every merge: consecutive user turns, system entries inside
+    messages (leading ones too), assistant after assistant, tool calls and their results."""
+    out: list[dict[str, Any]] = []
+    calls = 0
+    for _ in range(n):
+        kind = rng.choice(["user", "user blocks", "system", "assistant", "assistant thinking",
+                           "tool use", "tool result"])
+        if kind == "user":
+            out.append({"role": "user", "content": f"u{rng.randrange(99)}"})
+        elif kind == "user blocks":
+            out.append({"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "text", "text": "b"}]})
+        elif kind == "system":
+            out.append({"role": "system", "content": f"note {rng.randrange(9)}"})
+        elif kind == "assistant":
+            out.append({"role": "assistant", "content": f"a{rng.randrange(99)}"})
+        elif kind == "assistant thinking":
+            out.append({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": ""},
+                {"type": "text", "text": "ok"}]})
+        elif kind == "tool use":
+            calls += 1
+            out.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": f"t{calls}", "name": f"f{calls % 3}",
+                 "input": {"n": calls}}]})
+        else:
+            out.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": f"t{max(calls, 1)}", "content": "r"},
+                {"type": "text", "text": "then"}]})
+    return out
+
+
+def test_anthropic_parse_resumed_from_an_earlier_body_equals_a_fresh_parse() -> None:
+    """A body re-sending a recent body's message objects resumes that parse: the result
+    equals a parse of copies (nothing remembered), the shared messages come out as the same
+    objects, and nothing an earlier parse gave out changes."""
+    import copy
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        raw = _random_anthropic_messages(rng, rng.randint(2, 14))
+        system = rng.choice(["", "sys", [{"type": "text", "text": "s1"}]])
+        earlier = []
+        for end in range(1, len(raw) + 1):  # the conversation growing turn by turn
+            body = {"max_tokens": 8, "system": system, "messages": raw[:end]}
+            req = anthropic_api.parse_request(body, "")
+            fresh = anthropic_api.parse_request(copy.deepcopy(body), "")
+            assert req.messages == fresh.messages
+            assert (req.continue_final, req.tools) == (fresh.continue_final, fresh.tools)
+            earlier.append((req.messages, copy.deepcopy(req.messages)))
+        for given, snapshot in earlier:
+            assert given == snapshot  # no message given out was changed afterwards
+        for (before, _), (after, _) in zip(earlier, earlier[1:], strict=False):
+            # the messages before the last one of a turn come out again as the same objects
+            assert all(a is b for a, b in zip(before[:-1], after, strict=False))
