@@ -21,9 +21,12 @@ cached). Stages, each timed on the proxy's real code:
   against a real `backend.index.Index` in a temporary directory, filled as the earlier turns
   left it
 
-and `cold`: `prepare` of the same prompt in a fresh process state (nothing cached: a new
-conversation of that size): a new builder and a body of new objects, the median of 3. Times are medians over `--reps`, of CPU time (`time.process_time`,
-robust to other load on the machine) and wall time.
+then `anthropic`: the same session as Claude Code sends it, through the Anthropic API
+(`anthropic_api.parse_request`: the system prompt apart, tool results as blocks), parse and
+prepare, plus decide as above; and `cold`: `prepare` of the same prompt in a fresh process
+state (nothing cached: a new conversation of that size): a new builder and a body of new
+objects, the median of 3. Times are medians over `--reps`, of CPU time
+(`time.process_time`, robust to other load on the machine) and wall time.
 
 The worker's time for the same request is the prefill of its uncached tail (the new turn, plus
 the two tokens always re-evaluated) and a 16-token decode, measured on the real model through
@@ -67,15 +70,17 @@ def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
+def _session(target_tokens: int) -> Knobs:
+    return Knobs(sessions=1, parallel=1, turns=400,
+                 prefix_tokens=max(500, min(target_tokens // 4, 30000)), rewrite_share=0.0)
+
+
 def session_rows(target_tokens: int, builder: Any) -> list[dict[str, Any]]:
     """OpenAI bodies of one growing session whose last prompt reaches `target_tokens`."""
     from bench.prompts import render
 
-    prefix = max(500, min(target_tokens // 4, 30000))
-    turns = 400
     rows: list[dict[str, Any]] = []
-    for row in generate(Knobs(sessions=1, parallel=1, turns=turns, prefix_tokens=prefix,
-                              rewrite_share=0.0), seed=7):
+    for row in generate(_session(target_tokens), seed=7):
         rows.append(to_openai(row))
         if len(rows) >= 2 and len(render(builder, rows[-1]).ids) >= target_tokens:
             return rows
@@ -83,10 +88,20 @@ def session_rows(target_tokens: int, builder: Any) -> list[dict[str, Any]]:
 
 
 def with_new_turn(body: dict[str, Any], rep: int) -> dict[str, Any]:
-    """`body` with its last user message made new (never seen by the caches)."""
+    """`body` with its last user message made new (never seen by the caches); an OpenAI or
+    an Anthropic body (whose last message may hold blocks: a text block is added)."""
     messages = [dict(m) for m in body["messages"]]
-    messages[-1]["content"] = f"{messages[-1]['content']} (variant {rep}: check again)"
+    content, note = messages[-1]["content"], f"(variant {rep}: check again)"
+    messages[-1]["content"] = [*content, {"type": "text", "text": note}] \
+        if isinstance(content, list) else f"{content} {note}"
     return {**body, "messages": messages}
+
+
+def anthropic_rows(target_tokens: int, n: int) -> list[dict[str, Any]]:
+    """The first `n` bodies of `session_rows`' session as Claude Code sends them (Anthropic
+    Messages: the system prompt apart, tool results as blocks)."""
+    return [row for row, _ in zip(generate(_session(target_tokens), seed=7), range(n),
+                                  strict=False)]
 
 
 def fill(cache: Any, prompt: Any, n: int, shape: str, seed: int = 3) -> None:
@@ -124,7 +139,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
     from bench.prompts import load_builder, prepare, prepare_request
     from policies.decide import WorkerFacts, decide
     from policies.ring import Ring
-    from proxy import edge, limits, openai_api
+    from proxy import anthropic_api, edge, limits, openai_api
     from proxy.cache import DiskCache
     from proxy.config import Config
     from proxy.gateway import RING_CAPACITY, facts_of, knobs_of
@@ -190,6 +205,19 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
 
             both = timed(render_one, reps)
             render_t = (max(0.0, both[0] - messages_t[0]), max(0.0, both[1] - messages_t[1]))
+        # the same conversation through the Anthropic API (Claude Code): its earlier turns
+        # served, then the same request re-sent with a new turn, parsed and prepared
+        arows = anthropic_rows(target, len(rows))
+        for earlier in arows[:-1]:
+            prepare(builder, earlier, "anthropic")
+        araws = iter([json.dumps(with_new_turn(arows[-1], r)).encode()
+                      for r in range(reps + 2)])
+
+        def anthropic_one() -> Any:
+            req = edge.parse_body(next(araws), "", anthropic_api.parse_request, limits.LIMITS)
+            return prepare_request(builder, req)
+
+        anthropic_t = timed(anthropic_one, reps)
         cache.close()
         cache.index.close()
     # a new conversation: a fresh builder (its tokenizer and template caches empty) and a body
@@ -208,6 +236,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         "parse_ms": parse, "prepare_ms": prepare_t, "messages_ms": messages_t,
         "render_prompt_ms": render_t, "decide_ms": decide_t,
         "proxy_ms": tuple(a + b + c for a, b, c in zip(parse, prepare_t, decide_t, strict=True)),
+        "anthropic_ms": tuple(a + b for a, b in zip(anthropic_t, decide_t, strict=True)),
         "cold_prepare_ms": cold,
     }
 
@@ -267,10 +296,11 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "| prompt tokens | stored entries | new tail tokens | parse (limits + API) "
         "| prepare (messages + render + tokenize + boundaries) "
-        "| of which messages | of which render_prompt | decide | **proxy total** | worker | "
+        "| of which messages | of which render_prompt | decide | **proxy total** "
+        "| the same, Anthropic API | worker | "
         "proxy / worker | proxy / worker CPU per thread | **proxy / worker floor** | "
         "cold prepare (new conversation) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(v: Any) -> str:
@@ -285,7 +315,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['prompt_tokens']} | {r.get('stored_entries', '-')} | "
             f"{r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
             f"{ms(r['prepare_ms'])} | {ms(r['messages_ms'])} | {ms(r['render_prompt_ms'])} | "
-            f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {w['worker_ms']:.0f}{est} | "
+            f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {ms(r.get('anthropic_ms'))} | "
+            f"{w['worker_ms']:.0f}{est} | "
             f"{r['proxy_fraction_of_worker']:.3%} | "
             f"{r['proxy_fraction_of_worker_idle']:.3%} | "
             f"**{r['proxy_ms'][0] / floor_ms(r, rate):.2%}** | {ms(r['cold_prepare_ms'])} |")

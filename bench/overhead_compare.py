@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = [("parse_ms", "parse (limits + API)"), ("prepare_ms", "prepare"),
           ("messages_ms", "of which messages"), ("render_prompt_ms", "of which render_prompt"),
           ("decide_ms", "decide"), ("proxy_ms", "**proxy total**"),
+          ("anthropic_ms", "the same through the Anthropic API (Claude Code)"),
           ("cold_prepare_ms", "cold prepare (new conversation)")]
 
 

@@ -87,6 +87,7 @@ from proxy.edge import (
     with_pings,
 )
 from proxy.errors import ApiError, BadRequest, ContextOverflow, anthropic_body, anthropic_response
+from proxy.memo import IdMemo
 from proxy.openai_api import parse_template_kwargs
 from proxy.run import Run, Usage
 
@@ -310,6 +311,18 @@ _RECENT = _Recent()
 
 
 def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
+    """The function tools of a body's `tools` (the same list object as a recent body's, as
+    ``proxy.limits`` reuses it: the same tuple, so later stages' memos hit)."""
+    tools = _TOOLS.get(raw)
+    if tools is None:
+        tools = _TOOLS.put(raw, _parse_tools(raw))
+    return tools
+
+
+_TOOLS = IdMemo(64)  # a body's tools list -> its function tools
+
+
+def _parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):

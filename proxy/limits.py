@@ -31,6 +31,7 @@ from typing import Any
 
 from policies.prefix import common_prefix_len
 from proxy.errors import BadRequest
+from proxy.memo import IdMemo
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +299,13 @@ def check_request(body: Any, limits: Limits = LIMITS) -> None:
         if len(tools) > limits.max_tools:
             raise BadRequest(f"'tools' has {len(tools)} tools; at most {limits.max_tools} are "
                              "accepted (limit max_tools)", param="tools")
-        for k, tool in enumerate(tools):
-            _check_tool(tool, k, limits)
+        for k, (tool, passed) in enumerate(zip(tools, _CHECKED.get_many(tools), strict=True)):
+            if passed is not limits:  # a tool object re-sent (reused by `load`) passed before
+                _check_tool(tool, k, limits)
+                _CHECKED.put(tool, limits)
+
+
+_CHECKED = IdMemo(1024)  # a tool object -> the bounds it met
 
 
 # --- parsing -------------------------------------------------------------------------------
