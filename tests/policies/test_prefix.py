@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.prefix import CHUNK_TOKENS, common_prefix_len
+from policies.prefix import CHUNK_TOKENS, TokenIds, common_prefix_len
 
 BASE = list(range(1000, 31000))  # a 30K-token prompt; ids >= 1000, so 7 never matches
 
@@ -46,6 +46,11 @@ def diverge(at: int, n: int = len(BASE)) -> list[int]:
 def test_common_prefix_len(a: list[int], b: list[int], expected: int) -> None:
     assert common_prefix_len(a, b) == expected
     assert common_prefix_len(b, a) == expected
+    # packed ids (memcmp) give the same answer, from any known shared start
+    pa, pb = TokenIds(a), TokenIds(b)
+    for start in (0, expected // 2, expected):
+        assert common_prefix_len(pa, pb, start) == expected
+        assert common_prefix_len(pb, pa, start) == expected
 
 
 def test_common_prefix_len_every_mismatch_position_near_chunk_edges() -> None:
@@ -55,6 +60,7 @@ def test_common_prefix_len_every_mismatch_position_near_chunk_edges() -> None:
     for at in range(len(base)):
         other = tuple(x + 1 - 1 for x in base[:at]) + (7,) + tuple(base[at + 1 :])
         assert common_prefix_len(base, other) == at
+        assert common_prefix_len(TokenIds(base), TokenIds(other)) == at
 
 
 def test_texts_and_a_known_shared_start() -> None:
@@ -65,3 +71,15 @@ def test_texts_and_a_known_shared_start() -> None:
     for start in (0, 17, 5000, 5002):
         assert common_prefix_len(a, b, start) == 5002
     assert common_prefix_len(a, a[:4096], 100) == 4096
+
+
+def test_token_ids_are_a_tuple_with_their_packed_form() -> None:
+    import pickle
+
+    ids = TokenIds([5, 70_000, 0, 2**31 - 1])
+    assert ids == (5, 70_000, 0, 2**31 - 1) and isinstance(ids, tuple)
+    assert len(ids.packed) == 4 * len(ids)
+    again = pickle.loads(pickle.dumps(ids))
+    assert (type(again), again, again.packed) == (TokenIds, ids, ids.packed)
+    assert ids[:2] == (5, 70_000)  # a slice is a plain tuple: compared the plain way
+    assert common_prefix_len(ids, ids[:2] + (1,)) == 2

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from policies.prefix import TokenIds
 from policies.radix import Forest, RadixTree
 
 A = tuple(range(100, 130))  # a 30-token prompt
@@ -108,3 +109,4 @@ def test_agrees_with_brute_force_on_random_prompts() -> None:
         q = rng.choice(prompts)
         want = sorted(((len(v), k) for k, v in stored.items() if q[:len(v)] == v), reverse=True)
         assert t.match(q) == want, step
+        assert t.match(TokenIds(q)) == want, step  # packed runs, through splits and merges
