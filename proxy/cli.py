@@ -75,8 +75,9 @@ def serve(cfg: Config) -> None:
     sys.setswitchinterval(0.001)
     # each request makes and drops big containers (a 32K prompt's ids, its render records);
     # CPython's default (a young collection every 700 net allocations) walks them every few
-    # requests: 5-12 ms pauses, a 32K request's p99 8.4 ms against a median of 1.5
-    # (`python -m bench.gc_pauses`). Most of it is freed by reference counting anyway.
+    # requests: 5-15 ms pauses, a 32K request's p99 11.2 ms against a median of 2.3
+    # (`python -m bench.gc_pauses`, bench/results/issue23/gc.md). Most of it is freed by
+    # reference counting anyway.
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     app = make_app(cfg)
     try:

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 _LOOP_NEXT = LoopContext.__next__.__code__
 _JSON_CODES = frozenset({json.JSONEncoder.encode.__code__, json.JSONEncoder.iterencode.__code__})
 _ROOT = ("root", "<template>")
+
+
 class _Current(threading.local):
     run: Run | None = None  # the run under way on this thread
 
@@ -71,7 +73,7 @@ def strftime_now(fmt: str) -> str:
     """HF's ``strftime_now`` global; a recorded render notes what it read of the clock, and a
     later one resumes from it only while the clock still reads the same."""
     now = datetime.now().strftime(fmt)
-    run = getattr(_current, "run", None)
+    run = _current.run
     if run is not None:
         run.clock.append((fmt, now))
     return now
@@ -698,7 +700,7 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
     else:
         items = wrapped(messages)
     traced = TracedList(items, run, range(len(messages)))
-    outer, _current.run = getattr(_current, "run", None), run
+    outer, _current.run = _current.run, run
     try:
         for piece in template.generate({**context, "messages": traced}):
             run.pieces.append(piece)

@@ -145,9 +145,7 @@ def hermes_messages(messages: list[dict[str, Any]], tools: tuple[dict[str, Any],
                 j += 1
         group = messages[i:j]
         done = _GROUPS.get(group[-1])
-        if done is None or len(done[0]) != len(group) or (
-                done[0][0] is not group[0] if j - i == 1 else
-                not all(a is b for a, b in zip(done[0], group, strict=True))):
+        if done is None or done[0] != group:  # compared in C; identical items cost nothing
             done = _GROUPS.put(group[-1], (group, _hermes_group(group)))
         out.append(done[1])
         i = j
