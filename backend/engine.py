@@ -23,11 +23,14 @@ Rules this module keeps:
   kernel giving the same bits for different batch shapes (llama.cpp's CPU kernels do not on
   every CPU: an AMD EPYC answered differently where an Intel Xeon did not; CUDA's do not at
   all, nor do the repacked CPU weights of the "extra buffer types"). Three rules:
-  1. The same batches: every prefill batch lies within one block of `align` tokens (the batch
-     size, `n_batch`), so a prompt is always evaluated as the blocks [0, a), [a, 2a), ... and
-     its remainder; reuse, restores and snapshots happen only at multiples of `align`
-     (`policies.prefix.keep_max` and `aligned` are the rules' one home; the plan's positions
-     are multiples already), so a hit evaluates exactly the cold run's remaining blocks.
+  1. The same batches: a prompt's batches are a function of its ids alone
+     (`policies.prefix.Batching`, the rule's one home): from each edge at most `n_batch`
+     tokens, ending early right after an end-of-turn token once a batch holds an eighth of
+     that. Whether a batch ends at p depends only on ids[:p], so a prompt that shares p tokens
+     with an earlier one has the same edges up to p. Reuse, restores and snapshots happen only
+     at edges (the plan's positions are edges already), so a hit evaluates exactly the cold
+     run's remaining batches, and a next turn reuses up to the end of the last message the
+     prompts share rather than up to `n_batch - 1` tokens before it.
   2. The same cells: a cold run puts position p in cell p. A restore does too, because a
      snapshot of a sliding-window cache (which llama.cpp writes without the cells its window
      masks) gets those cells back, zero-filled and still masked, before it is loaded
@@ -67,7 +70,7 @@ import numpy as np
 from backend import layout
 from backend.placement import apply as placement_params
 from backend.placement import check_gpu_layers, offload_devices
-from policies.prefix import aligned, default_batch, live_reuse
+from policies.prefix import Batching, Edges, default_batch, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -288,7 +291,6 @@ class Engine:
         # hybrid's attention cache, none for a pure recurrent model
         self.caches = {"plain": 1, "window": 2}.get(
             self.memory.kind, 1 if llama_cpp.llama_model_is_hybrid(self.model) else 0)
-        self.align = n_batch  # reuse, restores and snapshots at batch edges only (module rules)
         # why no reuse can be exact here ("" where the module rules hold by construction): a
         # real window keeps its cells in a ring whose layout a restore cannot rebuild
         self.inexact = "" if self.memory.kind != "window" or self.memory.full else (
@@ -303,6 +305,9 @@ class Engine:
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
+        # reuse, restores and snapshots at batch edges only (module rules): every n_batch
+        # tokens, and early at the ends of turns
+        self.batching = Batching(n_batch, frozenset(self.eog))
 
     def close(self) -> None:
         if self.ctx:
@@ -358,14 +363,16 @@ class Engine:
             return 0
         return min(pos_min + self.memory.n_swa + 1, self.n_live)
 
-    def live_prefix(self, ids: Sequence[int]) -> int:
-        """Tokens of `ids` the live KV holds exactly and can be cut back to."""
+    def live_prefix(self, ids: Sequence[int], edges: Edges | None = None) -> int:
+        """Tokens of `ids` the live KV holds exactly and can be cut back to (at a batch edge
+        of `ids`: `edges`, computed here when not given)."""
         n = min(self.exact_n, len(ids))
         if n == 0:
             return 0
         diff = np.nonzero(self.ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
         n = int(diff[0]) if len(diff) else n
-        return live_reuse(aligned(n, self.align), self.n_live, self.floor())
+        edges = edges or self.batching.edges(ids)
+        return live_reuse(edges.floor(n), self.n_live, self.floor())
 
     def reusable(self) -> tuple[int, int]:
         """(live tokens a next request may keep, the shortest of them the memory can be cut
@@ -503,20 +510,22 @@ class Engine:
         on_stop: Callable[[int], None],
         cancel: Cancel,
         on_batch: Callable[[int], None] | None = None,
+        edges: Edges | None = None,
     ) -> Generator[None, None, float]:
-        """Evaluate ids[n_live:] in the cold run's blocks of `align` tokens (module rules),
-        stopping at each batch edge of `stops_at` to call on_stop(position) (a snapshot point).
+        """Evaluate ids[n_live:] in the cold run's batches (module rules: `edges`, the ids'
+        batch edges, computed here when not given), stopping at each batch edge of `stops_at`
+        to call on_stop(position) (a snapshot point).
         Every batch is exact, so a cancelled prefill keeps what it evaluated for the next
         request; on_batch(n_live) follows each one. A live state that does not end at a batch
         edge is first cut back to one (where the memory refuses, to none). Yields before each
         batch but the first (another slot may run there; never after the last batch, whose
         logits the first sample reads). Returns the seconds spent in llama_decode (not in
         other slots' steps between): what the prefill itself cost (policies.costs)."""
-        a = self.align
+        edges = edges or self.batching.edges(ids)
         busy = 0.0
-        if self.n_live % a:
-            self.truncate(aligned(self.n_live, a))
-        points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids) and p % a == 0)
+        if self.n_live != edges.floor(self.n_live):
+            self.truncate(edges.floor(self.n_live))
+        points = sorted(p for p in set(stops_at) if self.n_live <= p <= len(ids) and p in edges)
         first = True
         for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
             while self.n_live < p:
@@ -526,7 +535,7 @@ class Engine:
                 if cancel.is_set:
                     raise Cancelled()
                 t = time.perf_counter()
-                self._decode(ids[self.n_live : min(p, aligned(self.n_live, a) + a)])
+                self._decode(ids[self.n_live : min(p, edges.next(self.n_live))])
                 busy += time.perf_counter() - t
                 self.exact_n = self.n_live
                 if on_batch is not None:

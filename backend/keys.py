@@ -45,7 +45,7 @@ from typing import NewType
 
 import xxhash
 
-from policies.prefix import CPU_BATCH
+from policies.prefix import BATCHING_RULE, CPU_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ def make_salt(
         "type_v": str(type_v),
         "flash_attn": str(flash_attn),
         "swa_full": bool(swa_full),
-        "batch": int(batch),  # a hit replays the cold run's batches: their size must match
+        "batch": int(batch),  # a hit replays the cold run's batches: their size must match,
+        "batching": BATCHING_RULE,  # and the rule that cuts them (policies.prefix.Batching)
         "lib_version": str(lib_version),
         "tenant": str(tenant),
     }

@@ -30,7 +30,6 @@ import numpy as np
 
 from backend import layout
 from backend.engine import Cancel, Engine
-from policies.prefix import aligned, keep_max
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +59,10 @@ class Report:
 
 
 def probe_ids(eng: Engine) -> list[int]:
-    """Seeded ids, never an end-of-generation token, long enough for the checks (within the
-    context)."""
-    a = eng.align
+    """Seeded ids, long enough for the checks (within the context), with an end-of-turn token
+    a little past the start and past the first batch, so that batches end early there
+    (`policies.prefix.Batching`) and the edges are not all multiples of the batch size."""
+    a = eng.batching.size
     window = eng.memory.n_swa if eng.memory.kind == "window" else 0
     n = min(max(3 * a, window + 2 * a) + a // 2 + 1, eng.n_ctx - 1)
     n_vocab = int(eng.n_vocab)
@@ -70,7 +70,13 @@ def probe_ids(eng: Engine) -> list[int]:
     ids: list[int] = []
     while len(ids) < n:
         ids += [int(t) for t in rng.integers(1, n_vocab, n) if int(t) not in eng.eog]
-    return ids[:n]
+    ids = ids[:n]
+    ends = sorted(eng.batching.ends)
+    if ends:
+        for p in (a // 4 + 1, a + a // 2 + 3):
+            if p < n - 1:
+                ids[p] = ends[0]
+    return ids
 
 
 def run(eng: Engine) -> Report:
@@ -78,9 +84,9 @@ def run(eng: Engine) -> Report:
     if eng.inexact:  # a configuration no check can make exact
         return Report(False, (Row("configuration", False, eng.inexact),), 0, 0.0)
     ids = probe_ids(eng)
-    a, n = eng.align, len(ids)
+    n, edges = len(ids), eng.batching.edges(ids)
     sections = 2 if eng.memory.kind == "window" else 1
-    points = sorted({p for p in (a, keep_max(n, a)) if 0 < p})
+    points = sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < n})
     snaps: dict[int, bytes] = {}
     eng.truncate(0)
     eng.prefill(ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot())), Cancel())
@@ -95,7 +101,7 @@ def run(eng: Engine) -> Report:
 
     rows = []
     if eng.memory.kind != "recurrent":  # the live state is the cold run's: cut it back first
-        cut = max(aligned(n // 2, a), -(-eng.floor() // a) * a) or a
+        cut = max(edges.floor(n // 2), edges.next(eng.floor() - 1)) or edges.next(0)
         if cut < n and eng.truncate(cut) == cut:
             eng.prefill(ids, [], lambda _: None, Cancel())
             rows.append(compare(f"live@{cut}"))

@@ -6,7 +6,8 @@
                       "fingerprint", "model", "pid",
                       "boot_id" (new each start), "flash_attn", "llama_cpp_version",
                       "memory" ({"kind": plain | window | recurrent, "n_swa"}),
-                      "align" (reuse only at multiples of this: the batch size),
+                      "align" (the batch size), "batch_ends" (the end-of-turn ids where a
+                      batch may end early: policies.prefix.Batching; reuse only at edges),
                      "exact" (the start-up self-check: {"ok", "checked", "failure", ...}),
                       "cache_volume" (the id in its --cache-dir, backend/volume.py),
                       "placement" (backend, GPU layers, VRAM and RAM of weights and KV)}
@@ -85,7 +86,6 @@ from backend.ramtier import RamTier
 from backend.shared import SHARED_PREFIX, STATS, SharedFault, SharedTier
 from policies.costs import Costs, pays
 from policies.decide import Save
-from policies.prefix import aligned, keep_max
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -199,7 +199,9 @@ class Worker:
         eng = self.engine
         if not self.ram.on or not self.exact["ok"]:
             return
-        n = aligned(eng.reusable()[0], eng.align)
+        n = eng.reusable()[0]
+        if n > keep:
+            n = eng.batching.edges(eng.live_ids()[:n]).floor(n)
         if n <= keep or (self.owners[slot] == job.tenant and len(ids) >= n
                          and np.array_equal(eng.ids[:n], ids[:n])):
             return
@@ -215,17 +217,18 @@ class Worker:
         # of a proxy that thought otherwise is held to it), and lower when a scope boundary
         # that reuse passed must still be snapshotted
         exact = bool(self.exact["ok"])
-        last = min(plan.keep_max, keep_max(len(ids), eng.align)) if exact else 0
+        edges = eng.batching.edges(ids)
+        last = min(plan.keep_max, edges.keep_max) if exact else 0
 
         mine = plan.live_ok and job.tenant == self.owners[slot] and exact
 
         def live() -> int:  # what the live KV holds of this prompt that may be kept
-            return min(eng.live_prefix(ids), last) if mine else 0
+            return min(eng.live_prefix(ids, edges), last) if mine else 0
 
         keep, restored, from_ram, faults = live(), 0, 0, []
         ids_np = np.asarray(ids, dtype=np.intc)
         self._give_way(slot, keep, job, ids_np)
-        disk = max((r.n_tokens for r in plan.restore if r.n_tokens % eng.align == 0), default=0)
+        disk = max((r.n_tokens for r in plan.restore if r.n_tokens in edges), default=0)
         # from RAM where that holds more than the live KV and at least the plan's disk entry
         got = self.ram.take(job.salt, job.tenant, ids_np, last, max(keep + 1, disk)) \
             if exact else None
@@ -247,7 +250,7 @@ class Worker:
         for r in plan.restore if exact and not from_ram else ():  # longest first
             if r.n_tokens <= keep:
                 break
-            if r.n_tokens % eng.align:  # never a hit the cold run's batches cannot replay
+            if r.n_tokens not in edges:  # never a hit the cold run's batches cannot replay
                 continue
             try:
                 t = time.perf_counter()
@@ -288,7 +291,7 @@ class Worker:
             pending.append(done)
         yield
 
-        saves = {s.n_tokens: s for s in plan.saves if exact and s.n_tokens % eng.align == 0}
+        saves = {s.n_tokens: s for s in plan.saves if exact and s.n_tokens in edges}
 
         def write(p: int, state: memoryview) -> None:
             key = keys.prefix_keys(job.salt, ids, [p])[p]
@@ -302,7 +305,7 @@ class Worker:
             start = eng.n_live
             busy = yield from eng.prefill_steps(ids, [p for p in saves if p >= eng.n_live],
                                                 lambda p: write(p, eng.snapshot()), cancel,
-                                                lambda n: emit(Prefill(n)))
+                                                lambda n: emit(Prefill(n)), edges)
             self.costs = self.costs.add_prefill(start, len(ids), busy)
             yield from self._generate(job, emit, cancel, t0, pending)
         except Cancelled:  # what it prefilled stays live; snapshots taken are still written
@@ -383,7 +386,8 @@ class Worker:
             "cache_ram": self.ram.stats(), "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
-            "memory": self.engine.memory.to_wire(), "align": self.engine.align,
+            "memory": self.engine.memory.to_wire(), "align": self.engine.batching.size,
+            "batch_ends": sorted(self.engine.batching.ends),
             "placement": self.engine.placement, "costs": self.costs.to_wire(),
             "shared": self.shared_stats if self.shared is not None else None,
             "exact": self.exact,
@@ -629,7 +633,7 @@ def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
     if report.ok:
         log.info("worker %d: exact reuse proven in %.1f s (%s on %d probe tokens, batch %d)",
                  worker_id, report.seconds, ", ".join(r.check for r in report.rows),
-                 report.probe_tokens, engine.align)
+                 report.probe_tokens, engine.batching.size)
     else:
         log.warning("worker %d: exactness self-check FAILED (%s): serving without cache "
                     "reuse; `prefixgate doctor` prints the checks", worker_id, report.failure)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.prefix import aligned, common_prefix_len, keep_max
+from policies.prefix import Batching, common_prefix_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +60,15 @@ def longest_earlier_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def compute_oracle(prompts: Sequence[Sequence[int]], align: int = 0) -> Oracle:
-    """`align` > 0: the oracle of a cache that, like prefixgate's (issue 19: a hit replays the
-    cold run's batches), reuses only whole batches of `align` tokens and evaluates at least the
-    last prompt token: a shared prefix counts down to a batch edge, and at most up to the last
-    edge before the prompt's end (`policies.prefix.keep_max`)."""
+def compute_oracle(prompts: Sequence[Sequence[int]], batching: Batching | None = None
+                   ) -> Oracle:
+    """`batching`: the oracle of a cache that, like prefixgate's (issue 19: a hit replays the
+    cold run's batches), reuses only up to a batch edge (`policies.prefix.Batching`) and
+    evaluates at least the last prompt token: a shared prefix counts down to an edge, and at
+    most up to the last edge before the prompt's end."""
     shared = longest_earlier_prefix(prompts)
-    if align > 0:
-        shared = [min(aligned(s, align), keep_max(len(p), align))
-                  for p, s in zip(prompts, shared, strict=True)]
+    if batching is not None:
+        edges = [batching.edges(p) for p in prompts]
+        shared = [min(e.floor(s), e.keep_max) for e, s in zip(edges, shared, strict=True)]
     return Oracle(tuple(len(p) for p in prompts),
                   tuple(len(p) - s for p, s in zip(prompts, shared, strict=True)))

@@ -138,6 +138,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
     from backend.protocol import Saved
     from bench.prompts import load_builder, prepare, prepare_request
     from policies.decide import WorkerFacts, decide
+    from policies.prefix import Batching
     from policies.ring import Ring
     from proxy import anthropic_api, edge, limits, openai_api
     from proxy.cache import DiskCache
@@ -151,6 +152,8 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
     body = rows[-1]
     cfg = Config()
     knobs = knobs_of(cfg)
+    # the default worker's batches (its batch size, its model's end-of-turn ids)
+    worker = WorkerFacts(0, True, batching=Batching(cfg.batch, builder.tok.eog_ids))
     ring = Ring(RING_CAPACITY)
     with tempfile.TemporaryDirectory(prefix="prefixgate-overhead-") as tmp:
         identity = CacheIdentity(cfg.model_path, 65536, "f16", "f16", "off", "bench")
@@ -161,7 +164,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
             facts = facts_of(prep, prep.scope)
             stored = cache.lookup(facts, "")
             recent = ring.recent("", facts.scope.window)
-            return stored, decide(facts, stored, WorkerFacts(0, True), recent, knobs)
+            return stored, decide(facts, stored, worker, recent, knobs)
 
         # the earlier turns, served: caches warm, ring filled, their snapshots in the index
         for earlier in rows[:-1]:

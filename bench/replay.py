@@ -514,6 +514,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     from bench.prompts import load_builder, render
     from bench.simulate import SimPrompt, simulate
     from bench.trace import load_rows, to_openai
+    from policies.prefix import Batching
     from proxy.config import Config
 
     arms = [parse_arm(s) for s in args.arms.split(",") if s.strip()]
@@ -533,7 +534,9 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     predicted = {a.name: [t.fresh for t in simulate(prompts, a.scope,
                                                     "restart" if a.restart else "live",
                                                     memory=args.memory,
-                                                    align=Config().batch).turns]
+                                                    batching=Batching(
+                                                        Config().batch,
+                                                        builder.tok.eog_ids)).turns]
                  for a in arms if a.server == "prefixgate"}
     load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="prefixgate-bench-"))

@@ -38,7 +38,7 @@ from backend import keys
 from bench.oracle import Oracle, compute_oracle
 from policies.decide import RESTORE_CANDIDATES, Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
-from policies.prefix import aligned, common_prefix_len
+from policies.prefix import Batching, common_prefix_len
 from policies.radix import RadixTree
 from policies.ring import Ring
 from policies.scope import format_scope, parse_scope
@@ -78,8 +78,8 @@ class Simulator:
     """One proxy and one worker, as far as the cache decisions go."""
 
     def __init__(self, policy: str, knobs: CacheKnobs | None = None,
-                 memory: str = "plain", align: int = 1) -> None:
-        self.align = align  # the worker's batch size: reuse only at its multiples
+                 memory: str = "plain", batching: Batching | None = None) -> None:
+        self.batching = batching or Batching()  # the worker's batches: reuse at their edges
         self.knobs = knobs or CacheKnobs()
         # the worker's memory (backend.engine.Memory): a recurrent state is never reused live
         # after generating; a recurrent state or a window cannot cut a restored snapshot back
@@ -113,13 +113,13 @@ class Simulator:
             else 0
         recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
         plan = decide(facts, stored, WorkerFacts(live_n, True, self.memory == "plain",
-                                                 self.align), recent, self.knobs)
+                                                 self.batching), recent, self.knobs)
         if scope.kind != "off":  # as Gateway.start: the ring, and its persisted copy
             self.ring.push(_TENANT, ids)
             self.ring_log = [*self.ring_log, ids][-RING_CAPACITY:]
         # the worker: keep the live prefix, restore the first entry longer than it
         last = plan.keep_max
-        keep = min(aligned(live_n, self.align), last)
+        keep = min(self.batching.edges(ids).floor(live_n), last)
         restored = next((r.n_tokens for r in plan.restore if r.n_tokens > keep), 0)
         cached = min(restored, last) if restored else keep
         saves = tuple((s.n_tokens, str(s.reason)) for s in plan.saves)
@@ -188,13 +188,13 @@ class SimResult:
 
 
 def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
-             knobs: CacheKnobs | None = None, memory: str = "plain", align: int = 1
-             ) -> SimResult:
+             knobs: CacheKnobs | None = None, memory: str = "plain",
+             batching: Batching | None = None) -> SimResult:
     """Replay `prompts` in order through one simulated proxy under `policy` and `mode`, on a
-    worker with this `memory` (plain, window or recurrent) and batch size `align`."""
+    worker with this `memory` (plain, window or recurrent) and `batching` (its batch edges)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    sim = Simulator(policy, knobs, memory, align)
+    sim = Simulator(policy, knobs, memory, batching)
     turns = []
     for i, p in enumerate(prompts):
         if mode == "restart" and i:
@@ -204,6 +204,14 @@ def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
 
 
 # --- the command -------------------------------------------------------------------------------
+
+
+def model_ends(model: str = "") -> frozenset[int]:
+    """The model's end-of-turn ids, where its workers' batches may end early (llama.cpp's
+    end-of-generation tokens, as the proxy's tokenizer knows them)."""
+    from bench.prompts import load_builder
+
+    return load_builder(model).tok.eog_ids
 
 
 def render_trace(path: str, fmt: str = "auto", tool_blocks: str = "openai",
@@ -248,10 +256,11 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run(prompts: Sequence[SimPrompt], policies: Sequence[str], modes: Sequence[str],
-        knobs: CacheKnobs, align: int = 1) -> tuple[Oracle, list[dict[str, Any]]]:
+        knobs: CacheKnobs, batching: Batching | None = None
+        ) -> tuple[Oracle, list[dict[str, Any]]]:
     oracle = compute_oracle([p.ids for p in prompts])
-    batch = compute_oracle([p.ids for p in prompts], align)
-    rows = [simulate(prompts, pol, mode, knobs, align=align).summary(oracle, batch)
+    batch = compute_oracle([p.ids for p in prompts], batching or Batching())
+    rows = [simulate(prompts, pol, mode, knobs, batching=batching).summary(oracle, batch)
             for mode in modes for pol in policies]
     return oracle, rows
 
@@ -273,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--continued-interval-tokens", type=int,
                    default=d.kv_cache_continued_interval_tokens)
     p.add_argument("--ubatch-size", type=int, default=d.batch,
-                   help=f"the workers' batch size: reuse at its multiples (default {d.batch})")
+                   help=f"the workers' batch size: reuse at batch edges, at most this many "
+                   f"tokens apart and at message ends (default {d.batch})")
     p.add_argument("--out", default="", help="directory for simulate-<trace>.json and .md")
     p.add_argument("--note", default="", help="a line for the markdown (e.g. how the trace "
                    "was made)")
@@ -290,15 +300,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
     prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
-    oracle, rows = run(prompts, policies, modes, knobs, a.ubatch_size)
+    batching = Batching(a.ubatch_size, model_ends(a.model))
+    oracle, rows = run(prompts, policies, modes, knobs, batching)
     # the same trace laid out as the client sent it: what the stable-first layout gains
     old = compute_oracle([p.ids for p in render_trace(a.trace, a.format, a.tool_blocks,
                                                        a.turns, a.model, stable_layout=False)])
     head = (f"trace {Path(a.trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
             f"tokens; oracle: {oracle.total_fresh} fresh tokens, mean hit ratio "
-            f"{oracle.mean_hit_ratio:.1%}; at the batch's granularity (whole batches of "
-            f"{a.ubatch_size}, the last token evaluated: what any exact cache here can reach): "
-            f"{compute_oracle([p.ids for p in prompts], a.ubatch_size).total_fresh} "
+            f"{oracle.mean_hit_ratio:.1%}; at the batches' edges (batches of at most "
+            f"{a.ubatch_size} that end early at message ends, the last token evaluated: what "
+            f"any exact cache here can reach): "
+            f"{compute_oracle([p.ids for p in prompts], batching).total_fresh} "
             f"(stable-first layout; the oracle of the client's own "
             f"layout, volatile blocks in place and tools after the system text: "
             f"{old.total_fresh} fresh tokens, {old.mean_hit_ratio:.1%})\n"

@@ -22,10 +22,11 @@ Inputs, all plain data:
 Rules (the positions themselves are ``policies.plan``'s):
 
 1. A hit replays the cold run's batches (``backend.engine``'s rules): every reuse, restore and
-   save point is a multiple of ``worker.align`` (the worker's batch size), and at least the
-   prompt's last token is evaluated. ``keep_max`` is ``policies.prefix.keep_max``: the last
-   batch edge before the last token; the live reuse is rounded down to a batch edge, only
-   aligned entries are offered, and save points are rounded down (7). A worker whose start-up
+   save point is an edge of this prompt's batches (``worker.batching``,
+   ``policies.prefix.Batching``: at most the batch size apart, and at message ends), and at
+   least the prompt's last token is evaluated. ``keep_max`` is the last batch edge before the
+   last token; the live reuse is rounded down to a batch edge, only entries at edges are
+   offered, and save points are rounded down (7). A worker whose start-up
    self-check failed (``worker.exact`` false) reuses nothing: ``keep_max`` 0, no live reuse,
    no restore, no save, ``lookup = "off"``.
 2. ``off``: nothing is restored or saved; ``lookup = "off"``.
@@ -78,8 +79,7 @@ from policies.plan import (
     plan_saves,
     strongest,
 )
-from policies.prefix import aligned
-from policies.prefix import keep_max as max_reuse
+from policies.prefix import Batching
 from policies.scope import Scope
 
 Lookup = Literal["hit", "partial", "miss", "off"]
@@ -118,7 +118,7 @@ class WorkerFacts:
     live_n: int  # tokens of this prompt the worker's live KV holds (and its memory can keep)
     live_ok: bool  # the live KV is this tenant's: it may be reused
     cut_back: bool = True  # its memory can cut a restored snapshot back (plain attention)
-    align: int = 1  # reuse only at multiples of this (its batch size; 1: anywhere)
+    batching: Batching = Batching()  # its prefill batches: reuse only at their edges
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
     costs: Costs | None = None  # its measured costs (None: none reported yet)
 
@@ -220,20 +220,21 @@ def decide(
     """The plan for one request; the rules are in the module docstring."""
     ids, scope = facts.ids, facts.scope
     n = len(ids)
-    a = max(worker.align, 1)
     if not worker.exact:
         return Plan((), (), 0, False, "off", None, None)
-    keep_max = max_reuse(n, a)
-    live_n = aligned(worker.live_n if worker.live_ok else 0, a)
+    edges = worker.batching.edges(ids)
+    keep_max = edges.keep_max
+    live_n = edges.floor(worker.live_n if worker.live_ok else 0)
     if scope.kind == "off":
         return Plan((), (), keep_max, worker.live_ok, "off", None, None)
     window = recent[: scope.window] if scope.kind == "auto" else ()
     boundary = choose_scope_boundary(ids, scope, window, knobs)
     hits = [h for h in stored.hits
-            if (worker.cut_back or h.n_tokens <= keep_max) and h.n_tokens % a == 0]
-    positions = stored.positions if worker.cut_back and a == 1 else frozenset(
+            if (worker.cut_back or h.n_tokens <= keep_max) and h.n_tokens in edges]
+    every = worker.batching.size <= 1
+    positions = stored.positions if worker.cut_back and every else frozenset(
         p for p in stored.positions
-        if (worker.cut_back or p <= keep_max) and p % a == 0)  # entries it can use
+        if (worker.cut_back or p <= keep_max) and p in edges)  # entries it can use
     disk_n = hits[0].n_tokens if hits else 0
     cached_n = min(max(live_n, disk_n), keep_max)
     planned = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
@@ -244,9 +245,9 @@ def decide(
     if not worker.cut_back:  # rule 6: past keep_max taken at keep_max, none behind the reuse
         saves = strongest((p, s.reason) for s in saves
                           if (p := min(s.n_tokens, keep_max)) > cached_n and p not in positions)
-    if a > 1:  # rule 7: rounded down to batch edges
+    if not every:  # rule 7: rounded down to batch edges
         saves = strongest((p, s.reason) for s in saves
-                          if (p := aligned(s.n_tokens, a)) > 0 and p not in positions)
+                          if (p := edges.floor(s.n_tokens)) > 0 and p not in positions)
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
                       else "partial")

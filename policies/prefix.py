@@ -25,7 +25,9 @@ Rules:
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # Ids compared per slice while walking forward: big enough that the Python loop runs ~30 times
@@ -125,6 +127,123 @@ def keep_max(n: int, align: int) -> int:
     """The most tokens of an ``n``-token prompt a hit may reuse: the last batch edge before its
     last token (never negative)."""
     return aligned(max(n - 1, 0), align)
+
+
+LEAST_PART = 8  # a batch ends early at an end of turn once it holds size / LEAST_PART tokens
+BATCHING_RULE = "ends/8"  # names the rule in the cache keys (backend.keys): a new rule, new keys
+
+
+class Edges:
+    """The batch edges of one prompt under a :class:`Batching`: 0 and every position up to the
+    prompt's end where a cold run's batch ends (the prompt's last batch ends at its end, which is
+    an edge only where the rule cuts there). ``points`` None: every multiple of ``size``."""
+
+    __slots__ = ("n", "size", "points")
+
+    def __init__(self, n: int, size: int, points: list[int] | None = None) -> None:
+        self.n, self.size, self.points = n, max(size, 1), points
+
+    def floor(self, p: int) -> int:
+        """The last edge at or before ``p`` (0 for none)."""
+        p = min(p, self.n)
+        if p <= 0:
+            return 0
+        if self.points is None:
+            return p // self.size * self.size
+        return self.points[bisect_right(self.points, p) - 1]
+
+    def next(self, p: int) -> int:
+        """The end of the batch that evaluates position ``p`` (``p`` < n): the first edge past
+        ``p``, or the prompt's end."""
+        if self.points is None:
+            return min((p // self.size + 1) * self.size, self.n)
+        i = bisect_right(self.points, p)
+        return self.points[i] if i < len(self.points) else self.n
+
+    def __contains__(self, p: object) -> bool:
+        if not isinstance(p, int) or not 0 <= p <= self.n:
+            return False
+        return p % self.size == 0 if self.points is None else self.floor(p) == p
+
+    def down(self, hi: int, lo: int) -> list[int]:
+        """The edges ``p`` with ``lo < p <= hi``, longest first."""
+        top = self.floor(hi)
+        if self.points is None:
+            return list(range(top, lo, -self.size)) if top > lo else []
+        i, j = bisect_right(self.points, lo), bisect_right(self.points, top)
+        return self.points[i:j][::-1]
+
+    @property
+    def keep_max(self) -> int:
+        """The most tokens a hit may reuse: the last edge before the prompt's last token."""
+        return self.floor(self.n - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How a cold run cuts a prompt into prefill batches (``backend.engine``'s rule 1), a
+    function of the ids alone. From each edge a batch takes at most ``size`` tokens (the batch
+    size), and it ends early right after an end-of-turn id (``ends``: the model's end-of-
+    generation tokens, which close every message in the chat templates served) once it holds at
+    least ``least`` tokens. So a conversation's edges fall at its message ends, where the next
+    turn parts from it, instead of up to ``size - 1`` tokens before them.
+
+    Whether a batch ends at ``p`` depends only on ``ids[:p]``: two prompts that share ``p``
+    tokens have the same edges up to ``p``, and a snapshot taken at an edge of one is the state
+    the other's cold run has there. ``ends`` empty: every multiple of ``size``."""
+
+    size: int = 1
+    ends: frozenset[int] = frozenset()
+
+    @property
+    def least(self) -> int:
+        return max(self.size // LEAST_PART, 1)
+
+    def edges(self, ids: Sequence[int]) -> Edges:
+        n, size = len(ids), max(self.size, 1)
+        if not self.ends or size == 1:
+            return Edges(n, size)
+        packed = ids.packed if isinstance(ids, TokenIds) else pack(ids)
+        # a recent prompt's edges up to where it parts from this one are this one's (the rule
+        # looks back only): the walk resumes there, and only the new ids are searched
+        recent = _RECENT_EDGES.setdefault(self, [])
+        shared, points = 0, [0]
+        for old, old_points in recent:
+            if (k := _common_packed(old, packed, 0)) > shared:
+                shared, points = k, old_points[: bisect_right(old_points, k)]
+        start, j, least = points[-1], 0, self.least
+        ends = _end_positions(packed, self.ends, start)
+        while True:
+            j = bisect_left(ends, start + least, j)
+            cut = min(ends[j] if j < len(ends) else n + 1, start + size)
+            if cut > n:
+                break
+            points.append(cut)
+            start = cut
+        recent.append((packed, points))
+        del recent[:-RECENT_EDGES]
+        return Edges(n, size, points)
+
+
+RECENT_EDGES = 8  # prompts whose edges are remembered per batching (a few sessions' last turns)
+_RECENT_EDGES: dict[Batching, list[tuple[bytes, list[int]]]] = {}
+
+
+def _end_positions(packed: bytes, ends: frozenset[int], start: int) -> list[int]:
+    """The positions right after each id of ``ends`` in the packed ids past ``start``,
+    ascending (found with ``bytes.find``: a C scan per id)."""
+    out: list[int] = []
+    for t in ends:
+        b = pack((t,))
+        i = packed.find(b, start * ID_BYTES)
+        while i >= 0:
+            if i % ID_BYTES == 0:
+                out.append(i // ID_BYTES + 1)
+                i = packed.find(b, i + ID_BYTES)
+            else:
+                i = packed.find(b, i + 1)
+    out.sort()
+    return out
 
 
 GPU_BATCH, CPU_BATCH = 512, 64  # the batch size when none is set (backend.engine's rules)

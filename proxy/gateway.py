@@ -26,7 +26,7 @@ from backend.keys import prefix_keys
 from backend.shared import SHARED_PREFIX, SharedFault, SharedTier
 from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
-from policies.prefix import common_prefix_len, keep_max
+from policies.prefix import common_prefix_len
 from policies.ring import Ring
 from policies.scope import Scope, parse_scope
 from proxy.cache import DiskCache
@@ -91,11 +91,11 @@ class Gateway:
         (its candidate keys at every batch edge past the local hit, one round trip), put first
         among the hits as a `shared:` entry the worker pulls. A tier that fails is a miss."""
         assert self.shared is not None and self.cache is not None
-        a = self.cfg.batch
-        top = keep_max(len(facts.ids), a)
+        edges = self.pool.batching.edges(facts.ids)
+        top = edges.keep_max
         if stored.longest >= top:
             return stored
-        positions = range(top, stored.longest, -a)[:SHARED_CANDIDATES]
+        positions = edges.down(top, stored.longest)[:SHARED_CANDIDATES]
         salt = await self.cache.read(self.cache.salt, tenant)
         candidates = {n: bytes(k) for n, k in prefix_keys(salt, facts.ids, positions).items()}
         shared = self.shared
@@ -140,7 +140,7 @@ class Gateway:
             w = slot.worker
             plan = decide(facts, stored, WorkerFacts(slot.live_prefix(ids, tenant),
                                                      slot.live_tenant == tenant,
-                                                     w.memory == "plain", w.align, w.exact,
+                                                     w.memory == "plain", w.batching, w.exact,
                                                      w.costs),
                           recent, self.knobs)
             if self.cfg.debug_trace and plan.lookup == "miss":

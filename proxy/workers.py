@@ -49,7 +49,7 @@ import aiohttp
 from backend import volume
 from backend.protocol import Event, Job, parse_event, placement_note
 from policies.costs import Costs
-from policies.prefix import common_prefix_len, live_reuse
+from policies.prefix import Batching, common_prefix_len, live_reuse
 from policies.router import SlotView, choose_slot
 from proxy.config import Config, worker_argv
 from proxy.errors import QueueFull, WorkerFailed
@@ -170,7 +170,7 @@ class Worker:
     n_ctx: int = 0
     fingerprint: str = ""
     memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
-    align: int = 1  # it reuses only at multiples of this (its batch size)
+    batching: Batching = Batching()  # its prefill batches: it reuses only at their edges
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
     exact_failure: str = ""  # why not, from its /health
     restarts: int = 0
@@ -214,8 +214,9 @@ class Worker:
     def memory_note(self) -> str:
         """Its slots, memory, reuse granularity and self-check's verdict for the ready line."""
         where = placement_note(self.placement)
-        return (f"{len(self.slots)} slot(s), memory {self.memory}, reuse at multiples of "
-                f"{self.align}, "
+        b = self.batching
+        return (f"{len(self.slots)} slot(s), memory {self.memory}, reuse at batch edges (batch "
+                f"{b.size}" + (f", or message ends past {b.least}" if b.ends else "") + "), "
                 + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})")
                 + (f"; {where}" if where else ""))
 
@@ -333,6 +334,15 @@ class Pool:
         self._tasks: list[asyncio.Task[None]] = []
         self._rechecks: set[asyncio.Task[None]] = set()
         self._closing = False
+
+    @property
+    def batching(self) -> Batching:
+        """The workers' prefill batches (one model and configuration for all; before any has
+        reported, the configured batch size's multiples)."""
+        for w in self.workers:
+            if w.ready:
+                return w.batching
+        return Batching(self.cfg.batch)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -475,7 +485,8 @@ class Pool:
     def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
         w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
         w.memory = str(h.get("memory", {}).get("kind", "plain"))
-        w.align = int(h.get("align", 1))
+        w.batching = Batching(int(h.get("align", 1)),
+                              frozenset(int(t) for t in h.get("batch_ends", ())))
         exact = h.get("exact") or {}
         w.exact = bool(exact.get("ok", True))
         w.exact_failure = str(exact.get("failure", ""))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from policies.prefix import default_batch, keep_max
+from policies.prefix import default_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "build" / "fixtures"
@@ -36,13 +36,14 @@ FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read 
 
 
 # The workers' batch size (64 on a CPU, 512 with GPU layers): a hit reuses at most the last batch
-# edge before the prompt's last token (policies.prefix.keep_max), so a test of an n-token prompt
-# that was all cached before expects `reusable(n)` tokens from the cache.
+# edge before the prompt's last token. Edges are at most a batch apart (policies.prefix.Batching:
+# every BATCH tokens, and at message ends), so a test of an n-token prompt that was all cached
+# before expects at least `reusable(n)` tokens from the cache.
 BATCH = default_batch(int(os.environ.get("PREFIXGATE_N_GPU_LAYERS", "0")))
 
 
 def reusable(n: int) -> int:
-    return keep_max(n, BATCH)
+    return max(n - BATCH, 0)
 
 
 def model_file(name: str) -> str:

@@ -93,7 +93,7 @@ def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine
     diverges far inside the live sequence (past any window) restored from a snapshot there.
     Each compared with a cold prefill state for state, then by its greedy answer."""
     eng, ref = engines
-    a = eng.align
+    a = eng.batching.size
     first = _ids(name, 900, seed=1)
     second = first + _ids(name, 200, seed=2)
     snaps: dict[int, memoryview] = {}
@@ -230,7 +230,7 @@ def test_an_engine_reuses_only_at_batch_edges() -> None:
     both). 64 on a CPU by default, 512 where layers are offloaded."""
     eng = Engine(model_file("smollm2"), N_CTX, 2, 0)
     ref = Engine(model_file("smollm2"), N_CTX, 2, 0)
-    assert eng.align == 64
+    assert eng.batching.size == 64
     prompt = _ids("smollm2", 300, seed=9)
     eng.prefill(prompt, [], lambda p: None, Cancel())
     other = prompt[:250] + _ids("smollm2", 60, seed=10)

@@ -124,7 +124,7 @@ def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
         sched.stop()
         assert trace == want[:-1]
         eng.use(1)
-        assert 0 < eng.n_live < len(q) and eng.n_live % eng.align == 0, \
+        assert 0 < eng.n_live < len(q) and eng.n_live % eng.batching.size == 0, \
             "what it prefilled stays live, at a batch edge"
     finally:
         eng.close()

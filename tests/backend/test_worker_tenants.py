@@ -14,13 +14,15 @@ import pytest
 
 from backend.protocol import Cancelled, Done, Event, Job, Prefill, Start, parse_event
 from policies.decide import Plan
+from policies.prefix import keep_max
 from tests.conftest import free_port, http_get
 from tests.deploy.test_remote_workers import WorkerProcess
-from tests.models import reusable
+from tests.models import BATCH
 
 pytestmark = pytest.mark.model  # a real worker process (see tests/conftest.py)
 
-SHORT = tuple(range(1000, 1300))  # 300 token ids of the default model's vocabulary
+SHORT = tuple(range(1000, 1300))  # 300 token ids of the default model's vocabulary, none an
+# end of turn: batch edges at multiples of the batch size (policies.prefix.Batching)
 LONG = tuple(range(2000, 3600))  # long enough that a cancel lands during its prefill
 
 
@@ -68,10 +70,10 @@ def kept(events: list[Event]) -> int:
 
 def test_a_tenant_never_keeps_another_tenants_live_kv(worker: WorkerProcess) -> None:
     assert kept(run(worker, job(SHORT, "a"))) == 0  # cold
-    assert kept(run(worker, job(SHORT, "a"))) == reusable(len(SHORT))  # its own live KV
+    assert kept(run(worker, job(SHORT, "a"))) == keep_max(len(SHORT), BATCH)  # its own live KV
     # b with a plan that allows live reuse (a stale proxy view): nothing of a's is kept
     assert kept(run(worker, job(SHORT, "b"))) == 0
-    assert kept(run(worker, job(SHORT, "b"))) == reusable(len(SHORT))  # now b's own
+    assert kept(run(worker, job(SHORT, "b"))) == keep_max(len(SHORT), BATCH)  # now b's own
     assert kept(run(worker, job(SHORT, "a"))) == 0
 
 
@@ -88,7 +90,7 @@ def test_after_a_cancel_the_kv_is_the_cancelled_tenants(worker: WorkerProcess) -
     live = next(e.n_live for e in events if isinstance(e, Cancelled | Done))
     assert live > 0
     assert kept(run(worker, job(LONG, "b"))) == 0  # a's partial prefill is not b's
-    assert kept(run(worker, job(LONG, "b"))) == reusable(len(LONG))
+    assert kept(run(worker, job(LONG, "b"))) == keep_max(len(LONG), BATCH)
 
 
 def test_the_ram_tier_gives_a_tenant_back_only_its_own(tmp_path_factory: pytest.TempPathFactory
@@ -99,7 +101,7 @@ def test_the_ram_tier_gives_a_tenant_back_only_its_own(tmp_path_factory: pytest.
         assert kept(run(w, job(SHORT, "a"))) == 0
         assert kept(run(w, job(SHORT, "b"))) == 0  # a's live KV gave way to RAM: not b's
         back = run(w, job(SHORT, "a"))[0]  # a's own, from RAM (b's went there meanwhile)
-        assert isinstance(back, Start) and back.keep == back.ram == reusable(len(SHORT))
+        assert isinstance(back, Start) and back.keep == back.ram == keep_max(len(SHORT), BATCH)
         assert kept(run(w, job(SHORT, "b", salt=b"\x01" * 16))) == 0, \
             "b's state under another salt (another model or settings) is not this request's"
         health = json.loads(http_get(w.url + "/health")[1])

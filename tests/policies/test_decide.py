@@ -21,6 +21,7 @@ from policies.decide import (
     decide,
 )
 from policies.plan import CacheKnobs, MessageStart, Reason
+from policies.prefix import Batching
 from policies.scope import Scope, parse_scope
 
 S, U, A = "system", "user", "assistant"
@@ -41,7 +42,8 @@ K10 = CacheKnobs(min_tokens=4, cold_max_tokens=1000, continued_interval_tokens=1
 
 
 RECURRENT = WorkerFacts(0, True, cut_back=False)  # a recurrent state or a sliding window
-ALIGNED = WorkerFacts(0, True, align=8)  # reuses only at multiples of 8 (a GPU's batch edges)
+# reuses only at multiples of 8 (its batch; no end-of-turn ids, so no early edges)
+ALIGNED = WorkerFacts(0, True, batching=Batching(8))
 
 
 def prompt(n: int = N) -> tuple[int, ...]:
@@ -512,7 +514,7 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     ),
     # The live reuse 37 counts as 32; the boundary 36 is saved at 32.
     (
-        facts("auto"), [diverge(36)], stored(), WorkerFacts(37, True, align=8), K,
+        facts("auto"), [diverge(36)], stored(), WorkerFacts(37, True, batching=Batching(8)), K,
         Plan(restore=(), saves=saves((32, "scoped")), keep_max=32, live_ok=True, lookup="miss",
              boundary=36, anchor_skipped=None),
     ),

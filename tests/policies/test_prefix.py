@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from policies.prefix import CHUNK_TOKENS, TokenIds, common_prefix_len
+from policies.prefix import (
+    CHUNK_TOKENS,
+    Batching,
+    TokenIds,
+    aligned,
+    common_prefix_len,
+    keep_max,
+    pack,
+)
 
 BASE = list(range(1000, 31000))  # a 30K-token prompt; ids >= 1000, so 7 never matches
 
@@ -83,3 +93,107 @@ def test_token_ids_are_a_tuple_with_their_packed_form() -> None:
     assert (type(again), again, again.packed) == (TokenIds, ids, ids.packed)
     assert ids[:2] == (5, 70_000)  # a slice is a plain tuple: compared the plain way
     assert common_prefix_len(ids, ids[:2] + (1,)) == 2
+
+
+# --- batch edges (policies.prefix.Batching) ---------------------------------------------------
+
+END = 7  # an end-of-turn id in these tests
+
+
+def reference_edges(ids: list[int], size: int, ends: set[int]) -> list[int]:
+    """The rule, token by token: a batch ends after `size` tokens, or right after an end id once
+    it holds at least size // 8 (and 1) tokens."""
+    least = max(size // 8, 1)
+    out, start = [0], 0
+    for p in range(1, len(ids) + 1):
+        if p - start == size or (ids[p - 1] in ends and p - start >= least):
+            out.append(p)
+            start = p
+    return out
+
+
+def conversation(rng: random.Random, n: int) -> list[int]:
+    """Messages of 1-150 ids, each closed by END, ids 0-300 (END inside them too)."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += [rng.randrange(300) for _ in range(rng.randrange(1, 150))] + [END]
+    return ids[:n]
+
+
+@pytest.mark.parametrize("size", [1, 8, 64, 512])
+def test_batch_edges_follow_the_rule_and_never_depend_on_what_comes_after(size: int) -> None:
+    rng = random.Random(size)
+    b = Batching(size, frozenset({END, 11}))
+    for _ in range(30):
+        ids = conversation(rng, rng.randrange(0, 2000))
+        want = reference_edges(ids, size, {END, 11})
+        for form in (ids, tuple(ids), TokenIds(ids)):
+            e = b.edges(form)
+            assert [p for p in range(len(ids) + 1) if p in e] == want
+        e = b.edges(TokenIds(ids))
+        floor, nxt = [0] * (len(ids) + 1), [len(ids)] * (len(ids) + 1)
+        for q, r in zip(want, [*want[1:], len(ids)], strict=True):
+            floor[q : r + 1] = [q] * (r + 1 - q)
+            nxt[q:r] = [r] * (r - q)
+        for p in range(len(ids) + 1):  # floor and next agree with the edges
+            assert e.floor(p) == floor[p]
+            if p < len(ids):
+                assert e.next(p) == nxt[p]
+                assert 0 < nxt[p] - floor[p] <= size, "a batch holds at most `size` tokens"
+        assert e.keep_max == max(q for q in want if q <= max(len(ids) - 1, 0))
+        cut = rng.randrange(len(ids) + 1)  # a prefix: the same edges up to its end
+        assert [p for p in range(cut + 1) if p in b.edges(ids[:cut])] == \
+            [p for p in want if p <= cut]
+        lo, hi = sorted(rng.sample(range(len(ids) + 2), 2))
+        assert e.down(hi, lo) == [q for q in reversed(want) if lo < q <= hi]
+
+
+def test_batch_edges_fall_at_message_ends() -> None:
+    """A conversation's edges: after each message of at least size // 8 tokens, and every
+    `size` tokens inside a long one; a short message joins the next batch."""
+    msgs = [[1] * 100, [END], [2] * 30, [END], [3] * 3, [END], [4] * 1200, [END], [5] * 10]
+    ids = [t for m in msgs for t in m]
+    e = Batching(512, frozenset({END})).edges(ids)
+    got = [p for p in range(len(ids) + 1) if p in e]
+    # 100 + END = 101 >= 64: an edge; 30 + END (31) and 3 + END (35 in all) < 64: joined with
+    # the long message, cut at 101 + 512 and 101 + 1024, then its END at 1337 (212 >= 64)
+    assert got == [0, 101, 613, 1125, 1337]
+    assert e.keep_max == 1337 and e.next(1337) == len(ids)
+    assert Batching(512).edges(ids).keep_max == 1024, "without end ids: multiples of 512"
+
+
+def test_without_end_ids_the_edges_are_the_batch_multiples() -> None:
+    for n in (0, 1, 63, 64, 65, 1025):
+        e = Batching(64).edges(list(range(n)))
+        assert e.keep_max == keep_max(n, 64)
+        assert all(e.floor(p) == aligned(p, 64) for p in range(n + 1))
+        assert [p for p in range(n + 1) if p in e] == list(range(0, n + 1, 64))
+
+
+def test_an_end_id_found_across_two_packed_ids_is_not_an_end() -> None:
+    """The end ids are found in the packed bytes: a match that straddles two ids (here the
+    bytes of END spread over the high bytes of one id and the low bytes of the next) is not one."""
+    end = int.from_bytes(pack([0x01020304])[2:] + pack([0x05060708])[:2], "little", signed=True)
+    ids = [0x01020304, 0x05060708] * 40 + [end] + [9] * 20
+    b = Batching(64, frozenset({end}))
+    assert [p for p in range(len(ids) + 1) if p in b.edges(TokenIds(ids))] == \
+        reference_edges(ids, 64, {end})
+
+
+def test_batch_edges_resumed_from_a_recent_prompt_equal_a_fresh_walk() -> None:
+    """Edges are remembered for a few recent prompts and a prompt that shares a prefix with one
+    resumes the walk where they part: a conversation growing a turn at a time, interleaved with
+    others and with edits far back, always gets the rule's edges."""
+    rng = random.Random(5)
+    b = Batching(64, frozenset({END}))
+    sessions = [conversation(rng, 200) for _ in range(12)]  # more than are remembered
+    for _ in range(200):
+        i = rng.randrange(len(sessions))
+        ids = sessions[i]
+        if rng.random() < 0.2 and len(ids) > 10:  # an edit far back
+            ids = ids[: rng.randrange(len(ids))] + [rng.randrange(300)]
+        ids = ids + conversation(rng, rng.randrange(1, 300))
+        sessions[i] = ids
+        form = TokenIds(ids) if rng.random() < 0.5 else ids
+        assert [p for p in range(len(ids) + 1) if p in b.edges(form)] == \
+            reference_edges(ids, 64, {END})
