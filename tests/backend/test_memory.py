@@ -224,6 +224,43 @@ def test_a_real_window_cuts_back_only_inside_it() -> None:
     ref.close()
 
 
+def test_a_hit_at_a_message_end_equals_the_cold_run(name: str, engines: tuple[Engine, Engine]
+                                                   ) -> None:
+    """Batches end early right after an end-of-turn token (policies.prefix.Batching), so a next
+    turn reuses up to the end of the last message both prompts share, off the multiples of the
+    batch size, and the hit still runs the cold run's batches: live and restored, the state
+    equals a cold prefill's byte for byte and the greedy answer is the cold one."""
+    eng, ref = engines
+    end, size = min(eng.batching.ends), eng.batching.size
+    text = _ids(name, 2000, seed=4)
+    # messages of 70-150 tokens, each closed by the model's end-of-turn token
+    msgs, at = [], 0
+    for k in (90, 150, 70, 110, 130, 80):
+        msgs.append([*text[at : at + k - 1], end])
+        at += k
+    first = [t for m in msgs[:4] for t in m] + text[at : at + 3]  # + a generation prompt
+    second = [t for m in msgs for t in m]
+    e1, e2 = eng.batching.edges(first), eng.batching.edges(second)
+    ends_first = sum(len(m) for m in msgs[:4])
+    assert e1.keep_max == ends_first and ends_first % size, "an edge at the message end"
+    assert ends_first in e2, "the next turn has the same edge"
+    snaps: dict[int, memoryview] = {}
+    eng.truncate(0)
+    assert _answer(eng, first, [ends_first], lambda p: snaps.__setitem__(p, eng.snapshot())) \
+        == _cold(ref, first)
+    assert sorted(snaps) == [ends_first]
+    cold_second = _cold(ref, second)
+    kept = eng.live_prefix(second)
+    if MEMORY[name] != "recurrent":
+        assert kept == ends_first, "the live reuse ends at the message end"
+        assert eng.truncate(kept) == kept
+        assert _answer(eng, second) == cold_second, "live hit at a message end"
+    eng.restore(second[:ends_first], snaps[ends_first])
+    eng.prefill(second, [], lambda p: None, Cancel())
+    _prefill_cold(ref, second)
+    assert _same_state(eng, ref) is None, "restored hit at a message end"
+
+
 def test_an_engine_reuses_only_at_batch_edges() -> None:
     """The live reuse is rounded down to a batch edge and every batch lies within one block
     of the batch size, so a hit runs the cold run's batches (the last one may be one token, in
