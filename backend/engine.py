@@ -408,15 +408,14 @@ class Engine:
         """A copy of this slot's state: KV (and recurrent state) for exactly `n_live` tokens,
         in the form a context of one slot writes. One copy into a fresh buffer that is not
         zeroed first (this runs on the hot path, between prefill segments; with several slots,
-        a second one into that form)."""
+        the form is rewritten within that buffer)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx, self.seq.id)
         out = np.empty(size, dtype=np.uint8)
         dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, self.seq.id)
-        state = memoryview(out)[:n]
-        if len(self.seqs) > 1:  # kept in a one-slot context's form (backend.layout)
-            return memoryview(layout.one_stream(state, self.caches))
-        return state
+        if len(self.seqs) > 1:  # kept in a one-slot context's form (backend.layout), in place
+            n = layout.one_stream_in_place(out, n, self.caches)
+        return memoryview(out)[:n]
 
     def last_logits(self) -> np.ndarray:
         """A copy of the logits after this slot's last evaluated token."""

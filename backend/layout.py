@@ -43,6 +43,7 @@ A state that does not parse this way raises ValueError; the start-up self-check
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -223,29 +224,60 @@ def pad_window(state: bytes | memoryview) -> tuple[bytes | memoryview, int]:
     return b"".join(out), first
 
 
-def one_stream(state: bytes | memoryview, n_caches: int, ext: bool | None = None
-               ) -> bytes | memoryview:
-    """A sequence state written by a context of several KV streams, in the form a context of
-    one stream writes (module docstring); a one-stream state as it is."""
-    if n_caches == 0 or struct.unpack_from("<I", state, 8)[0] == 1:
-        return state
-    buf = memoryview(state)
+Part = bytes | tuple[int, int]  # literal bytes, or (offset, length) of the state itself
 
-    def read(ext: bool) -> bytes:
+
+def _one_stream_parts(state: bytes | memoryview, n_caches: int, ext: bool | None
+                      ) -> list[Part] | None:
+    """The one-stream form as parts in order (None: the state has that form already). Each part
+    comes from at or after the bytes it replaces, so the parts can be laid down in place."""
+    if n_caches == 0 or struct.unpack_from("<I", state, 8)[0] == 1:
+        return None
+
+    def read(ext: bool) -> list[Part]:
         r = _Reader(state, 8)
-        out: list[bytes | memoryview] = [buf[:8]]
+        out: list[Part] = [(0, 8)]
         for _ in range(n_caches):
-            found: memoryview | None = None
+            found: tuple[int, int] | None = None
             for _ in range(r.take("<I")):
                 at = r.pos
                 if _stream(r, ext, at).cell_count:
                     if found is not None:
                         raise ValueError("a sequence's cells in two streams")
-                    found = buf[at:r.pos]
+                    found = (at, r.pos - at)
             out += [struct.pack("<I", 1), found if found is not None else struct.pack("<I", 0)]
-        out.append(buf[r.pos:])  # a hybrid's recurrent state, as it is
-        return b"".join(out)
+        out.append((r.pos, len(state) - r.pos))  # a hybrid's recurrent state, as it is
+        return out
     return _either_ext(read, ext)
+
+
+def one_stream(state: bytes | memoryview, n_caches: int, ext: bool | None = None
+               ) -> bytes | memoryview:
+    """A sequence state written by a context of several KV streams, in the form a context of
+    one stream writes (module docstring); a one-stream state as it is."""
+    parts = _one_stream_parts(state, n_caches, ext)
+    if parts is None:
+        return state
+    buf = memoryview(state)
+    return b"".join(p if isinstance(p, bytes) else buf[p[0] : p[0] + p[1]] for p in parts)
+
+
+def one_stream_in_place(buf: np.ndarray, n: int, n_caches: int) -> int:
+    """`one_stream` of the state in `buf[:n]` (a uint8 array), rewritten within `buf`: no
+    second buffer, no second copy of the cells (a slot's snapshot is most of the state, and on
+    the hot path). Returns the new length."""
+    parts = _one_stream_parts(memoryview(buf)[:n], n_caches, None)
+    if parts is None:
+        return n
+    base, at = buf.ctypes.data, 0
+    for p in parts:  # every part's source lies at or after `at`: memmove, front to back
+        if isinstance(p, bytes):
+            ctypes.memmove(base + at, p, len(p))
+            at += len(p)
+        else:
+            ctypes.memmove(base + at, base + p[0], p[1])
+            at += p[1]
+    return at
 
 
 def many_streams(state: bytes | memoryview, n_caches: int, n_stream: int,

@@ -128,3 +128,30 @@ def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
             "what it prefilled stays live, at a batch edge"
     finally:
         eng.close()
+
+
+def test_a_slots_snapshot_is_rewritten_in_place_as_the_join_writes_it(name: str) -> None:
+    """With several slots a snapshot is given the one-stream form within its own buffer
+    (`layout.one_stream_in_place`, one copy fewer on the hot path): byte for byte what
+    `layout.one_stream` builds from the state llama.cpp wrote, for every slot (the sequence's
+    stream sits at a different place in each)."""
+    import ctypes
+
+    import llama_cpp
+
+    from backend import layout
+
+    eng = _engine(name, 3)
+    try:
+        for slot in range(3):
+            eng.use(slot)
+            eng.prefill(_ids(name, 100 + 30 * slot, seed=slot), [], lambda p: None, Cancel())
+            size = llama_cpp.llama_state_seq_get_size(eng.ctx, slot)
+            raw = np.empty(size, dtype=np.uint8)
+            n = llama_cpp.llama_state_seq_get_data(
+                eng.ctx, raw.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot)
+            want = bytes(layout.one_stream(memoryview(raw)[:n], eng.caches))
+            assert len(want) < n, "the other slots' empty streams are dropped"
+            assert bytes(eng.snapshot()) == want
+    finally:
+        eng.close()
