@@ -175,3 +175,44 @@ def test_a_large_state_is_held_once_in_memory(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert (n, len(read)) == (len(IDS), 64 << 20)
     assert peak_bytes < (64 << 20) * 1.1, peak_bytes
+
+
+def test_a_state_is_written_past_the_page_cache_in_aligned_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_DIRECT where the file system takes it (this one does): the bytes go through the
+    staging buffer a chunk at a time (a small one here, so that a state spans several and ends
+    in a partial one), the file is cut to its length, and it reads back exactly."""
+    monkeypatch.setattr(store, "DIRECT_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(store._staging, "buf", None, raising=False)
+    used: list[bool] = []
+    real = store._write_direct
+    monkeypatch.setattr(store, "_write_direct",
+                        lambda fd, parts: used.append(real(fd, parts)) or used[-1])
+    state = os.urandom(5 * (64 << 10) + 1234)  # 5 chunks and a partial sixth, with the header
+    path, size, _ = write_state_file(tmp_path, KEY, FP, IDS, state)
+    assert used == [True], "this file system takes O_DIRECT writes"
+    assert path.stat().st_size == size
+    assert read_state_file(path, FP, IDS) == (len(IDS), state)
+    verify_file(path)
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_a_buffered_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EINVAL from an O_DIRECT write (tmpfs on older kernels, some overlays): the file is
+    emptied and written through the page cache instead; it reads back exactly."""
+    real_write = os.write
+    refused: list[int] = []
+
+    def write(fd: int, data: bytes | memoryview) -> int:
+        if not refused:
+            refused.append(fd)
+            raise OSError(22, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(store.os, "write", write)
+    path, size, _ = write_state_file(tmp_path, KEY, FP, IDS, STATE)
+    assert refused
+    assert path.stat().st_size == size
+    assert read_state_file(path, FP, IDS) == (len(IDS), STATE)
