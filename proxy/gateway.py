@@ -44,6 +44,10 @@ T = TypeVar("T")
 RING_CAPACITY = 256  # recent prompts remembered (all tenants together)
 SHUTDOWN_COMMIT_WAIT_S = 30.0  # how long a stopping proxy waits for snapshots being written
 OFF = Scope("off")
+# A request that waited longer than this for a slot reads the index again before deciding: the
+# requests served meanwhile may have saved a longer prefix of it (subagents started together
+# share their system prompt and tools).
+REQUEUED_LOOKUP_S = 0.05
 SHARED_CANDIDATES = 2048  # batch edges asked of the shared tier per lookup (128K tokens at 64)
 
 
@@ -86,6 +90,16 @@ class Gateway:
             if self.cfg.shared_tier:
                 self.shared = SharedTier(self.cfg.shared_tier, self.pool.fingerprint)
 
+    async def _lookup(self, facts: Facts, tenant: str) -> Stored:
+        """The stored prefixes of this prompt (local, then the shared tier's); none without a
+        cache or with scope off."""
+        if self.cache is None or facts.scope.kind == "off":
+            return Stored()
+        stored = await self.cache.read(self.cache.lookup, facts, tenant)
+        if self.shared is not None:
+            stored = await self._shared_lookup(facts, stored, tenant)
+        return stored
+
     async def _shared_lookup(self, facts: Facts, stored: Stored, tenant: str) -> Stored:
         """A prompt the local tier does not cover: the longest prefix the shared tier holds
         (its candidate keys at every batch edge past the local hit, one round trip), put first
@@ -126,15 +140,15 @@ class Gateway:
         ids = prep.rendered.ids
         tenant = tenant_id(prep.req.tenant) if self.cfg.tenant_isolation else ""
         facts = facts_of(prep, prep.scope if self.cache is not None else OFF)
-        stored = Stored()
-        if self.cache is not None and facts.scope.kind != "off":
-            stored = await self.cache.read(self.cache.lookup, facts, tenant)
-            if self.shared is not None:
-                stored = await self._shared_lookup(facts, stored, tenant)
+        stored = await self._lookup(facts, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
         slot = await self.pool.acquire(list(ids), stored.longest, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth)
         try:
+            if loop.time() - asked > REQUEUED_LOOKUP_S:  # it waited for a slot: what the
+                stored = await self._lookup(facts, tenant)  # others saved meanwhile counts
             recent = self.ring.recent(tenant, facts.scope.window) \
                 if facts.scope.kind == "auto" else []
             w = slot.worker
