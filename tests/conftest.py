@@ -97,16 +97,19 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
                                 [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     srv = Server(f"http://127.0.0.1:{port}", port, cache_dir, proc, log_path)
     deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n{srv.log()}")
-        if http_get(srv.url + "/health", timeout_s=2)[0] == 200:
-            return srv
-        if while_loading is not None:
-            while_loading(srv)
-        time.sleep(0.2)
-    srv.stop()
-    raise RuntimeError(f"server not ready in {timeout_s} s:\n{srv.log()}")
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited {proc.returncode}:\n{srv.log()}")
+            if http_get(srv.url + "/health", timeout_s=2)[0] == 200:
+                return srv
+            if while_loading is not None:
+                while_loading(srv)  # a failed check stops the server below, never leaks it
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout_s} s:\n{srv.log()}")
+    except BaseException:
+        srv.stop()
+        raise
 
 
 @contextlib.contextmanager
