@@ -3,7 +3,7 @@
     python -m bench.team [--llama-server PATH] [--arms slots,workers,llama-server]
         [--main-tokens 6000] [--sub-tokens 3000] [--turns 5] [--tail-tokens 400]
         [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn on] [--ubatch-size N]
-        [--model GGUF]
+        [--model GGUF] [--rounds N]
         [--out DIR]
 
 The trace (synthetic, seeded, built here): a main Claude Code-shaped session (a system prompt
@@ -39,6 +39,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -398,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
                    "(llama-server's default, auto, turns it on where it can)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="run the arms this many times, "
+                   "reversing their order every other round, and report each round's wall "
+                   "ratio and the median (this machine's speed drifts over minutes)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
@@ -414,13 +418,17 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="prefixgate-team-"))
     try:
         render_all(args, trace, work)
-        results = []
-        for arm in arms:
-            print(f"bench.team: {arm} ...", file=sys.stderr, flush=True)
-            results.append(run_arm(arm, args, trace, work))
-            a = results[-1]
-            print(f"  wall {a['wall_s']} s, fresh {a['fresh_tokens']}, "
-                  f"RSS {a['peak_rss_mib']} MiB, main {a['main_sources']}", file=sys.stderr)
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for r in range(args.rounds):  # the arms in turn, the order reversed every other round
+            got: dict[str, dict[str, Any]] = {}
+            (work / f"round{r}").mkdir()
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                print(f"bench.team: round {r + 1}, {arm} ...", file=sys.stderr, flush=True)
+                a = got[arm] = run_arm(arm, args, trace, work / f"round{r}")
+                print(f"  wall {a['wall_s']} s, fresh {a['fresh_tokens']}, "
+                      f"RSS {a['peak_rss_mib']} MiB, main {a['main_sources']}", file=sys.stderr)
+            rounds.append(got)
+        results = [rounds[0][arm] for arm in arms]  # the table: the first round
     finally:
         shutil.rmtree(work, ignore_errors=True)
     model_mib = os.path.getsize(args.model) / 2**20
@@ -446,6 +454,18 @@ def main(argv: list[str] | None = None) -> None:
             a["fresh_vs_llama_server"] = a["fresh_tokens"] / max(peer["fresh_tokens"], 1)
             checks.append(f"{a['arm']}: wall {a['wall_s']:.1f} s vs llama-server "
                           f"{peer['wall_s']:.1f} s (x{a['wall_vs_llama_server']:.2f})")
+            if len(rounds) > 1:
+                a["wall_vs_llama_server_rounds"] = [
+                    round(rd[a["arm"]]["wall_s"] / rd["llama-server"]["wall_s"], 3)
+                    for rd in rounds]
+                a["wall_vs_llama_server_median"] = statistics.median(
+                    a["wall_vs_llama_server_rounds"])
+                checks.append(f"{a['arm']}: wall / llama-server's in each of {len(rounds)} "
+                              f"rounds {a['wall_vs_llama_server_rounds']}, median "
+                              f"x{a['wall_vs_llama_server_median']:.2f} (walls "
+                              + ", ".join(f"{rd[a['arm']]['wall_s']:.1f}/"
+                                          f"{rd['llama-server']['wall_s']:.1f} s" for rd in rounds)
+                              + ")")
     res = {"command": "python -m bench.team " + " ".join(argv or sys.argv[1:]),
            "machine": f"{os.cpu_count()} cores", "model": args.model, "model_mib": model_mib,
            "slot_ctx": args.slot_ctx, "requests": sum(len(v) for v in trace.values()),
