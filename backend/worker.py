@@ -201,7 +201,7 @@ class Worker:
             return
         n = eng.reusable()[0]
         if n > keep:
-            n = eng.batching.edges(eng.live_ids()[:n]).floor(n)
+            n = eng.batching.edges(eng.ids[:n].tolist()).floor(n)
         if n <= keep or (self.owners[slot] == job.tenant and len(ids) >= n
                          and np.array_equal(eng.ids[:n], ids[:n])):
             return

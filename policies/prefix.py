@@ -149,7 +149,7 @@ class Edges:
         if p <= 0:
             return 0
         if self.points is None:
-            return p // self.size * self.size
+            return aligned(p, self.size)
         return self.points[bisect_right(self.points, p) - 1]
 
     def next(self, p: int) -> int:
@@ -207,10 +207,12 @@ class Batching:
         # a recent prompt's edges up to where it parts from this one are this one's (the rule
         # looks back only): the walk resumes there, and only the new ids are searched
         recent = _RECENT_EDGES.setdefault(self, [])
-        shared, points = 0, [0]
-        for old, old_points in recent:
+        shared, points, best = 0, [0], -1
+        for i, (old, old_points) in enumerate(recent):
             if (k := _common_packed(old, packed, 0)) > shared:
-                shared, points = k, old_points[: bisect_right(old_points, k)]
+                shared, points, best = k, old_points[: bisect_right(old_points, k)], i
+        if best >= 0 and shared * ID_BYTES == len(recent[best][0]):
+            del recent[best]  # this prompt extends (or repeats) it: one entry per conversation
         start, j, least = points[-1], 0, self.least
         ends = _end_positions(packed, self.ends, start)
         while True:
