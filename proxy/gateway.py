@@ -48,7 +48,7 @@ OFF = Scope("off")
 # requests served meanwhile may have saved a longer prefix of it (subagents started together
 # share their system prompt and tools).
 REQUEUED_LOOKUP_S = 0.05
-SHARED_CANDIDATES = 2048  # batch edges asked of the shared tier per lookup (128K tokens at 64)
+SHARED_CANDIDATES = 2048  # batch edges asked of the shared tier per lookup (at least 16K tokens)
 
 
 def tenant_id(api_key: str) -> str:
