@@ -119,6 +119,8 @@ class Scheduler:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self.resting = threading.Event()  # set while no slot has a step to run
+        self.resting.set()
         self.thread = threading.Thread(target=self._loop, name="llama", daemon=True)
         self.thread.start()
 
@@ -135,9 +137,13 @@ class Scheduler:
         while True:
             try:  # wait for work when there is none; otherwise take what came, without waiting
                 while True:
+                    if not turns:
+                        self.resting.set()
                     new = self.inbox.get(block=not turns)
                     if new is None:
+                        self.resting.set()
                         return
+                    self.resting.clear()
                     turns.append(new)
             except queue.Empty:
                 pass
@@ -170,6 +176,12 @@ class Worker:
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.scheduler: Scheduler | None = None  # started once the self-check is done (`start`)
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
+        # where llama.cpp computes on the CPU, a state file is written while the llama thread
+        # rests (WRITE_REST_S at most later, and never with more than WRITE_REST_BYTES
+        # waiting): the writer's copy and hash would take cores from a prefill otherwise
+        self.write_at_rest = engine.placement.get("gpu_layers") == 0
+        self.writes = {"queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0}
+        self.writes_lock = threading.Lock()
         self.runs: dict[str, Cancel] = {}  # run id -> its cancel flag, while it streams
         self.jobs: dict[int, _SlotJob] = {}  # each slot's latest job
         # per slot, whose prompt the live KV holds (tenant, cache salt): a job of another
@@ -295,8 +307,10 @@ class Worker:
 
         def write(p: int, state: memoryview) -> None:
             key = keys.prefix_keys(job.salt, ids, [p])[p]
+            with self.writes_lock:
+                self.writes["queued_bytes"] += state.nbytes
             pending.append(self.writer_thread.submit(self._write, saves[p], key, ids[:p], state,
-                                                     emit, job.tenant))
+                                                     emit, job.tenant, time.monotonic()))
 
         # behind the reuse: copied from the live KV, where the memory can be cut back there
         for p in sorted(p for p in saves if p < eng.n_live and eng.can_snapshot_behind(p)):
@@ -355,7 +369,9 @@ class Worker:
     # --- runs on the writer thread ---------------------------------------------------------
 
     def _write(self, save: Save, key: keys.CacheKey, ids: list[int], state: memoryview,
-               emit: Emit, tenant: str = "") -> None:
+               emit: Emit, tenant: str = "", queued: float | None = None) -> None:
+        if queued is not None:
+            self._await_rest(queued, state.nbytes)
         t0 = time.perf_counter()
         try:
             path, size, checksum = store.write_state_file(
@@ -375,6 +391,20 @@ class Worker:
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
                             len(ids), e)
 
+    def _await_rest(self, queued: float, size: int) -> None:
+        """Wait for the llama thread to rest (`write_at_rest`), then take the state off the
+        queue's count."""
+        with self.writes_lock:
+            waiting = self.writes["queued_bytes"]
+        if self.write_at_rest and self.scheduler is not None and waiting <= WRITE_REST_BYTES:
+            t = time.monotonic()
+            rested = self.scheduler.resting.wait(max(queued + WRITE_REST_S - t, 0))
+            with self.writes_lock:
+                self.writes["at_rest"] += rested
+                self.writes["rest_waited_s"] += time.monotonic() - t
+        with self.writes_lock:
+            self.writes["queued_bytes"] -= size
+
     # --- HTTP ------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
@@ -390,7 +420,7 @@ class Worker:
             "batch_ends": sorted(self.engine.batching.ends),
             "placement": self.engine.placement, "costs": self.costs.to_wire(),
             "shared": self.shared_stats if self.shared is not None else None,
-            "exact": self.exact,
+            "exact": self.exact, "writes": {**self.writes, "at_rest_on": self.write_at_rest},
             "cache_volume": volume.read(self.cache_dir),
         })
 
@@ -564,6 +594,10 @@ def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
 
 
 PARENT_CHECK_S = 1.0
+# a state file waits at most this long for the llama thread to rest (CPU compute only), and
+# does not wait while this much is queued: a snapshot's memory is held until it is written
+WRITE_REST_S = 10.0
+WRITE_REST_BYTES = 512 << 20
 SLOW_DISK_S = 3.0  # PREFIXGATE_FAULT=slow-disk: each state file read takes this much longer
 
 

@@ -1,0 +1,83 @@
+"""On the CPU a state file is written while the llama thread rests: a real `prefixgate worker`
+with two slots, a snapshot taken in one slot while the other prefills. The file is written
+once the other slot's job is done (or WRITE_REST_S later), whole and restorable."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from backend.protocol import Done, Event, Job, Saved, Start, parse_event
+from backend.worker import WRITE_REST_S
+from policies.decide import Plan, Restore, Save
+from tests.conftest import free_port, http_get
+from tests.deploy.test_remote_workers import WorkerProcess
+from tests.models import BATCH
+
+pytestmark = pytest.mark.model  # a real worker process (see tests/conftest.py)
+
+SHORT = tuple(range(1000, 1000 + 4 * BATCH + 10))  # no end-of-turn id: edges at multiples
+LONG = tuple(range(2000, 4000))  # its prefill keeps the llama thread busy for seconds
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    tmp = tmp_path_factory.mktemp("rest")
+    w = WorkerProcess(tmp, free_port(), tmp / "cache", "--parallel", "2", "--cache-ram", "0")
+    yield w
+    w.stop()
+
+
+def run(w: WorkerProcess, j: Job, seen: list[tuple[float, Event]]) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=300)
+    conn.request("POST", "/run", body=json.dumps(j.to_wire()),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    while line := resp.readline():
+        seen.append((time.monotonic(), parse_event(line)))
+    conn.close()
+
+
+def job(run_id: str, ids: tuple[int, ...], slot: int, saves: tuple[int, ...] = (),
+        restore: tuple[Restore, ...] = ()) -> Job:
+    plan = Plan(restore, tuple(Save(n, "scoped") for n in saves), len(ids) - 2, False, "off",
+                None, None)
+    return Job(run_id, ids, b"", "", plan, {"temperature": 0.0}, 1, (), None, slot)
+
+
+def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess) -> None:
+    health = json.loads(http_get(worker.url + "/health")[1])
+    assert health["writes"]["at_rest_on"]  # llama.cpp computes on the CPU here
+    at_rest = health["writes"]["at_rest"]
+    busy: list[tuple[float, Event]] = []
+    saving: list[tuple[float, Event]] = []
+    long = threading.Thread(target=run, args=(worker, job("long", LONG, 1), busy))
+    long.start()
+    time.sleep(1.0)  # its prefill has begun
+    t0 = time.monotonic()
+    run(worker, job("short", SHORT, 0, saves=(4 * BATCH,)), saving)
+    long.join()
+    done_long = next(t for t, e in busy if isinstance(e, Done))
+    saved = [(t, e) for t, e in saving if isinstance(e, Saved)]
+    assert len(saved) == 1 and saved[0][1].n_tokens == 4 * BATCH
+    # the long prefill was still running when the short job was done: the file waited for it,
+    # or for WRITE_REST_S at most
+    assert next(t for t, e in saving if isinstance(e, Done)) < done_long
+    assert saved[0][0] >= min(done_long, t0 + WRITE_REST_S) - 0.05
+    health = json.loads(http_get(worker.url + "/health")[1])
+    assert health["writes"]["queued_bytes"] == 0
+    if saved[0][0] < t0 + WRITE_REST_S:
+        assert health["writes"]["at_rest"] == at_rest + 1
+    # the file is whole: the other slot restores it
+    file = saved[0][1]
+    again: list[tuple[float, Event]] = []
+    run(worker, job("again", SHORT, 1, restore=(Restore(file.n_tokens, bytes.fromhex(file.key),
+                                                        file.file),)), again)
+    start = again[0][1]
+    assert isinstance(start, Start) and start.restored == 4 * BATCH and not start.faults
