@@ -147,7 +147,8 @@ def _qwen35(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace
 
 
 def _llama(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace) -> None:
-    n_embd, n_head, n_head_kv, n_ff, n_layer = 256, 4, 2, 384, a.layers
+    n_embd, n_head, n_head_kv, n_ff = a.size or (256, 4, 2, 384)
+    n_layer = a.layers
     head = n_embd // n_head
     _start(w, t, "llama", n_vocab, n_embd, n_ff, n_layer, n_head, n_head_kv, 1e-5, 32768,
            {"rope.dimension_count": head, "rope.freq_base": 10000.0})
@@ -192,10 +193,14 @@ def _put(w: gguf.GGUFWriter, arch: str, kv: dict[str, Any]) -> None:
 
 
 def generate(arch: str, vocab: Path, out: Path, seed: int = 0, layers: int | None = None,
-             window: int = 128) -> Path:
-    """Write the model to `out` (atomically) and return it."""
+             window: int = 128, size: tuple[int, int, int, int] | None = None) -> Path:
+    """Write the model to `out` (atomically) and return it. `size` (llama only): n_embd,
+    n_head, n_head_kv, n_ff of a model of real size (TinyLlama 1.1B: 2048, 32, 4, 5632 with
+    22 layers), where the default is llama.cpp's test size."""
     build, default_layers = _ARCHS[arch]
-    args = argparse.Namespace(layers=layers or default_layers, window=window)
+    if size is not None and arch != "llama":
+        raise SystemExit("--size is for --arch llama")
+    args = argparse.Namespace(layers=layers or default_layers, window=window, size=size)
     tmp = out.with_name(out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(tmp, arch)
@@ -220,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--window", type=int, default=128, help="gemma3: sliding window, tokens")
+    p.add_argument("--size", default="", help="llama: N_EMBD,N_HEAD,N_HEAD_KV,N_FF for a model "
+                   "of real size (2048,32,4,5632 with --layers 22: TinyLlama 1.1B's shape)")
     a = p.parse_args(argv)
-    path = generate(a.arch, a.vocab, a.out, a.seed, a.layers, a.window)
+    size = tuple(int(x) for x in a.size.split(",")) if a.size else None
+    if size is not None and len(size) != 4:
+        p.error("--size takes N_EMBD,N_HEAD,N_HEAD_KV,N_FF")
+    path = generate(a.arch, a.vocab, a.out, a.seed, a.layers, a.window,
+                    size)  # type: ignore[arg-type]
     print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
     return 0
 

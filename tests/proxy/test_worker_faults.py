@@ -21,6 +21,7 @@ from aiohttp import web
 from backend.protocol import Prefill, Start, Token, encode_event
 from proxy.config import Config, cache_identity
 from tests.conftest import N_CTX, Server, free_port, running
+from tests.models import BATCH, FLASH_ATTN
 
 pytestmark = pytest.mark.model  # a real proxy process (see tests/conftest.py)
 
@@ -31,7 +32,8 @@ class DyingWorker:
 
     def __init__(self) -> None:
         self.port = free_port()
-        self.fingerprint = cache_identity(Config(n_ctx=N_CTX)).fingerprint().hex()
+        self.fingerprint = cache_identity(Config(n_ctx=N_CTX, ubatch_size=BATCH,  # the suite's
+                                                 flash_attn=FLASH_ATTN)).fingerprint().hex()
         self.runs = 0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
