@@ -70,7 +70,7 @@ import numpy as np
 from backend import layout
 from backend.placement import apply as placement_params
 from backend.placement import check_gpu_layers, offload_devices
-from policies.prefix import DEFAULT_BATCH, Batching, Edges, live_reuse
+from policies.prefix import Batching, Edges, default_batch, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -212,7 +212,7 @@ class Engine:
         n_threads: int | None,
         n_gpu_layers: int,
         n_batch: int = 0,
-        flash_attn: str = "auto",
+        flash_attn: str = "off",
         type_k: str = "f16",
         type_v: str = "f16",
         swa_full: bool = True,
@@ -249,7 +249,7 @@ class Engine:
         free1 = [d["free"] for d in offload_devices()]
         rss1 = _rss()
         cp = llama_cpp.llama_context_default_params()
-        n_batch = n_batch or DEFAULT_BATCH
+        n_batch = n_batch or default_batch(n_gpu_layers)
         # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
         cp.kv_unified = False

@@ -45,7 +45,7 @@ from typing import NewType
 
 import xxhash
 
-from policies.prefix import BATCHING_RULE, DEFAULT_BATCH
+from policies.prefix import BATCHING_RULE, CPU_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def make_salt(
     lib_version: str,
     tenant: str = "",
     swa_full: bool = True,
-    batch: int = DEFAULT_BATCH,
+    batch: int = CPU_BATCH,
 ) -> bytes:
     """The 16-byte salt of every key for this model, configuration and tenant.
 
@@ -214,7 +214,7 @@ class CacheIdentity:
     flash_attn: str  # on | off | auto
     lib_version: str  # llama-cpp-python's version
     swa_full: bool = True  # a full-size cache for sliding-window layers (else a real window)
-    batch: int = DEFAULT_BATCH  # tokens per prefill batch (a snapshot's KV depends on it)
+    batch: int = CPU_BATCH  # tokens per prefill batch (a snapshot's KV depends on it)
 
     def salt(self, tenant: str = "") -> bytes:
         return make_salt(self.model_path, self.n_ctx, self.type_k, self.type_v, self.flash_attn,

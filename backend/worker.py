@@ -31,6 +31,9 @@ the cold run's batches: each slot computes exactly what it would alone (the exac
 backend/engine.py), at the price of not batching decode steps across slots
 (bench/results/issue20 measures what batching would change). State files are written on
 another thread, after the state was copied in memory, so a save never delays the first token.
+Where llama.cpp computes on the CPU that thread first waits for the llama thread to rest
+(`_await_rest`: WRITE_REST_S at most, and not while WRITE_REST_BYTES wait): on a few cores its
+hashing and writing slowed every prefill it overlapped (bench/results/issue20).
 
 The RAM tier (`backend.ramtier`, `--cache-ram`): when a job would replace a slot's live KV, the
 part of it a next request could reuse is copied to host RAM first; a job restores from there

@@ -2,7 +2,7 @@
 
     python -m bench.team [--llama-server PATH] [--arms slots,workers,llama-server]
         [--main-tokens 6000] [--sub-tokens 3000] [--turns 5] [--tail-tokens 400]
-        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn auto] [--ubatch-size N]
+        [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn on] [--ubatch-size N]
         [--model GGUF] [--rounds N]
         [--out DIR]
 
@@ -395,9 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ubatch-size", type=int, default=0, help="-ub for every arm (default: "
-                   "each server's own, 512 in both)")
-    p.add_argument("--flash-attn", default="auto", help="on | off | auto, for every arm "
-                   "(auto, both servers' default, turns it on where it can)")
+                   "each server's own: prefixgate 64 on a CPU, llama-server 512)")
+    p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
+                   "(llama-server's default, auto, turns it on where it can)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="run the arms this many times, "
                    "reversing their order every other round, and report each round's wall "

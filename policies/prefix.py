@@ -248,8 +248,11 @@ def _end_positions(packed: bytes, ends: frozenset[int], start: int) -> list[int]
     return out
 
 
-# The batch size when none is set: llama-server's -ub, on every backend. Batches end at message
-# ends (Batching), so a next turn re-prefills its new messages whatever the size; and on a CPU
-# with flash attention 512 prefills fastest (bench/results/issue20/prefill-settings.md: 185
-# tokens/s at 5.5K tokens, against 171 at 64).
-DEFAULT_BATCH = 512
+GPU_BATCH, CPU_BATCH = 512, 64  # the batch size when none is set (backend.engine's rules)
+
+
+def default_batch(n_gpu_layers: int) -> int:
+    """512 where layers are offloaded (llama.cpp's usual batch); 64 on a CPU, where a hit
+    re-evaluates at most 63 tokens and cold prefill costs little against 512 (2 AMD EPYC cores,
+    `python -m bench.batches`: SmolLM2 1.04x, Gemma 3 270M 0.91x the tokens/s)."""
+    return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.keys import CacheIdentity
-from policies.prefix import DEFAULT_BATCH
+from policies.prefix import default_batch
 
 MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
 MIN_SLOT_CTX = 512  # tokens of context a slot needs at the least
@@ -83,9 +83,7 @@ class Config:
     n_cpu_moe: int = 0
     mlock: bool = False  # lock the weights in RAM
     mmap: bool = True  # map the model file (--no-mmap: read it)
-    # flash attention in the workers: on | off | auto (llama.cpp's choice for the device, as
-    # llama-server's default)
-    flash_attn: str = "auto"
+    flash_attn: str = "off"  # flash attention in the workers: on | off | auto
     # KV cache types (llama.cpp's -ctk / -ctv): f16, q8_0, q4_0, ... (a quantized V needs
     # flash attention)
     cache_type_k: str = "f16"
@@ -94,8 +92,8 @@ class Config:
     # --no-swa-full: a real window (less memory; see the README's models section)
     swa_full: bool = True
     # tokens per prefill batch (llama.cpp's physical batch, -ub), and so the granularity of every
-    # reuse and snapshot (a hit replays the cold run's batches, backend/engine.py; batches also
-    # end at message ends, policies.prefix.Batching); 0 = 512, llama-server's
+    # reuse and snapshot (a hit replays the cold run's batches, backend/engine.py); 0 = 512 with
+    # GPU layers, else 64
     ubatch_size: int = 0
     # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
     # off: trust it unchecked
@@ -145,7 +143,7 @@ class Config:
     @property
     def batch(self) -> int:
         """The batch size in force (the workers and the cache key agree on it)."""
-        return self.ubatch_size or DEFAULT_BATCH
+        return self.ubatch_size or default_batch(self.n_gpu_layers)
 
     @property
     def slot_ctx(self) -> int:
@@ -173,7 +171,7 @@ _HELP = {
     "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
     "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
     "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
-    "ubatch_size": "tokens per prefill batch (0 = 512, llama-server's -ub)",
+    "ubatch_size": "tokens per prefill batch and the reuse granularity (0 = 512 on a GPU, else 64)",
     "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from policies.prefix import default_batch
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "build" / "fixtures"
 LLAMA_CPP_MODELS = FIXTURES / "llama.cpp" / "models"  # vocab GGUFs and chat templates
@@ -30,15 +32,14 @@ MEMORY = {"smollm2": "plain", "gemma3": "window", "qwen35": "recurrent"}
 # replaced by another model of the same memory: PREFIXGATE_TEST_MODEL_<NAME>=path.GGUF; the engine
 # tests offload PREFIXGATE_TEST_GPU_LAYERS layers (the servers read PREFIXGATE_N_GPU_LAYERS).
 GPU_LAYERS = int(os.environ.get("PREFIXGATE_TEST_GPU_LAYERS", "0"))
-FLASH_ATTN = os.environ["PREFIXGATE_FLASH_ATTN"]  # the servers read it too (tests/__init__.py)
+FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read it too
 
 
-# The workers' batch size in the tests (tests/__init__.py: 64 unless PREFIXGATE_UBATCH_SIZE says
-# otherwise; the product's default is 512): a hit reuses at most the last batch edge before the
-# prompt's last token. Edges are at most a batch apart (policies.prefix.Batching: every BATCH
-# tokens, and at message ends), so a test of an n-token prompt that was all cached before expects
-# at least `reusable(n)` tokens from the cache.
-BATCH = int(os.environ["PREFIXGATE_UBATCH_SIZE"])
+# The workers' batch size (64 on a CPU, 512 with GPU layers): a hit reuses at most the last batch
+# edge before the prompt's last token. Edges are at most a batch apart (policies.prefix.Batching:
+# every BATCH tokens, and at message ends), so a test of an n-token prompt that was all cached
+# before expects at least `reusable(n)` tokens from the cache.
+BATCH = default_batch(int(os.environ.get("PREFIXGATE_N_GPU_LAYERS", "0")))
 
 
 def reusable(n: int) -> int:

@@ -12,8 +12,7 @@ import pytest
 
 from backend import layout
 from backend.engine import Cancel, Engine, Sampling
-from policies.prefix import DEFAULT_BATCH
-from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
@@ -38,7 +37,7 @@ def name(request: pytest.FixtureRequest) -> str:
 
 
 def _engine(name: str, **kw: object) -> Engine:
-    return Engine(model_file(name), N_CTX, 2, GPU_LAYERS, n_batch=BATCH, flash_attn=FLASH_ATTN,
+    return Engine(model_file(name), N_CTX, 2, GPU_LAYERS, flash_attn=FLASH_ATTN,
                   **kw)  # type: ignore[arg-type]
 
 
@@ -265,10 +264,9 @@ def test_a_hit_at_a_message_end_equals_the_cold_run(name: str, engines: tuple[En
 def test_an_engine_reuses_only_at_batch_edges() -> None:
     """The live reuse is rounded down to a batch edge and every batch lies within one block
     of the batch size, so a hit runs the cold run's batches (the last one may be one token, in
-    both). 512 by default (llama-server's), 64 here."""
-    assert Engine(model_file("smollm2"), N_CTX, 2, 0).batching.size == DEFAULT_BATCH == 512
-    eng = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64)
-    ref = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64)
+    both). 64 on a CPU by default, 512 where layers are offloaded."""
+    eng = Engine(model_file("smollm2"), N_CTX, 2, 0)
+    ref = Engine(model_file("smollm2"), N_CTX, 2, 0)
     assert eng.batching.size == 64
     prompt = _ids("smollm2", 300, seed=9)
     eng.prefill(prompt, [], lambda p: None, Cancel())

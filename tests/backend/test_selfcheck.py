@@ -9,7 +9,7 @@ import pytest
 
 from backend import selfcheck
 from backend.engine import Engine
-from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
@@ -22,8 +22,7 @@ SETTINGS = {
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
 @pytest.mark.parametrize("name", MODELS)
 def test_the_self_check_proves_exact_reuse(name: str, settings: dict[str, str]) -> None:
-    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, n_batch=BATCH,
-                 **settings)  # type: ignore[arg-type]
+    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, **settings)  # type: ignore[arg-type]
     report = selfcheck.run(eng)
     eng.close()
     assert report.ok, report.failure
@@ -31,14 +30,13 @@ def test_the_self_check_proves_exact_reuse(name: str, settings: dict[str, str]) 
     assert checks.count("restore") == 2
     assert checks.count("live") == (0 if name == "qwen35" else 1)
     # past the window and two batches: a window snapshot's padding is exercised
-    assert report.probe_tokens == {64: 673 if name == "gemma3" else 225,
-                                   512: 1793}.get(BATCH, report.probe_tokens)
+    assert report.probe_tokens == (673 if name == "gemma3" else 225)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_an_inexact_restore_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFIXGATE_FAULT", "restore-bit")
-    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, n_batch=BATCH, flash_attn=FLASH_ATTN)
+    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, flash_attn=FLASH_ATTN)
     # the probe's first batch ends early, after an end-of-turn token: off the batch multiples
     first = eng.batching.edges(selfcheck.probe_ids(eng)).next(0)
     assert 0 < first < eng.batching.size
@@ -54,8 +52,7 @@ def test_an_inexact_restore_is_caught(name: str, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_real_window_is_refused_by_rule() -> None:
-    eng = Engine(model_file("gemma3"), 4096, 2, GPU_LAYERS, n_batch=BATCH, flash_attn=FLASH_ATTN,
-                 swa_full=False)
+    eng = Engine(model_file("gemma3"), 4096, 2, GPU_LAYERS, swa_full=False)
     report = selfcheck.run(eng)
     eng.close()
     assert not report.ok and report.rows[0].check == "configuration"

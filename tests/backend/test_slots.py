@@ -14,7 +14,7 @@ import pytest
 from backend.engine import Cancel, Engine, Sampling
 from backend.worker import Scheduler
 from tests.backend.test_memory import _ids
-from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
@@ -28,8 +28,8 @@ def name(request: pytest.FixtureRequest) -> str:
 
 
 def _engine(name: str, n_seq: int) -> Engine:
-    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, n_batch=BATCH,
-                  flash_attn=FLASH_ATTN, n_seq=n_seq)
+    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, flash_attn=FLASH_ATTN,
+                  n_seq=n_seq)
 
 
 def _run(eng: Engine, ids: list[int], trace: list[bytes], stops: tuple[int, ...] = (),

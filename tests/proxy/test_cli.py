@@ -48,9 +48,9 @@ def test_a_taken_port_fails_at_once_with_a_clear_message() -> None:
 
 
 def test_kv_settings_flags_and_variables() -> None:
-    cfg = parse([], {})  # llama-server's defaults: flash attention auto, batches of 512
-    assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch) == \
-        ("auto", "f16", "f16", True, 512)
+    cfg = parse([], {})
+    assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full) == \
+        ("off", "f16", "f16", True)
     cfg = parse(["--flash-attn", "auto", "--cache-type-k", "q8_0", "--no-swa-full"],
                 {"PREFIXGATE_CACHE_TYPE_V": "Q8_0", "PREFIXGATE_FLASH_ATTN": "on"})
     assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full) == \

@@ -17,7 +17,7 @@ from backend import store
 from backend.engine import Engine
 from backend.index import Index
 from tests.conftest import N_CTX, Server, running
-from tests.models import BATCH, FLASH_ATTN, reusable
+from tests.models import BATCH, reusable
 
 pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
 
@@ -100,7 +100,7 @@ def test_every_entry_holds_exactly_its_token_count(tmp_path: Path, model_path: s
             ask(srv, convo(q, history=2))
     found = entries(srv.cache_dir, until=lambda f: len(f) >= 2)
     assert {"cold", "scoped"} <= {e.reason for e in found}
-    eng = Engine(model_path, N_CTX, 2, 0, n_batch=BATCH, flash_attn=FLASH_ATTN)
+    eng = Engine(model_path, N_CTX, 2, 0)
     mem = llama_cpp.llama_get_memory(eng.ctx)
     for e in found:
         header = store.read_header(srv.cache_dir / e.file)

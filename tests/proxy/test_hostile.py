@@ -34,7 +34,6 @@ from proxy.errors import BadRequest, openai_response
 from proxy.limits import LIMITS
 from proxy.metrics import Metrics
 from tests.conftest import Server, running
-from tests.models import BATCH, FLASH_ATTN
 from tests.proxy.test_limits import hostile
 
 pytestmark = pytest.mark.model
@@ -192,7 +191,7 @@ def test_the_worker_refuses_a_grammar_it_cannot_parse(model_path: str) -> None:
     the worker turns into an error event, before the first sample; a good grammar samples."""
     from backend.engine import Cancel, Engine, Sampling
 
-    eng = Engine(model_path, 256, 2, 0, n_batch=BATCH, flash_attn=FLASH_ATTN)
+    eng = Engine(model_path, 256, 2, 0)
     with pytest.raises(ValueError, match="could not build a sampler from the grammar"):
         next(eng.generate(Sampling(temperature=0), 4, Cancel(), 'root ::= "'))
     vocab = llama_cpp.Llama(model_path, vocab_only=True, verbose=False)
