@@ -228,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="", help="llama: N_EMBD,N_HEAD,N_HEAD_KV,N_FF for a model "
                    "of real size (2048,32,4,5632 with --layers 22: TinyLlama 1.1B's shape)")
     a = p.parse_args(argv)
-    size = tuple(int(x) for x in a.size.split(",")) if a.size else None
-    if size is not None and len(size) != 4:
+    dims = [int(x) for x in a.size.split(",")] if a.size else []
+    if dims and len(dims) != 4:
         p.error("--size takes N_EMBD,N_HEAD,N_HEAD_KV,N_FF")
-    path = generate(a.arch, a.vocab, a.out, a.seed, a.layers, a.window,
-                    size)  # type: ignore[arg-type]
+    size = (dims[0], dims[1], dims[2], dims[3]) if dims else None
+    path = generate(a.arch, a.vocab, a.out, a.seed, a.layers, a.window, size)
     print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
     return 0
 
