@@ -3,7 +3,7 @@
     python -m bench.team [--llama-server PATH] [--arms slots,workers,llama-server]
         [--main-tokens 6000] [--sub-tokens 3000] [--turns 5] [--tail-tokens 400]
         [--slot-ctx 12288] [--max-tokens 32] [--threads 2] [--flash-attn on] [--ubatch-size N]
-        [--model GGUF] [--rounds N]
+        [--model GGUF] [--rounds N] [--peer-defaults]
         [--out DIR]
 
 The trace (synthetic, seeded, built here): a main Claude Code-shaped session (a system prompt
@@ -296,9 +296,9 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
     common = ["--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads)]
     ub = ["-ub", str(args.ubatch_size)] if args.ubatch_size else []
     if arm == "llama-server":
+        own = [] if args.peer_defaults else ["-fa", args.flash_attn, *ub]
         cmd = [args.llama_server, "-m", args.model, "-c", str(3 * slot_ctx), "-np", "3",
-               "-t", str(args.threads), "-fa", args.flash_attn, *ub, "--host", "127.0.0.1",
-               "--port", str(port)]
+               "-t", str(args.threads), *own, "--host", "127.0.0.1", "--port", str(port)]
     else:
         shape = ["--parallel", "3", "-c", str(3 * slot_ctx)] if arm == "slots" else \
             ["--workers", "3", "-c", str(slot_ctx)]
@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
                    "each server's own: prefixgate 64 on a CPU, llama-server 512)")
     p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
                    "(llama-server's default, auto, turns it on where it can)")
+    p.add_argument("--peer-defaults", action="store_true", help="llama-server with its own "
+                   "batch and flash attention defaults (-ub 512, -fa auto), whatever "
+                   "prefixgate's arms use")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="run the arms this many times, "
                    "reversing their order every other round, and report each round's wall "
