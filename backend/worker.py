@@ -372,9 +372,10 @@ class Worker:
     # --- runs on the writer thread ---------------------------------------------------------
 
     def _write(self, save: Save, key: keys.CacheKey, ids: list[int], state: memoryview,
-               emit: Emit, tenant: str = "", queued: float | None = None) -> None:
-        if queued is not None:
-            self._await_rest(queued, state.nbytes)
+               emit: Emit, tenant: str, queued: float) -> None:
+        self._await_rest(queued)
+        with self.writes_lock:
+            self.writes["queued_bytes"] -= state.nbytes
         t0 = time.perf_counter()
         try:
             path, size, checksum = store.write_state_file(
@@ -394,19 +395,17 @@ class Worker:
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
                             len(ids), e)
 
-    def _await_rest(self, queued: float, size: int) -> None:
-        """Wait for the llama thread to rest (`write_at_rest`), then take the state off the
-        queue's count."""
+    def _await_rest(self, queued: float) -> None:
+        """Where `write_at_rest`: wait for the llama thread to rest, WRITE_REST_S after the
+        state was queued at most, and not while more than WRITE_REST_BYTES wait."""
+        if not self.write_at_rest or self.scheduler is None \
+                or self.writes["queued_bytes"] > WRITE_REST_BYTES:
+            return
+        t = time.monotonic()
+        rested = self.scheduler.resting.wait(max(queued + WRITE_REST_S - t, 0))
         with self.writes_lock:
-            waiting = self.writes["queued_bytes"]
-        if self.write_at_rest and self.scheduler is not None and waiting <= WRITE_REST_BYTES:
-            t = time.monotonic()
-            rested = self.scheduler.resting.wait(max(queued + WRITE_REST_S - t, 0))
-            with self.writes_lock:
-                self.writes["at_rest"] += rested
-                self.writes["rest_waited_s"] += time.monotonic() - t
-        with self.writes_lock:
-            self.writes["queued_bytes"] -= size
+            self.writes["at_rest"] += rested
+            self.writes["rest_waited_s"] += time.monotonic() - t
 
     # --- HTTP ------------------------------------------------------------------------------
 
