@@ -69,7 +69,7 @@ import numpy as np
 
 from backend import layout
 from backend.placement import apply as placement_params
-from backend.placement import check_gpu_layers, offload_devices
+from backend.placement import check_gpu_layers, compute_identity, offload_devices
 from policies.prefix import Batching, Edges, default_batch, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
@@ -283,6 +283,10 @@ class Engine:
             "vram_kv_bytes": sum(a - b for a, b in zip(free1, free2, strict=True)),
             "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(_rss() - rss1, 0),
         }
+        pl = placement or {}
+        # what computes the KV, for the cache identity: the CPU too where it computes layers
+        self.compute = compute_identity(gpus, self.placement["gpu_layers"] < n_layer + 1 or bool(
+            str(pl.get("override_tensor", "")).strip() or int(pl.get("n_cpu_moe", 0) or 0)))
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # one slot's context
         self.n_batch = n_batch

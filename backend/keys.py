@@ -9,7 +9,10 @@ Rules:
   the model file's identity (its size and the xxh3_128 of all its bytes: any changed weight
   changes it; not its name, path or mtime, so a copied, renamed or re-downloaded identical file
   still hits), n_ctx, the K and V cache types, flash attention (on/off/auto), a full-size or
-  real sliding window, the llama-cpp-python version, and the tenant when isolation is on.
+  real sliding window, the llama-cpp-python version, the devices that compute the KV (their
+  kind and model, and the CPU's kernel features where it computes layers: another GPU or CPU
+  computes other bits, so its state is not what a cold run here computes), and the tenant
+  when isolation is on.
   Changing any of them makes every key different: a clean miss,
   never a bad load.
 - The whole file is hashed once (measured 2.4-3.9 GB/s: the 98 MB default model in 26-41 ms,
@@ -179,6 +182,7 @@ def make_salt(
     tenant: str = "",
     swa_full: bool = True,
     batch: int = CPU_BATCH,
+    compute: str = "",
 ) -> bytes:
     """The 16-byte salt of every key for this model, configuration and tenant.
 
@@ -195,6 +199,7 @@ def make_salt(
         "batch": int(batch),  # a hit replays the cold run's batches: their size must match,
         "batching": BATCHING_RULE,  # and the rule that cuts them (policies.prefix.Batching)
         "lib_version": str(lib_version),
+        "compute": str(compute),  # backend.placement.compute_identity
         "tenant": str(tenant),
     }
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -215,10 +220,13 @@ class CacheIdentity:
     lib_version: str  # llama-cpp-python's version
     swa_full: bool = True  # a full-size cache for sliding-window layers (else a real window)
     batch: int = CPU_BATCH  # tokens per prefill batch (a snapshot's KV depends on it)
+    # the devices that compute the KV, as the workers report them (backend.placement
+    # .compute_identity); the proxy learns it from its first worker
+    compute: str = ""
 
     def salt(self, tenant: str = "") -> bytes:
         return make_salt(self.model_path, self.n_ctx, self.type_k, self.type_v, self.flash_attn,
-                         self.lib_version, tenant, self.swa_full, self.batch)
+                         self.lib_version, tenant, self.swa_full, self.batch, self.compute)
 
     def fingerprint(self) -> bytes:
         return fingerprint(self.salt())

@@ -146,3 +146,25 @@ def check_gpu_layers(n_gpu_layers: int) -> list[dict[str, Any]]:
             "llama-cpp-python has no GPU backend (a CPU-only build): install the CUDA build "
             "(`make serve GPU=cuda`, or deploy/Dockerfile; see the README), or give -ngl 0")
     return gpus
+
+
+def compute_identity(gpus: list[dict[str, Any]], cpu_computes: bool) -> str:
+    """What computes a state's KV, in the words a cache key is salted with (backend.keys): the
+    offload devices' kind and model ("CUDA (NVIDIA H100 80GB HBM3)"), and the CPU with the
+    kernel features ggml picks its kernels by where it computes layers (`cpu_computes`: not
+    every layer on a GPU, or tensors placed by -ot / --n-cpu-moe).
+
+    Another GPU model or CPU runs other kernels, so a state it made is not the bits a cold run
+    here computes: with this in the salt, hosts sharing a cache (the shared tier, one volume)
+    share states only among like machines. The thread count is not in it (ggml computes each
+    output of an op on one thread, whatever their number)."""
+    parts = sorted({f"{d['name'].rstrip('0123456789')} ({d['description']})" for d in gpus})
+    if cpu_computes or not gpus:
+        cpu = next((d["description"] for d in devices() if d["type"] == "cpu"), "CPU")
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        cpu_part = info.split("CPU :", 1)[1].split(":", 1)[0] if "CPU :" in info else ""
+        # "SSE3 = 1 | AVX = 1 | ... | REPACK = 1 | CUDA" -> the features that are on
+        features = [f.split("=")[0].strip() for f in cpu_part.split("|")
+                    if f.strip().endswith("= 1")]
+        parts.insert(0, f"CPU ({cpu}; {' '.join(features)})")
+    return ", ".join(parts)

@@ -4,7 +4,8 @@
                       (one slot's, padded by llama.cpp), "slots" (how many), "n_live" (per
                       slot), "busy" (per slot), "cache_ram" (the RAM tier's use and counts),
                       "fingerprint", "model", "pid",
-                      "boot_id" (new each start), "flash_attn", "llama_cpp_version",
+                      "boot_id" (new each start), "flash_attn", "llama_cpp_version", "compute"
+                      (the devices that compute the KV: in the fingerprint, backend.keys),
                       "memory" ({"kind": plain | window | recurrent, "n_swa"}),
                       "align" (the batch size), "batch_ends" (the end-of-turn ids where a
                       batch may end early: policies.prefix.Batching; reuse only at edges),
@@ -61,7 +62,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import llama_cpp
@@ -418,6 +419,7 @@ class Worker:
             "cache_ram": self.ram.stats(), "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
             "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
+            "compute": self.engine.compute,
             "memory": self.engine.memory.to_wire(), "align": self.engine.batching.size,
             "batch_ends": sorted(self.engine.batching.ends),
             "placement": self.engine.placement, "costs": self.costs.to_wire(),
@@ -543,7 +545,8 @@ class Boot:
         try:
             engine = load_engine(spec, self._progress)
             self.phase, self.progress = "self-check", 1.0
-            worker = Worker(engine, spec.worker_id, spec.cache_dir, spec.identity.fingerprint(),
+            identity = replace(spec.identity, compute=engine.compute)
+            worker = Worker(engine, spec.worker_id, spec.cache_dir, identity.fingerprint(),
                             spec.model_path, spec.flash_attn, spec.n_ctx,
                             RamTier.from_mib(spec.cache_ram))
             worker.exact = exactness(engine, spec.worker_id, spec.exact_check)

@@ -5,8 +5,9 @@ shared proxy/edge.py).
 
 `make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
 tokenizer: a template that cannot be used stops the start at once), then listens, and opens in
-the background the disk cache (the model file hashed, the LMDB index reconciled with the files),
-the gateway and the worker pool, as llama-server does: until they are ready /health and
+the background the worker pool (the model file hashed; the first worker says what devices
+compute, which completes the cache identity), the disk cache (the LMDB index reconciled with
+the files) and the gateway, as llama-server does: until they are ready /health and
 /v1/health answer 503 {"status": "loading", "phase", "progress", "workers"} and every other
 path a 503 in its API's shape (`Loading`). A start that fails there stops the server with its
 one-line reason (`BOOT["error"]`, said by proxy.cli.serve). Shutdown closes them in reverse
@@ -243,21 +244,22 @@ async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None
     try:
         boot["phase"] = "hashing the model file"
         identity = await asyncio.to_thread(cache_identity, cfg)
-        fingerprint = await asyncio.to_thread(identity.fingerprint)
+        await asyncio.to_thread(identity.fingerprint)  # the hash, off the loop, once
+        boot["phase"] = "loading the model"
+        pool = Pool(cfg, identity)  # every worker must match
+        app[POOL] = pool
+        await pool.start()  # the workers say what computes: the identity is complete now
         if cfg.disk_prefix_cache != "off":
             boot["phase"] = "reading the cache index"
             cfg.cache_path.mkdir(parents=True, exist_ok=True)
-            cache = DiskCache(Index(cfg.cache_path), identity, knobs_of(cfg),
+            assert pool.identity is not None
+            cache = DiskCache(Index(cfg.cache_path), pool.identity, knobs_of(cfg),
                               cfg.cache_max_bytes, app[METRICS])
             app[CACHE] = cache
             await asyncio.to_thread(cache.load)
-        boot["phase"] = "loading the model"
-        pool = Pool(cfg, fingerprint)  # every worker must match
-        app[POOL] = pool
         gw = Gateway(cfg, prompts, pool, app.get(CACHE), app[METRICS])
         app[GATEWAY] = gw
         await gw.open()
-        await pool.start()
     except asyncio.CancelledError:
         raise
     except Exception as e:  # StartupError, a worker that died loading, a cache dir refused

@@ -11,10 +11,11 @@ Two kinds of worker behind the same HTTP API (backend/worker.py):
 Rules:
 
 - At startup every worker must answer `/health` with the proxy's fingerprint (same model file,
-  n_ctx, KV types, flash-attn, llama-cpp-python version) and, when remote with the disk cache on,
-  report the proxy's cache volume id (backend/volume.py). Otherwise the proxy refuses to start
-  with a `StartupError` that says what differs. A remote worker is waited for up to
-  `REMOTE_WAIT_S` (it may still be loading its model).
+  n_ctx, KV types, flash-attn, llama-cpp-python version, and the devices that compute: the
+  first worker says them, every other must compute on the same) and, when remote with the
+  disk cache on, report the proxy's cache volume id (backend/volume.py). Otherwise the proxy
+  refuses to start with a `StartupError` that says what differs. A remote worker is waited for
+  up to `REMOTE_WAIT_S` (it may still be loading its model).
 - A remote worker is probed every `PROBE_INTERVAL_S`. Refused or reset: down at once. Timed out:
   down after `PROBE_TIMEOUTS_DOWN` in a row (a loaded machine is slow, not dead). Down means:
   routed around, its live ids forgotten, and its in-flight streams closed, so their requests
@@ -40,13 +41,14 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from backend import volume
+from backend.keys import CacheIdentity
 from backend.protocol import Event, Job, parse_event, placement_note
 from policies.costs import Costs
 from policies.prefix import Batching, common_prefix_len, live_reuse
@@ -300,15 +302,23 @@ def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers:
     return devices[worker_id] if len(devices) >= workers else None
 
 
-def incompatibility(h: dict[str, Any], fingerprint: bytes, n_ctx: int, model_path: str,
-                    volume_id: str, slots: int = 1) -> str | None:
-    """Why a worker whose /health says `h` cannot serve this proxy, or None."""
+def incompatibility(h: dict[str, Any], identity: CacheIdentity | None, n_ctx: int,
+                    model_path: str, volume_id: str, slots: int = 1) -> str | None:
+    """Why a worker whose /health says `h` cannot serve this proxy (whose cache `identity`
+    names the devices of the workers that came first, if any did), or None."""
     if int(h.get("n_ctx", 0)) != n_ctx:
         return (f"it runs n_ctx {h.get('n_ctx')} but the proxy expects {n_ctx}: start both with "
                 "the same --n-ctx")
     if int(h.get("slots", 1)) != slots:
         return (f"it runs {h.get('slots', 1)} slots but the proxy expects {slots} (each gets "
                 "--n-ctx / --parallel tokens): start both with the same --parallel")
+    compute = str(h.get("compute", ""))
+    if identity is not None and identity.compute and compute != identity.compute:
+        return (f"it computes on {compute or 'unnamed devices'}, the other workers on "
+                f"{identity.compute}: a state one makes is not the bits the other computes cold, "
+                "so one cache cannot serve both; run a prefixgate (or a cache directory) per kind "
+                "of device")
+    fingerprint = b"" if identity is None else replace(identity, compute=compute).fingerprint()
     if fingerprint and h.get("fingerprint") != fingerprint.hex():
         return (f"its model or KV settings differ from the proxy's: it serves "
                 f"{h.get('model')!r} (flash-attn {h.get('flash_attn')}, llama-cpp-python "
@@ -323,9 +333,11 @@ def incompatibility(h: dict[str, Any], fingerprint: bytes, n_ctx: int, model_pat
 
 
 class Pool:
-    def __init__(self, cfg: Config, fingerprint: bytes = b"") -> None:
+    def __init__(self, cfg: Config, identity: CacheIdentity | None = None) -> None:
         self.cfg = cfg
-        self.fingerprint = fingerprint  # expected from every worker; b"": not checked
+        # the cache identity every worker must match (None: not checked); the devices that
+        # compute are the first worker's (a worker says them), then every other's must match
+        self.identity = identity
         self.volume_id = ""  # the cache volume every remote worker must report
         self.workers: list[Worker] = []
         self._cond = asyncio.Condition()
@@ -428,7 +440,7 @@ class Pool:
                              loop.time() - start)
                     note += LOADING_NOTE_S
                 await asyncio.sleep(0.1)
-        problem = incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path, "",
+        problem = incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path, "",
                                   self.cfg.parallel)
         if problem:
             raise StartupError(f"{w.name}: {problem}")
@@ -479,10 +491,17 @@ class Pool:
         self._tasks = [asyncio.create_task(self._watch(w)) for w in self.workers]
 
     def _incompatibility(self, h: dict[str, Any]) -> str | None:
-        return incompatibility(h, self.fingerprint, self.cfg.n_ctx, self.cfg.model_path,
+        return incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path,
                                self.volume_id, self.cfg.parallel)
 
+    @property
+    def fingerprint(self) -> bytes:
+        """The cache's fingerprint (complete once `start` returned: a worker said what computes)."""
+        return b"" if self.identity is None else self.identity.fingerprint()
+
     def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
+        if self.identity is not None and not self.identity.compute:  # the first worker
+            self.identity = replace(self.identity, compute=str(h.get("compute", "")))
         w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
         w.memory = str(h.get("memory", {}).get("kind", "plain"))
         w.batching = Batching(int(h.get("align", 1)),

@@ -115,6 +115,8 @@ def test_salt_is_stable_across_calls_and_processes(model: Path) -> None:
         {"flash_attn": "on"},
         {"swa_full": False},
         {"lib_version": "0.3.17"},
+        {"batch": 512},
+        {"compute": "CUDA (NVIDIA H100 80GB HBM3)"},
         {"tenant": "acme"},
     ],
 )

@@ -11,6 +11,7 @@ the proxy (other n_ctx, other cache volume) makes the proxy refuse to start, say
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -165,6 +166,9 @@ def test_worker_replaced_then_disk_hit_and_failures_are_clean(tmp_path: Path,
 
 def test_proxy_refuses_a_worker_that_cannot_serve_it(tmp_path: Path,
                                                      worker: WorkerProcess) -> None:
+    # it names what computes its KV (in its fingerprint): here the CPU and its kernels' features
+    compute = json.loads(http_get(worker.url + "/health")[1])["compute"]
+    assert compute.startswith("CPU (") and "; " in compute, compute
     with pytest.raises(RuntimeError) as exc:
         start_server(tmp_path, "--worker-url", worker.url, "--n-ctx", "2048",
                      cache_dir=tmp_path / "cache")

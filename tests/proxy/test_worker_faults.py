@@ -8,10 +8,12 @@ worker (`--worker-url`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import openai
@@ -20,7 +22,7 @@ from aiohttp import web
 
 from backend.protocol import Prefill, Start, Token, encode_event
 from proxy.config import Config, cache_identity
-from tests.conftest import N_CTX, Server, free_port, running
+from tests.conftest import N_CTX, Server, free_port, running, start_server
 from tests.models import BATCH, FLASH_ATTN
 
 pytestmark = pytest.mark.model  # a real proxy process (see tests/conftest.py)
@@ -30,10 +32,12 @@ class DyingWorker:
     """Answers like a worker of the default model; every run streams a start, a prefill batch
     and one token, then the connection drops with no end of stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, compute: str = "CPU (test)") -> None:
         self.port = free_port()
-        self.fingerprint = cache_identity(Config(n_ctx=N_CTX, ubatch_size=BATCH,  # the suite's
-                                                 flash_attn=FLASH_ATTN)).fingerprint().hex()
+        self.compute = compute  # the devices it says compute its KV (in its fingerprint)
+        self.fingerprint = dataclasses.replace(cache_identity(Config(
+            n_ctx=N_CTX, ubatch_size=BATCH, flash_attn=FLASH_ATTN)),  # the suite's
+            compute=compute).fingerprint().hex()
         self.runs = 0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -44,6 +48,7 @@ class DyingWorker:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"ready": True, "worker_id": 0, "n_ctx": N_CTX,
                                   "fingerprint": self.fingerprint, "boot_id": "fake",
+                                  "compute": self.compute,
                                   "model": "fake", "pid": 0, "cache_volume": ""})
 
     async def run(self, request: web.Request) -> web.StreamResponse:
@@ -125,3 +130,20 @@ def test_the_proxy_stays_up_and_healthy(proxy: tuple[Server, DyingWorker]) -> No
     status, body = srv.get("/health")
     assert status == 200 and json.loads(body)["workers"][0]["busy"] is False
     assert "Traceback" not in srv.log()
+
+
+def test_workers_that_compute_on_other_devices_make_the_proxy_refuse(tmp_path: Path) -> None:
+    """A state one device made is not the bits another computes cold: one cache cannot serve
+    a CPU worker and a GPU worker (a real worker cannot be given another device on demand)."""
+    cpu, gpu = DyingWorker("CPU (AMD EPYC; AVX2)"), DyingWorker("CUDA (NVIDIA H100 80GB HBM3)")
+    try:
+        with pytest.raises(RuntimeError) as exc:
+            start_server(tmp_path, "--worker-url", f"http://127.0.0.1:{cpu.port}",
+                         "--worker-url", f"http://127.0.0.1:{gpu.port}",
+                         "--disk-prefix-cache", "off")
+    finally:
+        cpu.stop()
+        gpu.stop()
+    said = str(exc.value)
+    assert "computes on" in said and "CUDA (NVIDIA H100 80GB HBM3)" in said, said
+    assert "CPU (AMD EPYC; AVX2)" in said and "Traceback" not in said
