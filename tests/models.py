@@ -39,7 +39,9 @@ FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read 
 # edge before the prompt's last token. Edges are at most a batch apart (policies.prefix.Batching:
 # every BATCH tokens, and at message ends), so a test of an n-token prompt that was all cached
 # before expects at least `reusable(n)` tokens from the cache.
-BATCH = default_batch(int(os.environ.get("PREFIXGATE_N_GPU_LAYERS", "0")))
+# PREFIXGATE_UBATCH_SIZE sets it for the servers and the engine tests alike.
+BATCH = int(os.environ.get("PREFIXGATE_UBATCH_SIZE") or 0) or default_batch(
+    int(os.environ.get("PREFIXGATE_N_GPU_LAYERS", "0")))
 
 
 def reusable(n: int) -> int:

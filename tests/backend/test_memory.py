@@ -12,11 +12,14 @@ import pytest
 
 from backend import layout
 from backend.engine import Cancel, Engine, Sampling
-from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
+from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
-N_CTX = 2048
+# Lengths are in batches (A: 64 on a CPU, 512 with GPU layers; bench/gpu_check.sh): a snapshot
+# sits at a batch edge, so a test's save points are too
+A = BATCH
+N_CTX = 32 * A
 GEN = 12  # greedy tokens compared
 
 
@@ -25,7 +28,7 @@ def _ids(name: str, n: int, seed: int) -> list[int]:
     vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
     words = [f"{w}{(i * 7919 + seed) % 97}" for i, w in enumerate(
         "the cache keeps every prefix exact so a restored state answers like a cold one".split()
-        * 200)]
+        * 1600)]
     ids = vocab.tokenize(" ".join(words).encode(), add_bos=False)
     assert len(ids) >= n
     return ids[:n]
@@ -38,7 +41,7 @@ def name(request: pytest.FixtureRequest) -> str:
 
 def _engine(name: str, **kw: object) -> Engine:
     return Engine(model_file(name), N_CTX, 2, GPU_LAYERS, flash_attn=FLASH_ATTN,
-                  **kw)  # type: ignore[arg-type]
+                  **{"n_batch": A, **kw})  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -93,38 +96,39 @@ def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine
     diverges far inside the live sequence (past any window) restored from a snapshot there.
     Each compared with a cold prefill state for state, then by its greedy answer."""
     eng, ref = engines
-    a = eng.batching.size
-    first = _ids(name, 900, seed=1)
-    second = first + _ids(name, 200, seed=2)
+    assert eng.batching.size == A
+    near, far = 5 * A, 14 * A  # save points: 320 and 896 at 64
+    first = _ids(name, far + 4, seed=1)
+    second = first + _ids(name, 3 * A + 8, seed=2)
     snaps: dict[int, memoryview] = {}
     eng.truncate(0)
-    assert _answer(eng, first, [320, 896], lambda p: snaps.__setitem__(p, eng.snapshot())) \
+    assert _answer(eng, first, [near, far], lambda p: snaps.__setitem__(p, eng.snapshot())) \
         == _cold(ref, first)
-    assert sorted(snaps) == [320, 896]
+    assert sorted(snaps) == [near, far]
     cold_second = _cold(ref, second)
 
     kept = eng.live_prefix(second)
     if MEMORY[name] == "recurrent":
         assert kept == 0, "generated tokens moved the recurrent state past the prompt"
     else:
-        assert kept == 900 // a * a, "the live reuse ends at a batch edge"
+        assert kept == far, "the live reuse ends at a batch edge"
     assert eng.truncate(kept) == kept
     assert _answer(eng, second) == cold_second, "live hit"
 
-    eng.restore(second[:896], snaps[896])
-    assert eng.n_live == 896
+    eng.restore(second[:far], snaps[far])
+    assert eng.n_live == far
     eng.prefill(second, [], lambda p: None, Cancel())
     _prefill_cold(ref, second)
     assert _same_state(eng, ref) is None, "restored hit"
 
-    # diverges at 320, far behind the live end; the window's cache restored at 896 holds only
-    # positions 384-895 of the window layers: it cannot be cut back to 320 either
-    third = first[:320] + _ids(name, 500, seed=3)
+    # diverges at `near`, far behind the live end; the window's cache restored at `far` holds
+    # only the window's last positions (384-895 at 64): it cannot be cut back to `near` either
+    third = first[:near] + _ids(name, 8 * A - 12, seed=3)
     kept = eng.live_prefix(third)
-    assert kept == (320 if MEMORY[name] == "plain" else 0)
+    assert kept == (near if MEMORY[name] == "plain" else 0)
     eng.truncate(kept)
     if kept == 0:
-        eng.restore(third[:320], snaps[320])
+        eng.restore(third[:near], snaps[near])
     assert _answer(eng, third) == _cold(ref, third), "diverging far inside the live sequence"
 
 
@@ -132,25 +136,27 @@ def test_a_cut_the_memory_refuses_never_leaves_a_wrong_state(name: str,
                                                              engines: tuple[Engine, Engine]
                                                              ) -> None:
     eng, ref = engines
-    prompt = _ids(name, 1800, seed=4)
+    n, cut = 28 * A + 8, 2 * A  # 1800 and 128 at 64
+    prompt = _ids(name, n, seed=4)
     eng.truncate(0)
     eng.prefill(prompt, [], lambda p: None, Cancel())
     floor = eng.floor()
-    kept = eng.truncate(128)
+    kept = eng.truncate(cut)
     mem = llama_cpp.llama_get_memory(eng.ctx)
     if MEMORY[name] == "recurrent":
-        assert (floor, kept) == (1800, 0), "cutting back inside a recurrent state is refused"
+        assert (floor, kept) == (n, 0), "cutting back inside a recurrent state is refused"
     else:  # plain, or a full-size window cache that computed every position itself
-        assert (floor, kept) == (0, 128)
+        assert (floor, kept) == (0, cut)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == kept - 1
-    other = prompt[:128] + _ids(name, 300, seed=5)
+    other = prompt[:cut] + _ids(name, 5 * A - 20, seed=5)
     assert _answer(eng, other) == _cold(ref, other)
 
 
-# Restore points: batch edges around the window's edge (Gemma 3: 512), the first batch edges,
-# and others; prompt ends: a batch edge, one before, one past. Every pair with p < n.
-POINTS = (64, 128, 448, 512, 576, 640, 1024)
-ENDS = (1088, 1087, 1089, 700)
+# Restore points: batch edges around the window's edge (Gemma 3: 512, at a batch of 64), the
+# first batch edges, and others; prompt ends: a batch edge, one before, one past. Every pair with
+# p < n. At 64: 64, 128, 448, 512, 576, 640, 1024; 1088, 1087, 1089, 700.
+POINTS = tuple(k * A for k in (1, 2, 7, 8, 9, 10, 16))
+ENDS = (17 * A, 17 * A - 1, 17 * A + 1, 11 * A - 4)
 
 
 def test_a_restored_snapshot_extended_holds_the_cold_runs_state(
@@ -163,8 +169,8 @@ def test_a_restored_snapshot_extended_holds_the_cold_runs_state(
     prompt = _ids(name, max(ENDS), seed=6)
     snaps: dict[int, bytes] = {}
     eng.truncate(0)
-    eng.prefill(prompt, [*POINTS, 100, 513], lambda p: snaps.__setitem__(p, bytes(eng.snapshot())),
-                Cancel())
+    eng.prefill(prompt, [*POINTS, 2 * A - 28, 8 * A + 1],  # the last two: not at an edge
+                lambda p: snaps.__setitem__(p, bytes(eng.snapshot())), Cancel())
     assert sorted(snaps) == sorted(POINTS), "a stop only at a batch edge"
     failures = []
     for n in ENDS:
@@ -206,7 +212,8 @@ def test_a_real_window_cuts_back_only_inside_it() -> None:
     (padded to 768 cells); behind that the state cannot be cut back, and a refused cut leaves it
     empty, never wrong. Within the window it cuts back like plain attention (the mechanics; a
     worker with a real window reuses nothing, as `inexact` says)."""
-    eng, ref = _engine("gemma3", swa_full=False), _engine("gemma3", swa_full=False)
+    # its numbers are a batch of 64's (the window's ring holds the window and a batch)
+    eng, ref = (_engine("gemma3", swa_full=False, n_batch=64) for _ in range(2))
     prompt = _ids("gemma3", 1800, seed=7)
     assert "ring" in eng.inexact, "a real window: no reuse is exact, the worker reuses nothing"
     eng.prefill(prompt, [], lambda p: None, Cancel())
