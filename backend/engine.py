@@ -244,8 +244,13 @@ class Engine:
         rss0 = _rss()
         self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
         del keep
+        # what to do when the GPU is full (llama-server's --fit finds the layers that fit
+        # by itself; here they are given)
+        full = ("; if the GPU ran out of memory (llama.cpp's log above says so), offload fewer "
+                "layers (-ngl N), keep MoE experts on the CPU (--n-cpu-moe N) or give a smaller "
+                "-c") if gpus and n_gpu_layers else ""
         if not self.model:
-            raise ValueError(f"llama.cpp could not load the model {model_path}")
+            raise ValueError(f"llama.cpp could not load the model {model_path}{full}")
         free1 = [d["free"] for d in offload_devices()]
         rss1 = _rss()
         cp = llama_cpp.llama_context_default_params()
@@ -267,7 +272,7 @@ class Engine:
             llama_cpp.llama_model_free(self.model)
             raise ValueError(
                 f"llama.cpp could not create a context (n_ctx {n_ctx}, K {type_k}, V {type_v}, "
-                f"flash attention {flash_attn}; a quantized V cache needs flash attention)")
+                f"flash attention {flash_attn}; a quantized V cache needs flash attention){full}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         # where it all went, for the ready line: weights and KV (with compute buffers), on the
         # GPUs (their free memory before and after) and in RAM (this process's resident set)

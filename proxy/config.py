@@ -72,7 +72,9 @@ class Config:
     n_ctx: int = 65536
     threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
     threads_batch: int = 0  # CPU threads per worker for prefill; 0 = all cores
-    n_gpu_layers: int = 0  # layers offloaded to the GPU (-1 or "all" = all; "auto" = all on a GPU)
+    # layers offloaded to the GPU (-1 or "all" = all; "auto" = all on a GPU). `serve`, `worker`
+    # and `doctor` default to "auto", as llama-server does; a Config built in code to 0
+    n_gpu_layers: int = 0
     # how a model is split across several GPUs: layer | row | none, and in what proportions
     # ("3,1"; "" = by free memory)
     split_mode: str = "layer"
@@ -166,7 +168,9 @@ _HELP = {
                     "mistral | hermes (default: found from the chat template)",
     "workers": "worker processes",
     "n_ctx": "context tokens per worker, shared among its --parallel slots",
-    "threads": "CPU threads per worker (0 = default)", "n_gpu_layers": "layers on the GPU",
+    "threads": "CPU threads per worker (0 = default)",
+    "n_gpu_layers": "layers on the GPU: N, all, or auto (the default: all where this build "
+                    "can offload, CUDA or Metal; none on a CPU-only build)",
     "flash_attn": "flash attention: on | off | auto",
     "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
     "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
@@ -370,6 +374,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 shown = "(not shown)" if f.name == "api_key" else repr(v)
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
+    if "n_gpu_layers" not in values:  # llama-server's default: every layer where a GPU is
+        values["n_gpu_layers"] = _coerce("n_gpu_layers", "auto")
     cfg = Config(**values)
     if cfg.hf_repo and not cfg.model:  # a --model wins (a worker gets the resolved path)
         from proxy.hub import resolve
