@@ -286,11 +286,12 @@ _ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no
 def _coerce(name: str, value: Any) -> Any:
     default = Config.__dataclass_fields__[name].default
     if name == "n_gpu_layers" and str(value).strip().lower() in ("all", "auto"):
-        # llama-server's words: all layers; auto: all where there is a GPU to offload to
-        import llama_cpp
+        # llama-server's words: all layers; auto: all where there is a device to offload to
+        # (a CUDA build on a machine with no GPU visible has none)
+        from backend.placement import offload_devices
 
         auto = str(value).strip().lower() == "auto"
-        return -1 if not auto or llama_cpp.llama_supports_gpu_offload() else 0
+        return -1 if not auto or offload_devices() else 0
     if name == "api_key":  # comma-separated, as llama-server takes it, or repeated
         items = value if isinstance(value, list) else [value]
         return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())

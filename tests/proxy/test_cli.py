@@ -7,8 +7,7 @@ import socket
 import subprocess
 import sys
 
-import llama_cpp
-
+from backend import placement
 from proxy.config import Config, add_arguments, from_args
 from tests.conftest import ROOT
 
@@ -24,7 +23,7 @@ def test_flags_and_environment() -> None:
     cfg = parse([], {})
     assert (cfg.port, cfg.workers, cfg.n_ctx, cfg.disk_prefix_cache) == (8080, 1, 65536, "auto:30")
     # as llama-server: every layer on the GPU where the build can offload, none on a CPU build
-    offload = llama_cpp.llama_supports_gpu_offload()
+    offload = bool(placement.offload_devices())
     assert (cfg.n_gpu_layers, cfg.batch) == ((-1, 512) if offload else (0, 64))
     # every flag has a PREFIXGATE_* variable
     cfg = parse([], {"PREFIXGATE_PORT": "9001", "PREFIXGATE_WORKERS": "3",
