@@ -34,7 +34,10 @@ backend/engine.py), at the price of not batching decode steps across slots
 another thread, after the state was copied in memory, so a save never delays the first token.
 Where llama.cpp computes on the CPU that thread first waits for the llama thread to rest
 (`_await_rest`: WRITE_REST_S at most, and not while WRITE_REST_BYTES wait): on a few cores its
-hashing and writing slowed every prefill it overlapped (bench/results/issue20).
+hashing and writing slowed every prefill it overlapped (bench/results/issue20). Meanwhile the
+proxy's index does not know the state, so a job whose prompt starts with one that waits restores
+it from memory (`_queued_state`, counted as a RAM hit): a subagent arriving while the main
+session prefills still reuses the prefix they share.
 
 The RAM tier (`backend.ramtier`, `--cache-ram`): when a job would replace a slot's live KV, the
 part of it a next request could reuse is copied to host RAM first; a job restores from there
@@ -90,6 +93,7 @@ from backend.ramtier import RamTier
 from backend.shared import SHARED_PREFIX, STATS, SharedFault, SharedTier
 from policies.costs import Costs, pays
 from policies.decide import Save
+from policies.prefix import Edges
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -106,6 +110,16 @@ class _SlotJob:
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """A snapshot waiting for its file (`Worker._write`): restorable from memory meanwhile."""
+
+    salt: bytes
+    tenant: str
+    ids: np.ndarray  # exactly the tokens its state holds
+    state: memoryview
 
 
 @dataclass(slots=True)
@@ -185,6 +199,7 @@ class Worker:
         # waiting): the writer's copy and hash would take cores from a prefill otherwise
         self.write_at_rest = engine.placement.get("gpu_layers") == 0
         self.writes = {"queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0}
+        self.queued: dict[bytes, _Queued] = {}  # key -> a state whose file is not written yet
         self.writes_lock = threading.Lock()
         self.runs: dict[str, Cancel] = {}  # run id -> its cancel flag, while it streams
         self.jobs: dict[int, _SlotJob] = {}  # each slot's latest job
@@ -251,6 +266,10 @@ class Worker:
         if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
             self.ram.put(job.salt, job.tenant, ids_np[: got[0]].copy(), got[1])  # kept
             got = None
+        if got is None and exact:  # or a state that waits for its file (the index lacks it)
+            got = self._queued_state(job, ids_np, edges, last, max(keep + 1, disk))
+            if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
+                got = None
         if got is not None:
             n, state = got
             try:
@@ -313,6 +332,7 @@ class Worker:
             key = keys.prefix_keys(job.salt, ids, [p])[p]
             with self.writes_lock:
                 self.writes["queued_bytes"] += state.nbytes
+                self.queued[bytes(key)] = _Queued(job.salt, job.tenant, ids_np[:p].copy(), state)
             pending.append(self.writer_thread.submit(self._write, saves[p], key, ids[:p], state,
                                                      emit, job.tenant, time.monotonic()))
 
@@ -375,8 +395,6 @@ class Worker:
     def _write(self, save: Save, key: keys.CacheKey, ids: list[int], state: memoryview,
                emit: Emit, tenant: str, queued: float) -> None:
         self._await_rest(queued)
-        with self.writes_lock:
-            self.writes["queued_bytes"] -= state.nbytes
         t0 = time.perf_counter()
         try:
             path, size, checksum = store.write_state_file(
@@ -385,6 +403,10 @@ class Worker:
         except store.CacheFault as e:
             emit(SaveFailed(len(ids), key.hex(), save.reason, e.reason, str(e)))
             return
+        finally:  # written (the proxy commits it now) or failed: no longer restored from here
+            with self.writes_lock:
+                self.writes["queued_bytes"] -= state.nbytes
+                self.queued.pop(bytes(key), None)
         emit(Saved(len(ids), key.hex(), save.reason, str(path.relative_to(self.cache_dir)),
                    size, checksum, time.perf_counter() - t0))
         if self.shared is not None:  # after the local commit: the shared tier is the extra
@@ -395,6 +417,22 @@ class Worker:
                 self.shared_stats["publish_failures"] += 1
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
                             len(ids), e)
+
+    def _queued_state(self, job: Job, ids: np.ndarray, edges: Edges, limit: int,
+                      at_least: int) -> tuple[int, memoryview] | None:
+        """The longest state waiting for its file that this prompt starts with, of its salt and
+        tenant, at one of its batch edges between `at_least` and `limit` tokens: a snapshot of
+        this engine's, exact as a restore of its file would be."""
+        with self.writes_lock:
+            waiting = list(self.queued.values())
+        best: tuple[int, memoryview] | None = None
+        for q in waiting:
+            n = len(q.ids)
+            if (q.salt == job.salt and q.tenant == job.tenant and at_least <= n <= limit
+                    and n in edges and (best is None or n > best[0])
+                    and np.array_equal(ids[:n], q.ids)):
+                best = (n, q.state)
+        return best
 
     def _await_rest(self, queued: float) -> None:
         """Where `write_at_rest`: wait for the llama thread to rest, WRITE_REST_S after the

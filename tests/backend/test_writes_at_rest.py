@@ -1,6 +1,7 @@
 """On the CPU a state file is written while the llama thread rests: a real `prefixgate worker`
 with two slots, a snapshot taken in one slot while the other prefills. The file is written
-once the other slot's job is done (or WRITE_REST_S later), whole and restorable."""
+once the other slot's job is done (or WRITE_REST_S later), whole and restorable; while it
+waits, a job that starts with its tokens restores it from memory."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from backend.protocol import Done, Event, Job, Saved, Start, parse_event
+from backend.protocol import Done, Event, Job, Saved, Start, Token, parse_event
 from backend.worker import WRITE_REST_S
 from policies.decide import Plan, Restore, Save
 from tests.conftest import free_port, http_get
@@ -45,10 +46,11 @@ def run(w: WorkerProcess, j: Job, seen: list[tuple[float, Event]]) -> None:
 
 
 def job(run_id: str, ids: tuple[int, ...], slot: int, saves: tuple[int, ...] = (),
-        restore: tuple[Restore, ...] = ()) -> Job:
+        restore: tuple[Restore, ...] = (), max_tokens: int = 1) -> Job:
+    """A job whose plan never keeps the live KV (each restores or prefills)."""
     plan = Plan(restore, tuple(Save(n, "scoped") for n in saves), len(ids) - 2, False, "off",
                 None, None)
-    return Job(run_id, ids, b"", "", plan, {"temperature": 0.0}, 1, (), None, slot)
+    return Job(run_id, ids, b"", "", plan, {"temperature": 0.0}, max_tokens, (), None, slot)
 
 
 def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess) -> None:
@@ -81,3 +83,40 @@ def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess
                                                         file.file),)), again)
     start = again[0][1]
     assert isinstance(start, Start) and start.restored == 4 * BATCH and not start.faults
+
+
+def tokens(seen: list[tuple[float, Event]]) -> list[int | None]:
+    return [e.id for _, e in seen if isinstance(e, Token)]
+
+
+def test_a_state_that_waits_for_its_file_is_restored_from_memory(
+        worker: WorkerProcess) -> None:
+    """The proxy's index learns of a snapshot only once its file is written; meanwhile a job
+    whose prompt starts with it (a subagent arriving while the main session prefills) restores
+    it from the worker's memory, and answers as a cold run does."""
+    busy: list[tuple[float, Event]] = []
+    saving: list[tuple[float, Event]] = []
+    long = threading.Thread(target=run, args=(worker, job("long2", LONG[:1800], 1), busy))
+    long.start()
+    time.sleep(1.0)  # its prefill has begun: the snapshot below waits for it
+    # its stream ends once the file is written: the next job starts at its Done
+    first = threading.Thread(target=run, args=(worker, job("first", SHORT, 0, saves=(4 * BATCH,)),
+                                               saving))
+    first.start()
+    deadline = time.monotonic() + 120
+    while not any(isinstance(e, Done) for _, e in list(saving)):
+        assert time.monotonic() < deadline, "the first job never said done"
+        time.sleep(0.01)
+    extended = SHORT + tuple(range(5000, 5000 + BATCH))
+    hit: list[tuple[float, Event]] = []
+    run(worker, job("extended", extended, 0, max_tokens=8), hit)  # no restore in its plan
+    first.join()
+    long.join()
+    written = next(t for t, e in saving if isinstance(e, Saved))
+    start = hit[0][1]
+    assert isinstance(start, Start) and hit[0][0] < written, "the file was still waiting"
+    assert (start.keep, start.ram, start.restored) == (4 * BATCH, 4 * BATCH, 0)
+    cold: list[tuple[float, Event]] = []  # the file is written now, and this plan names none
+    run(worker, job("cold", extended, 0, max_tokens=8), cold)
+    assert isinstance(cold[0][1], Start) and cold[0][1].keep == 0
+    assert tokens(hit) == tokens(cold) and len(tokens(cold)) == 8
