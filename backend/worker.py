@@ -331,6 +331,8 @@ class Worker:
         def write(p: int, state: memoryview) -> None:
             key = keys.prefix_keys(job.salt, ids, [p])[p]
             with self.writes_lock:
+                if bytes(key) in self.queued:  # this very state already waits for its file (a
+                    return  # plan made before the index had it): written once
                 self.writes["queued_bytes"] += state.nbytes
                 self.queued[bytes(key)] = _Queued(job.salt, job.tenant, ids_np[:p].copy(), state)
             pending.append(self.writer_thread.submit(self._write, saves[p], key, ids[:p], state,
