@@ -450,6 +450,25 @@ class Engine:
         self.restore(live_ids, whole)
         return part
 
+    def state_bytes(self, slot: int) -> int:
+        """The size of a slot's state, without copying it."""
+        return int(llama_cpp.llama_state_seq_get_size(self.ctx, self.seqs[slot].id))
+
+    def copy_from(self, slot: int, n: int) -> int:
+        """This slot gets the first n tokens of another slot's live state (n <= its `exact_n`):
+        that state's snapshot restored here, then cut back to n. Not `llama_memory_seq_cp`:
+        across KV streams it copies a whole stream at the next decode, which a restore before
+        it could race. Returns what is kept: n, or none where the memory refuses the cut."""
+        me, src = self.seq, self.seqs[slot]
+        assert src is not me and 0 < n <= src.exact_n, (slot, n, src.exact_n)
+        self.seq = src
+        try:
+            ids, state = self.ids[: self.n_live].copy(), self.snapshot()
+        finally:
+            self.seq = me
+        self.restore(ids, state)
+        return self.truncate(n)
+
     def restore(self, ids: Sequence[int], state: bytes | memoryview) -> None:
         """Load a snapshot of exactly len(ids) tokens (taken in any slot) into this slot, each
         position into the cell a cold run used (module rules; read in place where nothing is

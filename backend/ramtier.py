@@ -16,7 +16,8 @@ Rules:
 - An entry whose ids another entry's ids extend is superseded: putting the longer one drops the
   shorter; putting a shorter one beside a longer one keeps only the longer.
 - A restored entry leaves the tier (the slot holds it live now; it comes back when it gives way
-  again).
+  again). An entry a prompt shares only part of stays: the worker restores it and cuts its copy
+  back (`Worker._borrow`).
 
 Thread-safety: used from the worker's llama thread only; `stats` is read from the event loop
 (one dict build, no iteration over entries there).
@@ -68,6 +69,10 @@ class RamTier:
     def on(self) -> bool:
         return self.budget != 0
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a state of `nbytes` may be held in host RAM at all (the whole budget)."""
+        return self.budget < 0 or 0 < nbytes <= self.budget
+
     def put(self, salt: bytes, tenant: str, ids: np.ndarray, state: memoryview,
             now_s: float | None = None) -> None:
         if not self.on or len(ids) == 0:
@@ -115,6 +120,12 @@ class RamTier:
         self._drop(k)
         self.counts["hit"] += 1
         return len(e.ids), e.state
+
+    def of(self, salt: bytes, tenant: str) -> list[tuple[np.ndarray, memoryview]]:
+        """Every entry's (ids, state) of this salt and tenant, left in the tier (a request that
+        shares only part of one cuts a copy back: `Worker._borrow`)."""
+        return [(e.ids, e.state) for e in self.entries.values()
+                if e.salt == salt and e.tenant == tenant]
 
     def stats(self) -> dict[str, int]:
         return {"budget_bytes": self.budget, "used_bytes": self.used,

@@ -37,7 +37,9 @@ Where llama.cpp computes on the CPU that thread first waits for the llama thread
 hashing and writing slowed every prefill it overlapped (bench/results/issue20). Meanwhile the
 proxy's index does not know the state, so a job whose prompt starts with one that waits restores
 it from memory (`_queued_state`, counted as a RAM hit): a subagent arriving while the main
-session prefills still reuses the prefix they share.
+session prefills still reuses the prefix they share. A prompt that shares only part of a state
+in memory (another slot's live KV, a RAM-tier entry, a waiting state) gets a copy of it cut back
+to the last batch edge both share, where the memory can be cut back (`_borrow`, also a RAM hit).
 
 The RAM tier (`backend.ramtier`, `--cache-ram`): when a job would replace a slot's live KV, the
 part of it a next request could reuse is copied to host RAM first; a job restores from there
@@ -66,6 +68,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import llama_cpp
@@ -217,6 +220,9 @@ class Worker:
         # the shared snapshot tier (backend.shared, --shared-tier), and what it did
         self.shared: SharedTier | None = None
         self.shared_stats: dict[str, float] = dict.fromkeys(STATS, 0)
+        # states this prompt shared only part of, cut back from another slot, the RAM tier or a
+        # state waiting for its file (`_borrow`): how many from each, and the tokens kept
+        self.borrowed = dict.fromkeys(("slot", "ram", "queued", "tokens"), 0)
 
     def start(self) -> None:
         self.scheduler = Scheduler(self.engine)
@@ -260,13 +266,24 @@ class Worker:
         ids_np = np.asarray(ids, dtype=np.intc)
         self._give_way(slot, keep, job, ids_np)
         disk = max((r.n_tokens for r in plan.restore if r.n_tokens in edges), default=0)
-        # from RAM where that holds more than the live KV and at least the plan's disk entry
+        # from memory where that holds more than the live KV and at least the plan's disk
+        # entry: first a state this prompt shares only part of, where that holds more than
+        # any this prompt wholly starts with (the RAM tier's, a state waiting for its file)
+        if exact:
+            whole = max(self.ram.longest(job.salt, job.tenant, ids_np, last),
+                        (self._queued_state(job, ids_np, edges, last, 1) or (0,))[0])
+            n = self._borrow(slot, job, ids_np, edges, last, keep,
+                             max(keep + 1, disk, whole + 1))
+            if n:
+                from_ram = keep = n
+            elif eng.n_live < keep:  # it had begun and the cut was refused: the live KV is gone
+                keep = live()
         got = self.ram.take(job.salt, job.tenant, ids_np, last, max(keep + 1, disk)) \
-            if exact else None
+            if exact and not from_ram else None
         if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
             self.ram.put(job.salt, job.tenant, ids_np[: got[0]].copy(), got[1])  # kept
             got = None
-        if got is None and exact:  # or a state that waits for its file (the index lacks it)
+        if got is None and exact and not from_ram:  # or a state that waits for its file
             got = self._queued_state(job, ids_np, edges, last, max(keep + 1, disk))
             if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
                 got = None
@@ -436,6 +453,71 @@ class Worker:
                 best = (n, q.state)
         return best
 
+    def _borrow(self, slot: int, job: Job, ids: np.ndarray, edges: Edges, limit: int,
+                keep: int, at_least: int) -> int:
+        """What llama-server does with its slots and prompt cache, kept exact: the longest
+        batch edge of this prompt (between `at_least` and `limit`) up to which a state in this
+        worker's memory holds the same tokens, loaded into the slot and cut back there. The
+        states: another slot's live KV (its exact part; copied, that slot keeps it), the RAM
+        tier's entries (left there) and states waiting for their files, of this salt and
+        tenant. Exact by the engine's rules: an edge that both prompts' tokens share is an
+        edge of both, so below it the state holds the cold run's batches. Only where the memory
+        can be cut back to any position (plain attention; a window's restore pads cells a cut
+        cannot pass, a recurrent state has no past), and only where it pays (`pays`, on the
+        whole state's bytes, twice for a live slot's: copied out, then in). A live slot's copy
+        passes through host RAM: none larger than the RAM tier's budget (`--cache-ram 0`: no
+        borrowing at all). Returns the tokens
+        kept (0: nothing was loaded, or a cut was refused and the slot holds none)."""
+        eng = self.engine
+        if eng.memory.kind != "plain" or not self.exact["ok"] or not self.ram.on:
+            return 0
+        best: tuple[int, int, str, Callable[[int], int]] | None = None
+
+        def consider(src_ids: np.ndarray, size: Callable[[], int], source: str,
+                     load: Callable[[int], int]) -> None:
+            nonlocal best
+            n = min(len(src_ids), len(ids), limit)
+            differ = np.flatnonzero(src_ids[:n] != ids[:n])
+            e = edges.floor(int(differ[0]) if len(differ) else n)
+            if e >= at_least and (best is None or e > best[0]):
+                nbytes = size()
+                if self.ram.fits(nbytes):  # a live slot's copy passes through host RAM
+                    best = (e, nbytes, source, load)
+
+        def cut(src_ids: np.ndarray, state: memoryview) -> Callable[[int], int]:
+            def load(e: int) -> int:
+                eng.restore(src_ids, state)
+                return eng.truncate(e)
+            return load
+
+        for s, seq in enumerate(eng.seqs):
+            if (s != slot and seq.exact_n and self.owners[s] == job.tenant
+                    and self.salts[s] == job.salt):
+                consider(seq.ids[: seq.exact_n], partial(eng.state_bytes, s), "slot",
+                         partial(eng.copy_from, s))
+        with self.writes_lock:
+            waiting = [(q.ids, q.state) for q in self.queued.values()
+                       if q.salt == job.salt and q.tenant == job.tenant]
+        for source, states in (("ram", self.ram.of(job.salt, job.tenant)), ("queued", waiting)):
+            for src_ids, state in states:
+                consider(src_ids, partial(len, state), source, cut(src_ids, state))
+        if best is None:
+            return 0
+        e, nbytes, source, load = best
+        moved = 2 * nbytes if source == "slot" else nbytes
+        if not pays(self.costs, keep, e, moved, "ram"):
+            return 0
+        t = time.perf_counter()
+        try:
+            kept = load(e)
+        except ValueError as ex:  # never expected: the state was this engine's own
+            log.warning("a state in memory did not restore (%s); going on without it", ex)
+            return 0
+        self.costs = self.costs.add_restore("ram", moved, time.perf_counter() - t)
+        self.borrowed[source] += 1
+        self.borrowed["tokens"] += kept
+        return kept
+
     def _await_rest(self, queued: float) -> None:
         """Where `write_at_rest`: wait for the llama thread to rest, WRITE_REST_S after the
         state was queued at most, and not while more than WRITE_REST_BYTES wait."""
@@ -465,6 +547,7 @@ class Worker:
             "placement": self.engine.placement, "costs": self.costs.to_wire(),
             "shared": self.shared_stats if self.shared is not None else None,
             "exact": self.exact, "writes": {**self.writes, "at_rest_on": self.write_at_rest},
+            "borrowed": self.borrowed,
             "cache_volume": volume.read(self.cache_dir),
         })
 

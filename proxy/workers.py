@@ -148,9 +148,9 @@ class Slot:
         return live_reuse(common_prefix_len(self.live_ids, ids), len(self.live_ids),
                           self.live_floor)
 
-    def view(self, slot_id: int, ids: list[int], tenant: str) -> SlotView:
+    def view(self, slot_id: int, ids: list[int], tenant: str, borrow: int = 0) -> SlotView:
         return SlotView(slot_id, self.live_prefix(ids, tenant), self.busy, self.ready,
-                        len(self.live_ids), self.used_s)
+                        len(self.live_ids), self.used_s, borrow)
 
     def run(self, job: Job, timeout_s: float) -> contextlib.AbstractAsyncContextManager[
             EventStream]:
@@ -172,6 +172,9 @@ class Worker:
     n_ctx: int = 0
     fingerprint: str = ""
     memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
+    # it copies part of one slot's live KV into another (plain memory, a RAM tier: its
+    # `_borrow`), so a prompt sharing a prefix with one slot is as well off in any of them
+    borrows: bool = False
     batching: Batching = Batching()  # its prefill batches: it reuses only at their edges
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
     exact_failure: str = ""  # why not, from its /health
@@ -509,6 +512,8 @@ class Pool:
         exact = h.get("exact") or {}
         w.exact = bool(exact.get("ok", True))
         w.exact_failure = str(exact.get("failure", ""))
+        w.borrows = w.memory == "plain" and w.exact and bool(
+            (h.get("cache_ram") or {}).get("budget_bytes", 0)) and "borrowed" in h
         w.boot_id = str(h.get("boot_id", ""))
         w.set_slots(int(h.get("slots", 1)))
         w.placement, w.loading = dict(h.get("placement") or {}), {}
@@ -664,8 +669,7 @@ class Pool:
             async with self._cond:
                 while True:
                     slots = self.slots
-                    choice = choose_slot([s.view(i, ids, tenant) for i, s in enumerate(slots)],
-                                         disk_hit)
+                    choice = choose_slot(self._views(slots, ids, tenant), disk_hit)
                     if choice is not None:
                         s = slots[choice]
                         if not s.busy:
@@ -676,6 +680,18 @@ class Pool:
                     self._check_reachable()
         finally:
             self._waiting -= 1
+
+    @staticmethod
+    def _views(slots: list[Slot], ids: list[int], tenant: str) -> list[SlotView]:
+        """The router's view of each slot; `borrow`: the longest live prefix of another slot of
+        its worker, where the worker copies between its slots."""
+        prefix = [s.live_prefix(ids, tenant) for s in slots]
+        views = []
+        for i, s in enumerate(slots):
+            borrow = max((p for j, p in enumerate(prefix) if j != i
+                          and slots[j].worker is s.worker), default=0) if s.worker.borrows else 0
+            views.append(s.view(i, ids, tenant, borrow))
+        return views
 
     async def release(self, s: Slot, live_ids: list[int], tenant: str = "",
                       suspect: bool = False, floor: int = 0,

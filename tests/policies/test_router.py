@@ -16,9 +16,12 @@ def busy(worker_id: int, live_prefix: int) -> SlotView:
     return SlotView(worker_id, live_prefix, busy=True)
 
 
-def held(slot_id: int, live_prefix: int, live_tokens: int, used_s: float = 0.0) -> SlotView:
-    """An idle slot whose live KV holds live_tokens, of which live_prefix are this prompt's."""
-    return SlotView(slot_id, live_prefix, busy=False, live_tokens=live_tokens, used_s=used_s)
+def held(slot_id: int, live_prefix: int, live_tokens: int, used_s: float = 0.0,
+         borrow: int = 0) -> SlotView:
+    """An idle slot whose live KV holds live_tokens, of which live_prefix are this prompt's;
+    its worker can copy `borrow` tokens of this prompt in from another slot."""
+    return SlotView(slot_id, live_prefix, busy=False, live_tokens=live_tokens, used_s=used_s,
+                    borrow=borrow)
 
 
 def down(worker_id: int, live_prefix: int, is_busy: bool = False) -> SlotView:
@@ -87,6 +90,14 @@ MAIN, SUB = 20000, 8000  # live tokens of a main session and of a subagent
         ([held(2, 0, 0), held(1, 0, 0)], 0, 1),
         # A busy slot far ahead is still worth the wait, as for workers.
         ([held(0, 0, 0), busy(1, MAIN)], 0, 1),
+        # ... unless its worker copies it into the idle slot: no wait, no queue behind it.
+        ([held(0, 0, 0, borrow=MAIN), busy(1, MAIN)], 0, 0),
+        # A new subagent sharing 10K tokens with the idle main session's slot, nothing on disk:
+        # where the worker copies between slots, the empty slot takes a copy (10000 - 0)
+        # rather than the main slot dropping its other 10K (10000 - 10000).
+        ([held(0, 10000, MAIN, borrow=0), held(1, 0, 0, borrow=10000)], 0, 1),
+        # A title request shares nothing: the copy is worth nothing, the empty slot as before.
+        ([held(0, 0, MAIN), held(1, 0, 0)], 0, 1),
     ],
 )
 def test_choose_slot(slots: list[SlotView], disk_hit: int, expected: int) -> None:

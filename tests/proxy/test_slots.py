@@ -79,6 +79,31 @@ def test_concurrent_sessions_in_slots_answer_as_cold_runs(name: str, tmp_path: P
         assert json.loads(srv.get("/props")[1])["total_slots"] == 2
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_a_subagent_starts_from_the_sessions_kv_cut_back(name: str, tmp_path: Path) -> None:
+    """A subagent shares the system prompt with the session in the other slot. Where the memory
+    can be cut back (plain attention), it starts from a copy of that slot's KV cut back to the
+    end of what both share, with no disk cache (no slot gives way, so the RAM tier holds
+    nothing), and leaves the session its slot; elsewhere it may take that slot. Either
+    way both answer as cold runs, the session's next turn sent at the same time."""
+    session = convo("Which rule is about files?", 3)
+    grown = [*session, {"role": "assistant", "content": "Rule 3."},
+             {"role": "user", "content": "And the build?"}]
+    sub = convo("Which rule is about the build?")
+    with running(tmp_path / "cold", "--model", model_file(name), "--disk-prefix-cache",
+                 "off") as cold:
+        want = [cold_answer(cold, m) for m in (grown, sub)]
+    with running(tmp_path / "slots", "--model", model_file(name), "--parallel", "2",
+                 "--cache-ram", "64", "--disk-prefix-cache", "off") as srv:
+        ask(srv, session)
+        after = at_once(lambda: ask(srv, grown), lambda: ask(srv, sub))
+        log = srv.log()
+        assert [r["text"] for r in after] == want, log
+        if MEMORY[name] == "plain":  # whichever came first, the session's slot kept it
+            assert after[0]["source"] == "live", log
+            assert after[1]["source"] == "ram" and 0 < after[1]["cached"] < after[1]["prompt"], log
+
+
 def test_a_background_request_takes_the_free_slot_not_the_session(tmp_path: Path) -> None:
     session = convo("Which rule is about files?", 3)
     grown = [*session, {"role": "assistant", "content": "Rule 3."},
