@@ -159,7 +159,7 @@ $(LLAMA_SERVER): | $(BIN)/python
 	$(BIN)/pip download -q --no-deps --no-binary :all: -d build/llama-server \
 		llama-cpp-python==$(LLAMA_CPP_VERSION)
 	tar -xzf build/llama-server/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
-		-C build/llama-server --strip-components=3 '*/vendor/llama.cpp'
+		-C build/llama-server --wildcards --strip-components=3 '*/vendor/llama.cpp'
 	cmake -S build/llama-server -B build/llama-server/build -DLLAMA_CURL=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/llama-server/build --target llama-server -j
