@@ -28,7 +28,9 @@ B = SHARED + tuple(range(4000, 4000 + BATCH // 2))
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     tmp = tmp_path_factory.mktemp("borrow")
-    w = WorkerProcess(tmp, free_port(), tmp / "cache", "--parallel", "3", "--cache-ram", "64")
+    n_ctx = 3 * (len(A) + 4 * BATCH)  # each slot holds the longest prompt, at any batch size
+    w = WorkerProcess(tmp, free_port(), tmp / "cache", "--parallel", "3", "--cache-ram", "64",
+                      "--n-ctx", str(n_ctx))
     yield w
     w.stop()
 
