@@ -17,7 +17,7 @@ Rules:
   shorter; putting a shorter one beside a longer one keeps only the longer.
 - A restored entry leaves the tier (the slot holds it live now; it comes back when it gives way
   again). An entry a prompt shares only part of stays: the worker restores it and cuts its copy
-  back (`Worker._borrow`).
+  back (`Worker._from_memory`).
 
 Thread-safety: used from the worker's llama thread only; `stats` is read from the event loop
 (one dict build, no iteration over entries there).
@@ -117,15 +117,20 @@ class RamTier:
         if k is None or len(self.entries[k].ids) < at_least:
             return None
         e = self.entries[k]
-        self._drop(k)
-        self.counts["hit"] += 1
+        self.take_entry(k)
         return len(e.ids), e.state
 
-    def of(self, salt: bytes, tenant: str) -> list[tuple[np.ndarray, memoryview]]:
-        """Every entry's (ids, state) of this salt and tenant, left in the tier (a request that
-        shares only part of one cuts a copy back: `Worker._borrow`)."""
-        return [(e.ids, e.state) for e in self.entries.values()
+    def of(self, salt: bytes, tenant: str) -> list[tuple[int, np.ndarray, memoryview]]:
+        """Every entry's (key, ids, state) of this salt and tenant, left in the tier: the
+        worker chooses among them (`Worker._from_memory`), then takes the one it restores
+        whole (`take_entry`); one a prompt shares only part of stays, its copy cut back."""
+        return [(k, e.ids, e.state) for k, e in self.entries.items()
                 if e.salt == salt and e.tenant == tenant]
+
+    def take_entry(self, key: int) -> None:
+        """The entry leaves the tier: a slot holds it live now (counted as a hit)."""
+        self._drop(key)
+        self.counts["hit"] += 1
 
     def stats(self) -> dict[str, int]:
         return {"budget_bytes": self.budget, "used_bytes": self.used,

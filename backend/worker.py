@@ -36,10 +36,10 @@ Where llama.cpp computes on the CPU that thread first waits for the llama thread
 (`_await_rest`: WRITE_REST_S at most, and not while WRITE_REST_BYTES wait): on a few cores its
 hashing and writing slowed every prefill it overlapped (bench/results/issue20). Meanwhile the
 proxy's index does not know the state, so a job whose prompt starts with one that waits restores
-it from memory (`_queued_state`, counted as a RAM hit): a subagent arriving while the main
+it from memory (`_from_memory`, counted as a RAM hit): a subagent arriving while the main
 session prefills still reuses the prefix they share. A prompt that shares only part of a state
 in memory (another slot's live KV, a RAM-tier entry, a waiting state) gets a copy of it cut back
-to the last batch edge both share, where the memory can be cut back (`_borrow`, also a RAM hit).
+to the last batch edge both share, where the memory can be cut back (`_from_memory` too).
 
 The RAM tier (`backend.ramtier`, `--cache-ram`): when a job would replace a slot's live KV, the
 part of it a next request could reuse is copied to host RAM first; a job restores from there
@@ -221,7 +221,7 @@ class Worker:
         self.shared: SharedTier | None = None
         self.shared_stats: dict[str, float] = dict.fromkeys(STATS, 0)
         # states this prompt shared only part of, cut back from another slot, the RAM tier or a
-        # state waiting for its file (`_borrow`): how many from each, and the tokens kept
+        # state waiting for its file (`_from_memory`): how many from each, and the tokens kept
         self.borrowed = dict.fromkeys(("slot", "ram", "queued", "tokens"), 0)
 
     def start(self) -> None:
@@ -266,37 +266,12 @@ class Worker:
         ids_np = np.asarray(ids, dtype=np.intc)
         self._give_way(slot, keep, job, ids_np)
         disk = max((r.n_tokens for r in plan.restore if r.n_tokens in edges), default=0)
-        # from memory where that holds more than the live KV and at least the plan's disk
-        # entry: first a state this prompt shares only part of, where that holds more than
-        # any this prompt wholly starts with (the RAM tier's, a state waiting for its file)
+        # from memory where that holds more than the live KV and at least the plan's disk entry
         if exact:
-            whole = max(self.ram.longest(job.salt, job.tenant, ids_np, last),
-                        (self._queued_state(job, ids_np, edges, last, 1) or (0,))[0])
-            n = self._borrow(slot, job, ids_np, edges, last, keep,
-                             max(keep + 1, disk, whole + 1))
+            n = self._from_memory(slot, job, ids_np, edges, last, keep, max(keep + 1, disk))
             if n:
                 from_ram = keep = n
-            elif eng.n_live < keep:  # it had begun and the cut was refused: the live KV is gone
-                keep = live()
-        got = self.ram.take(job.salt, job.tenant, ids_np, last, max(keep + 1, disk)) \
-            if exact and not from_ram else None
-        if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
-            self.ram.put(job.salt, job.tenant, ids_np[: got[0]].copy(), got[1])  # kept
-            got = None
-        if got is None and exact and not from_ram:  # or a state that waits for its file
-            got = self._queued_state(job, ids_np, edges, last, max(keep + 1, disk))
-            if got is not None and not pays(self.costs, keep, got[0], len(got[1]), "ram"):
-                got = None
-        if got is not None:
-            n, state = got
-            try:
-                t = time.perf_counter()
-                eng.restore(ids[:n], state)
-                self.costs = self.costs.add_restore("ram", len(state),
-                                                    time.perf_counter() - t)
-                from_ram, keep = n, n
-            except ValueError as e:  # never expected: the state was this engine's own
-                log.warning("a RAM tier state did not restore (%s); trying the disk", e)
+            elif eng.n_live < keep:  # a restore began and failed, or a cut was refused
                 keep = live()
         pulled: list[Saved] = []  # entries pulled from the shared tier: local entries now
         for r in plan.restore if exact and not from_ram else ():  # longest first
@@ -437,41 +412,27 @@ class Worker:
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
                             len(ids), e)
 
-    def _queued_state(self, job: Job, ids: np.ndarray, edges: Edges, limit: int,
-                      at_least: int) -> tuple[int, memoryview] | None:
-        """The longest state waiting for its file that this prompt starts with, of its salt and
-        tenant, at one of its batch edges between `at_least` and `limit` tokens: a snapshot of
-        this engine's, exact as a restore of its file would be."""
-        with self.writes_lock:
-            waiting = list(self.queued.values())
-        best: tuple[int, memoryview] | None = None
-        for q in waiting:
-            n = len(q.ids)
-            if (q.salt == job.salt and q.tenant == job.tenant and at_least <= n <= limit
-                    and n in edges and (best is None or n > best[0])
-                    and np.array_equal(ids[:n], q.ids)):
-                best = (n, q.state)
-        return best
-
-    def _borrow(self, slot: int, job: Job, ids: np.ndarray, edges: Edges, limit: int,
-                keep: int, at_least: int) -> int:
-        """What llama-server does with its slots and prompt cache, kept exact: the longest
-        batch edge of this prompt (between `at_least` and `limit`) up to which a state in this
-        worker's memory holds the same tokens, loaded into the slot and cut back there. The
-        states: another slot's live KV (its exact part; copied, that slot keeps it), the RAM
-        tier's entries (left there) and states waiting for their files, of this salt and
-        tenant. Exact by the engine's rules: an edge that both prompts' tokens share is an
-        edge of both, so below it the state holds the cold run's batches. Only where the memory
-        can be cut back to any position (plain attention; a window's restore pads cells a cut
-        cannot pass, a recurrent state has no past), and only where it pays (`pays`, on the
-        whole state's bytes, twice for a live slot's: copied out, then in). A live slot's copy
-        passes through host RAM: none larger than the RAM tier's budget (`--cache-ram 0`: no
-        borrowing at all). Returns the tokens
-        kept (0: nothing was loaded, or a cut was refused and the slot holds none)."""
+    def _from_memory(self, slot: int, job: Job, ids: np.ndarray, edges: Edges, limit: int,
+                     keep: int, at_least: int) -> int:
+        """The longest batch edge of this prompt (between `at_least` and `limit`) up to which a
+        state in this worker's memory holds the same tokens, loaded into the slot and, where
+        the state goes on past it, cut back there (what llama-server does with its slots and
+        prompt cache, kept exact). The states, of this salt and tenant: the RAM tier's entries,
+        states waiting for their files (the proxy's index lacks them until written) and other
+        slots' live KV (its exact part; copied, that slot keeps it). A RAM entry the prompt
+        wholly starts with leaves the tier (the slot holds it now); one cut back stays.
+        Exact by the engine's rules: an edge that both prompts' tokens share is an edge of
+        both, so below it the state holds the cold run's batches. A cut, and a copy of a live
+        slot, only where the memory can be cut back to any position (plain attention; a
+        window's restore pads cells a cut cannot pass, a recurrent state has no past) and the
+        RAM tier is on; a live slot's copy passes through host RAM, so none larger than its
+        budget. Only where it pays (`pays`, on the whole state's bytes, twice for a live
+        slot's: copied out, then in). Ties: a whole state before a cut one. Returns the tokens
+        kept (0: nothing was loaded, or a restore failed or a cut was refused: the slot then
+        holds none)."""
         eng = self.engine
-        if eng.memory.kind != "plain" or not self.exact["ok"] or not self.ram.on:
-            return 0
-        best: tuple[int, int, str, Callable[[int], int]] | None = None
+        cuts = eng.memory.kind == "plain" and self.ram.on
+        best: tuple[int, bool, int, str, Callable[[int], int]] | None = None
 
         def consider(src_ids: np.ndarray, size: Callable[[], int], source: str,
                      load: Callable[[int], int]) -> None:
@@ -479,31 +440,37 @@ class Worker:
             n = min(len(src_ids), len(ids), limit)
             differ = np.flatnonzero(src_ids[:n] != ids[:n])
             e = edges.floor(int(differ[0]) if len(differ) else n)
-            if e >= at_least and (best is None or e > best[0]):
-                nbytes = size()
-                if self.ram.fits(nbytes):  # a live slot's copy passes through host RAM
-                    best = (e, nbytes, source, load)
+            whole = e == len(src_ids) and source != "slot"
+            if e < at_least or not (whole or cuts) or (
+                    best is not None and (e, whole) <= best[:2]):
+                return
+            nbytes = size()
+            if source != "slot" or self.ram.fits(nbytes):
+                best = (e, whole, nbytes, source, load)
 
-        def cut(src_ids: np.ndarray, state: memoryview) -> Callable[[int], int]:
+        def cut(src_ids: np.ndarray, state: memoryview, take: int | None) -> Callable[[int], int]:
             def load(e: int) -> int:
+                if take is not None and e == len(src_ids):
+                    self.ram.take_entry(take)
                 eng.restore(src_ids, state)
                 return eng.truncate(e)
             return load
 
+        for k, src_ids, state in self.ram.of(job.salt, job.tenant):
+            consider(src_ids, partial(len, state), "ram", cut(src_ids, state, k))
+        with self.writes_lock:
+            waiting = [(q.ids, q.state) for q in self.queued.values()
+                       if q.salt == job.salt and q.tenant == job.tenant]
+        for src_ids, state in waiting:
+            consider(src_ids, partial(len, state), "queued", cut(src_ids, state, None))
         for s, seq in enumerate(eng.seqs):
             if (s != slot and seq.exact_n and self.owners[s] == job.tenant
                     and self.salts[s] == job.salt):
                 consider(seq.ids[: seq.exact_n], partial(eng.state_bytes, s), "slot",
                          partial(eng.copy_from, s))
-        with self.writes_lock:
-            waiting = [(q.ids, q.state) for q in self.queued.values()
-                       if q.salt == job.salt and q.tenant == job.tenant]
-        for source, states in (("ram", self.ram.of(job.salt, job.tenant)), ("queued", waiting)):
-            for src_ids, state in states:
-                consider(src_ids, partial(len, state), source, cut(src_ids, state))
         if best is None:
             return 0
-        e, nbytes, source, load = best
+        e, whole, nbytes, source, load = best
         moved = 2 * nbytes if source == "slot" else nbytes
         if not pays(self.costs, keep, e, moved, "ram"):
             return 0
@@ -514,8 +481,9 @@ class Worker:
             log.warning("a state in memory did not restore (%s); going on without it", ex)
             return 0
         self.costs = self.costs.add_restore("ram", moved, time.perf_counter() - t)
-        self.borrowed[source] += 1
-        self.borrowed["tokens"] += kept
+        if not whole:
+            self.borrowed[source] += 1
+            self.borrowed["tokens"] += kept
         return kept
 
     def _await_rest(self, queued: float) -> None:

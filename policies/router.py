@@ -14,7 +14,7 @@ among slots of ready workers only (``None`` when there is none):
    to an empty slot; otherwise to the slot holding the least. A short background request
    (a title, a summary) never takes a long session's slot while a cheaper one is idle.
    ``borrow`` is what the slot's worker can copy into it from another of its slots (a prompt
-   sharing part of another slot's live KV, cut back: `backend.worker.Worker._borrow`), so a
+   sharing part of another slot's live KV, cut back: `backend.worker.Worker._from_memory`), so a
    subagent that shares its tools with the main session starts from a copy in a free slot
    rather than taking the session's slot and dropping the rest of its KV.
 2. A busy slot is worth waiting for only when its live prefix beats both ``disk_hit`` and the

@@ -173,7 +173,7 @@ class Worker:
     fingerprint: str = ""
     memory: str = "plain"  # what its model's memory allows (backend.engine.Memory kind)
     # it copies part of one slot's live KV into another (plain memory, a RAM tier: its
-    # `_borrow`), so a prompt sharing a prefix with one slot is as well off in any of them
+    # `_from_memory`), so a prompt sharing a prefix with one slot is as well off in any of them
     borrows: bool = False
     batching: Batching = Batching()  # its prefill batches: it reuses only at their edges
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
