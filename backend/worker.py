@@ -25,11 +25,13 @@ worker executes it as it is; it decides nothing and has no defaults.
 
 Slots (`--parallel N`): the engine holds one sequence per slot, and a job names its slot (the
 proxy routes). Each slot has its own live ids, tenant and cancellation. All llama calls run on
-one thread, the scheduler's, which runs the slots' jobs in turns of one step: a prefill batch,
-or one generated token (evaluated, then the next one sampled). A long prefill therefore never
-starves a slot that is generating, and every llama_decode holds one sequence's tokens only, in
-the cold run's batches: each slot computes exactly what it would alone (the exactness rules of
-backend/engine.py), at the price of not batching decode steps across slots
+one thread, the scheduler's, which runs the slots' jobs one step at a time: a prefill batch,
+or one generated token (evaluated, then the next one sampled), always the step of the job that
+has used the least of the thread's time (`Scheduler`). A long prefill therefore never starves a
+slot that is generating, nor does it slow that slot's answer to one token per prefill batch,
+and every llama_decode holds one sequence's tokens only, in the cold run's batches: each slot
+computes exactly what it would alone (the exactness rules of backend/engine.py), at the price
+of not batching decode steps across slots
 (bench/results/issue20 measures what batching would change). State files are written on
 another thread, after the state was copied in memory, so a save never delays the first token.
 Where llama.cpp computes on the CPU that thread first waits for the llama thread to rest
@@ -64,7 +66,6 @@ import signal
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -130,12 +131,18 @@ class _Task:
     slot: int
     steps: Iterator[None]
     done: Future[None] = field(default_factory=Future)
+    used: float = 0.0  # seconds its steps took, counted from the least of the others' at its start
 
 
 class Scheduler:
-    """Runs the slots' jobs on one thread, one step of each in turn (module docstring). A job
-    is an iterator whose `next()` is one step; the engine is switched to its slot before
-    each."""
+    """Runs the slots' jobs on one thread, one step at a time (module docstring), each time
+    the step of the job that has used the least time: the slots share the llama thread's
+    time, not its turns. A prefill batch costs ten or more generated tokens, so turns would
+    let a slot's answer crawl at one token per batch of each slot that prefills beside it;
+    shared time lets it run a token per step while those batches take their share. A job
+    starts level with the least of the others (never owed their past) and ties go to the
+    earlier job. A job is an iterator whose `next()` is one step; the engine is switched to
+    its slot before each."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -154,31 +161,39 @@ class Scheduler:
         self.inbox.put(None)
 
     def _loop(self) -> None:
-        turns: deque[_Task] = deque()
+        tasks: list[_Task] = []  # in the order they came
         while True:
             try:  # wait for work when there is none; otherwise take what came, without waiting
                 while True:
-                    if not turns:
+                    if not tasks:
                         self.resting.set()
-                    new = self.inbox.get(block=not turns)
+                    new = self.inbox.get(block=not tasks)
                     if new is None:
                         self.resting.set()
                         return
                     self.resting.clear()
-                    turns.append(new)
+                    new.used = min((t.used for t in tasks), default=0.0)
+                    tasks.append(new)
             except queue.Empty:
                 pass
-            task = turns.popleft()
+            task = min(tasks, key=_used)  # the first of the least used
             self.engine.use(task.slot)
+            t = time.perf_counter()
             try:
                 next(task.steps)
             except StopIteration:
+                tasks.remove(task)
                 task.done.set_result(None)
                 continue
             except BaseException as e:  # the job's own wrapper reports it; never the loop's end
+                tasks.remove(task)
                 task.done.set_exception(e)
                 continue
-            turns.append(task)
+            task.used += time.perf_counter() - t
+
+
+def _used(task: _Task) -> float:
+    return task.used
 
 
 class Worker:

@@ -248,11 +248,15 @@ def _end_positions(packed: bytes, ends: frozenset[int], start: int) -> list[int]
     return out
 
 
-GPU_BATCH, CPU_BATCH = 512, 64  # the batch size when none is set (backend.engine's rules)
+GPU_BATCH, CPU_BATCH = 512, 128  # the batch size when none is set (backend.engine's rules)
 
 
 def default_batch(n_gpu_layers: int) -> int:
-    """512 where layers are offloaded (llama.cpp's usual batch); 64 on a CPU, where a hit
-    re-evaluates at most 63 tokens and cold prefill costs little against 512 (2 AMD EPYC cores,
-    `python -m bench.batches`: SmolLM2 1.04x, Gemma 3 270M 0.91x the tokens/s)."""
+    """512 where layers are offloaded (llama.cpp's usual batch); 128 on a CPU. With flash
+    attention (auto, the default) 128 prefills as fast as 512 on a CPU, where ggml's tiled
+    attention starts (64 query rows a tile): SmolLM2 on 2 AMD EPYC cores, 1.25-1.35x 64's
+    tokens/s without flash attention from 600 to 5.5K tokens, 512's within noise
+    (`python -m bench.prefill_settings`, bench/results/issue20/prefill-settings.md); and a
+    hit re-evaluates at most 127 tokens, the start-up self-check's probe is 4x shorter than
+    at 512."""
     return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH

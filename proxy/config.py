@@ -85,7 +85,9 @@ class Config:
     n_cpu_moe: int = 0
     mlock: bool = False  # lock the weights in RAM
     mmap: bool = True  # map the model file (--no-mmap: read it)
-    flash_attn: str = "off"  # flash attention in the workers: on | off | auto
+    # flash attention in the workers: on | off | auto (llama.cpp's choice for the device, as
+    # llama-server's default: on for the CPU and CUDA)
+    flash_attn: str = "auto"
     # KV cache types (llama.cpp's -ctk / -ctv): f16, q8_0, q4_0, ... (a quantized V needs
     # flash attention)
     cache_type_k: str = "f16"

@@ -271,10 +271,12 @@ def test_a_hit_at_a_message_end_equals_the_cold_run(name: str, engines: tuple[En
 def test_an_engine_reuses_only_at_batch_edges() -> None:
     """The live reuse is rounded down to a batch edge and every batch lies within one block
     of the batch size, so a hit runs the cold run's batches (the last one may be one token, in
-    both). 64 on a CPU by default, 512 where layers are offloaded."""
+    both). 128 on a CPU by default, 512 where layers are offloaded; 64 here."""
     eng = Engine(model_file("smollm2"), N_CTX, 2, 0)
-    ref = Engine(model_file("smollm2"), N_CTX, 2, 0)
-    assert eng.batching.size == 64
+    assert eng.batching.size == 128
+    eng.close()
+    eng = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64)
+    ref = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64)
     prompt = _ids("smollm2", 300, seed=9)
     eng.prefill(prompt, [], lambda p: None, Cancel())
     other = prompt[:250] + _ids("smollm2", 60, seed=10)

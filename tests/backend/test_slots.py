@@ -155,3 +155,39 @@ def test_a_slots_snapshot_is_rewritten_in_place_as_the_join_writes_it(name: str)
             assert bytes(eng.snapshot()) == want
     finally:
         eng.close()
+
+
+def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str) -> None:
+    """The scheduler shares the llama thread's time, not its turns: a slot generating beside
+    one that prefills a long prompt gets several tokens per prefill batch (a batch costs ten
+    or more tokens), so its answer is not held to one token per batch. Both stay exact."""
+    gen = 24
+    p, q = _ids(name, 200, 5), _ids(name, 1800, 6)
+    order: list[int] = []
+    eng = _engine(name, 2)
+    try:
+        def answer() -> Iterator[None]:
+            yield from eng.prefill_steps(p, [], lambda _: None, Cancel())
+            for _ in eng.generate(Sampling(temperature=0), gen, Cancel()):
+                order.append(0)
+                yield
+
+        def prefill() -> Iterator[None]:
+            for _ in eng.prefill_steps(q, [], lambda _: None, Cancel()):
+                order.append(1)
+                yield
+
+        sched = Scheduler(eng)
+        done = [sched.submit(1, prefill()), sched.submit(0, answer())]
+        for d in done:
+            d.result(timeout=600)
+        sched.stop()
+    finally:
+        eng.close()
+    assert order.count(0) >= gen // 2, "the answer ran on (not cut short by an end of turn)"
+    batches = order.count(1)
+    during = order[: len(order) - order[::-1].index(0)].count(1)  # before its last token
+    assert batches >= 3, "the prompt takes several batches"
+    assert during <= batches // 2, (
+        f"the answer's {gen} tokens took {during} of the {batches} prefill batches beside them"
+        " (taking turns, it would take one each)")

@@ -24,7 +24,7 @@ def test_flags_and_environment() -> None:
     assert (cfg.port, cfg.workers, cfg.n_ctx, cfg.disk_prefix_cache) == (8080, 1, 65536, "auto:30")
     # as llama-server: every layer on the GPU where the build can offload, none on a CPU build
     offload = bool(placement.offload_devices())
-    assert (cfg.n_gpu_layers, cfg.batch) == ((-1, 512) if offload else (0, 64))
+    assert (cfg.n_gpu_layers, cfg.batch) == ((-1, 512) if offload else (0, 128))
     # every flag has a PREFIXGATE_* variable
     cfg = parse([], {"PREFIXGATE_PORT": "9001", "PREFIXGATE_WORKERS": "3",
                      "PREFIXGATE_N_CTX": "8192", "PREFIXGATE_THREADS": "4",
@@ -54,7 +54,7 @@ def test_a_taken_port_fails_at_once_with_a_clear_message() -> None:
 def test_kv_settings_flags_and_variables() -> None:
     cfg = parse([], {})
     assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full) == \
-        ("off", "f16", "f16", True)
+        ("auto", "f16", "f16", True)
     cfg = parse(["--flash-attn", "auto", "--cache-type-k", "q8_0", "--no-swa-full"],
                 {"PREFIXGATE_CACHE_TYPE_V": "Q8_0", "PREFIXGATE_FLASH_ATTN": "on"})
     assert (cfg.flash_attn, cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full) == \
