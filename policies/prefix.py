@@ -253,10 +253,9 @@ GPU_BATCH, CPU_BATCH = 512, 128  # the batch size when none is set (backend.engi
 
 def default_batch(n_gpu_layers: int) -> int:
     """512 where layers are offloaded (llama.cpp's usual batch); 128 on a CPU. With flash
-    attention (auto, the default) 128 prefills as fast as 512 on a CPU, where ggml's tiled
-    attention starts (64 query rows a tile): SmolLM2 on 2 AMD EPYC cores, 1.25-1.35x 64's
-    tokens/s without flash attention from 600 to 5.5K tokens, 512's within noise
-    (`python -m bench.prefill_settings`, bench/results/issue20/prefill-settings.md); and a
-    hit re-evaluates at most 127 tokens, the start-up self-check's probe is 4x shorter than
-    at 512."""
+    attention (auto, the default) 128 prefills as fast as 512 on a CPU, and 64 gains nothing
+    from it: SmolLM2 on 2 AMD EPYC cores, 1.25-1.35x the tokens/s of 64 without flash
+    attention from 600 to 5.5K tokens, 512's within noise (`python -m bench.prefill_settings`,
+    bench/results/issue20/prefill-settings.md); and a hit re-evaluates at most 127 tokens, the
+    start-up self-check's probe is 4x shorter than at 512."""
     return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH
