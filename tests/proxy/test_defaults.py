@@ -17,6 +17,8 @@ from policies.prefix import default_batch
 from tests.conftest import Server, running
 from tests.proxy.test_openai import SYSTEM, chat
 
+pytestmark = pytest.mark.model
+
 DEFAULTS = {"PREFIXGATE_UBATCH_SIZE": "0", "PREFIXGATE_FLASH_ATTN": "auto"}  # 0: the default
 BATCH = default_batch(int(os.environ.get("PREFIXGATE_N_GPU_LAYERS", "0")))
 
