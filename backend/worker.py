@@ -137,8 +137,8 @@ class _Task:
 class Scheduler:
     """Runs the slots' jobs on one thread, one step at a time (module docstring), each time
     the step of the job that has used the least time: the slots share the llama thread's
-    time, not its turns. A prefill batch costs ten or more generated tokens, so turns would
-    let a slot's answer crawl at one token per batch of each slot that prefills beside it;
+    time, not its turns. On a CPU a prefill batch costs ten or more generated tokens, so turns
+    would let a slot's answer crawl at one token per batch of each slot that prefills beside it;
     shared time lets it run a token per step while those batches take their share. A job
     starts level with the least of the others (never owed their past) and ties go to the
     earlier job. A job is an iterator whose `next()` is one step; the engine is switched to
