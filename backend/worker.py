@@ -70,6 +70,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
+from operator import attrgetter
 from pathlib import Path
 
 import llama_cpp
@@ -176,7 +177,7 @@ class Scheduler:
                     tasks.append(new)
             except queue.Empty:
                 pass
-            task = min(tasks, key=_used)  # the first of the least used
+            task = min(tasks, key=attrgetter("used"))  # the first of the least used
             self.engine.use(task.slot)
             t = time.perf_counter()
             try:
@@ -190,10 +191,6 @@ class Scheduler:
                 task.done.set_exception(e)
                 continue
             task.used += time.perf_counter() - t
-
-
-def _used(task: _Task) -> float:
-    return task.used
 
 
 class Worker:

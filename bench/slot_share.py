@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     run([(0, answer())])
     run([(1, prefill())])
     eng.close()
+
     def row(what: str, key: str) -> str:
         return f"| {what} | {both[key]:.1f} | {ends[key]:.1f} | {both[key] / ends[key]:.2f}x |"
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     print(row(f"answer: {a.answer} tokens after a 256-token prompt ({ends['tokens']:.0f} "
               "generated)", "answer"))
     print(row(f"prefill: {a.prompt} tokens cold", "prefill"))
+
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ into the other exactly. On plain attention, a sliding window and a hybrid recurr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -162,8 +163,6 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
     one that prefills a long prompt gets as much of the thread's time as the prefill until its
     answer ends (within a step or two), so where a prefill batch costs ten tokens it gets ten
     tokens a batch, not one (taking turns it got one: 24 tokens took 27 of 28 batches)."""
-    import time
-
     gen = 24
     p, q = _ids(name, 200, 5), _ids(name, 1800, 6)
     steps: list[tuple[int, float]] = []  # (slot, seconds) of each step, in the order they ran
