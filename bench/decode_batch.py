@@ -1,9 +1,11 @@
 """Does a batched decode change a slot's output? (issue 20)
 
     python -m bench.decode_batch [--models smollm2,gemma3,qwen35] [--steps 24] [--slots 3]
+        [--flash-attn off,on] [--lengths 300,1200]
 
-For each model: a context of `--slots` slots, each holding its own prompt (prefilled alone, in
-the cold run's batches). Then `--steps` greedy decode steps two ways from the same states:
+For each model, flash attention setting and base length L: a context of `--slots` slots, slot s
+holding its own prompt of L + 100 s tokens (prefilled alone, in the cold run's batches). Then
+`--steps` greedy decode steps two ways from the same states:
 - alone: each slot's token evaluated in a llama_decode of its own (what prefixgate's scheduler
   does);
 - batched: one llama_decode holding one token of every slot (what llama-server's continuous
@@ -11,6 +13,12 @@ the cold run's batches). Then `--steps` greedy decode steps two ways from the sa
 Reported: whether the logits are bit-identical, the largest absolute logit difference, and the
 first step where the greedy tokens part, plus the time per step both ways. The README's
 guarantee follows from it: prefixgate never batches decode steps across slots.
+
+Why flash attention matters on a CPU: ggml evaluates one query row of one sequence against 512
+KV cells or more by splitting the cells among the threads and merging their partial sums
+(ggml-cpu/ops.cpp, `use_split_kv_path`), while a batch of several sequences' rows takes the
+unsplit path: a slot's decode alone and the same decode beside another slot add in another
+order once its KV view reaches 512 cells (llama.cpp pads the view to 256).
 """
 
 from __future__ import annotations
@@ -52,10 +60,11 @@ def decode(eng: Engine, tokens: list[tuple[int, int, int]]) -> list[np.ndarray]:
         llama_cpp.llama_batch_free(b)
 
 
-def run(name: str, slots: int, steps: int) -> dict[str, Any]:
-    eng = Engine(model_file(name), 2048 * slots, 2, 0, n_seq=slots)
+def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict[str, Any]:
+    eng = Engine(model_file(name), (length + 100 * slots + steps + 256) * slots, 2, 0,
+                 flash_attn=flash_attn, n_seq=slots)
     try:
-        prompts = [prompt_ids(eng, 300 + 100 * s, s) for s in range(slots)]
+        prompts = [prompt_ids(eng, length + 100 * s, s) for s in range(slots)]
         first, states = [], []
         for s, ids in enumerate(prompts):
             eng.use(s)
@@ -89,7 +98,9 @@ def run(name: str, slots: int, steps: int) -> dict[str, Any]:
                    for a, b in zip(alone[s], batched[s], strict=True))
         parted = [next((i for i, (a, b) in enumerate(zip(alone[s], batched[s], strict=True))
                         if int(np.argmax(a)) != int(np.argmax(b))), None) for s in range(slots)]
-        return {"model": name, "slots": slots, "steps": steps, "bit_identical": same,
+        return {"model": name, "flash_attn": flash_attn,
+                "prompt_tokens": [len(x) for x in prompts], "slots": slots, "steps": steps,
+                "bit_identical": same,
                 "max_abs_logit_diff": diff, "greedy_parts_at_step": parted,
                 "alone_ms_per_step": round(alone_s * 1000, 2),
                 "batched_ms_per_step": round(batched_s * 1000, 2)}
@@ -102,17 +113,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="smollm2,gemma3,qwen35")
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--flash-attn", default="off,on")
+    p.add_argument("--lengths", default="300,1200", help="base prompt lengths (tokens)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
     args = p.parse_args(argv)
-    rows = [run(m, args.slots, args.steps) for m in args.models.split(",")]
+    rows = [run(m, args.slots, args.steps, fa, int(n)) for m in args.models.split(",")
+            for fa in args.flash_attn.split(",") for n in args.lengths.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_batch.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| model | slots | steps | batched = alone, bit for bit | max abs logit diff | "
+    lines = ["| model | flash attention | prompts (tokens) | slots | steps | "
+             "batched = alone, bit for bit | max abs logit diff | "
              "greedy tokens part at step | ms/step alone | ms/step batched |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['slots']} | {r['steps']} | {r['bit_identical']} | "
+        lines.append(f"| {r['model']} | {r['flash_attn']} | "
+                     f"{', '.join(map(str, r['prompt_tokens']))} | {r['slots']} | {r['steps']} | "
+                     f"{r['bit_identical']} | "
                      f"{r['max_abs_logit_diff']:.3g} | {r['greedy_parts_at_step']} | "
                      f"{r['alone_ms_per_step']} | {r['batched_ms_per_step']} |")
     (out / "decode_batch.md").write_text("\n".join(lines) + "\n")
