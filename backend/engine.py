@@ -538,15 +538,16 @@ class Engine:
         cancel: Cancel,
         on_batch: Callable[[int], None] | None = None,
         edges: Edges | None = None,
-    ) -> Generator[None, None, float]:
+    ) -> Generator[int, None, float]:
         """Evaluate ids[n_live:] in the cold run's batches (module rules: `edges`, the ids'
         batch edges, computed here when not given), stopping at each batch edge of `stops_at`
         to call on_stop(position) (a snapshot point).
         Every batch is exact, so a cancelled prefill keeps what it evaluated for the next
         request; on_batch(n_live) follows each one. A live state that does not end at a batch
         edge is first cut back to one (where the memory refuses, to none). Yields before each
-        batch but the first (another slot may run there; never after the last batch, whose
-        logits the first sample reads). Returns the seconds spent in llama_decode (not in
+        batch but the first the tokens it has left (another slot may run there: a scheduler
+        serves the shortest first; never after the last batch, whose logits the first sample
+        reads). Returns the seconds spent in llama_decode (not in
         other slots' steps between): what the prefill itself cost (policies.costs)."""
         edges = edges or self.batching.edges(ids)
         busy = 0.0
@@ -557,7 +558,7 @@ class Engine:
         for p in sorted({*points, len(ids)}):  # a save point at the prompt end: one snapshot
             while self.n_live < p:
                 if not first:
-                    yield
+                    yield len(ids) - self.n_live
                 first = False
                 if cancel.is_set:
                     raise Cancelled()

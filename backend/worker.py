@@ -26,14 +26,15 @@ worker executes it as it is; it decides nothing and has no defaults.
 Slots (`--parallel N`): the engine holds one sequence per slot, and a job names its slot (the
 proxy routes). Each slot has its own live ids, tenant and cancellation. All llama calls run on
 one thread, the scheduler's, which runs the slots' jobs one step at a time: a prefill batch,
-or one generated token (evaluated, then the next one sampled), always the step of the job that
-has used the least of the thread's time (`Scheduler`). A long prefill therefore never starves a
-slot that is generating, nor does it slow that slot's answer to one token per prefill batch,
-and every llama_decode holds one sequence's tokens only, in the cold run's batches: each slot
+or one generated token (evaluated, then the next one sampled) (`Scheduler`): the prefills
+shortest first, as one, sharing the thread's time with each slot that generates. A short
+prompt therefore does not wait behind a long one, a long prefill never starves a slot that is
+generating, nor does it slow that slot's answer to one token per prefill batch, and every
+llama_decode holds one sequence's tokens only, in the cold run's batches: each slot
 computes exactly what it would alone (the exactness rules of backend/engine.py), at the price
-of not batching decode steps across slots
-(bench/results/issue20 measures what batching would change). State files are written on
-another thread, after the state was copied in memory, so a save never delays the first token.
+of not batching decode steps across slots (bench/results/issue20/decode_batch.md: with flash
+attention on a CPU, batching changes the answers). State files are written on another thread,
+after the state was copied in memory, so a save never delays the first token.
 Where llama.cpp computes on the CPU that thread first waits for the llama thread to rest
 (`_await_rest`: WRITE_REST_S at most, and not while WRITE_REST_BYTES wait): on a few cores its
 hashing and writing slowed every prefill it overlapped (bench/results/issue20). Meanwhile the
@@ -127,39 +128,75 @@ class _Queued:
     state: memoryview
 
 
+Step = Iterator[int | None]  # a job: each `next()` one step, yielding what `_Task.left` says
+
+
 @dataclass(slots=True)
 class _Task:
     slot: int
-    steps: Iterator[None]
+    steps: Step
+    cancel: Cancel | None = None
     done: Future[None] = field(default_factory=Future)
     used: float = 0.0  # seconds its steps took, counted from the least of the others' at its start
+    left: int | None = None  # prompt tokens its prefill has left, None where it does not prefill
 
 
 class Scheduler:
-    """Runs the slots' jobs on one thread, one step at a time (module docstring), each time
-    the step of the job that has used the least time: the slots share the llama thread's
-    time, not its turns. On a CPU a prefill batch costs ten or more generated tokens, so turns
-    would let a slot's answer crawl at one token per batch of each slot that prefills beside it;
-    shared time lets it run a token per step while those batches take their share. A job
-    starts level with the least of the others (never owed their past) and ties go to the
-    earlier job. A job is an iterator whose `next()` is one step; the engine is switched to
-    its slot before each."""
+    """Runs the slots' jobs on one thread, one step at a time (module docstring).
+
+    The jobs that prefill are served as one, shortest first: of them, the one with the fewest
+    prompt tokens left runs its batch (the others wait; a job says what it has left by the
+    value of each step, `_Task.left`). Ends of prefills are what clients wait for, and the
+    shortest first gives them the least wait in all: a long prefill ends when it would have
+    ended sharing the time, the short ones beside it far earlier. A title request's 200 tokens
+    no longer wait behind a subagent's 2,000 (llama-server fills each batch with every waiting
+    prompt's tokens in turn, so a short prompt ends in its first batch there too).
+
+    The prefills, as one, and each job that generates then share the thread's time, not its
+    turns: the one that has used the least time runs its step. On a CPU a prefill batch costs
+    ten or more generated tokens, so turns would let an answer crawl at one token per batch;
+    shared time lets it run a token per step while the batches take their share. A job or the
+    prefills start level with the least of the others (never owed their past), a job that ends
+    its prefill carries on from the prefills' count, and ties go to the earlier job, the
+    prefills last (a job's first step, which says what it has to prefill, comes first). A
+    cancelled job runs its step first (it stops there). The engine is switched to a job's slot
+    before each of its steps."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.resting = threading.Event()  # set while no slot has a step to run
         self.resting.set()
+        self.prefills_used = 0.0  # the time the prefills have used, as one (`used`)
         self.thread = threading.Thread(target=self._loop, name="llama", daemon=True)
         self.thread.start()
 
-    def submit(self, slot: int, steps: Iterator[None]) -> Future[None]:
-        task = _Task(slot, steps)
+    def submit(self, slot: int, steps: Step, cancel: Cancel | None = None) -> Future[None]:
+        task = _Task(slot, steps, cancel)
         self.inbox.put(task)
         return task.done
 
     def stop(self) -> None:
         self.inbox.put(None)
+
+    def _least(self, tasks: list[_Task]) -> float:
+        """The least time used by the prefills (if any) and the jobs that do not prefill."""
+        used = [t.used for t in tasks if t.left is None]
+        if any(t.left is not None for t in tasks):
+            used.append(self.prefills_used)
+        return min(used, default=0.0)
+
+    def _pick(self, tasks: list[_Task]) -> _Task:
+        stopping = next((t for t in tasks if t.cancel is not None and t.cancel.is_set), None)
+        if stopping is not None:
+            return stopping
+        rest = [t for t in tasks if t.left is None]
+        other = min(rest, key=attrgetter("used"), default=None)  # the first of the least used
+        prefills = [t for t in tasks if t.left is not None]
+        if prefills and (other is None or self.prefills_used < other.used):
+            return min(prefills, key=attrgetter("left"))  # the first of the shortest
+        assert other is not None
+        return other
 
     def _loop(self) -> None:
         tasks: list[_Task] = []  # in the order they came
@@ -173,15 +210,15 @@ class Scheduler:
                         self.resting.set()
                         return
                     self.resting.clear()
-                    new.used = min((t.used for t in tasks), default=0.0)
+                    new.used = self._least(tasks)
                     tasks.append(new)
             except queue.Empty:
                 pass
-            task = min(tasks, key=attrgetter("used"))  # the first of the least used
+            task = self._pick(tasks)
             self.engine.use(task.slot)
             t = time.perf_counter()
             try:
-                next(task.steps)
+                left = next(task.steps)
             except StopIteration:
                 tasks.remove(task)
                 task.done.set_result(None)
@@ -190,7 +227,17 @@ class Scheduler:
                 tasks.remove(task)
                 task.done.set_exception(e)
                 continue
-            task.used += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            if task.left is not None:
+                self.prefills_used += dt
+            else:
+                task.used += dt
+            if left is not None and task.left is None:  # it begins to prefill
+                if all(t.left is None for t in tasks):  # the prefills start level
+                    self.prefills_used = self._least(tasks)
+            elif left is None and task.left is not None:  # its prefill ended
+                task.used = self.prefills_used
+            task.left = left
 
 
 class Worker:
@@ -258,8 +305,9 @@ class Worker:
             return
         self.ram.put(self.salts[slot], self.owners[slot], eng.ids[:n].copy(), eng.snapshot())
 
-    def steps(self, job: Job, emit: Emit, cancel: Cancel) -> Iterator[None]:
-        """The job, one step per `next()` (the scheduler runs other slots' steps between)."""
+    def steps(self, job: Job, emit: Emit, cancel: Cancel) -> Step:
+        """The job, one step per `next()` (the scheduler runs other slots' steps between),
+        each yielding the prompt tokens its prefill has left (`Scheduler`)."""
         eng, plan, ids, slot = self.engine, job.plan, list(job.ids), job.slot
         t0 = time.perf_counter()
         # at most the last batch edge before the last token (policies.prefix.keep_max; a plan
@@ -328,7 +376,7 @@ class Worker:
             done: Future[None] = Future()
             done.set_result(None)
             pending.append(done)
-        yield
+        yield len(ids) - eng.n_live
 
         saves = {s.n_tokens: s for s in plan.saves if exact and s.n_tokens in edges}
 
@@ -356,7 +404,7 @@ class Worker:
             emit(CancelledEvent(*eng.reusable(), len(pending)))
 
     def _generate(self, job: Job, emit: Emit, cancel: Cancel, t0: float,
-                  pending: list[Future[None]]) -> Iterator[None]:
+                  pending: list[Future[None]]) -> Step:
         eng = self.engine
         t1 = time.perf_counter()
         sampling = Sampling.from_json(job.sampling)
@@ -560,14 +608,15 @@ class Worker:
                 this.ended = True  # before the proxy can see it
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        def work() -> Iterator[None]:
+        def work() -> Step:
             try:
                 yield from self.steps(job, emit, cancel)
             except Exception as e:  # the request fails, the worker lives on
                 log.exception("run failed")
                 emit(Error(f"{type(e).__name__}: {e}"))
 
-        running = this.future = asyncio.wrap_future(self.scheduler.submit(job.slot, work()))
+        running = this.future = asyncio.wrap_future(self.scheduler.submit(job.slot, work(),
+                                                                              cancel))
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)

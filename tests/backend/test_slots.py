@@ -36,10 +36,12 @@ def _engine(name: str, n_seq: int) -> Engine:
 def _run(eng: Engine, ids: list[int], trace: list[bytes], stops: tuple[int, ...] = (),
          snaps: dict[int, bytes] | None = None) -> Iterator[None]:
     """A job as the worker runs it: steps of prefill batches, then steps of one greedy token;
-    the logits of the prefill's end and of every token go to `trace`."""
+    the logits of the prefill's end and of every token go to `trace`. It does not say what its
+    prefill has left, so the scheduler interleaves two prefills' batches too (by their time)."""
     kept = {} if snaps is None else snaps
-    yield from eng.prefill_steps(ids, list(stops),
-                                 lambda p: kept.__setitem__(p, bytes(eng.snapshot())), Cancel())
+    for _ in eng.prefill_steps(ids, list(stops),
+                               lambda p: kept.__setitem__(p, bytes(eng.snapshot())), Cancel()):
+        yield
     for token, _, _ in eng.generate(Sampling(temperature=0), GEN, Cancel()):
         trace.append(eng.last_logits().tobytes())
         trace.append(np.int32(token).tobytes())
@@ -158,6 +160,53 @@ def test_a_slots_snapshot_is_rewritten_in_place_as_the_join_writes_it(name: str)
         eng.close()
 
 
+def _timed(steps: list[tuple[int, float]], slot: int,
+           job: Iterator[int | None]) -> Iterator[int | None]:
+    """The job, each step's (slot, seconds) appended to `steps` in the order they ran."""
+    while True:
+        t = time.perf_counter()
+        try:
+            left = next(job)
+        except StopIteration:
+            return
+        steps.append((slot, time.perf_counter() - t))
+        yield left
+
+
+def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None:
+    """Of the prefills, the one with the fewest tokens left runs: a short prompt that arrives
+    while a long one prefills ends within a few of the long one's batches, and both compute
+    what they compute alone. (Sharing the time, the long one ran 6 batches beside the short
+    one's 5.)"""
+    p, q = _ids(name, 700, 7), _ids(name, 1800, 8)
+    want = _alone(name, [p, q])
+    steps: list[tuple[int, float]] = []
+    ends: dict[int, bytes] = {}  # each prefill's last logits
+    eng = _engine(name, 2)
+
+    def prefill(slot: int, ids: list[int]) -> Iterator[int | None]:
+        yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
+        ends[slot] = eng.last_logits().tobytes()  # in the step of its last batch
+
+    try:
+        sched = Scheduler(eng)
+        long = sched.submit(1, _timed(steps, 1, prefill(1, q)))
+        while not steps:  # the long prefill is under way
+            time.sleep(0.001)
+        short = sched.submit(0, _timed(steps, 0, prefill(0, p)))
+        short.result(timeout=600)
+        long.result(timeout=600)
+        sched.stop()
+    finally:
+        eng.close()
+    assert [ends[0], ends[1]] == [want[0][0], want[1][0]], "a prefill differs from it alone"
+    last = max(i for i, (slot, _) in enumerate(steps) if slot == 0)
+    beside = sum(slot == 1 for slot, _ in steps[:last])
+    own = sum(slot == 0 for slot, _ in steps)
+    assert beside <= 3, (f"the long prefill ran {beside} batches before the short one's "
+                         f"{own} ended")
+
+
 def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str) -> None:
     """The scheduler shares the llama thread's time, not its turns: a slot generating beside
     one that prefills a long prompt gets as much of the thread's time as the prefill until its
@@ -168,24 +217,15 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
     steps: list[tuple[int, float]] = []  # (slot, seconds) of each step, in the order they ran
     eng = _engine(name, 2)
 
-    def timed(slot: int, job: Iterator[None]) -> Iterator[None]:
-        while True:
-            t = time.perf_counter()
-            try:
-                next(job)
-            except StopIteration:
-                return
-            steps.append((slot, time.perf_counter() - t))
-            yield
-
-    def answer() -> Iterator[None]:
+    def answer() -> Iterator[int | None]:
         yield from eng.prefill_steps(p, [], lambda _: None, Cancel())
         yield from (None for _ in eng.generate(Sampling(temperature=0), gen, Cancel()))
 
     try:
         sched = Scheduler(eng)
-        done = [sched.submit(1, timed(1, eng.prefill_steps(q, [], lambda _: None, Cancel()))),
-                sched.submit(0, timed(0, answer()))]
+        done = [sched.submit(1, _timed(steps, 1, eng.prefill_steps(q, [], lambda _: None,
+                                                                   Cancel()))),
+                sched.submit(0, _timed(steps, 0, answer()))]
         for d in done:
             d.result(timeout=600)
         sched.stop()
