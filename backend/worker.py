@@ -129,6 +129,7 @@ class _Queued:
 
 
 Step = Iterator[int | None]  # a job: each `next()` one step, yielding what `_Task.left` says
+OVERDUE = 2.0  # a prefill that would end later than this many times its length goes first
 
 
 @dataclass(slots=True)
@@ -139,6 +140,8 @@ class _Task:
     done: Future[None] = field(default_factory=Future)
     used: float = 0.0  # seconds its steps took, counted from the least of the others' at its start
     left: int | None = None  # prompt tokens its prefill has left, None where it does not prefill
+    began: float = 0.0  # when its prefill began (perf_counter)
+    total: int = 0  # the tokens its prefill had then
 
 
 class Scheduler:
@@ -150,7 +153,9 @@ class Scheduler:
     shortest first gives them the least wait in all: a long prefill ends when it would have
     ended sharing the time, the short ones beside it far earlier. A title request's 200 tokens
     no longer wait behind a subagent's 2,000 (llama-server fills each batch with every waiting
-    prompt's tokens in turn, so a short prompt ends in its first batch there too).
+    prompt's tokens in turn, so a short prompt ends in its first batch there too). So that a
+    stream of short turns cannot hold a long prompt back without end, a prefill that would end
+    later than OVERDUE times its own length goes first (`_next_prefill`).
 
     The prefills, as one, and each job that generates then share the thread's time, not its
     turns: the one that has used the least time runs its step. On a CPU a prefill batch costs
@@ -168,6 +173,7 @@ class Scheduler:
         self.resting = threading.Event()  # set while no slot has a step to run
         self.resting.set()
         self.prefills_used = 0.0  # the time the prefills have used, as one (`used`)
+        self.per_token = 0.0  # seconds a prefilled token has taken lately (0: not known yet)
         self.thread = threading.Thread(target=self._loop, name="llama", daemon=True)
         self.thread.start()
 
@@ -194,9 +200,24 @@ class Scheduler:
         other = min(rest, key=attrgetter("used"), default=None)  # the first of the least used
         prefills = [t for t in tasks if t.left is not None]
         if prefills and (other is None or self.prefills_used < other.used):
-            return min(prefills, key=attrgetter("left"))  # the first of the shortest
+            return self._next_prefill(prefills)
         assert other is not None
         return other
+
+    def _next_prefill(self, prefills: list[_Task]) -> _Task:
+        """The shortest, unless one is overdue: it has waited as long as it takes (its time so
+        far and what it has left at least OVERDUE times its length). Then the most overdue:
+        a long prompt is not held back by short ones for longer than it lasts."""
+        now, s = time.perf_counter(), self.per_token
+
+        def stretch(t: _Task) -> float:  # its end, if it ran from now on, over its length
+            assert t.left is not None
+            return (now - t.began + t.left * s) / (t.total * s) if s > 0 and t.total else 1.0
+
+        overdue = [t for t in prefills if stretch(t) >= OVERDUE]
+        if overdue:
+            return max(overdue, key=stretch)
+        return min(prefills, key=attrgetter("left"))  # the first of the shortest
 
     def _loop(self) -> None:
         tasks: list[_Task] = []  # in the order they came
@@ -230,11 +251,16 @@ class Scheduler:
             dt = time.perf_counter() - t
             if task.left is not None:
                 self.prefills_used += dt
+                done = task.left - (left or 0)
+                if done > 0:
+                    self.per_token = dt / done if not self.per_token else \
+                        0.7 * self.per_token + 0.3 * dt / done
             else:
                 task.used += dt
             if left is not None and task.left is None:  # it begins to prefill
                 if all(t.left is None for t in tasks):  # the prefills start level
                     self.prefills_used = self._least(tasks)
+                task.began, task.total = time.perf_counter(), left
             elif left is None and task.left is not None:  # its prefill ended
                 task.used = self.prefills_used
             task.left = left
