@@ -129,7 +129,7 @@ class _Queued:
 
 
 Step = Iterator[int | None]  # a job: each `next()` one step, yielding what `_Task.left` says
-OVERDUE = 2.0  # a prefill that would end later than this many times its length goes first
+NOMINAL_TOKEN_S = 0.001  # a prefilled token's seconds until the scheduler has measured one
 
 
 @dataclass(slots=True)
@@ -147,15 +147,16 @@ class _Task:
 class Scheduler:
     """Runs the slots' jobs on one thread, one step at a time (module docstring).
 
-    The jobs that prefill are served as one, shortest first: of them, the one with the fewest
-    prompt tokens left runs its batch (the others wait; a job says what it has left by the
-    value of each step, `_Task.left`). Ends of prefills are what clients wait for, and the
-    shortest first gives them the least wait in all: a long prefill ends when it would have
-    ended sharing the time, the short ones beside it far earlier. A title request's 200 tokens
-    no longer wait behind a subagent's 2,000 (llama-server fills each batch with every waiting
-    prompt's tokens in turn, so a short prompt ends in its first batch there too). So that a
-    stream of short turns cannot hold a long prompt back without end, a prefill that would end
-    later than OVERDUE times its own length goes first (`_next_prefill`).
+    The jobs that prefill are served as one, the one due first running its batch (the others
+    wait): a prefill is due when it would end had it run alone from its start (its tokens at
+    the seconds a prefilled token has taken lately, the same for all; a job says what it has
+    left by the value of each step, `_Task.left`). Ends of prefills are what clients wait
+    for. Beside a long prompt a short one is due first and ends almost as soon as alone: a
+    title request's 200 tokens no longer wait behind a subagent's 2,000 (llama-server fills
+    each batch with every waiting prompt's tokens in turn, so a short prompt ends in its first
+    batch there too). A prompt's due time moves only with that measure, so short prompts
+    arriving one after another hold a long one back only until it is due, after which it comes
+    first (no prompt waits without end), and two prompts never take turns batch by batch.
 
     The prefills, as one, and each job that generates then share the thread's time, not its
     turns: the one that has used the least time runs its step. On a CPU a prefill batch costs
@@ -200,24 +201,10 @@ class Scheduler:
         other = min(rest, key=attrgetter("used"), default=None)  # the first of the least used
         prefills = [t for t in tasks if t.left is not None]
         if prefills and (other is None or self.prefills_used < other.used):
-            return self._next_prefill(prefills)
+            s = self.per_token or NOMINAL_TOKEN_S
+            return min(prefills, key=lambda t: t.began + t.total * s)  # the first due
         assert other is not None
         return other
-
-    def _next_prefill(self, prefills: list[_Task]) -> _Task:
-        """The shortest, unless one is overdue: it has waited as long as it takes (its time so
-        far and what it has left at least OVERDUE times its length). Then the most overdue:
-        a long prompt is not held back by short ones for longer than it lasts."""
-        now, s = time.perf_counter(), self.per_token
-
-        def stretch(t: _Task) -> float:  # its end, if it ran from now on, over its length
-            assert t.left is not None
-            return (now - t.began + t.left * s) / (t.total * s) if s > 0 and t.total else 1.0
-
-        overdue = [t for t in prefills if stretch(t) >= OVERDUE]
-        if overdue:
-            return max(overdue, key=stretch)
-        return min(prefills, key=attrgetter("left"))  # the first of the shortest
 
     def _loop(self) -> None:
         tasks: list[_Task] = []  # in the order they came

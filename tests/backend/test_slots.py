@@ -174,8 +174,8 @@ def _timed(steps: list[tuple[int, float]], slot: int,
 
 
 def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None:
-    """Of the prefills, the one with the fewest tokens left runs: a short prompt that arrives
-    while a long one prefills ends within a few of the long one's batches, and both compute
+    """Of the prefills, the one due first runs: a short prompt that arrives while a long one
+    prefills is due first and ends within a few of the long one's batches, and both compute
     what they compute alone. (Sharing the time, the long one ran 6 batches beside the short
     one's 5.)"""
     p, q = _ids(name, 700, 7), _ids(name, 1800, 8)
@@ -208,12 +208,12 @@ def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None
 
 
 def test_a_stream_of_short_prompts_does_not_hold_a_long_one_back(name: str) -> None:
-    """Shortest first, but not without end: a long prefill that would end later than OVERDUE
-    times its length goes first, so short prompts arriving one after another beside it (an
-    agent's quick turns) get about as much time as it before it ends, not all of it. (Without
-    the rule, on SmolLM2 all 7200 tokens of short prompts ran first; with it, 2760. Where a
-    batch costs little beside the test's own overhead, as on the random Qwen3.5, the long one
-    ends before the stream gets going.)"""
+    """Short first, but not without end: a prefill is due when it would end alone from its
+    start, and the one due first runs, so short prompts arriving one after another beside a
+    long one (an agent's quick turns) run only until the long one is due. (Serving the
+    shortest instead, on SmolLM2 all 7200 tokens of short prompts ran first. Where a batch
+    costs little beside the test's own overhead, as on the random Qwen3.5, the long one ends
+    before the stream gets going.)"""
     long_n, short_n, shorts = 1200, 120, 60
     q = _ids(name, long_n, 9)
     order: list[str] = []  # "s" as each short prompt's prefill ends, "L" as the long one's
@@ -243,7 +243,7 @@ def test_a_stream_of_short_prompts_does_not_hold_a_long_one_back(name: str) -> N
     finally:
         eng.close()
     before = order.index("L") * short_n
-    assert before <= 3 * long_n, (
+    assert before <= 2 * long_n, (
         f"{before} tokens of short prompts ran before the long one's {long_n} ended")
 
 
