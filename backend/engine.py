@@ -546,7 +546,7 @@ class Engine:
         request; on_batch(n_live) follows each one. A live state that does not end at a batch
         edge is first cut back to one (where the memory refuses, to none). Yields before each
         batch but the first the tokens it has left (another slot may run there: a scheduler
-        serves the shortest first; never after the last batch, whose logits the first sample
+        serves the prefill due first; never after the last batch, whose logits the first sample
         reads). Returns the seconds spent in llama_decode (not in
         other slots' steps between): what the prefill itself cost (policies.costs)."""
         edges = edges or self.batching.edges(ids)

@@ -26,8 +26,8 @@ worker executes it as it is; it decides nothing and has no defaults.
 Slots (`--parallel N`): the engine holds one sequence per slot, and a job names its slot (the
 proxy routes). Each slot has its own live ids, tenant and cancellation. All llama calls run on
 one thread, the scheduler's, which runs the slots' jobs one step at a time: a prefill batch,
-or one generated token (evaluated, then the next one sampled) (`Scheduler`): the prefills
-shortest first, as one, sharing the thread's time with each slot that generates. A short
+or one generated token (evaluated, then the next one sampled) (`Scheduler`): the prefill due
+first, the prefills as one sharing the thread's time with each slot that generates. A short
 prompt therefore does not wait behind a long one, a long prefill never starves a slot that is
 generating, nor does it slow that slot's answer to one token per prefill batch, and every
 llama_decode holds one sequence's tokens only, in the cold run's batches: each slot
