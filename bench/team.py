@@ -427,6 +427,10 @@ def main(argv: list[str] | None = None) -> None:
                    "ratio and the median (this machine's speed drifts over minutes)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue20"))
     p.add_argument("--debug", action="store_true")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="copy each arm's server log into OUT/logs (the proxy's request lines "
+                        "say where each request waited: ttft_s - prefill_s is the wait for a "
+                        "slot)")
     args = p.parse_args(argv)
     if not args.model:
         from proxy.config import default_model
@@ -452,6 +456,11 @@ def main(argv: list[str] | None = None) -> None:
                       f"RSS {a['peak_rss_mib']} MiB, main {a['main_sources']}", file=sys.stderr)
             rounds.append(got)
         results = [rounds[0][arm] for arm in arms]  # the table: the first round
+        if args.keep_logs:
+            logs = Path(args.out) / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            for f in work.glob("round*/*.log"):
+                shutil.copy(f, logs / f"{f.parent.name}-{f.name}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     model_mib = os.path.getsize(args.model) / 2**20
