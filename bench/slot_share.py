@@ -42,20 +42,20 @@ def main(argv: list[str] | None = None) -> None:
     ends: dict[str, float] = {}
     t0 = 0.0
 
-    def answer() -> Iterator[None]:
+    def answer() -> Iterator[int | None]:
         yield from eng.prefill_steps(short, [], lambda _: None, Cancel())
         n = 0
         for _ in eng.generate(Sampling(temperature=0), a.answer, Cancel()):
             n += 1
-            yield
+            yield None  # a generated token: no prefill left
         ends["answer"] = time.perf_counter() - t0
         ends["tokens"] = n
 
-    def prefill() -> Iterator[None]:
+    def prefill() -> Iterator[int | None]:
         yield from eng.prefill_steps(long, [], lambda _: None, Cancel())
         ends["prefill"] = time.perf_counter() - t0
 
-    def run(jobs: list[tuple[int, Iterator[None]]]) -> None:
+    def run(jobs: list[tuple[int, Iterator[int | None]]]) -> None:
         nonlocal t0
         for slot in (0, 1):
             eng.use(slot)

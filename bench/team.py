@@ -33,6 +33,7 @@ llama.cpp reports) plus 20%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,37 +178,35 @@ class Server:
                 self.proc.wait()
 
 
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user and system) a process and all its descendants have used (/proc)."""
-    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+def tree(pid: int) -> Iterator[int]:
+    """A process and all its descendants (/proc), those that have not ended."""
+    todo = [pid]
     while todo:
         p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        yield p
+        with contextlib.suppress(OSError):
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, IndexError, ValueError):
-            continue
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user and system) a process and all its descendants have used (/proc)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for p in tree(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
 
 
 def tree_rss(pid: int, children: bool = True) -> int:
     """Resident bytes of a process and all its descendants (/proc); of it alone without
     `children`."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            m = re.search(r"VmRSS:\s+(\d+) kB", status)
+    total = 0
+    for p in tree(pid) if children else [pid]:
+        with contextlib.suppress(OSError):
+            m = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
             total += int(m.group(1)) * 1024 if m else 0
-            if not children:
-                break
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, AttributeError):
-            continue
     return total
 
 
