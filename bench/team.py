@@ -189,10 +189,11 @@ def tree(pid: int) -> Iterator[int]:
                 todo += [int(c) for c in (task / "children").read_text().split()]
 
 
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user and system) a process and all its descendants have used (/proc)."""
+def tree_cpu(pid: int, children: bool = True) -> float:
+    """CPU seconds (user and system) a process and all its descendants have used (/proc); of
+    it alone without `children`."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for p in tree(pid):
+    for p in tree(pid) if children else [pid]:
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
@@ -326,9 +327,11 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
     try:
         assert srv.proc is not None
         t0, cpu0 = time.perf_counter(), tree_cpu(srv.proc.pid)
+        own0 = tree_cpu(srv.proc.pid, False)
         results = replay(port, trace, arm == "llama-server")
         wall = time.perf_counter() - t0
         cpu = tree_cpu(srv.proc.pid) - cpu0
+        own = tree_cpu(srv.proc.pid, False) - own0
         if arm != "llama-server":
             ram = json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])["cache_ram"]
             ram_bytes = sum(w.get("used_bytes", 0) for w in ram["workers"].values())
@@ -340,6 +343,8 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         "startup_s": round(startup_s, 2), "wall_s": round(wall, 2),
         # CPU seconds its processes used during the replay, and that over all cores' wall
         "cpu_s": round(cpu, 1), "cpu_busy": round(cpu / (wall * (os.cpu_count() or 1)), 3),
+        # of it, the server's own process: prefixgate's proxy (its workers are children)
+        "cpu_s_proxy": round(own, 1) if arm != "llama-server" else None,
         "fresh_tokens": sum(r.fresh for r in results),
         "prompt_tokens": sum(r.prompt for r in results),
         "peak_rss_mib": round(srv.peak_rss / 2**20, 1),
@@ -381,15 +386,17 @@ def markdown(res: dict[str, Any]) -> str:
         f"`{res['command']}` on {res['machine']}, model `{Path(res['model']).name}` "
         f"({res['model_mib']:.0f} MiB), slot context {res['slot_ctx']} tokens, "
         f"{res['requests']} requests ({res['trace']}).", "",
-        "| arm | wall s | CPU s (busy) | fresh prefill tokens | TTFT main p50/p95 s "
-        "| TTFT subagent p50/p95 s | TTFT background p50/p95 s | peak RSS MiB (all) "
-        "| peak RSS MiB (workers) | RAM tier MiB at end | main turns' cache |",
+        "| arm | wall s | CPU s (busy; of it the proxy's) | fresh prefill tokens "
+        "| TTFT main p50/p95 s | TTFT subagent p50/p95 s | TTFT background p50/p95 s "
+        "| peak RSS MiB (all) | peak RSS MiB (workers) | RAM tier MiB at end | main turns' cache |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in res["arms"]:
         t = a["ttft"]
         lines.append(
             f"| {a['arm']} | {a['wall_s']:.1f} | {a.get('cpu_s', 0):.0f} "
-            f"({a.get('cpu_busy', 0):.0%}) | {a['fresh_tokens']} | "
+            f"({a.get('cpu_busy', 0):.0%}"
+            + (f"; {a['cpu_s_proxy']:.1f}" if a.get("cpu_s_proxy") is not None else "")
+            + f") | {a['fresh_tokens']} | "
             + " | ".join(f"{t[c]['p50']:.2f} / {t[c]['p95']:.2f}" for c in CLASSES)
             + f" | {a['peak_rss_mib']:.0f} | {a.get('peak_workers_rss_mib', 0):.0f} | "
             f"{a.get('ram_tier_mib_at_end', 0):.0f} | "
