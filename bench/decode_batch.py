@@ -5,20 +5,24 @@
 
 For each model, flash attention setting and base length L: a context of `--slots` slots, slot s
 holding its own prompt of L + 100 s tokens (prefilled alone, in the cold run's batches). Then
-`--steps` greedy decode steps two ways from the same states:
-- alone: each slot's token evaluated in a llama_decode of its own (what prefixgate's scheduler
-  does);
-- batched: one llama_decode holding one token of every slot (what llama-server's continuous
-  batching does).
+`--steps` greedy decode steps three ways from the same states:
+- alone: each slot's token evaluated in a llama_decode of its own (prefixgate's decode steps
+  where its start-up check did not prove batching);
+- batched: one llama_decode holding one token of every slot (llama-server's continuous
+  batching; prefixgate's where its check proved it, `backend.selfcheck.check_decode`);
+- padded: alone, plus a padding row in the next slot's sequence (without logits, removed
+  after), so that every decode has the shape of a batched one: the alternative measured and
+  not taken (it costs every decode alone a row).
 Reported: whether the logits are bit-identical, the largest absolute logit difference, and the
-first step where the greedy tokens part, plus the time per step both ways. The README's
-guarantee follows from it: prefixgate never batches decode steps across slots.
+first step where the greedy tokens part, plus the time per step each way.
 
 Why flash attention matters on a CPU: ggml evaluates one query row of one sequence against 512
 KV cells or more by splitting the cells among the threads and merging their partial sums
 (ggml-cpu/ops.cpp, `use_split_kv_path`), while a batch of several sequences' rows takes the
 unsplit path: a slot's decode alone and the same decode beside another slot add in another
-order once its KV view reaches 512 cells (llama.cpp pads the view to 256).
+order once its KV view reaches 512 cells (llama.cpp pads the view to 256). llama.cpp runs only
+consecutive sequence ids as one batch (with one KV stream per sequence), so a padding row must
+sit in a neighbouring slot.
 """
 
 from __future__ import annotations
@@ -44,18 +48,27 @@ def prompt_ids(eng: Engine, n: int, seed: int) -> list[int]:
     return [int(t) for t in rng.integers(1, eng.n_vocab, 2 * n) if int(t) not in eng.eog][:n]
 
 
-def decode(eng: Engine, tokens: list[tuple[int, int, int]]) -> list[np.ndarray]:
-    """One llama_decode of (slot, position, token) entries, logits for each."""
-    b = llama_cpp.llama_batch_init(len(tokens), 0, len(eng.seqs))
+def decode(eng: Engine, tokens: list[tuple[int, int, int]],
+           pad: tuple[int, int] | None = None) -> list[np.ndarray]:
+    """One llama_decode of (slot, position, token) entries, logits for each. `pad`: (slot,
+    position) of a padding row in another slot's sequence, without logits, removed after: a
+    decode of one slot's row then has the shape of a decode beside another slot's."""
+    # in the order of their sequence ids: llama.cpp runs only such a run as one batch
+    rows = sorted([(*t, True) for t in tokens] + ([(*pad, tokens[0][2], False)] if pad else []))
+    b = llama_cpp.llama_batch_init(len(rows), 0, len(eng.seqs))
     try:
-        for i, (slot, pos, tok) in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1
+        for i, (slot, pos, tok, want) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(want)
             b.seq_id[i][0] = slot
-        b.n_tokens = len(tokens)
+        b.n_tokens = len(rows)
         if llama_cpp.llama_decode(eng.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
-        return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(eng.ctx, i),
-                                      shape=(eng.n_vocab,)).copy() for i in range(len(tokens))]
+        out = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(eng.ctx, i),
+                                     shape=(eng.n_vocab,)).copy()
+               for i, row in enumerate(rows) if row[3]]
+        if pad and not llama_cpp.llama_memory_seq_rm(eng.mem, pad[0], pad[1], -1):
+            raise RuntimeError("the padding row could not be removed")
+        return out
     finally:
         llama_cpp.llama_batch_free(b)
 
@@ -77,32 +90,52 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
                 eng.use(s)
                 eng.restore(ids, states[s])
 
-        def walk(batched: bool) -> tuple[list[list[np.ndarray]], float]:
+        def walk(mode: str) -> tuple[list[list[np.ndarray]], float]:
+            """alone | batched (one call of all slots) | padded (alone, with a padding row in
+            the next slot's sequence, or the one before for the last: llama.cpp runs only
+            consecutive sequence ids as one batch)."""
             restore_all()
             toks, logits = list(first), [[] for _ in range(slots)]
+            live = [len(x) for x in prompts]
             t0 = time.perf_counter()
-            for step in range(steps):
-                entries = [(s, len(prompts[s]) + step, toks[s]) for s in range(slots)]
-                outs = decode(eng, entries) if batched else \
-                    [decode(eng, [e])[0] for e in entries]
+            for _ in range(steps):
+                if mode == "batched":
+                    outs = decode(eng, [(s, live[s], toks[s]) for s in range(slots)])
+                else:
+                    outs = []
+                    for s in range(slots):
+                        o = s + 1 if s + 1 < slots else s - 1
+                        outs += decode(eng, [(s, live[s], toks[s])],
+                                       (o, live[o]) if mode == "padded" else None)
+                        live[s] += 1
+                if mode == "batched":
+                    live = [n + 1 for n in live]
                 for s, out in enumerate(outs):
                     logits[s].append(out)
                     toks[s] = int(np.argmax(out))
             return logits, (time.perf_counter() - t0) / steps
 
-        alone, alone_s = walk(False)
-        batched, batched_s = walk(True)
+        alone, alone_s = walk("alone")
+        batched, batched_s = walk("batched")
+        padded_same: bool | None = None  # a recurrent state cannot drop the padding's cell
+        padded_s = float("nan")
+        if eng.memory.kind != "recurrent":
+            padded, padded_s = walk("padded")
+            padded_same = all(a.tobytes() == b.tobytes() for s in range(slots)
+                              for a, b in zip(padded[s], batched[s], strict=True))
         diff = max(float(np.max(np.abs(a - b))) for s in range(slots)
                    for a, b in zip(alone[s], batched[s], strict=True))
         same = all(a.tobytes() == b.tobytes() for s in range(slots)
                    for a, b in zip(alone[s], batched[s], strict=True))
         parted = [next((i for i, (a, b) in enumerate(zip(alone[s], batched[s], strict=True))
                         if int(np.argmax(a)) != int(np.argmax(b))), None) for s in range(slots)]
-        return {"model": name, "flash_attn": flash_attn,
+        return {"model": name, "file": Path(model_file(name)).name, "flash_attn": flash_attn,
                 "prompt_tokens": [len(x) for x in prompts], "slots": slots, "steps": steps,
                 "bit_identical": same,
                 "max_abs_logit_diff": diff, "greedy_parts_at_step": parted,
+                "padded_bit_identical": padded_same,
                 "alone_ms_per_step": round(alone_s * 1000, 2),
+                "padded_ms_per_step": round(padded_s * 1000, 2),
                 "batched_ms_per_step": round(batched_s * 1000, 2)}
     finally:
         eng.close()
@@ -124,14 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     (out / "decode_batch.json").write_text(json.dumps(rows, indent=1))
     lines = ["| model | flash attention | prompts (tokens) | slots | steps | "
              "batched = alone, bit for bit | max abs logit diff | "
-             "greedy tokens part at step | ms/step alone | ms/step batched |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "greedy tokens part at step | padded = batched, bit for bit | "
+             "ms/step alone | ms/step padded | ms/step batched |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['flash_attn']} | "
+        lines.append(f"| {r['model']} (`{r['file']}`) | {r['flash_attn']} | "
                      f"{', '.join(map(str, r['prompt_tokens']))} | {r['slots']} | {r['steps']} | "
                      f"{r['bit_identical']} | "
                      f"{r['max_abs_logit_diff']:.3g} | {r['greedy_parts_at_step']} | "
-                     f"{r['alone_ms_per_step']} | {r['batched_ms_per_step']} |")
+                     f"{r['padded_bit_identical']} | {r['alone_ms_per_step']} | "
+                     f"{r['padded_ms_per_step']} | {r['batched_ms_per_step']} |")
     (out / "decode_batch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
