@@ -39,11 +39,20 @@ Rules this module keeps:
      prefill of the same text, so live reuse stops at `exact_n`, the end of the prompt.
   The start-up self-check (`backend.selfcheck`) proves the three on the user's model, KV
   types and backend, bit for bit, before the worker reuses anything.
+- Decode steps of several slots share one llama_decode (`decode_next`) only where the worker
+  proved at start that each slot's logits come out with the bits they have alone
+  (`batch_decode`, backend.selfcheck.check_decode), so that a slot answers what it answers
+  alone, whatever else generates. (A generated token's KV is never reused, rule 3: this is
+  about the answer.) It does not hold everywhere: with flash attention on a CPU, ggml splits
+  the attention of a single query row among the threads once its KV view reaches 512 cells
+  (ggml-cpu/ops.cpp, `use_split_kv_path`), a row beside another sequence's is not split, and
+  the sums come out in another order (bench/results/issue20/decode_batch.md).
 - Cancellation is checked between prefill batches and between generated tokens.
-- Steps: `prefill_steps` and `generate` yield between llama_decode calls so that a scheduler can
-  run another slot's step there; never between a decode and the sample that reads its logits
-  (llama.cpp keeps the logits of the last decode only, whichever sequence it was). A sample
-  after another sequence's decode is refused (RuntimeError), never drawn from its logits.
+- Steps: `prefill_steps` and `generate_steps` yield between llama_decode calls so that a
+  scheduler can run another slot's step there; never between a decode and the sample that reads
+  its logits (llama.cpp keeps the logits of the last decode only, whichever sequences it held).
+  A sample of a slot the last decode did not hold is refused (RuntimeError), never drawn from
+  another's logits.
 - A grammar llama.cpp cannot parse is a ValueError before the first sample (its sampler comes
   back NULL), never a crash of the worker.
 - Only llama.cpp's C API (the `llama_cpp` bindings) is used: model and context parameters set
@@ -183,6 +192,7 @@ class Seq:
     n_live: int = 0
     exact_n: int = 0  # leading live tokens whose KV a cold prefill computes identically
     padded: int = 0  # window cells before this position are a restore's zero padding
+    next: int = -1  # a generated token waiting for its decode (`Engine.decode_next`), or -1
 
 
 T = TypeVar("T")
@@ -310,7 +320,11 @@ class Engine:
         self.fault = os.environ.get("PREFIXGATE_FAULT", "")
         self.seqs = [Seq(i, np.zeros(self.n_ctx, dtype=np.intc)) for i in range(n_seq)]
         self.seq = self.seqs[0]  # the slot the calls below act on (`use`)
-        self._logits_seq = -1  # whose decode the context's logits belong to
+        # the last llama_decode's logits: the row of each sequence it holds them for
+        self._logits_rows: dict[int, int] = {}
+        # decode steps of several slots may share a llama_decode (module rules); the worker
+        # sets it where its start-up check proved it
+        self.batch_decode = False
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
@@ -428,8 +442,7 @@ class Engine:
 
     def last_logits(self) -> np.ndarray:
         """A copy of the logits after this slot's last evaluated token."""
-        self._check_logits()
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, self._logits_row())
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def can_snapshot_behind(self, p: int) -> bool:
@@ -513,7 +526,7 @@ class Engine:
         b.logits[n - 1] = 1
         b.n_tokens = n
         rc = llama_cpp.llama_decode(self.ctx, b)
-        self._logits_seq = self.seq.id if rc == 0 else -1
+        self._logits_rows = {self.seq.id: n - 1} if rc == 0 else {}
         if rc != 0:
             # the positions past n_live may hold part of this batch: cut them off (or, where
             # the memory cannot, start from none) so the invariant holds
@@ -572,6 +585,42 @@ class Engine:
                 on_stop(p)
         return busy
 
+    def generate_steps(
+        self,
+        sampling: Sampling,
+        max_tokens: int,
+        cancel: Cancel,
+        grammar: str | None = None,
+    ) -> Iterator[tuple[int, bytes, bool] | None]:
+        """Yield (token, piece bytes, is_end_of_generation) after a prefill, each token sampled
+        from this slot's logits; after a token that is to be evaluated, None: the caller then
+        evaluates it (`decode_next`, this slot alone or beside others) before it asks for the
+        next one. The caller stops iterating on a stop string; the last sampled token is never
+        evaluated."""
+        chain = self._sampler(sampling, grammar)
+        seq = self.seq
+        try:
+            for i in range(max_tokens):
+                if cancel.is_set:
+                    raise Cancelled()
+                assert self.seq is seq, "a step of another slot's generation"
+                if seq.next >= 0:
+                    raise RuntimeError(f"slot {seq.id}: resumed before its token was "
+                                       "evaluated; a scheduling bug")
+                row = self._logits_row()
+                token = int(llama_cpp.llama_sampler_sample(chain, self.ctx, row))
+                if token in self.eog:
+                    yield token, b"", True
+                    return
+                yield token, self.piece(token), False
+                if i + 1 >= max_tokens or seq.n_live >= self.n_ctx:
+                    return
+                seq.next = token
+                yield None
+        finally:
+            seq.next = -1
+            llama_cpp.llama_sampler_free(chain)
+
     def generate(
         self,
         sampling: Sampling,
@@ -579,31 +628,52 @@ class Engine:
         cancel: Cancel,
         grammar: str | None = None,
     ) -> Iterator[tuple[int, bytes, bool]]:
-        """Yield (token, piece bytes, is_end_of_generation) after a prefill. The caller stops
-        iterating on a stop string; the last sampled token is never evaluated. Each token is
-        evaluated and the next one sampled in one step (between two yields)."""
-        chain = self._sampler(sampling, grammar)
-        try:
-            for i in range(max_tokens):
-                if cancel.is_set:
-                    raise Cancelled()
-                self._check_logits()
-                token = int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
-                if token in self.eog:
-                    yield token, b"", True
-                    return
-                yield token, self.piece(token), False
-                if i + 1 < max_tokens and self.n_live < self.n_ctx:
-                    self._decode([token])
-                elif self.n_live >= self.n_ctx:
-                    return
-        finally:
-            llama_cpp.llama_sampler_free(chain)
+        """`generate_steps` on its own: each token evaluated alone, in the same step."""
+        for step in self.generate_steps(sampling, max_tokens, cancel, grammar):
+            if step is None:
+                self.decode_next([self.seq.id])
+            else:
+                yield step
 
-    def _check_logits(self) -> None:
-        if self._logits_seq != self.seq.id:
+    def decode_next(self, slots: Sequence[int]) -> None:
+        """Evaluate the token each of these slots' generation waits with (`Seq.next`), in one
+        llama_decode (several slots only with `batch_decode`), logits for each. (llama.cpp
+        runs each run of consecutive sequence ids as one batch of its own: the shapes
+        `selfcheck.check_decode` compares.)"""
+        # in the order of their ids: llama.cpp runs a run of consecutive ids as one batch
+        seqs = sorted((self.seqs[s] for s in slots), key=lambda q: q.id)
+        assert seqs and all(q.next >= 0 for q in seqs), "no token waits for its decode"
+        assert len(seqs) == 1 or self.batch_decode, "batched decode steps were not proven"
+        b = self._batch
+        for i, q in enumerate(seqs):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = q.next, q.n_live, 1, 1
+            b.seq_id[i][0] = q.id
+        b.n_tokens = len(seqs)
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        self._logits_rows = {q.id: i for i, q in enumerate(seqs)} if rc == 0 else {}
+        me = self.seq
+        try:
+            for q in seqs:
+                self.seq, start = q, q.n_live
+                if rc == 0:
+                    q.ids[start] = q.next
+                    q.n_live = start + 1
+                else:  # its position may hold this call's row: cut off (or start from none)
+                    q.n_live = start + 1
+                    self.truncate(start)
+                q.next = -1
+        finally:
+            self.seq = me
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc})")
+
+    def _logits_row(self) -> int:
+        """This slot's row of the last llama_decode's logits; refused if it holds none."""
+        row = self._logits_rows.get(self.seq.id)
+        if row is None:
             raise RuntimeError(f"slot {self.seq.id}: the context's logits are not this slot's "
-                               f"(last decode: {self._logits_seq}); a scheduling bug")
+                               f"(last decode: {sorted(self._logits_rows)}); a scheduling bug")
+        return row
 
     def _sampler(self, s: Sampling, grammar: str | None) -> Any:
         """llama-cpp-python's sampler chain, built with llama.cpp's C API: penalties, the

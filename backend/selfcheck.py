@@ -19,6 +19,18 @@ last logits:
 A failure names the check and where the states first differ (`backend.layout`). The worker then
 serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
 line); `--no-exact-check` skips the check, `prefixgate doctor` prints it as a table.
+
+With several slots one more check, ``decode 2-N slots`` (`check_decode`), decides whether decode
+steps of several slots may share a llama_decode (`Engine.batch_decode`): each slot's logits from
+one llama_decode of the tokens of 2, 3, ... N consecutive slots (llama.cpp runs a run of
+consecutive sequence ids as one batch) must equal, bit for bit, its logits from its decode
+alone. The slots hold states of different lengths, one past 512 KV cells, so that their KV
+views are padded to different sizes. Its failure only keeps the decode steps apart (each slot
+decodes alone, as a one-slot worker does); reuse does not depend on it. It fails with flash
+attention on a CPU (ggml splits a single query row's attention among the threads past 512
+cells, not a row beside others) and on the hybrid models measured (bench/results/issue20/
+decode_batch.md). What a pass rests on: that no kernel chooses its order of summation by a
+length the check does not reach.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ class Report:
     rows: tuple[Row, ...]
     probe_tokens: int
     seconds: float
+    decode: Row | None = None  # `check_decode`; None where it does not apply (one slot, ...)
 
     @property
     def failure(self) -> str:
@@ -55,7 +68,19 @@ class Report:
         return {"ok": self.ok, "probe_tokens": self.probe_tokens,
                 "seconds": round(self.seconds, 3), "failure": self.failure,
                 "checks": [{"check": r.check, "ok": r.ok, "detail": r.detail}
-                           for r in self.rows]}
+                           for r in self.rows],
+                "batch_decode": None if self.decode is None else {
+                    "ok": self.decode.ok, "check": self.decode.check,
+                    "detail": self.decode.detail}}
+
+
+def random_ids(eng: Engine, n: int, seed: int) -> list[int]:
+    """n seeded ids of the vocabulary, none that ends generation."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += [int(t) for t in rng.integers(1, int(eng.n_vocab), n) if int(t) not in eng.eog]
+    return ids[:n]
 
 
 def probe_ids(eng: Engine) -> list[int]:
@@ -65,12 +90,7 @@ def probe_ids(eng: Engine) -> list[int]:
     a = eng.batching.size
     window = eng.memory.n_swa if eng.memory.kind == "window" else 0
     n = min(max(3 * a, window + 2 * a) + a // 2 + 1, eng.n_ctx - 1)
-    n_vocab = int(eng.n_vocab)
-    rng = np.random.default_rng(19)
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += [int(t) for t in rng.integers(1, n_vocab, n) if int(t) not in eng.eog]
-    ids = ids[:n]
+    ids = random_ids(eng, n, 19)
     ends = sorted(eng.batching.ends)
     if ends:
         for p in (a // 4 + 1, a + a // 2 + 3):
@@ -134,6 +154,64 @@ def run(eng: Engine) -> Report:
             eng.use(other)
             eng.truncate(0)
             eng.use(0)
+    decode = None
+    if len(eng.seqs) > 1:
+        decode = check_decode(eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
     eng.truncate(0)
     eng.exact_n = 0
-    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0)
+    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0, decode)
+
+
+DECODE_LONG = 520  # tokens of the longest state in `check_decode`: a KV view past 512 cells
+
+
+def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Row:
+    """Decode steps of several slots in one llama_decode against each alone (module
+    docstring). `states`: (ids, state) of this engine, the first one extended here past
+    DECODE_LONG tokens; slot s holds the s-th (in turn), restored before every decode, and
+    decodes the same token each time. Leaves every slot empty."""
+    slots, check = len(eng.seqs), f"decode 2-{len(eng.seqs)} slots"
+    was = eng.batch_decode
+    try:
+        ids, state = states[0]
+        long_ids = ids + random_ids(eng, max(min(DECODE_LONG, eng.n_ctx - 2) - len(ids), 0), 20)
+        eng.use(0)
+        eng.restore(ids, state)
+        eng.prefill(long_ids, [], lambda _: None, Cancel())
+        held = [(long_ids, bytes(eng.snapshot()))] + states[1:]
+
+        def decode(run: list[int]) -> list[np.ndarray]:
+            for s in run:
+                eng.use(s)
+                ids, state = held[s % len(held)]
+                eng.restore(ids, state)
+                eng.seq.next = ids[1]
+            eng.decode_next(run)
+            out = []
+            for s in run:
+                eng.use(s)
+                out.append(eng.last_logits())
+            return out
+
+        alone = [decode([s])[0] for s in range(slots)]
+        eng.batch_decode = True
+        for k in range(2, slots + 1):
+            for first in range(slots - k + 1):
+                run = list(range(first, first + k))
+                for s, logits in zip(run, decode(run), strict=True):
+                    if logits.tobytes() != alone[s].tobytes():
+                        diff = float(np.max(np.abs(logits - alone[s])))
+                        return Row(check, False, f"slot {s} decoded with slots {run[0]}-"
+                                                 f"{run[-1]} ({len(held[s % len(held)][0])} "
+                                                 f"tokens): its logits differ from its decode "
+                                                 f"alone by up to {diff:.3g}")
+        return Row(check, True, "")
+    except (ValueError, RuntimeError) as e:
+        return Row(check, False, f"the check could not run: {e}")
+    finally:
+        eng.batch_decode = was
+        for s in range(slots):
+            eng.use(s)
+            eng.seq.next = -1
+            eng.truncate(0)
+        eng.use(0)

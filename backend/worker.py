@@ -128,7 +128,10 @@ class _Queued:
     state: memoryview
 
 
-Step = Iterator[int | None]  # a job: each `next()` one step, yielding what `_Task.left` says
+# a job: each `next()` one step, yielding what `_Task.left` says, or DECODE: its slot's
+# generated token waits to be evaluated (`Engine.decode_next`) before its next step
+DECODE = "decode"
+Step = Iterator[int | str | None]
 NOMINAL_TOKEN_S = 0.001  # a prefilled token's seconds until the scheduler has measured one
 
 
@@ -142,6 +145,7 @@ class _Task:
     left: int | None = None  # prompt tokens its prefill has left, None where it does not prefill
     began: float = 0.0  # when its prefill began (perf_counter)
     total: int = 0  # the tokens its prefill had then
+    waits: bool = False  # it yielded DECODE: its token is evaluated before its next step
 
 
 class Scheduler:
@@ -166,7 +170,13 @@ class Scheduler:
     its prefill carries on from the prefills' count, and ties go to the earlier job, the
     prefills last (a job's first step, which says what it has to prefill, comes first). A
     cancelled job runs its step first (it stops there). The engine is switched to a job's slot
-    before each of its steps."""
+    before each of its steps.
+
+    A generating job's step samples a token and yields DECODE; the token is evaluated when the
+    job's turn comes, and where the engine may batch decode steps (`Engine.batch_decode`) in one
+    llama_decode with the tokens of every other job that waits so: each of them is charged the
+    call's time and then samples its next token, before any other llama_decode (which would
+    replace their logits)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -223,34 +233,64 @@ class Scheduler:
             except queue.Empty:
                 pass
             task = self._pick(tasks)
-            self.engine.use(task.slot)
-            t = time.perf_counter()
-            try:
-                left = next(task.steps)
-            except StopIteration:
-                tasks.remove(task)
-                task.done.set_result(None)
-                continue
-            except BaseException as e:  # the job's own wrapper reports it; never the loop's end
-                tasks.remove(task)
-                task.done.set_exception(e)
-                continue
-            dt = time.perf_counter() - t
-            if task.left is not None:
-                self.prefills_used += dt
-                done = task.left - (left or 0)
-                if done > 0:
-                    self.per_token = dt / done if not self.per_token else \
-                        0.7 * self.per_token + 0.3 * dt / done
+            if task.waits and not (task.cancel is not None and task.cancel.is_set):
+                self._decode(tasks, task)
             else:
-                task.used += dt
-            if left is not None and task.left is None:  # it begins to prefill
-                if all(t.left is None for t in tasks):  # the prefills start level
-                    self.prefills_used = self._least(tasks)
-                task.began, task.total = time.perf_counter(), left
-            elif left is None and task.left is not None:  # its prefill ended
-                task.used = self.prefills_used
-            task.left = left
+                self._step(tasks, task)
+
+    def _decode(self, tasks: list[_Task], task: _Task) -> None:
+        """Evaluate the token `task` waits with, beside every other waiting one's where the
+        engine batches decode steps; then each of them takes its next step (it samples)."""
+        group = [task]
+        if self.engine.batch_decode:
+            group += [t for t in tasks if t.waits and t is not task
+                      and not (t.cancel is not None and t.cancel.is_set)]
+        t = time.perf_counter()
+        try:
+            self.engine.decode_next([g.slot for g in group])
+        except Exception as e:  # each job's own wrapper reports it
+            for g in group:
+                g.waits = False
+                self._step(tasks, g, e)
+            return
+        dt = time.perf_counter() - t
+        for g in group:
+            g.used += dt
+            g.waits = False
+            self._step(tasks, g)
+
+    def _step(self, tasks: list[_Task], task: _Task, error: Exception | None = None) -> None:
+        """Run the task's next step (raise `error` into it instead, where given)."""
+        self.engine.use(task.slot)
+        t = time.perf_counter()
+        try:
+            value = next(task.steps) if error is None else task.steps.throw(error)
+        except StopIteration:
+            tasks.remove(task)
+            task.done.set_result(None)
+            return
+        except BaseException as e:  # the job's own wrapper reports it; never the loop's end
+            tasks.remove(task)
+            task.done.set_exception(e)
+            return
+        dt = time.perf_counter() - t
+        task.waits = value == DECODE
+        left = value if isinstance(value, int) else None
+        if task.left is not None:
+            self.prefills_used += dt
+            done = task.left - (left or 0)
+            if done > 0:
+                self.per_token = dt / done if not self.per_token else \
+                    0.7 * self.per_token + 0.3 * dt / done
+        else:
+            task.used += dt
+        if left is not None and task.left is None:  # it begins to prefill
+            if all(t.left is None for t in tasks):  # the prefills start level
+                self.prefills_used = self._least(tasks)
+            task.began, task.total = time.perf_counter(), left
+        elif left is None and task.left is not None:  # its prefill ended
+            task.used = self.prefills_used
+        task.left = left
 
 
 class Worker:
@@ -424,7 +464,11 @@ class Worker:
         matcher = StopMatcher(job.stop)
         finish, matched, n_gen = "length", None, 0
         grammar = job.grammar or None
-        for token, piece, eog in eng.generate(sampling, job.max_tokens, cancel, grammar):
+        for step in eng.generate_steps(sampling, job.max_tokens, cancel, grammar):
+            if step is None:  # its token is evaluated (beside other slots') before the next
+                yield DECODE
+                continue
+            token, piece, eog = step
             if eog:
                 finish = "stop"
                 break
@@ -434,7 +478,6 @@ class Worker:
             if matched is not None:
                 finish = "stop_sequence"
                 break
-            yield  # the next token is evaluated and sampled in the next step
         tail = matcher.flush() if matched is None else ""
         if tail:
             emit(Token(None, tail))
@@ -826,7 +869,9 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
 
 def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
     """The start-up self-check's verdict, logged in one line: what `/health` reports as
-    "exact". Where it fails the worker reuses nothing (module rules)."""
+    "exact". Where it fails the worker reuses nothing (module rules). Its decode check sets
+    whether decode steps of several slots share a llama_decode (`Engine.batch_decode`; not
+    without the check)."""
     if not check:
         if engine.inexact:
             log.warning("worker %d: cache reuse off: %s", worker_id, engine.inexact)
@@ -834,6 +879,11 @@ def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
         log.info("worker %d: exactness not checked (--no-exact-check)", worker_id)
         return {"ok": True, "checked": False, "failure": ""}
     report = selfcheck.run(engine)
+    engine.batch_decode = report.decode is not None and report.decode.ok
+    if report.decode is not None:
+        log.info("worker %d: decode steps of several slots %s", worker_id,
+                 "share a llama_decode (each slot's logits proven equal to its own alone)"
+                 if report.decode.ok else f"run apart ({report.decode.detail})")
     if report.ok:
         log.info("worker %d: exact reuse proven in %.1f s (%s on %d probe tokens, batch %d)",
                  worker_id, report.seconds, ", ".join(r.check for r in report.rows),

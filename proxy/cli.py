@@ -191,6 +191,10 @@ def doctor(argv: list[str]) -> None:
     out("| check | result | where the states differ |\n|---|---|---|")
     for r in report.rows:
         out(f"| {r.check} | {'exact' if r.ok else 'DIFFERS'} | {r.detail or '-'} |")
+    if report.decode is not None:  # --parallel 2 or more: whether decode steps are batched
+        r = report.decode
+        out(f"| {r.check} | {'batched' if r.ok else 'DIFFERS: decoded apart'} | "
+            f"{r.detail or '-'} |")
     out(f"\n{'exact' if report.ok else 'NOT EXACT: serve reuses nothing'} "
         f"({report.probe_tokens} probe tokens, {report.seconds:.2f} s)")
     eng.close()

@@ -27,6 +27,7 @@ def test_the_self_check_proves_exact_reuse(name: str, settings: dict[str, str]) 
     report = selfcheck.run(eng)
     eng.close()
     assert report.ok, report.failure
+    assert report.decode is None, "one slot: no decode steps to batch"
     checks = [r.check.split("@")[0] for r in report.rows]
     assert checks.count("restore") == 2
     assert checks.count("live") == (0 if name == "qwen35" else 1)

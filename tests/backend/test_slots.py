@@ -2,7 +2,9 @@
 scheduler runs them (a prefill batch or a token of one, then of the other), each compute
 bit for bit what the same prompt computes alone in a context of its own: every logit of the
 prefill's end and of each greedy token, and the KV state. A snapshot taken in one slot restores
-into the other exactly. On plain attention, a sliding window and a hybrid recurrent state."""
+into the other exactly. On plain attention, a sliding window and a hybrid recurrent state.
+Decode steps of several slots in one llama_decode (where the self-check proves it) give each
+slot the logits it gets alone, and the check catches a decode that does not."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from backend import selfcheck
 from backend.engine import Cancel, Engine, Sampling
-from backend.worker import Scheduler
+from backend.worker import DECODE, Scheduler
 from tests.backend.test_memory import _ids
 from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
@@ -279,3 +282,78 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
     assert sum(prefill) <= answering + 2 * max(prefill), (
         f"beside the answer ({answering:.2f} s of steps) the prefill ran {sum(prefill):.2f} s "
         f"({len(prefill)} batches)")
+
+
+def _answer(eng: Engine, ids: list[int], gen: int,
+            trace: list[bytes]) -> Iterator[int | str | None]:
+    """A job as the worker's: it prefills, then generates greedily, yielding DECODE while its
+    token waits to be evaluated; the logits of each sample and its token go to `trace`."""
+    yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
+    for step in eng.generate_steps(Sampling(temperature=0), gen, Cancel()):
+        if step is None:
+            yield DECODE
+        else:
+            trace += [eng.last_logits().tobytes(), np.int32(step[0]).tobytes()]
+
+
+def test_decode_steps_of_several_slots_answer_as_each_alone(name: str) -> None:
+    """Three slots generating at once through the scheduler get every logit and token each
+    gets alone in the same engine: their decode steps share a llama_decode where the
+    self-check proved it (without flash attention on a CPU, plain attention and the window
+    so far: bench/results/issue20/decode_batch.md), and run apart where it did not."""
+    gen = 48
+    prompts = [_ids(name, 600, 11), _ids(name, 150, 12), _ids(name, 250, 13)]
+    eng = Engine(model_file(name), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="off", n_seq=3)
+    try:
+        report = selfcheck.run(eng)
+        assert report.ok, report.failure
+        assert report.decode is not None and report.decode.check == "decode 2-3 slots"
+        want = []
+        for ids in prompts:  # each alone
+            eng.truncate(0)
+            trace: list[bytes] = []
+            for v in _answer(eng, ids, gen, trace):
+                if v == DECODE:
+                    eng.decode_next([0])
+            want.append(trace)
+        eng.truncate(0)
+        eng.batch_decode = report.decode.ok  # as the worker sets it
+        sizes: list[int] = []  # the slots of each decode step
+        decode_next = eng.decode_next
+
+        def counted(slots: list[int]) -> None:
+            sizes.append(len(slots))
+            decode_next(slots)
+
+        eng.decode_next = counted  # type: ignore[method-assign]
+        traces: list[list[bytes]] = [[], [], []]
+        sched = Scheduler(eng)
+        done = [sched.submit(s, _answer(eng, prompts[s], gen, traces[s])) for s in range(3)]
+        for d in done:
+            d.result(timeout=600)
+        sched.stop()
+    finally:
+        eng.close()
+    for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
+        assert trace == ref, f"slot {slot}: logits or tokens differ from its run alone"
+    if report.decode.ok:
+        assert max(sizes) >= 2, "proven, yet no decode step held two slots"
+    else:
+        assert max(sizes) == 1, "not proven, yet decode steps were batched"
+
+
+@pytest.mark.skipif(GPU_LAYERS != 0, reason="about ggml's CPU flash attention kernel")
+def test_the_decode_check_refuses_flash_attention_on_a_cpu() -> None:
+    """With flash attention on a CPU a slot's decode alone is a single query row, whose
+    attention ggml splits among the threads once its KV view reaches 512 cells; beside another
+    slot's row it is not split, and the logits differ: the check says so, and the worker keeps
+    the decode steps apart (reuse itself is still proven)."""
+    eng = Engine(model_file("smollm2"), SLOT_CTX * 2, 2, GPU_LAYERS, flash_attn="on", n_seq=2)
+    try:
+        report = selfcheck.run(eng)
+    finally:
+        eng.close()
+    assert report.ok, report.failure
+    assert report.decode is not None and not report.decode.ok
+    assert "slot 0 decoded with slots 0-1" in report.decode.detail, report.decode.detail
+    assert "differ from its decode alone" in report.decode.detail
