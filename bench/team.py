@@ -143,6 +143,7 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     peak_rss: int = 0
     peak_children_rss: int = 0  # the workers, without the proxy process
+    peak_children_anon: int = 0  # of it, their own memory (not pages of a mapped file)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self, ready_path: str = "/health", timeout_s: float = 600) -> float:
@@ -165,6 +166,10 @@ class Server:
             self.peak_rss = max(self.peak_rss, tree_rss(self.proc.pid))
             self.peak_children_rss = max(self.peak_children_rss,
                                          tree_rss(self.proc.pid) - tree_rss(self.proc.pid, False))
+            self.peak_children_anon = max(
+                self.peak_children_anon,
+                tree_rss(self.proc.pid, field="RssAnon")
+                - tree_rss(self.proc.pid, False, field="RssAnon"))
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -200,13 +205,14 @@ def tree_cpu(pid: int, children: bool = True) -> float:
     return total
 
 
-def tree_rss(pid: int, children: bool = True) -> int:
+def tree_rss(pid: int, children: bool = True, field: str = "VmRSS") -> int:
     """Resident bytes of a process and all its descendants (/proc); of it alone without
-    `children`."""
+    `children`. `field` RssAnon: their own memory only, without the pages of mapped files
+    (the model's weights where llama.cpp maps them), which the kernel can drop and read again."""
     total = 0
     for p in tree(pid) if children else [pid]:
         with contextlib.suppress(OSError):
-            m = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
+            m = re.search(field + r":\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
             total += int(m.group(1)) * 1024 if m else 0
     return total
 
@@ -349,6 +355,7 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         "prompt_tokens": sum(r.prompt for r in results),
         "peak_rss_mib": round(srv.peak_rss / 2**20, 1),
         "peak_workers_rss_mib": round(srv.peak_children_rss / 2**20, 1),
+        "peak_workers_anon_mib": round(srv.peak_children_anon / 2**20, 1),
         "ram_tier_mib_at_end": round(ram_bytes / 2**20, 1),
         "ttft": {c: {"p50": round(pct([r.ttft_s for r in rs], 0.5), 3),
                      "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
@@ -388,7 +395,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['requests']} requests ({res['trace']}).", "",
         "| arm | wall s | CPU s (busy; of it the proxy's) | fresh prefill tokens "
         "| TTFT main p50/p95 s | TTFT subagent p50/p95 s | TTFT background p50/p95 s "
-        "| peak RSS MiB (all) | peak RSS MiB (workers) | RAM tier MiB at end | main turns' cache |",
+        "| peak RSS MiB (all) | peak RSS MiB (workers (of it anonymous)) | RAM tier MiB at end | main turns' cache |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in res["arms"]:
         t = a["ttft"]
@@ -398,7 +405,8 @@ def markdown(res: dict[str, Any]) -> str:
             + (f"; {a['cpu_s_proxy']:.1f}" if a.get("cpu_s_proxy") is not None else "")
             + f") | {a['fresh_tokens']} | "
             + " | ".join(f"{t[c]['p50']:.2f} / {t[c]['p95']:.2f}" for c in CLASSES)
-            + f" | {a['peak_rss_mib']:.0f} | {a.get('peak_workers_rss_mib', 0):.0f} | "
+            + f" | {a['peak_rss_mib']:.0f} | {a.get('peak_workers_rss_mib', 0):.0f} "
+            f"({a.get('peak_workers_anon_mib', 0):.0f}) | "
             f"{a.get('ram_tier_mib_at_end', 0):.0f} | "
             f"{' '.join(a['main_sources'])} |")
     lines += ["", "Ratios against llama-server (same run): " + ", ".join(
@@ -422,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ubatch-size", type=int, default=0, help="-ub for every arm (default: "
-                   "each server's own: prefixgate 64 on a CPU, llama-server 512)")
+                   "each server's own: prefixgate 128 on a CPU, llama-server 512)")
     p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
                    "(llama-server's default, auto, turns it on where it can)")
     p.add_argument("--peer-defaults", action="store_true", help="llama-server with its own "
@@ -483,7 +491,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"end; without it {worker:.0f} MiB "
                           f"{'<=' if worker <= a['rss_bound_mib'] else '>'} model + KV of 3 slots "
                           f"+ 20% = {a['rss_bound_mib']:.0f} MiB (the model {model_mib:.0f} MiB,"
-                          f" the KV {kv:.0f} MiB)")
+                          f" the KV {kv:.0f} MiB); its own memory, without the mapped model "
+                          f"file's pages, peaked at {a.get('peak_workers_anon_mib', 0):.0f} MiB")
         if a["arm"] != "llama-server":
             disk = [s for s in a["main_sources"][1:] if s == "disk"]
             checks.append(f"{a['arm']}: main turns restored from disk: {len(disk)} "

@@ -35,7 +35,7 @@ GPU_LAYERS = int(os.environ.get("PREFIXGATE_TEST_GPU_LAYERS", "0"))
 FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read it too
 
 
-# The workers' batch size (64 on a CPU, 512 with GPU layers): a hit reuses at most the last batch
+# The workers' batch size (128 on a CPU, 512 with GPU layers): a hit reuses at most the last batch
 # edge before the prompt's last token. Edges are at most a batch apart (policies.prefix.Batching:
 # every BATCH tokens, and at message ends), so a test of an n-token prompt that was all cached
 # before expects at least `reusable(n)` tokens from the cache.

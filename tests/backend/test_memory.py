@@ -16,7 +16,7 @@ from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_fi
 
 pytestmark = pytest.mark.model
 
-# Lengths are in batches (A: 64 on a CPU, 512 with GPU layers; bench/gpu_check.sh): a snapshot
+# Lengths are in batches (A: 128 on a CPU, 512 with GPU layers; bench/gpu_check.sh): a snapshot
 # sits at a batch edge, so a test's save points are too
 A = BATCH
 N_CTX = 32 * A
