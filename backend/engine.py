@@ -513,28 +513,38 @@ class Engine:
 
     # --- prefill and generation ------------------------------------------------------------
 
-    def _decode(self, tokens: Sequence[int]) -> None:
-        """Evaluate tokens at the next positions; logits for the last one only."""
-        b, n, start = self._batch, len(tokens), self.n_live
-        assert 0 < n <= self.n_batch and start + n <= self.n_ctx
-        for i, t in enumerate(tokens):
-            b.token[i] = t
-            b.pos[i] = start + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = self.seq.id
-            b.logits[i] = 0
-        b.logits[n - 1] = 1
-        b.n_tokens = n
+    def _evaluate(self, rows: Sequence[tuple[Seq, Sequence[int]]]) -> None:
+        """Evaluate each slot's tokens at its next positions in one llama_decode, in this
+        order; logits for the last token of each."""
+        b, i = self._batch, 0
+        for q, tokens in rows:
+            assert tokens and q.n_live + len(tokens) <= self.n_ctx
+            for j, t in enumerate(tokens):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, q.n_live + j, 1, 0
+                b.seq_id[i][0] = q.id
+                i += 1
+            b.logits[i - 1] = 1
+        assert i <= self.n_batch
+        b.n_tokens = i
         rc = llama_cpp.llama_decode(self.ctx, b)
-        self._logits_rows = {self.seq.id: n - 1} if rc == 0 else {}
+        self._logits_rows = {}
+        me, i = self.seq, 0
+        try:
+            for q, tokens in rows:
+                self.seq, start, n = q, q.n_live, len(tokens)
+                i += n
+                q.n_live = start + n
+                if rc == 0:
+                    self._logits_rows[q.id] = i - 1
+                    q.ids[start : start + n] = tokens
+                else:
+                    # the positions past n_live may hold part of this batch: cut them off (or,
+                    # where the memory cannot, start from none) so the invariant holds
+                    self.truncate(start)
+        finally:
+            self.seq = me
         if rc != 0:
-            # the positions past n_live may hold part of this batch: cut them off (or, where
-            # the memory cannot, start from none) so the invariant holds
-            self.n_live = start + n
-            self.truncate(start)
             raise RuntimeError(f"llama_decode failed ({rc})")
-        self.ids[start : start + n] = tokens
-        self.n_live = start + n
 
     def prefill(self, ids: Sequence[int], stops_at: Sequence[int],
                 on_stop: Callable[[int], None], cancel: Cancel,
@@ -576,7 +586,7 @@ class Engine:
                 if cancel.is_set:
                     raise Cancelled()
                 t = time.perf_counter()
-                self._decode(ids[self.n_live : min(p, edges.next(self.n_live))])
+                self._evaluate([(self.seq, ids[self.n_live : min(p, edges.next(self.n_live))])])
                 busy += time.perf_counter() - t
                 self.exact_n = self.n_live
                 if on_batch is not None:
@@ -644,28 +654,11 @@ class Engine:
         seqs = sorted((self.seqs[s] for s in slots), key=lambda q: q.id)
         assert seqs and all(q.next >= 0 for q in seqs), "no token waits for its decode"
         assert len(seqs) == 1 or self.batch_decode, "batched decode steps were not proven"
-        b = self._batch
-        for i, q in enumerate(seqs):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = q.next, q.n_live, 1, 1
-            b.seq_id[i][0] = q.id
-        b.n_tokens = len(seqs)
-        rc = llama_cpp.llama_decode(self.ctx, b)
-        self._logits_rows = {q.id: i for i, q in enumerate(seqs)} if rc == 0 else {}
-        me = self.seq
         try:
-            for q in seqs:
-                self.seq, start = q, q.n_live
-                if rc == 0:
-                    q.ids[start] = q.next
-                    q.n_live = start + 1
-                else:  # its position may hold this call's row: cut off (or start from none)
-                    q.n_live = start + 1
-                    self.truncate(start)
-                q.next = -1
+            self._evaluate([(q, [q.next]) for q in seqs])
         finally:
-            self.seq = me
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed ({rc})")
+            for q in seqs:
+                q.next = -1
 
     def _logits_row(self) -> int:
         """This slot's row of the last llama_decode's logits; refused if it holds none."""

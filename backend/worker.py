@@ -29,12 +29,14 @@ one thread, the scheduler's, which runs the slots' jobs one step at a time: a pr
 or one generated token (evaluated, then the next one sampled) (`Scheduler`): the prefill due
 first, the prefills as one sharing the thread's time with each slot that generates. A short
 prompt therefore does not wait behind a long one, a long prefill never starves a slot that is
-generating, nor does it slow that slot's answer to one token per prefill batch, and every
-llama_decode holds one sequence's tokens only, in the cold run's batches: each slot
-computes exactly what it would alone (the exactness rules of backend/engine.py), at the price
-of not batching decode steps across slots (bench/results/issue20/decode_batch.md: with flash
-attention on a CPU, batching changes the answers). State files are written on another thread,
-after the state was copied in memory, so a save never delays the first token.
+generating, nor does it slow that slot's answer to one token per prefill batch. Every prefill
+batch holds one sequence's tokens only, in the cold run's batches, and decode steps of several
+slots share a llama_decode only where the start-up check proved each slot's logits equal to
+alone (`Engine.batch_decode`): each slot computes exactly what it would alone (the exactness
+rules of backend/engine.py; bench/results/issue20/decode_batch.md: with flash attention on a
+CPU, batching changes the answers, and the check keeps the steps apart). State files are
+written on another thread, after the state was copied in memory, so a save never delays the
+first token.
 Where llama.cpp computes on the CPU that thread first waits for the llama thread to rest
 (`_await_rest`: WRITE_REST_S at most, and not while WRITE_REST_BYTES wait): on a few cores its
 hashing and writing slowed every prefill it overlapped (bench/results/issue20). Meanwhile the
