@@ -163,13 +163,10 @@ class Server:
 
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc is not None:
-            self.peak_rss = max(self.peak_rss, tree_rss(self.proc.pid))
-            self.peak_children_rss = max(self.peak_children_rss,
-                                         tree_rss(self.proc.pid) - tree_rss(self.proc.pid, False))
-            self.peak_children_anon = max(
-                self.peak_children_anon,
-                tree_rss(self.proc.pid, field="RssAnon")
-                - tree_rss(self.proc.pid, False, field="RssAnon"))
+            (rss, anon), (own, own_anon) = tree_rss(self.proc.pid), tree_rss(self.proc.pid, False)
+            self.peak_rss = max(self.peak_rss, rss)
+            self.peak_children_rss = max(self.peak_children_rss, rss - own)
+            self.peak_children_anon = max(self.peak_children_anon, anon - own_anon)
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -205,16 +202,18 @@ def tree_cpu(pid: int, children: bool = True) -> float:
     return total
 
 
-def tree_rss(pid: int, children: bool = True, field: str = "VmRSS") -> int:
-    """Resident bytes of a process and all its descendants (/proc); of it alone without
-    `children`. `field` RssAnon: their own memory only, without the pages of mapped files
-    (the model's weights where llama.cpp maps them), which the kernel can drop and read again."""
-    total = 0
+def tree_rss(pid: int, children: bool = True) -> tuple[int, int]:
+    """Resident bytes of a process and all its descendants (/proc; of it alone without
+    `children`), and of them their own memory (RssAnon): without the pages of mapped files (the
+    model's weights where llama.cpp maps them), which the kernel can drop and read again."""
+    rss = anon = 0
     for p in tree(pid) if children else [pid]:
         with contextlib.suppress(OSError):
-            m = re.search(field + r":\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
-            total += int(m.group(1)) * 1024 if m else 0
-    return total
+            status = Path(f"/proc/{p}/status").read_text()
+            m, a = (re.search(f + r":\s+(\d+) kB", status) for f in ("VmRSS", "RssAnon"))
+            rss += int(m.group(1)) * 1024 if m else 0
+            anon += int(a.group(1)) * 1024 if a else 0
+    return rss, anon
 
 
 # --- one request ------------------------------------------------------------------------------
@@ -395,7 +394,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['requests']} requests ({res['trace']}).", "",
         "| arm | wall s | CPU s (busy; of it the proxy's) | fresh prefill tokens "
         "| TTFT main p50/p95 s | TTFT subagent p50/p95 s | TTFT background p50/p95 s "
-        "| peak RSS MiB (all) | peak RSS MiB (workers (of it anonymous)) | RAM tier MiB at end | main turns' cache |",
+        "| peak RSS MiB (all) | peak RSS MiB (workers (of it anonymous)) | RAM tier MiB at end "
+        "| main turns' cache |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in res["arms"]:
         t = a["ttft"]
