@@ -263,6 +263,10 @@ class Engine:
             raise ValueError(f"llama.cpp could not load the model {model_path}{full}")
         free1 = [d["free"] for d in offload_devices()]
         rss1 = _rss()
+        self.memory = _memory_of(self.model, swa_full)
+        # what flash attention is, as llama.cpp gets it (`resolve_flash_attn`)
+        self.flash_attn = resolve_flash_attn(flash_attn, cpu_only=not gpus or n_gpu_layers == 0,
+                                             n_seq=n_seq, type_v=type_v, memory=self.memory)
         cp = llama_cpp.llama_context_default_params()
         n_batch = n_batch or default_batch(n_gpu_layers)
         # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
@@ -273,7 +277,7 @@ class Engine:
         cp.n_threads_batch = n_threads_batch or n_threads or cores
         cp.flash_attn_type = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                               "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-                              "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[flash_attn]
+                              "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[self.flash_attn]
         cp.type_k, cp.type_v = CACHE_TYPES[type_k], CACHE_TYPES[type_v]
         cp.swa_full = swa_full
         cp.no_perf = True
@@ -282,7 +286,8 @@ class Engine:
             llama_cpp.llama_model_free(self.model)
             raise ValueError(
                 f"llama.cpp could not create a context (n_ctx {n_ctx}, K {type_k}, V {type_v}, "
-                f"flash attention {flash_attn}; a quantized V cache needs flash attention){full}")
+                f"flash attention {self.flash_attn}; a quantized V cache needs flash attention)"
+                f"{full}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         # where it all went, for the ready line: weights and KV (with compute buffers), on the
         # GPUs (their free memory before and after) and in RAM (this process's resident set)
@@ -302,10 +307,11 @@ class Engine:
         # what computes the KV, for the cache identity: the CPU too where it computes layers
         self.compute = compute_identity(gpus, self.placement["gpu_layers"] < n_layer + 1 or bool(
             str(pl.get("override_tensor", "")).strip() or int(pl.get("n_cpu_moe", 0) or 0)))
+        if self.flash_attn != flash_attn:  # `auto` decided here, not by llama.cpp: other bits
+            self.compute += f"; flash attention {self.flash_attn}"
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # one slot's context
         self.n_batch = n_batch
-        self.memory = _memory_of(self.model, swa_full)
         # KV caches in a sequence state (backend.layout): a window's base and window caches, a
         # hybrid's attention cache, none for a pure recurrent model
         self.caches = {"plain": 1, "window": 2}.get(
@@ -712,6 +718,25 @@ def _backend_init() -> None:
             logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         llama_cpp.llama_backend_init()
         _backend_ready = True
+
+
+def resolve_flash_attn(flash_attn: str, *, cpu_only: bool, n_seq: int, type_v: str,
+                       memory: Memory) -> str:
+    """Flash attention as llama.cpp gets it: as given, except ``auto`` on a CPU with several
+    slots, which is ``off`` (llama.cpp's auto would turn it on) unless the V cache is quantized
+    (only flash attention reads one) or the memory is recurrent.
+
+    Why: with flash attention on, a CPU decodes a slot alone with other bits than beside other
+    slots (module rules), so decode steps of several slots never share a llama_decode; off, they
+    do on the quantized models measured, and a prefill or a lone decode step is as fast
+    (bench/results/issue20: the 1.1B Q4_K_M team at 0.95x llama-server's wall against 1.13x).
+    The decode check still decides (backend.selfcheck.check_decode). A recurrent or hybrid
+    model's decode steps differ batched either way (measured), so it keeps llama.cpp's choice;
+    on a GPU nobody has measured it yet."""
+    if flash_attn == "auto" and cpu_only and n_seq > 1 and memory.kind != "recurrent" \
+            and type_v in ("f32", "f16", "bf16"):
+        return "off"
+    return flash_attn
 
 
 def _memory_of(model: Any, swa_full: bool) -> Memory:

@@ -757,7 +757,7 @@ class Boot:
             self.phase, self.progress = "self-check", 1.0
             identity = replace(spec.identity, compute=engine.compute)
             worker = Worker(engine, spec.worker_id, spec.cache_dir, identity.fingerprint(),
-                            spec.model_path, spec.flash_attn, spec.n_ctx,
+                            spec.model_path, engine.flash_attn, spec.n_ctx,
                             RamTier.from_mib(spec.cache_ram))
             worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
             if spec.shared_tier:
@@ -767,9 +767,12 @@ class Boot:
             self.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             loop.call_soon_threadsafe(os.kill, os.getpid(), signal.SIGTERM)
             return
-        log.info("worker %d loaded %s in %.1f s: %s", spec.worker_id,
+        log.info("worker %d loaded %s in %.1f s: %s%s", spec.worker_id,
                  os.path.basename(spec.model_path), time.monotonic() - self.started,
-                 placement_note(engine.placement))
+                 placement_note(engine.placement),
+                 f"; flash attention {engine.flash_attn} ({spec.flash_attn} with several slots "
+                 "on a CPU: lets decode steps batch)" if engine.flash_attn != spec.flash_attn
+                 else "")
         self.worker = worker
 
     async def begin(self, app: web.Application) -> None:

@@ -185,7 +185,9 @@ def doctor(argv: list[str]) -> None:
         f" (window {eng.memory.n_swa}, {'full-size' if eng.memory.full else 'real'})"
         if eng.memory.kind == "window" else "")
     out(f"model {cfg.model_path}\nmemory {memory}; KV {cfg.cache_type_k}/{cfg.cache_type_v}; "
-        f"flash attention {cfg.flash_attn}; batch {eng.batching.size}; {offload}; llama-cpp-python "
+        f"flash attention {eng.flash_attn}"
+        f"{f' ({cfg.flash_attn})' if eng.flash_attn != cfg.flash_attn else ''}; "
+        f"batch {eng.batching.size}; {offload}; llama-cpp-python "
         f"{importlib.metadata.version('llama-cpp-python')}\n"
         f"{llama_cpp.llama_print_system_info().decode().strip()}\n")
     out("| check | result | where the states differ |\n|---|---|---|")

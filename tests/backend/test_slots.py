@@ -357,3 +357,30 @@ def test_the_decode_check_refuses_flash_attention_on_a_cpu() -> None:
     assert report.decode is not None and not report.decode.ok
     assert "slot 0 decoded with slots 0-1" in report.decode.detail, report.decode.detail
     assert "differ from its decode alone" in report.decode.detail
+
+
+@pytest.mark.skipif(GPU_LAYERS != 0, reason="about a worker that computes on the CPU")
+def test_auto_flash_attention_is_off_with_several_slots_on_a_cpu() -> None:
+    """`--flash-attn auto` (the default) is off in a CPU worker with several slots, where it
+    lets decode steps batch exactly, and llama.cpp's own choice otherwise: one slot, a quantized
+    V cache (which needs flash attention), a recurrent memory. What it resolved to is in the
+    compute identity, so states of the other setting are a clean miss."""
+    shapes = {  # (model, slots, V cache) -> flash attention as llama.cpp gets it
+        ("smollm2", 2, "f16"): "off",
+        ("gemma3", 2, "f16"): "off",
+        ("smollm2", 1, "f16"): "auto",
+        ("smollm2", 2, "q8_0"): "auto",
+        ("qwen35", 2, "f16"): "auto",
+    }
+    computes = {}
+    for (name, slots, type_v), want in shapes.items():
+        eng = Engine(model_file(name), SLOT_CTX * slots, 2, GPU_LAYERS, flash_attn="auto",
+                     type_k=type_v, type_v=type_v, n_seq=slots)
+        try:
+            assert eng.flash_attn == want, (name, slots, type_v)
+            computes[name, slots, type_v] = eng.compute
+        finally:
+            eng.close()
+    assert computes["smollm2", 2, "f16"].endswith("; flash attention off")
+    assert computes["smollm2", 2, "f16"] != computes["smollm2", 1, "f16"]
+    assert "flash attention" not in computes["smollm2", 2, "q8_0"]
