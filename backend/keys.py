@@ -80,7 +80,7 @@ def model_identity(model_path: str | os.PathLike[str]) -> dict[str, object]:
 def file_digest(path: str | os.PathLike[str], hashes_dir: Path | None = None) -> str:
     """The xxh3_128 hex digest of the file, remembered in ``hashes_dir`` (default
     ``$XDG_CACHE_HOME/prefixgate``) under the file's stamp: computed once per file version."""
-    directory = _default_hashes_dir() if hashes_dir is None else Path(hashes_dir)
+    directory = user_dir() if hashes_dir is None else Path(hashes_dir)
     with _hashing:
         stamp = _stamp(path)
         if stamp is None:
@@ -114,7 +114,9 @@ def _digest_once(path: str | os.PathLike[str], stamp: str, directory: Path) -> s
         return digest
 
 
-def _default_hashes_dir() -> Path:
+def user_dir() -> Path:
+    """prefixgate's directory of what one start remembers for the next (model file hashes,
+    the self-check's verdicts): ``$XDG_CACHE_HOME/prefixgate``, else ``~/.cache/prefixgate``."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgate"
 
 

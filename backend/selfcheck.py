@@ -31,17 +31,39 @@ attention on a CPU (ggml splits a single query row's attention among the threads
 cells, not a row beside others) and on the hybrid models measured (bench/results/issue20/
 decode_batch.md). What a pass rests on: that no kernel chooses its order of summation by a
 length the check does not reach.
+
+A passing verdict is remembered (`recall`, `remember`: one file per verdict in
+``$XDG_CACHE_HOME/prefixgate/selfcheck``, the 64 most recent) under `verdict_key`: the cache
+identity (model file bytes, n_ctx, KV types, flash attention, batch, library version, the
+devices that compute), the worker's other settings (slots, threads, layers and placement), the
+llama.cpp and GPU libraries it runs (path, size and mtime of each), ggml's system info and the
+source of the code the check exercises. The same key is the same computation, so a restart
+with nothing changed skips the check (33 s on a 1.1B Q4_K_M model on 2 CPU cores); anything
+changed checks again. A failing verdict is not remembered (every start checks it again), nor is
+one under a test's injected fault; `prefixgate doctor` always checks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import llama_cpp
 import numpy as np
+import xxhash
 
 from backend import layout
 from backend.engine import Cancel, Engine
+from backend.keys import user_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,3 +237,107 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Row:
             eng.seq.next = -1
             eng.truncate(0)
         eng.use(0)
+
+
+# --- remembered verdicts (module docstring) ---------------------------------------------------
+
+VERDICTS_KEPT = 64
+_VERDICT_DOMAIN = "prefixgate-selfcheck-v1"
+# the code a verdict proves besides llama.cpp's: the check, the engine and what they rest on
+_CHECKED_CODE = ("backend/selfcheck.py", "backend/engine.py", "backend/layout.py",
+                 "policies/prefix.py")
+# shared libraries whose kernels compute the states: llama.cpp's, and the GPU and BLAS
+# libraries it may load
+_LIBRARIES = ("libggml", "libllama", "libcu", "libnv", "libhip", "libamdhip", "librocblas",
+              "libvulkan", "libOpenCL", "libmkl", "libopenblas", "libblas")
+
+
+def verdict_key(fingerprint: bytes, settings: Mapping[str, Any]) -> str:
+    """The name of a verdict: the cache identity's fingerprint (backend.keys), the worker's
+    other settings, the libraries, ggml's system info and the checked code (module docstring)."""
+    root = Path(__file__).resolve().parent.parent
+    code = xxhash.xxh3_128()
+    for rel in _CHECKED_CODE:
+        code.update((root / rel).read_bytes())
+    fields = {"domain": _VERDICT_DOMAIN, "fingerprint": fingerprint.hex(),
+              "settings": dict(settings), "code": code.hexdigest(), "libraries": _libraries(),
+              "system": llama_cpp.llama_print_system_info().decode(errors="replace")}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+def _libraries() -> list[str]:
+    """Path, size and mtime of each compute library this process has mapped (Linux); elsewhere
+    of the files in llama-cpp-python's library directory."""
+    paths: set[str] = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:  # address, perms, offset, device, inode, path
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if path.startswith("/") and os.path.basename(path).startswith(_LIBRARIES):
+                    paths.add(path)
+    except OSError:
+        pass
+    if not paths:
+        lib = Path(llama_cpp.__file__).parent / "lib"
+        paths = {str(p) for p in lib.glob("*")} if lib.is_dir() else set()
+    stamps = []
+    for path in sorted(paths):
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            stamps.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    return stamps
+
+
+def verdicts_dir() -> Path:
+    return user_dir() / "selfcheck"
+
+
+def recall(key: str, directory: Path | None = None) -> dict[str, Any] | None:
+    """The verdict remembered under `key` (`Report.to_wire` and when it was checked), or None."""
+    path = (directory or verdicts_dir()) / f"{key}.json"
+    try:
+        verdict = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring the remembered self-check verdict %s: %s", path, e)
+        return None
+    try:
+        if verdict["ok"] is not True:
+            raise ValueError("not a pass")
+        checks = [{"check": str(c["check"]), "ok": bool(c["ok"]), "detail": str(c["detail"])}
+                  for c in verdict["checks"]]
+        decode = verdict.get("batch_decode")
+        return {**verdict, "checks": checks, "seconds": float(verdict["seconds"]),
+                "probe_tokens": int(verdict["probe_tokens"]),
+                "checked_at": float(verdict["checked_at"]),
+                "batch_decode": None if decode is None else {
+                    "ok": decode["ok"] is True, "check": str(decode["check"]),
+                    "detail": str(decode["detail"])}}
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring the remembered self-check verdict %s: not a passing verdict", path)
+        return None
+
+
+def remember(key: str, verdict: Mapping[str, Any], directory: Path | None = None) -> None:
+    """Keep a passing verdict for the next start (atomically: a reader sees all or nothing),
+    and only the VERDICTS_KEPT most recent. A directory that cannot be written costs a check
+    per start, said once here."""
+    directory = directory or verdicts_dir()
+    tmp = directory / f".{key}.{os.getpid()}.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({**verdict, "checked_at": time.time()}))
+        os.replace(tmp, directory / f"{key}.json")
+    except OSError as e:
+        log.warning("cannot remember the self-check verdict in %s (%s): every start checks",
+                    directory, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return
+    with contextlib.suppress(OSError):  # another start may be pruning at the same time
+        kept = sorted(((p.stat().st_mtime, p) for p in directory.glob("*.json")), reverse=True)
+        for _, old in kept[VERDICTS_KEPT:]:
+            old.unlink(missing_ok=True)

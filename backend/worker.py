@@ -75,6 +75,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -759,7 +760,8 @@ class Boot:
             worker = Worker(engine, spec.worker_id, spec.cache_dir, identity.fingerprint(),
                             spec.model_path, engine.flash_attn, spec.n_ctx,
                             RamTier.from_mib(spec.cache_ram))
-            worker.exact = exactness(engine, spec.worker_id, spec.exact_check)
+            worker.exact = exactness(engine, spec.worker_id, spec.exact_check,
+                                     verdict_key(spec, engine, worker.fingerprint))
             if spec.shared_tier:
                 worker.shared = SharedTier(spec.shared_tier, worker.fingerprint)
             worker.start()
@@ -872,31 +874,56 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
                   n_seq=spec.parallel, progress=progress)
 
 
-def exactness(engine: Engine, worker_id: int, check: bool) -> dict[str, object]:
+def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
+    """The name of the self-check's verdict for this worker (`selfcheck.verdict_key`): its cache
+    fingerprint and every other setting the engine got; "" under a test's injected fault."""
+    if os.environ.get("PREFIXGATE_FAULT"):
+        return ""
+    settings = {"n_ctx": engine.n_ctx, "slots": spec.parallel, "threads": spec.threads,
+                "threads_batch": spec.threads_batch, "gpu_layers": spec.n_gpu_layers,
+                "flash_attn": engine.flash_attn, "batch": engine.n_batch,
+                "placement": spec.placement}
+    return selfcheck.verdict_key(fingerprint, settings)
+
+
+def exactness(engine: Engine, worker_id: int, check: bool, key: str = "") -> dict[str, object]:
     """The start-up self-check's verdict, logged in one line: what `/health` reports as
     "exact". Where it fails the worker reuses nothing (module rules). Its decode check sets
     whether decode steps of several slots share a llama_decode (`Engine.batch_decode`; not
-    without the check)."""
+    without the check). `key`: the verdict's name (`selfcheck.verdict_key`); a passing verdict
+    remembered under it stands for the check, a new one is remembered ("": neither)."""
     if not check:
         if engine.inexact:
             log.warning("worker %d: cache reuse off: %s", worker_id, engine.inexact)
             return {"ok": False, "checked": False, "failure": engine.inexact}
         log.info("worker %d: exactness not checked (--no-exact-check)", worker_id)
         return {"ok": True, "checked": False, "failure": ""}
-    report = selfcheck.run(engine)
-    engine.batch_decode = report.decode is not None and report.decode.ok
-    if report.decode is not None:
+    verdict: dict[str, Any] | None = selfcheck.recall(key) if key and not engine.inexact \
+        else None
+    remembered = verdict is not None
+    if verdict is None:
+        report = selfcheck.run(engine)
+        verdict = dict(report.to_wire())
+        if key and report.ok:
+            selfcheck.remember(key, verdict)
+    decode = verdict.get("batch_decode") or {}
+    engine.batch_decode = bool(decode.get("ok"))
+    if decode:
         log.info("worker %d: decode steps of several slots %s", worker_id,
                  "share a llama_decode (each slot's logits proven equal to its own alone)"
-                 if report.decode.ok else f"run apart ({report.decode.detail})")
-    if report.ok:
-        log.info("worker %d: exact reuse proven in %.1f s (%s on %d probe tokens, batch %d)",
-                 worker_id, report.seconds, ", ".join(r.check for r in report.rows),
-                 report.probe_tokens, engine.batching.size)
+                 if engine.batch_decode else f"run apart ({decode.get('detail')})")
+    if verdict["ok"]:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict["checked_at"])) \
+            if remembered else ""
+        log.info("worker %d: exact reuse proven in %.1f s (%s on %d probe tokens, batch %d)%s",
+                 worker_id, verdict["seconds"], ", ".join(c["check"] for c in verdict["checks"]),
+                 verdict["probe_tokens"], engine.batching.size,
+                 f"; remembered from {when}: the same model, settings, build and code "
+                 "(`prefixgate doctor` checks again)" if remembered else "")
     else:
         log.warning("worker %d: exactness self-check FAILED (%s): serving without cache "
-                    "reuse; `prefixgate doctor` prints the checks", worker_id, report.failure)
-    return {"checked": True, **report.to_wire()}
+                    "reuse; `prefixgate doctor` prints the checks", worker_id, verdict["failure"])
+    return {"checked": True, **verdict, "remembered": remembered}
 
 
 def serve(spec: WorkerSpec) -> None:

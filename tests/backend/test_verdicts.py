@@ -1,0 +1,75 @@
+"""The self-check's remembered verdicts (backend.selfcheck: `verdict_key`, `recall`,
+`remember`): a passing verdict comes back as it was kept; anything else in its place (a
+truncated file, a failing verdict, fields of another shape) is ignored, so the worker checks
+again; a directory that cannot be written costs a check per start, never the start; only the
+most recent are kept; the key changes with any setting."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from backend import selfcheck
+
+PASS = {"ok": True, "probe_tokens": 449, "seconds": 33.1, "failure": "",
+        "checks": [{"check": "live@196", "ok": True, "detail": ""},
+                   {"check": "restore@34", "ok": True, "detail": ""}],
+        "batch_decode": {"ok": True, "check": "decode 2-3 slots", "detail": ""}}
+
+
+def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
+    assert selfcheck.recall("k", tmp_path) is None
+    selfcheck.remember("k", PASS, tmp_path)
+    got = selfcheck.recall("k", tmp_path)
+    assert got is not None and got["checked_at"] > 0
+    assert {k: v for k, v in got.items() if k != "checked_at"} == PASS
+    assert [p.name for p in tmp_path.iterdir()] == ["k.json"], "no temporary file left"
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps(PASS)[:40],  # cut short
+    json.dumps({**PASS, "ok": False, "checked_at": 1.0}),  # a failure is never kept
+    json.dumps({**PASS, "checks": "live@196", "checked_at": 1.0}),
+    json.dumps({**PASS, "checked_at": "yesterday"}),
+    json.dumps([PASS]),
+])
+def test_anything_else_is_ignored_and_said_once(tmp_path: Path, text: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "k.json").write_text(text)
+    with caplog.at_level(logging.WARNING):
+        assert selfcheck.recall("k", tmp_path) is None
+    assert len(caplog.records) == 1 and "ignoring the remembered" in caplog.text
+
+
+def test_an_unwritable_directory_costs_a_check_not_the_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the directory should be
+    with caplog.at_level(logging.WARNING):
+        selfcheck.remember("k", PASS, blocked / "selfcheck")
+    assert "every start checks" in caplog.text
+    assert selfcheck.recall("k", blocked / "selfcheck") is None
+
+
+def test_only_the_most_recent_are_kept(tmp_path: Path) -> None:
+    for i in range(selfcheck.VERDICTS_KEPT + 3):
+        selfcheck.remember(f"k{i}", PASS, tmp_path)
+        os.utime(tmp_path / f"k{i}.json", (i, i))  # in the order written
+    kept = {p.stem for p in tmp_path.glob("*.json")}
+    assert len(kept) == selfcheck.VERDICTS_KEPT
+    assert {"k0", "k1", "k2"}.isdisjoint(kept) and f"k{selfcheck.VERDICTS_KEPT + 2}" in kept
+
+
+def test_the_key_names_the_fingerprint_and_every_setting() -> None:
+    base = {"n_ctx": 4096, "slots": 3, "threads": 2, "flash_attn": "off", "placement": {}}
+    key = selfcheck.verdict_key(b"\x01" * 16, base)
+    assert key == selfcheck.verdict_key(b"\x01" * 16, dict(reversed(base.items())))
+    others = [selfcheck.verdict_key(b"\x02" * 16, base)] + [
+        selfcheck.verdict_key(b"\x01" * 16, {**base, name: value}) for name, value in
+        [("n_ctx", 8192), ("slots", 1), ("threads", 4), ("flash_attn", "on"),
+         ("placement", {"n_cpu_moe": 4})]]
+    assert len({key, *others}) == len(others) + 1
