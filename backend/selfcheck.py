@@ -46,6 +46,8 @@ one under a test's injected fault; `prefixgate doctor` always checks.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -244,8 +246,7 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Row:
 VERDICTS_KEPT = 64
 _VERDICT_DOMAIN = "prefixgate-selfcheck-v1"
 # the code a verdict proves besides llama.cpp's: the check, the engine and what they rest on
-_CHECKED_CODE = ("backend/selfcheck.py", "backend/engine.py", "backend/layout.py",
-                 "policies/prefix.py")
+_CHECKED_CODE = ("backend.selfcheck", "backend.engine", "backend.layout", "policies.prefix")
 # shared libraries whose kernels compute the states: llama.cpp's, and the GPU and BLAS
 # libraries it may load
 _LIBRARIES = ("libggml", "libllama", "libcu", "libnv", "libhip", "libamdhip", "librocblas",
@@ -255,10 +256,12 @@ _LIBRARIES = ("libggml", "libllama", "libcu", "libnv", "libhip", "libamdhip", "l
 def verdict_key(fingerprint: bytes, settings: Mapping[str, Any]) -> str:
     """The name of a verdict: the cache identity's fingerprint (backend.keys), the worker's
     other settings, the libraries, ggml's system info and the checked code (module docstring)."""
-    root = Path(__file__).resolve().parent.parent
     code = xxhash.xxh3_128()
-    for rel in _CHECKED_CODE:
-        code.update((root / rel).read_bytes())
+    for name in _CHECKED_CODE:
+        try:
+            code.update(Path(str(importlib.import_module(name).__file__)).read_bytes())
+        except OSError:  # no source to read (a zipped install): the version stands for it
+            code.update(f"{name} {importlib.metadata.version('prefixgate')}".encode())
     fields = {"domain": _VERDICT_DOMAIN, "fingerprint": fingerprint.hex(),
               "settings": dict(settings), "code": code.hexdigest(), "libraries": _libraries(),
               "system": llama_cpp.llama_print_system_info().decode(errors="replace")}
