@@ -9,7 +9,11 @@
   them); ``n_cpu_moe`` (``--n-cpu-moe``): the MoE experts of the first N layers stay on the CPU
   (llama.cpp's own patterns, ``blk\\.I\\.ffn_(up|down|gate|gate_up)_(ch|)exps``). Together they
   let a 30B MoE model run on a 24 GB card.
-- ``mlock``, ``mmap``: lock the weights in RAM; map the file instead of reading it.
+- ``mlock``, ``mmap``: lock the weights in RAM; map the file instead of reading it. This
+  llama.cpp takes them as one ``load_mode`` (llama-server's ``--load-mode``): both the default
+  ``auto`` (map the file, unless a device cannot), ``mmap+mlock``, ``none`` (read it) or
+  ``mlock`` (read and lock); its parameters have no ``use_mmap``/``use_mlock`` any more, and a
+  value set on a name the struct lacks would be dropped without a word.
 
 The arrays llama.cpp reads during the load are returned (``keep``): the caller holds them until
 the model is loaded. A buffer name no device has is a ValueError that lists the names there are.
@@ -25,6 +29,12 @@ from typing import Any
 import llama_cpp
 
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
+LOAD_MODES = {  # (mmap, mlock) -> enum llama_load_mode
+    (True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,
+    (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+    (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
+    (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+}
 FFN_EXPERTS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llama.cpp's LLM_FFN_EXPS_REGEX
 
 
@@ -83,7 +93,7 @@ def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"--split-mode is one of {', '.join(SPLIT_MODES)}")
     params.split_mode = SPLIT_MODES[split_mode]
-    params.use_mlock, params.use_mmap = mlock, mmap
+    params.load_mode = LOAD_MODES[bool(mmap), bool(mlock)]
     if tensor_split.strip():
         try:
             parts = [float(x) for x in tensor_split.replace("/", ",").split(",") if x.strip()]

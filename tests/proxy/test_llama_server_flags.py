@@ -104,8 +104,16 @@ def test_placement_flags_become_model_parameters() -> None:
     assert "CPU" in placement.buffer_types()
     mp = llama_cpp.llama_model_default_params()
     keep = placement.apply(mp, "row", "3,1", r"ffn=CPU", 1, mlock=True, mmap=False)
-    assert (mp.split_mode, mp.use_mlock, mp.use_mmap) == (2, True, False)
+    assert (mp.split_mode, mp.load_mode) == (2, llama_cpp.LLAMA_LOAD_MODE_MLOCK)
     assert list(mp.tensor_split[:2]) == [3.0, 1.0] and mp.tensor_buft_overrides and keep
+    # mmap and mlock reach the one field this llama.cpp reads (llama_model_params.load_mode)
+    assert "load_mode" in {name for name, *_ in type(mp)._fields_}
+    for (mmap, mlock), mode in {(True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,
+                                (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+                                (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE}.items():
+        p = llama_cpp.llama_model_default_params()
+        placement.apply(p, mlock=mlock, mmap=mmap)
+        assert p.load_mode == mode, (mmap, mlock)
     with pytest.raises(ValueError, match="no buffer type CUDA7"):
         placement.apply(llama_cpp.llama_model_default_params(), override_tensor="x=CUDA7")
 
