@@ -36,8 +36,9 @@ A passing verdict is remembered (`recall`, `remember`: one file per verdict in
 ``$XDG_CACHE_HOME/prefixgate/selfcheck``, the 64 most recent) under `verdict_key`: the cache
 identity (model file bytes, n_ctx, KV types, flash attention, batch, library version, the
 devices that compute), the worker's other settings (slots, threads, layers and placement), the
-llama.cpp and GPU libraries it runs (path, size and mtime of each), ggml's system info and the
-source of the code the check exercises. The same key is the same computation, so a restart
+llama.cpp and GPU libraries it runs (path, size and mtime of each), ggml's system info, the
+GGML_/CUDA_/HIP_ environment variables its kernels read and the source of the code the check
+exercises. The same key is the same computation, so a restart
 with nothing changed skips the check (33 s on a 1.1B Q4_K_M model on 2 CPU cores); anything
 changed checks again. A failing verdict is not remembered (every start checks it again), nor is
 one under a test's injected fault; `prefixgate doctor` always checks.
@@ -253,6 +254,9 @@ _LIBRARIES = ("libggml", "libllama", "libcu", "libnv", "libhip", "libamdhip", "l
               "libvulkan", "libOpenCL", "libmkl", "libopenblas", "libblas")
 
 
+_KERNEL_ENV = ("GGML_", "CUDA_", "HIP_", "HSA_", "ROCR_")
+
+
 def verdict_key(fingerprint: bytes, settings: Mapping[str, Any]) -> str:
     """The name of a verdict: the cache identity's fingerprint (backend.keys), the worker's
     other settings, the libraries, ggml's system info and the checked code (module docstring)."""
@@ -264,7 +268,9 @@ def verdict_key(fingerprint: bytes, settings: Mapping[str, Any]) -> str:
             code.update(f"{name} {importlib.metadata.version('prefixgate')}".encode())
     fields = {"domain": _VERDICT_DOMAIN, "fingerprint": fingerprint.hex(),
               "settings": dict(settings), "code": code.hexdigest(), "libraries": _libraries(),
-              "system": llama_cpp.llama_print_system_info().decode(errors="replace")}
+              "system": llama_cpp.llama_print_system_info().decode(errors="replace"),
+              # switches the kernels read at run time (GGML_CUDA_FORCE_CUBLAS, ...)
+              "environment": {k: v for k, v in os.environ.items() if k.startswith(_KERNEL_ENV)}}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return xxhash.xxh3_128_hexdigest(canonical.encode())
 

@@ -73,3 +73,12 @@ def test_the_key_names_the_fingerprint_and_every_setting() -> None:
         [("n_ctx", 8192), ("slots", 1), ("threads", 4), ("flash_attn", "on"),
          ("placement", {"n_cpu_moe": 4})]]
     assert len({key, *others}) == len(others) + 1
+
+
+def test_the_key_names_the_kernels_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = selfcheck.verdict_key(b"\x01" * 16, {})
+    monkeypatch.setenv("GGML_CUDA_FORCE_CUBLAS", "1")
+    assert selfcheck.verdict_key(b"\x01" * 16, {}) != key
+    monkeypatch.delenv("GGML_CUDA_FORCE_CUBLAS")
+    monkeypatch.setenv("PREFIXGATE_LOG_LEVEL", "debug")  # not read by a kernel
+    assert selfcheck.verdict_key(b"\x01" * 16, {}) == key
