@@ -38,10 +38,10 @@ identity (model file bytes, n_ctx, KV types, flash attention, batch, library ver
 devices that compute), the worker's other settings (slots, threads, layers and placement), the
 llama.cpp and GPU libraries it runs (path, size and mtime of each), ggml's system info, the
 GGML_/CUDA_/HIP_ environment variables its kernels read and the source of the code the check
-exercises. The same key is the same computation, so a restart
-with nothing changed skips the check (33 s on a 1.1B Q4_K_M model on 2 CPU cores); anything
-changed checks again. A failing verdict is not remembered (every start checks it again), nor is
-one under a test's injected fault; `prefixgate doctor` always checks.
+exercises. The same key is the same computation, so a restart with nothing changed skips the
+check (33 s on a 1.1B Q4_K_M model on 2 CPU cores); anything changed checks again. A failing
+verdict is not remembered (every start checks it again), nor is one under a test's injected
+fault; `prefixgate doctor` always checks.
 """
 
 from __future__ import annotations
@@ -252,8 +252,7 @@ _CHECKED_CODE = ("backend.selfcheck", "backend.engine", "backend.layout", "polic
 # libraries it may load
 _LIBRARIES = ("libggml", "libllama", "libcu", "libnv", "libhip", "libamdhip", "librocblas",
               "libvulkan", "libOpenCL", "libmkl", "libopenblas", "libblas")
-
-
+# environment variables whose switches the kernels read at run time (GGML_CUDA_FORCE_CUBLAS, ...)
 _KERNEL_ENV = ("GGML_", "CUDA_", "HIP_", "HSA_", "ROCR_")
 
 
@@ -269,7 +268,6 @@ def verdict_key(fingerprint: bytes, settings: Mapping[str, Any]) -> str:
     fields = {"domain": _VERDICT_DOMAIN, "fingerprint": fingerprint.hex(),
               "settings": dict(settings), "code": code.hexdigest(), "libraries": _libraries(),
               "system": llama_cpp.llama_print_system_info().decode(errors="replace"),
-              # switches the kernels read at run time (GGML_CUDA_FORCE_CUBLAS, ...)
               "environment": {k: v for k, v in os.environ.items() if k.startswith(_KERNEL_ENV)}}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return xxhash.xxh3_128_hexdigest(canonical.encode())

@@ -298,7 +298,7 @@ class Scheduler:
 
 class Worker:
     def __init__(self, engine: Engine, worker_id: int, cache_dir: Path, fingerprint: bytes,
-                 model_path: str, flash_attn: str = "off", n_ctx: int = 0,
+                 model_path: str, n_ctx: int = 0,
                  ram: RamTier | None = None) -> None:
         self.engine = engine
         self.slots = len(engine.seqs)
@@ -308,7 +308,6 @@ class Worker:
         self.cache_dir = cache_dir
         self.fingerprint = fingerprint
         self.model_path = model_path
-        self.flash_attn = flash_attn
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.scheduler: Scheduler | None = None  # started once the self-check is done (`start`)
         self.writer_thread = ThreadPoolExecutor(1, thread_name_prefix="writer")
@@ -627,7 +626,7 @@ class Worker:
             "busy": [i in self.jobs and not self.jobs[i].done() for i in range(self.slots)],
             "cache_ram": self.ram.stats(), "fingerprint": self.fingerprint.hex(),
             "model": self.model_path, "pid": os.getpid(), "boot_id": self.boot_id,
-            "flash_attn": self.flash_attn, "llama_cpp_version": llama_cpp.__version__,
+            "flash_attn": self.engine.flash_attn, "llama_cpp_version": llama_cpp.__version__,
             "compute": self.engine.compute,
             "memory": self.engine.memory.to_wire(), "align": self.engine.batching.size,
             "batch_ends": sorted(self.engine.batching.ends),
@@ -758,7 +757,7 @@ class Boot:
             self.phase, self.progress = "self-check", 1.0
             identity = replace(spec.identity, compute=engine.compute)
             worker = Worker(engine, spec.worker_id, spec.cache_dir, identity.fingerprint(),
-                            spec.model_path, engine.flash_attn, spec.n_ctx,
+                            spec.model_path, spec.n_ctx,
                             RamTier.from_mib(spec.cache_ram))
             worker.exact = exactness(engine, spec.worker_id, spec.exact_check,
                                      verdict_key(spec, engine, worker.fingerprint))
