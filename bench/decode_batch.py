@@ -37,7 +37,7 @@ import llama_cpp
 import numpy as np
 
 from backend.engine import Cancel, Engine
-from tests.models import model_file
+from tests.models import GPU_LAYERS, model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,7 @@ def decode(eng: Engine, tokens: list[tuple[int, int, int]],
 
 
 def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict[str, Any]:
-    eng = Engine(model_file(name), (length + 100 * slots + steps + 256) * slots, 2, 0,
+    eng = Engine(model_file(name), (length + 100 * slots + steps + 256) * slots, 2, GPU_LAYERS,
                  flash_attn=flash_attn, n_seq=slots)
     try:
         prompts = [prompt_ids(eng, length + 100 * s, s) for s in range(slots)]
@@ -130,6 +130,7 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
         parted = [next((i for i, (a, b) in enumerate(zip(alone[s], batched[s], strict=True))
                         if int(np.argmax(a)) != int(np.argmax(b))), None) for s in range(slots)]
         return {"model": name, "file": Path(model_file(name)).name, "flash_attn": flash_attn,
+                "compute": eng.compute,
                 "prompt_tokens": [len(x) for x in prompts], "slots": slots, "steps": steps,
                 "bit_identical": same,
                 "max_abs_logit_diff": diff, "greedy_parts_at_step": parted,

@@ -216,6 +216,26 @@ def generate(arch: str, vocab: Path, out: Path, seed: int = 0, layers: int | Non
     return out
 
 
+def quantize(src: Path, out: Path, ftype: str) -> Path:
+    """`src` quantized to `out` by llama.cpp (llama_model_quantize, as `llama-quantize` does):
+    `ftype` is a llama_ftype name without its prefix (q4_k_m, q8_0, ...)."""
+    import ctypes
+
+    import llama_cpp
+
+    code = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}", None)
+    if code is None:
+        raise SystemExit(f"--quantize {ftype}: not a llama_ftype (q4_k_m, q5_k_m, q8_0, ...)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = code
+    tmp = out.with_name(out.name + ".tmp")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(),
+                                      ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {src}")
+    tmp.replace(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.random_model", description=__doc__.split(
         "\n\n")[0])
@@ -227,13 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=128, help="gemma3: sliding window, tokens")
     p.add_argument("--size", default="", help="llama: N_EMBD,N_HEAD,N_HEAD_KV,N_FF for a model "
                    "of real size (2048,32,4,5632 with --layers 22: TinyLlama 1.1B's shape)")
+    p.add_argument("--quantize", default="", metavar="FTYPE", help="also write OUT quantized "
+                   "(q4_k_m, q8_0, ...) as OUT's name with -FTYPE before .gguf")
     a = p.parse_args(argv)
     dims = [int(x) for x in a.size.split(",")] if a.size else []
     if dims and len(dims) != 4:
         p.error("--size takes N_EMBD,N_HEAD,N_HEAD_KV,N_FF")
     size = (dims[0], dims[1], dims[2], dims[3]) if dims else None
-    path = generate(a.arch, a.vocab, a.out, a.seed, a.layers, a.window, size)
-    print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
+    paths = [generate(a.arch, a.vocab, a.out, a.seed, a.layers, a.window, size)]
+    if a.quantize:
+        paths.append(quantize(a.out, a.out.with_name(f"{a.out.stem}-{a.quantize}.gguf"),
+                              a.quantize))
+    for path in paths:
+        print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")
     return 0
 
 
