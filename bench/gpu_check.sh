@@ -4,10 +4,9 @@
 #
 #   BUDGET=SECONDS bench/gpu_check.sh CARRY_DIR [OUT_DIR] [STAGES]
 #
-# CARRY_DIR holds what cannot be fetched there: the llama-cpp-python sdist (its vendored
-# llama.cpp; models, docs, tests, .git and the other backends' ggml/src/ggml-* may be stripped to
-# travel light) as llama_cpp_python-*.tar.gz, wheels of the Python packages the machine lacks in
-# whl/, and ggml-vocab-qwen35.gguf. Stages (STAGES: a comma list, all by default, in this order):
+# CARRY_DIR holds what cannot be fetched there (bench/gpu_carry.sh makes it, 25 MB): the
+# llama-cpp-python sdist stripped to travel light, wheels of the Python packages the image lacks
+# in whl/, and ggml-vocab-qwen35.gguf. Stages (STAGES: a comma list, all by default, in order):
 #
 #   build   llama-cpp-python for the GPU found (CUDA, CUDA_ARCH or the native architecture)
 #   server  llama-server from the same build tree (in the background, for `team`)
@@ -29,6 +28,10 @@ export carry=$(realpath "$1") out=$(realpath -m "${2:-$1/out}")
 stages=${3:-build,server,models,doctor,decode,team,tests}
 export build=${BUILD:-/tmp/prefixgate-gpu-build}
 export models=$build/models PYTHONPATH=${SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1
+# the suite's and the benchmarks' models, by their memory (tests/models.py), all on the GPU
+export PREFIXGATE_TEST_MODEL_SMOLLM2=$models/llama.gguf PREFIXGATE_TEST_MODEL_GEMMA3=$models/gemma3.gguf
+export PREFIXGATE_TEST_MODEL_QWEN35=$models/qwen35.gguf
+export PREFIXGATE_TEST_GPU_LAYERS=-1 PREFIXGATE_N_GPU_LAYERS=-1
 # Seen on the H100 image (CUDA 13 toolkit): libggml-cuda.so carries libstdc++ symbols of its own,
 # and when another extension loaded first (lmdb, aiohttp) llama_model::print_info crashed in
 # std::ostream inside them (SIGSEGV at model load). The system libstdc++ loaded first avoids it.
@@ -110,9 +113,6 @@ team() {
 }
 
 tests() {
-  export PREFIXGATE_TEST_MODEL_SMOLLM2=$models/llama.gguf PREFIXGATE_TEST_MODEL_GEMMA3=$models/gemma3.gguf
-  export PREFIXGATE_TEST_MODEL_QWEN35=$models/qwen35.gguf
-  export PREFIXGATE_TEST_GPU_LAYERS=-1 PREFIXGATE_N_GPU_LAYERS=-1
   # the image's own pytest plugins stay out (one of them crashed the first model load)
   PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -X faulthandler -m pytest -q -p no:cacheprovider \
     -p pytest_asyncio.plugin -o addopts="" --durations=10 \

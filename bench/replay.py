@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from proxy.workers import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "light_tool_schema_38.jsonl"
@@ -177,7 +179,7 @@ class ServerProc:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         code = self.settings.code_root
-        env = {**os.environ, "PYTHONPATH": str(code)}
+        env = child_env(code)
         # the peer's disk cache lives in .cache/llama_cache under its working directory
         self.proc = subprocess.Popen(self.command(), cwd=self.cache_dir if self.arm.server ==
                                      "peer" else code, stdout=log, stderr=subprocess.STDOUT,

@@ -53,6 +53,7 @@ from typing import Any
 
 from bench.replay import ROOT, free_port, http_get, stream_request
 from bench.synth import TOOL_NAMES, paragraphs, tool_schema, words
+from proxy.workers import child_env
 
 CLASSES = ("main", "subagent", "background")
 SYSTEM_CHARS_PER_TOKEN = 5.2  # bench.synth's prose estimate (SmolLM2's tokenizer)
@@ -150,7 +151,7 @@ class Server:
         t0 = time.perf_counter()
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     env=child_env(ROOT))
         log.close()
         while http_get(f"http://127.0.0.1:{self.port}{ready_path}", 2.0)[0] != 200:
             if self.proc.poll() is not None or time.perf_counter() - t0 > timeout_s:

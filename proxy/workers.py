@@ -289,6 +289,14 @@ class Worker:
             await old.close()
 
 
+def child_env(root: str | Path) -> dict[str, str]:
+    """This process's environment for a child Python that runs the tree at `root`: the tree
+    first on PYTHONPATH, then what this process was given (packages installed beside the
+    interpreter's own, as where wheels are carried to a machine without a network)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def loading_note(status: dict[str, Any]) -> str:
     """"loading the model 42%" from a loading worker's /health ("starting" before it answers)."""
     if not status:
@@ -411,9 +419,7 @@ class Pool:
         w.ready = False
         w.forget()
         # the proxy's own tree first, then whatever the proxy was given
-        root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = child_env(Path(__file__).resolve().parent.parent)
         if self.cfg.shared_tier:  # not on the command line: the URL may hold a password
             env["PREFIXGATE_SHARED_TIER"] = self.cfg.shared_tier
         gpus = worker_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), self.cfg.workers,

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from proxy.workers import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 N_CTX = 4096
 
@@ -89,12 +91,18 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
     # the RAM tier is off unless a test turns it on: the cache tests are about the disk, and a
     # request that replaces the live KV must leave only the disk to restore from
     ram = () if {"--cache-ram", "-cram"} & set(args) else ("--cache-ram", "0")
+    # the default model, unless the test names one: where it cannot be carried (a GPU machine,
+    # bench/gpu_check.sh) the plain-attention model that stands in for it
+    stand_in = os.environ.get("PREFIXGATE_TEST_MODEL_SMOLLM2")
+    model = ("--model", stand_in) if stand_in and not (
+        {"--model", "-m", "-hf", "-hfr", "--hf-repo"} & set(args)
+        or {"PREFIXGATE_MODEL", "LLAMA_ARG_MODEL", "LLAMA_ARG_HF_REPO"} & set(env or {})) else ()
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
-           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *ram, *args]
+           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *ram, *model,
+           *args]
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
-                                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                            env={**child_env(ROOT), **(env or {})})
     srv = Server(f"http://127.0.0.1:{port}", port, cache_dir, proc, log_path)
     deadline = time.time() + timeout_s
     try:

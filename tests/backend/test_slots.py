@@ -18,11 +18,13 @@ from backend import selfcheck
 from backend.engine import Cancel, Engine, Sampling
 from backend.worker import DECODE, Scheduler
 from tests.backend.test_memory import _ids
-from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
-SLOT_CTX = 2048
+# lengths in batches (BATCH: 128 on a CPU, 512 on a GPU), so that each test cuts, cancels and
+# interleaves at the same batches on both
+SLOT_CTX = 16 * BATCH
 GEN = 6
 
 
@@ -32,8 +34,8 @@ def name(request: pytest.FixtureRequest) -> str:
 
 
 def _engine(name: str, n_seq: int) -> Engine:
-    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, flash_attn=FLASH_ATTN,
-                  n_seq=n_seq)
+    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, n_batch=BATCH,
+                  flash_attn=FLASH_ATTN, n_seq=n_seq)
 
 
 def _run(eng: Engine, ids: list[int], trace: list[bytes], stops: tuple[int, ...] = (),
@@ -68,7 +70,7 @@ def _alone(name: str, prompts: list[list[int]]) -> list[list[bytes]]:
 
 
 def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
-    p, q = _ids(name, 700, 1), _ids(name, 900, 2)
+    p, q, cut = _ids(name, 5 * BATCH + 60, 1), _ids(name, 7 * BATCH + 4, 2), 5 * BATCH
     want = _alone(name, [p, q])
     eng = _engine(name, 2)
     try:
@@ -76,7 +78,7 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
         snaps: dict[int, bytes] = {}
         sched = Scheduler(eng)
         done = [sched.submit(0, _run(eng, p, traces[0])),
-                sched.submit(1, _run(eng, q, traces[1], (640,), snaps))]
+                sched.submit(1, _run(eng, q, traces[1], (cut,), snaps))]
         for d in done:
             d.result(timeout=600)
         sched.stop()
@@ -88,7 +90,7 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
                 assert state == ref[-1], "slot 0: its KV differs from the run alone"
         # a snapshot taken in slot 1 restores into slot 0 and answers as the run alone
         eng.use(0)
-        eng.restore(q[:640], snaps[640])
+        eng.restore(q[:cut], snaps[cut])
         trace = []
         for _ in _run(eng, q, trace):
             pass
@@ -99,7 +101,7 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
     # and into a context of one slot (a state file outlives a change of --parallel)
     solo = _engine(name, 1)
     try:
-        solo.restore(q[:640], snaps[640])
+        solo.restore(q[:cut], snaps[cut])
         trace = []
         for _ in _run(solo, q, trace):
             pass
@@ -109,7 +111,7 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
 
 
 def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
-    p, q = _ids(name, 700, 3), _ids(name, 900, 4)
+    p, q = _ids(name, 5 * BATCH + 60, 3), _ids(name, 7 * BATCH + 4, 4)  # q: 8 batches
     want = _alone(name, [p])[0]
     eng = _engine(name, 2)
     try:
@@ -181,7 +183,7 @@ def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None
     prefills is due first and ends within a few of the long one's batches, and both compute
     what they compute alone. (Sharing the time, the long one ran 6 batches beside the short
     one's 5.)"""
-    p, q = _ids(name, 700, 7), _ids(name, 1800, 8)
+    p, q = _ids(name, 5 * BATCH + 60, 7), _ids(name, 14 * BATCH + 8, 8)
     want = _alone(name, [p, q])
     steps: list[tuple[int, float]] = []
     ends: dict[int, bytes] = {}  # each prefill's last logits
@@ -256,7 +258,7 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
     answer ends (within a step or two), so where a prefill batch costs ten tokens it gets ten
     tokens a batch, not one (taking turns it got one: 24 tokens took 27 of 28 batches)."""
     gen = 24
-    p, q = _ids(name, 200, 5), _ids(name, 1800, 6)
+    p, q = _ids(name, BATCH + 72, 5), _ids(name, 14 * BATCH + 8, 6)
     steps: list[tuple[int, float]] = []  # (slot, seconds) of each step, in the order they ran
     eng = _engine(name, 2)
 

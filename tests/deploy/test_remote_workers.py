@@ -12,7 +12,6 @@ the proxy (other n_ctx, other cache volume) makes the proxy refuse to start, say
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from proxy.workers import child_env
 from tests.conftest import N_CTX, ROOT, Server, free_port, http_get, running, start_server
 
 pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)
@@ -47,7 +47,7 @@ class WorkerProcess:
                "--n-ctx", str(N_CTX), "--threads", "2", "--cache-dir", str(cache_dir), *args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                         env=child_env(ROOT))
         deadline = time.time() + 120
         while http_get(self.url + "/health", timeout_s=2)[0] != 200:
             if self.proc.poll() is not None or time.time() > deadline:
