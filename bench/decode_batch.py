@@ -12,7 +12,12 @@ holding its own prompt of L + 100 s tokens (prefilled alone, in the cold run's b
   batching; prefixgate's where its check proved it, `backend.selfcheck.check_decode`);
 - padded: alone, plus a padding row in the next slot's sequence (without logits, removed
   after), so that every decode has the shape of a batched one: the alternative measured and
-  not taken (it costs every decode alone a row).
+  not taken (it costs every decode alone a row);
+- fixed: alone, with a padding row in every other slot's sequence: every decode has one row
+  per slot, the shape of the batched one exactly. Where fixed = batched bit for bit, a slot's
+  row does not depend on what the other rows hold, and a worker that always decoded in that
+  shape could batch (on a GPU a row costs almost nothing; on the H200 neither alone nor
+  padded equalled batched, `bench/results/issue20/h200`).
 Reported: whether the logits are bit-identical, the largest absolute logit difference, and the
 first step where the greedy tokens part, plus the time per step each way.
 
@@ -49,12 +54,13 @@ def prompt_ids(eng: Engine, n: int, seed: int) -> list[int]:
 
 
 def decode(eng: Engine, tokens: list[tuple[int, int, int]],
-           pad: tuple[int, int] | None = None) -> list[np.ndarray]:
-    """One llama_decode of (slot, position, token) entries, logits for each. `pad`: (slot,
-    position) of a padding row in another slot's sequence, without logits, removed after: a
-    decode of one slot's row then has the shape of a decode beside another slot's."""
+           pads: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
+    """One llama_decode of (slot, position, token) entries, logits for each. `pads`: (slot,
+    position) of padding rows in other slots' sequences, without logits, removed after: a
+    decode of one slot's row then has the shape of a decode beside other slots' rows."""
+    pads = pads or []
     # in the order of their sequence ids: llama.cpp runs only such a run as one batch
-    rows = sorted([(*t, True) for t in tokens] + ([(*pad, tokens[0][2], False)] if pad else []))
+    rows = sorted([(*t, True) for t in tokens] + [(*p, tokens[0][2], False) for p in pads])
     b = llama_cpp.llama_batch_init(len(rows), 0, len(eng.seqs))
     try:
         for i, (slot, pos, tok, want) in enumerate(rows):
@@ -66,8 +72,9 @@ def decode(eng: Engine, tokens: list[tuple[int, int, int]],
         out = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(eng.ctx, i),
                                      shape=(eng.n_vocab,)).copy()
                for i, row in enumerate(rows) if row[3]]
-        if pad and not llama_cpp.llama_memory_seq_rm(eng.mem, pad[0], pad[1], -1):
-            raise RuntimeError("the padding row could not be removed")
+        for slot, pos in pads:
+            if not llama_cpp.llama_memory_seq_rm(eng.mem, slot, pos, -1):
+                raise RuntimeError("a padding row could not be removed")
         return out
     finally:
         llama_cpp.llama_batch_free(b)
@@ -93,7 +100,8 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
         def walk(mode: str) -> tuple[list[list[np.ndarray]], float]:
             """alone | batched (one call of all slots) | padded (alone, with a padding row in
             the next slot's sequence, or the one before for the last: llama.cpp runs only
-            consecutive sequence ids as one batch)."""
+            consecutive sequence ids as one batch) | fixed (alone, a padding row in every
+            other slot's sequence)."""
             restore_all()
             toks, logits = list(first), [[] for _ in range(slots)]
             live = [len(x) for x in prompts]
@@ -105,8 +113,9 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
                     outs = []
                     for s in range(slots):
                         o = s + 1 if s + 1 < slots else s - 1
-                        outs += decode(eng, [(s, live[s], toks[s])],
-                                       (o, live[o]) if mode == "padded" else None)
+                        pads = {"padded": [(o, live[o])], "alone": [],
+                                "fixed": [(x, live[x]) for x in range(slots) if x != s]}[mode]
+                        outs += decode(eng, [(s, live[s], toks[s])], pads)
                         live[s] += 1
                 if mode == "batched":
                     live = [n + 1 for n in live]
@@ -118,11 +127,15 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
         alone, alone_s = walk("alone")
         batched, batched_s = walk("batched")
         padded_same: bool | None = None  # a recurrent state cannot drop the padding's cell
-        padded_s = float("nan")
+        fixed_same: bool | None = None
+        padded_s = fixed_s = float("nan")
         if eng.memory.kind != "recurrent":
             padded, padded_s = walk("padded")
             padded_same = all(a.tobytes() == b.tobytes() for s in range(slots)
                               for a, b in zip(padded[s], batched[s], strict=True))
+            fixed, fixed_s = walk("fixed")
+            fixed_same = all(a.tobytes() == b.tobytes() for s in range(slots)
+                             for a, b in zip(fixed[s], batched[s], strict=True))
         diff = max(float(np.max(np.abs(a - b))) for s in range(slots)
                    for a, b in zip(alone[s], batched[s], strict=True))
         same = all(a.tobytes() == b.tobytes() for s in range(slots)
@@ -134,9 +147,10 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
                 "prompt_tokens": [len(x) for x in prompts], "slots": slots, "steps": steps,
                 "bit_identical": same,
                 "max_abs_logit_diff": diff, "greedy_parts_at_step": parted,
-                "padded_bit_identical": padded_same,
+                "padded_bit_identical": padded_same, "fixed_bit_identical": fixed_same,
                 "alone_ms_per_step": round(alone_s * 1000, 2),
                 "padded_ms_per_step": round(padded_s * 1000, 2),
+                "fixed_ms_per_step": round(fixed_s * 1000, 2),
                 "batched_ms_per_step": round(batched_s * 1000, 2)}
     finally:
         eng.close()
@@ -159,15 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     lines = ["| model | flash attention | prompts (tokens) | slots | steps | "
              "batched = alone, bit for bit | max abs logit diff | "
              "greedy tokens part at step | padded = batched, bit for bit | "
-             "ms/step alone | ms/step padded | ms/step batched |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fixed = batched, bit for bit | ms/step alone | ms/step padded | ms/step fixed | "
+             "ms/step batched |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} (`{r['file']}`) | {r['flash_attn']} | "
                      f"{', '.join(map(str, r['prompt_tokens']))} | {r['slots']} | {r['steps']} | "
                      f"{r['bit_identical']} | "
                      f"{r['max_abs_logit_diff']:.3g} | {r['greedy_parts_at_step']} | "
-                     f"{r['padded_bit_identical']} | {r['alone_ms_per_step']} | "
-                     f"{r['padded_ms_per_step']} | {r['batched_ms_per_step']} |")
+                     f"{r['padded_bit_identical']} | {r['fixed_bit_identical']} | "
+                     f"{r['alone_ms_per_step']} | {r['padded_ms_per_step']} | "
+                     f"{r['fixed_ms_per_step']} | {r['batched_ms_per_step']} |")
     (out / "decode_batch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -27,7 +27,8 @@ self=$(realpath "$0")
 export carry=$(realpath "$1") out=$(realpath -m "${2:-$1/out}")
 stages=${3:-build,server,models,doctor,decode,team,tests}
 export build=${BUILD:-/tmp/prefixgate-gpu-build}
-export models=$build/models PYTHONPATH=${SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1
+export site=${SITE:-/tmp/site}  # where the carried wheels and the built library go
+export models=$build/models PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 # the suite's and the benchmarks' models, by their memory (tests/models.py), all on the GPU
 export PREFIXGATE_TEST_MODEL_SMOLLM2=$models/llama.gguf PREFIXGATE_TEST_MODEL_GEMMA3=$models/gemma3.gguf
 export PREFIXGATE_TEST_MODEL_QWEN35=$models/qwen35.gguf
@@ -37,10 +38,10 @@ export PREFIXGATE_TEST_GPU_LAYERS=-1 PREFIXGATE_N_GPU_LAYERS=-1
 # std::ostream inside them (SIGSEGV at model load). The system libstdc++ loaded first avoids it.
 LD_PRELOAD=$(ldconfig -p | grep -m1 'libstdc++.so.6 ' | awk '{print $NF}')
 export LD_PRELOAD
-mkdir -p "$out" ${SITE:-/tmp/site} "$build/done" "$models"
+mkdir -p "$out" "$site" "$build/done" "$models"
 
 build() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target ${SITE:-/tmp/site} \
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
     "$carry"/whl/*.whl 2>&1 | grep -v "already exists" || true
   if ! python3 -c "import llama_cpp" 2>/dev/null; then
     if ! ls "$build"/llama_cpp_python-*.whl >/dev/null 2>&1; then
@@ -53,10 +54,10 @@ build() {
       grep -E "nvcc|CUDA|Built target|error" "$build/build.log" | tail -15
       (( rc == 0 )) || { tail -40 "$build/build.log"; return 1; }
     fi
-    python3 -m pip install -q --no-index --no-deps --target ${SITE:-/tmp/site} "$build"/llama_cpp_python-*.whl
+    python3 -m pip install -q --no-index --no-deps --target "$site" "$build"/llama_cpp_python-*.whl
   fi
   python3 -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__,
-    'GPU offload:', llama_cpp.llama_supports_gpu_offload())"
+    'GPU offload:', llama_cpp.llama_supports_gpu_offload())" || return 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   nvcc --version | tail -2 || true
 }

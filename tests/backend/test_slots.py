@@ -17,14 +17,17 @@ import pytest
 from backend import selfcheck
 from backend.engine import Cancel, Engine, Sampling
 from backend.worker import DECODE, Scheduler
+from policies.prefix import default_batch
 from tests.backend.test_memory import _ids
-from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
-# lengths in batches (BATCH: 128 on a CPU, 512 on a GPU), so that each test cuts, cancels and
-# interleaves at the same batches on both
-SLOT_CTX = 16 * BATCH
+# These engines prefill in the product's batches (128 on a CPU, 512 on a GPU), not the suite's
+# 64, and the lengths are in them: each test cuts, cancels and interleaves at the same batches
+# on both
+SLOT_BATCH = default_batch(GPU_LAYERS)
+SLOT_CTX = 16 * SLOT_BATCH
 GEN = 6
 
 
@@ -34,7 +37,7 @@ def name(request: pytest.FixtureRequest) -> str:
 
 
 def _engine(name: str, n_seq: int) -> Engine:
-    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, n_batch=BATCH,
+    return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, n_batch=SLOT_BATCH,
                   flash_attn=FLASH_ATTN, n_seq=n_seq)
 
 
@@ -70,7 +73,8 @@ def _alone(name: str, prompts: list[list[int]]) -> list[list[bytes]]:
 
 
 def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
-    p, q, cut = _ids(name, 5 * BATCH + 60, 1), _ids(name, 7 * BATCH + 4, 2), 5 * BATCH
+    p, q = _ids(name, 5 * SLOT_BATCH + 60, 1), _ids(name, 7 * SLOT_BATCH + 4, 2)
+    cut = 5 * SLOT_BATCH
     want = _alone(name, [p, q])
     eng = _engine(name, 2)
     try:
@@ -111,7 +115,7 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
 
 
 def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
-    p, q = _ids(name, 5 * BATCH + 60, 3), _ids(name, 7 * BATCH + 4, 4)  # q: 8 batches
+    p, q = _ids(name, 5 * SLOT_BATCH + 60, 3), _ids(name, 7 * SLOT_BATCH + 4, 4)  # q: 8 batches
     want = _alone(name, [p])[0]
     eng = _engine(name, 2)
     try:
@@ -183,7 +187,7 @@ def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None
     prefills is due first and ends within a few of the long one's batches, and both compute
     what they compute alone. (Sharing the time, the long one ran 6 batches beside the short
     one's 5.)"""
-    p, q = _ids(name, 5 * BATCH + 60, 7), _ids(name, 14 * BATCH + 8, 8)
+    p, q = _ids(name, 5 * SLOT_BATCH + 60, 7), _ids(name, 14 * SLOT_BATCH + 8, 8)
     want = _alone(name, [p, q])
     steps: list[tuple[int, float]] = []
     ends: dict[int, bytes] = {}  # each prefill's last logits
@@ -258,7 +262,7 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
     answer ends (within a step or two), so where a prefill batch costs ten tokens it gets ten
     tokens a batch, not one (taking turns it got one: 24 tokens took 27 of 28 batches)."""
     gen = 24
-    p, q = _ids(name, BATCH + 72, 5), _ids(name, 14 * BATCH + 8, 6)
+    p, q = _ids(name, SLOT_BATCH + 72, 5), _ids(name, 14 * SLOT_BATCH + 8, 6)
     steps: list[tuple[int, float]] = []  # (slot, seconds) of each step, in the order they ran
     eng = _engine(name, 2)
 
