@@ -1,6 +1,7 @@
 """Where a model's weights go: llama-server's placement flags as llama.cpp model parameters.
 
-    apply(params, split_mode, tensor_split, override_tensor, n_cpu_moe, mlock, mmap) -> keep
+    apply(params, split_mode, tensor_split, override_tensor, n_cpu_moe, load_mode, lazy_mode)
+        -> keep
 
 - ``split_mode`` (``-sm``): ``none``, ``layer`` or ``row`` across several GPUs;
   ``tensor_split`` (``-ts``): the proportions per GPU, "3,1".
@@ -9,11 +10,14 @@
   them); ``n_cpu_moe`` (``--n-cpu-moe``): the MoE experts of the first N layers stay on the CPU
   (llama.cpp's own patterns, ``blk\\.I\\.ffn_(up|down|gate|gate_up)_(ch|)exps``). Together they
   let a 30B MoE model run on a 24 GB card.
-- ``mlock``, ``mmap``: lock the weights in RAM; map the file instead of reading it. This
-  llama.cpp takes them as one ``load_mode`` (llama-server's ``--load-mode``): both the default
-  ``auto`` (map the file, unless a device cannot), ``mmap+mlock``, ``none`` (read it) or
-  ``mlock`` (read and lock); its parameters have no ``use_mmap``/``use_mlock`` any more, and a
-  value set on a name the struct lacks would be dropped without a word.
+- ``load_mode`` (llama-server's ``-lm``): how the weights are read, ``auto`` (map the file,
+  unless a device cannot), ``none`` (read it), ``mmap``, ``mlock`` (read and lock in RAM),
+  ``mmap+mlock`` or ``dio`` (direct I/O where there is). The older ``--mlock`` and ``--no-mmap``
+  are spellings of it (proxy/config.py): this llama.cpp's parameters have no
+  ``use_mmap``/``use_mlock`` any more, and a value set on a name the struct lacks would be
+  dropped without a word. ``lazy_mode`` (``-lzm``): ``on`` reads the rows of the tensors an
+  architecture marks (per-layer embeddings) from the mapped file as they are needed, ``auto``
+  only for such tensors over 4 GiB, ``off`` never.
 
 The arrays llama.cpp reads during the load are returned (``keep``): the caller holds them until
 the model is loaded. A buffer name no device has is a ValueError that lists the names there are.
@@ -29,12 +33,14 @@ from typing import Any
 import llama_cpp
 
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
-LOAD_MODES = {  # (mmap, mlock) -> enum llama_load_mode
-    (True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,
-    (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
-    (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
-    (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+LOAD_MODES = {  # llama-server's --load-mode words -> enum llama_load_mode
+    "auto": llama_cpp.LLAMA_LOAD_MODE_AUTO, "none": llama_cpp.LLAMA_LOAD_MODE_NONE,
+    "mmap": llama_cpp.LLAMA_LOAD_MODE_MMAP, "mlock": llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+    "mmap+mlock": llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+    "dio": llama_cpp.LLAMA_LOAD_MODE_DIRECT_IO,
 }
+LAZY_MODES = {"off": llama_cpp.LLAMA_LAZY_MODE_OFF, "auto": llama_cpp.LLAMA_LAZY_MODE_AUTO,
+              "on": llama_cpp.LLAMA_LAZY_MODE_ON}  # --lazy-mode -> enum llama_lazy_mode
 FFN_EXPERTS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llama.cpp's LLM_FFN_EXPS_REGEX
 
 
@@ -87,13 +93,18 @@ def overrides(override_tensor: str, n_cpu_moe: int) -> list[tuple[str, str]]:
 
 
 def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
-          override_tensor: str = "", n_cpu_moe: int = 0, mlock: bool = False,
-          mmap: bool = True) -> list[Any]:
+          override_tensor: str = "", n_cpu_moe: int = 0, load_mode: str = "auto",
+          lazy_mode: str = "auto") -> list[Any]:
     keep: list[Any] = []
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"--split-mode is one of {', '.join(SPLIT_MODES)}")
     params.split_mode = SPLIT_MODES[split_mode]
-    params.load_mode = LOAD_MODES[bool(mmap), bool(mlock)]
+    if load_mode not in LOAD_MODES:
+        raise ValueError(f"--load-mode is one of {', '.join(LOAD_MODES)}")
+    params.load_mode = LOAD_MODES[load_mode]
+    if lazy_mode not in LAZY_MODES:
+        raise ValueError(f"--lazy-mode is one of {', '.join(LAZY_MODES)}")
+    params.lazy_mode = LAZY_MODES[lazy_mode]
     if tensor_split.strip():
         try:
             parts = [float(x) for x in tensor_split.replace("/", ",").split(",") if x.strip()]

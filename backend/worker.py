@@ -857,7 +857,7 @@ class WorkerSpec:
     listen: tuple[str, int] | None = None  # or on TCP, in its own container
     threads_batch: int = 0  # prefill threads; 0 = like threads, else all cores
     # where the weights go (backend/placement.py): split_mode, tensor_split, override_tensor,
-    # n_cpu_moe, mlock, mmap
+    # n_cpu_moe, load_mode, lazy_mode
     placement: dict[str, object] = field(default_factory=dict)
     parallel: int = 1  # slots: sequences in the one context (n_ctx is shared among them)
     cache_ram: int = 0  # MiB of host RAM for states that gave way (-1 no limit, 0 off)

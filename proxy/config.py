@@ -83,8 +83,12 @@ class Config:
     # of the first N layers kept on the CPU (--n-cpu-moe: fits a big MoE model on a small GPU)
     override_tensor: str = ""
     n_cpu_moe: int = 0
-    mlock: bool = False  # lock the weights in RAM
-    mmap: bool = True  # map the model file (--no-mmap: read it)
+    # how the weights are read (llama-server's -lm): auto (mapped) | none (read) | mmap | mlock |
+    # mmap+mlock | dio; the older --mlock and --no-mmap are spellings of it
+    load_mode: str = "auto"
+    # on-demand reading of the tensors an architecture marks (llama-server's -lzm): on | auto
+    # (only such tensors over 4 GiB) | off
+    lazy_mode: str = "auto"
     # flash attention in the workers: on | off | auto (llama.cpp's choice for the device, as
     # llama-server's default: on for the CPU and CUDA)
     flash_attn: str = "auto"
@@ -195,7 +199,11 @@ _HELP = {
     "tensor_split": "proportions of the model per GPU, e.g. 3,1",
     "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
     "n_cpu_moe": "keep the MoE experts of the first N layers on the CPU",
-    "mlock": "lock the weights in RAM", "mmap": "map the model file (--no-mmap: read it)",
+    "load_mode": "how the weights are read: auto (mapped) | none (read) | mmap | mlock (read "
+                 "and locked in RAM) | mmap+mlock | dio (direct I/O); --mlock and --no-mmap "
+                 "are older spellings",
+    "lazy_mode": "read the rows of tensors the architecture marks (per-layer embeddings) from "
+                 "the mapped file on demand: on | auto (tensors over 4 GiB) | off",
     "parallel": "slots per worker: sessions served at once from one model copy, sharing "
                 "-c (llama-server's -np)",
     "shared_tier": "redis://HOST:PORT of a Redis or Valkey shared by several prefixgate hosts: "
@@ -231,8 +239,8 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "ubatch_size": (("-ub",), "LLAMA_ARG_UBATCH"),
     "parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
     "cache_ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
-    "mlock": ((), "LLAMA_ARG_MLOCK"),
-    "mmap": ((), "LLAMA_ARG_MMAP"),
+    "load_mode": (("-lm",), "LLAMA_ARG_LOAD_MODE"),
+    "lazy_mode": (("-lzm",), "LLAMA_ARG_LAZY_MODE"),
     "api_key": ((), "LLAMA_API_KEY"),
     "api_keys": (("--api-key-file",), "LLAMA_ARG_API_KEY_FILE"),
 }
@@ -270,6 +278,13 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
                            metavar="KEY" if f.name == "api_key" else None)
         else:
             p.add_argument(*shorts, flag, *flags, dest=f.name, default=None, help=help_)
+    if not only or "load_mode" in only:  # its older spellings
+        p.add_argument("--mlock", dest="old_mlock", action="store_true", default=None,
+                       help="an older spelling: --load-mode mmap+mlock (mlock with --no-mmap; "
+                       "env PREFIXGATE_MLOCK or LLAMA_ARG_MLOCK)")
+        p.add_argument("--mmap", dest="old_mmap", action=argparse.BooleanOptionalAction,
+                       default=None, help="--no-mmap, an older spelling: --load-mode none "
+                       "(env PREFIXGATE_MMAP or LLAMA_ARG_MMAP)")
     if not only:
         for names, n_args in ACCEPTED.items():
             dest = "accepted_" + names[0].strip("-").replace("-", "_")
@@ -280,8 +295,16 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
                 p.add_argument(*names, dest=dest, action="store_true", help=help_)
 
 
-_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect", "split_mode")
+_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect", "split_mode",
+                  "load_mode", "lazy_mode")
 SPLIT_MODES = ("none", "layer", "row")  # llama.cpp's enum llama_split_mode, in order
+LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # backend.placement's
+LAZY_MODES = ("on", "auto", "off")  # likewise
+_WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES}
+# the older spellings of --load-mode, (mmap, mlock) as --no-mmap and --mlock give them: llama-server
+# took these before -lm, and its LLAMA_ARG_MMAP / LLAMA_ARG_MLOCK variables as well
+_OLD_LOAD_MODES = {(True, False): "auto", (False, False): "none", (True, True): "mmap+mlock",
+                   (False, True): "mlock"}
 _ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
 
 
@@ -297,9 +320,10 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "api_key":  # comma-separated, as llama-server takes it, or repeated
         items = value if isinstance(value, list) else [value]
         return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())
-    if name == "split_mode":
-        if str(value).strip().lower() not in SPLIT_MODES:
-            raise ValueError(f"one of {', '.join(SPLIT_MODES)}")
+    if name in _WORDS:
+        choices = _WORDS[name]
+        if str(value).strip().lower() not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
         return str(value).strip().lower()
     if name in _CHOICE_FIELDS:  # what the worker's engine accepts
         from backend.engine import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
@@ -333,7 +357,8 @@ def _coerce(name: str, value: Any) -> Any:
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
-                 "tensor_split", "override_tensor", "n_cpu_moe", "mlock", "mmap", "flash_attn",
+                 "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
+                 "flash_attn",
                  "cache_type_k", "cache_type_v", "swa_full", "ubatch_size", "exact_check",
                  "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier")
 
@@ -377,6 +402,14 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 shown = "(not shown)" if f.name == "api_key" else repr(v)
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
+    if "load_mode" not in values:  # --mlock, --no-mmap (or their variables) where no -lm is
+        old = [getattr(ns, "old_" + k, None) for k in ("mmap", "mlock")]
+        for i, k in enumerate(("MMAP", "MLOCK")):
+            v = environ.get(f"PREFIXGATE_{k}", environ.get(f"LLAMA_ARG_{k}"))
+            if old[i] is None and v is not None:
+                old[i] = v.strip().lower() in ("1", "true", "yes", "on")
+        if old != [None, None]:
+            values["load_mode"] = _OLD_LOAD_MODES[old[0] is not False, bool(old[1])]
     if "n_gpu_layers" not in values:  # llama-server's default: every layer where a GPU is
         values["n_gpu_layers"] = _coerce("n_gpu_layers", "auto")
     cfg = Config(**values)

@@ -9,7 +9,7 @@ import pytest
 
 from backend import placement
 from proxy.cli import serve_config
-from proxy.config import Config
+from proxy.config import LAZY_MODES, LOAD_MODES, Config, worker_argv
 
 SECRET = "sk-test-0123456789"
 
@@ -17,7 +17,7 @@ SECRET = "sk-test-0123456789"
 LLAMA_SERVER_LINE = [
     "-m", "model.gguf", "-c", "8192", "-ngl", "0", "-fa", "off", "-ctk", "q8_0", "-ctv", "q8_0",
     "--jinja", "-np", "1", "-a", "coder", "--api-key", SECRET, "--metrics", "-t", "2", "-tb", "2",
-    "-b", "2048", "-ub", "128", "-ts", "1", "-sm", "layer", "--mlock", "--no-mmap",
+    "-b", "2048", "-ub", "128", "-ts", "1", "-sm", "layer", "--mlock", "--no-mmap", "-lzm", "off",
     "--n-cpu-moe", "0", "-ot", r"blk\.0\.ffn_up=CPU", "--api-key-file", "keys.txt",
     "--chat-template-file", "t.jinja", "--host", "127.0.0.2", "--port", "8081",
 ]
@@ -31,7 +31,8 @@ def test_a_llama_server_command_line_maps_onto_the_config() -> None:
                                                                             "coder")
     assert (cfg.api_key, cfg.api_keys) == ((SECRET,), "keys.txt")
     assert (cfg.threads, cfg.threads_batch, cfg.ubatch_size, cfg.batch) == (2, 2, 128, 128)
-    assert (cfg.tensor_split, cfg.split_mode, cfg.mlock, cfg.mmap) == ("1", "layer", True, False)
+    assert (cfg.tensor_split, cfg.split_mode, cfg.load_mode, cfg.lazy_mode) == \
+        ("1", "layer", "mlock", "off")
     assert (cfg.n_cpu_moe, cfg.override_tensor) == (0, r"blk\.0\.ffn_up=CPU")
     assert (cfg.chat_template_file, cfg.host, cfg.port) == ("t.jinja", "127.0.0.2", 8081)
     assert SECRET not in repr(cfg), "a key never shows in the Config's repr"
@@ -49,8 +50,8 @@ def test_llama_arg_variables_under_prefixgate_ones_under_flags() -> None:
            "LLAMA_ARG_ALIAS": "from-llama", "LLAMA_ARG_MLOCK": "1", "LLAMA_ARG_PORT": "9001",
            "PREFIXGATE_ALIAS": "from-prefixgate", "LLAMA_ARG_UBATCH": "256"}
     cfg = serve_config([], environ=env)
-    assert (cfg.n_ctx, cfg.api_key, cfg.mlock, cfg.port, cfg.ubatch_size) == \
-        (2048, (SECRET,), True, 9001, 256)
+    assert (cfg.n_ctx, cfg.api_key, cfg.load_mode, cfg.port, cfg.ubatch_size) == \
+        (2048, (SECRET,), "mmap+mlock", 9001, 256)
     assert cfg.alias == "from-prefixgate"
     assert serve_config(["-c", "1024"], environ=env).n_ctx == 1024
 
@@ -103,24 +104,60 @@ def test_placement_flags_become_model_parameters() -> None:
         placement.overrides("exps", 0)
     assert "CPU" in placement.buffer_types()
     mp = llama_cpp.llama_model_default_params()
-    keep = placement.apply(mp, "row", "3,1", r"ffn=CPU", 1, mlock=True, mmap=False)
+    keep = placement.apply(mp, "row", "3,1", r"ffn=CPU", 1, load_mode="mlock")
     assert (mp.split_mode, mp.load_mode) == (2, llama_cpp.LLAMA_LOAD_MODE_MLOCK)
     assert list(mp.tensor_split[:2]) == [3.0, 1.0] and mp.tensor_buft_overrides and keep
-    # mmap and mlock reach the one field this llama.cpp reads (llama_model_params.load_mode)
+    # every --load-mode word reaches the one field this llama.cpp reads
+    # (llama_model_params.load_mode; not use_mmap/use_mlock, which it no longer has)
     assert "load_mode" in {name for name, *_ in type(mp)._fields_}
-    for (mmap, mlock), mode in {(True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,
-                                (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
-                                (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE}.items():
+    assert (set(placement.LOAD_MODES), set(placement.LAZY_MODES)) == (set(LOAD_MODES),
+                                                                       set(LAZY_MODES))
+    for word, mode in {"auto": llama_cpp.LLAMA_LOAD_MODE_AUTO,
+                       "mmap+mlock": llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+                       "none": llama_cpp.LLAMA_LOAD_MODE_NONE,
+                       "dio": llama_cpp.LLAMA_LOAD_MODE_DIRECT_IO}.items():
         p = llama_cpp.llama_model_default_params()
-        placement.apply(p, mlock=mlock, mmap=mmap)
-        assert p.load_mode == mode, (mmap, mlock)
+        placement.apply(p, load_mode=word)
+        assert p.load_mode == mode, word
+    with pytest.raises(ValueError, match="--load-mode is one of"):
+        placement.apply(llama_cpp.llama_model_default_params(), load_mode="fast")
+    p = llama_cpp.llama_model_default_params()
+    placement.apply(p, lazy_mode="on")
+    assert p.lazy_mode == llama_cpp.LLAMA_LAZY_MODE_ON
     with pytest.raises(ValueError, match="no buffer type CUDA7"):
         placement.apply(llama_cpp.llama_model_default_params(), override_tensor="x=CUDA7")
 
 
 def test_the_defaults_are_llama_servers_where_they_make_sense() -> None:
     cfg = Config()
-    assert (cfg.split_mode, cfg.mmap, cfg.mlock, cfg.parallel) == ("layer", True, False, 1)
+    assert (cfg.split_mode, cfg.load_mode, cfg.lazy_mode, cfg.parallel) == ("layer", "auto",
+                                                                           "auto", 1)
+
+
+@pytest.mark.parametrize(("argv", "env", "mode"), [
+    (["-lm", "none"], {}, "none"),
+    (["--load-mode", "MMAP+MLOCK"], {}, "mmap+mlock"),
+    ([], {"LLAMA_ARG_LOAD_MODE": "dio"}, "dio"),
+    # the older spellings, as llama-server took them before -lm
+    (["--no-mmap"], {}, "none"),
+    (["--mlock"], {}, "mmap+mlock"),
+    (["--mlock", "--no-mmap"], {}, "mlock"),
+    ([], {"LLAMA_ARG_MMAP": "0"}, "none"),
+    ([], {"PREFIXGATE_MMAP": "false", "LLAMA_ARG_MLOCK": "1"}, "mlock"),
+    (["--mmap"], {"LLAMA_ARG_MMAP": "0"}, "auto"),  # a flag over a variable
+    (["-lm", "mmap", "--no-mmap"], {}, "mmap"),  # -lm over an older spelling
+])
+def test_load_mode_and_its_older_spellings(argv: list[str], env: dict[str, str],
+                                           mode: str) -> None:
+    cfg = serve_config(argv, environ=env)
+    assert cfg.load_mode == mode
+    # a worker is given it as one flag
+    assert worker_argv(cfg)[worker_argv(cfg).index("--load-mode") + 1] == mode
+
+
+def test_an_unknown_load_mode_is_one_line() -> None:
+    with pytest.raises(SystemExit, match=r"invalid value for --load-mode: 'fast' \(one of auto"):
+        serve_config(["-lm", "fast"], environ={})
 
 
 @pytest.mark.model
