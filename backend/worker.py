@@ -197,7 +197,10 @@ class Scheduler:
         return task.done
 
     def stop(self) -> None:
+        """End the loop once the step it runs is done (jobs that wait are dropped), and wait
+        for it: the engine may be closed then, never under a step."""
         self.inbox.put(None)
+        self.thread.join()
 
     def _least(self, tasks: list[_Task]) -> float:
         """The least time used by the prefills (if any) and the jobs that do not prefill."""

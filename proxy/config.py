@@ -358,9 +358,8 @@ def _coerce(name: str, value: Any) -> Any:
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
-                 "flash_attn",
-                 "cache_type_k", "cache_type_v", "swa_full", "ubatch_size", "exact_check",
-                 "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier")
+                 "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
+                 "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier")
 
 
 def worker_argv(cfg: Config) -> list[str]:

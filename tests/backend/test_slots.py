@@ -77,15 +77,14 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
     cut = 5 * SLOT_BATCH
     want = _alone(name, [p, q])
     eng = _engine(name, 2)
+    sched = Scheduler(eng)
     try:
         traces: list[list[bytes]] = [[], []]
         snaps: dict[int, bytes] = {}
-        sched = Scheduler(eng)
         done = [sched.submit(0, _run(eng, p, traces[0])),
                 sched.submit(1, _run(eng, q, traces[1], (cut,), snaps))]
         for d in done:
             d.result(timeout=600)
-        sched.stop()
         for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
             eng.use(slot)
             state = bytes(eng.snapshot())
@@ -101,6 +100,7 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
         assert trace == want[1][:-1]
         assert bytes(eng.snapshot()) == want[1][-1]
     finally:
+        sched.stop()
         eng.close()
     # and into a context of one slot (a state file outlives a change of --parallel)
     solo = _engine(name, 1)
@@ -118,6 +118,7 @@ def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
     p, q = _ids(name, 5 * SLOT_BATCH + 60, 3), _ids(name, 7 * SLOT_BATCH + 4, 4)  # q: 8 batches
     want = _alone(name, [p])[0]
     eng = _engine(name, 2)
+    sched = Scheduler(eng)
     try:
         cancel = Cancel()
         trace: list[bytes] = []
@@ -128,17 +129,16 @@ def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
                     cancel.set()
                 yield
 
-        sched = Scheduler(eng)
         a, b = sched.submit(0, _run(eng, p, trace)), sched.submit(1, cancelled())
         a.result(timeout=600)
         with pytest.raises(Exception, match="Cancelled|^$"):
             b.result(timeout=600)
-        sched.stop()
         assert trace == want[:-1]
         eng.use(1)
         assert 0 < eng.n_live < len(q) and eng.n_live % eng.batching.size == 0, \
             "what it prefilled stays live, at a batch edge"
     finally:
+        sched.stop()
         eng.close()
 
 
@@ -197,16 +197,16 @@ def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None
         yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
         ends[slot] = eng.last_logits().tobytes()  # in the step of its last batch
 
+    sched = Scheduler(eng)
     try:
-        sched = Scheduler(eng)
         long = sched.submit(1, _timed(steps, 1, prefill(1, q)))
         while not steps:  # the long prefill is under way
             time.sleep(0.001)
         short = sched.submit(0, _timed(steps, 0, prefill(0, p)))
         short.result(timeout=600)
         long.result(timeout=600)
-        sched.stop()
     finally:
+        sched.stop()
         eng.close()
     assert [ends[0], ends[1]] == [want[0][0], want[1][0]], "a prefill differs from it alone"
     last = max(i for i, (slot, _) in enumerate(steps) if slot == 0)
@@ -234,8 +234,8 @@ def test_a_stream_of_short_prompts_does_not_hold_a_long_one_back(name: str) -> N
         yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
         order.append(mark)
 
+    sched = Scheduler(eng)
     try:
-        sched = Scheduler(eng)
         long = sched.submit(1, prefill(q, "L"))
         waiting = {}  # slots 0 and 2 take turns, so that one short prompt always waits
         for k in range(shorts):
@@ -248,8 +248,8 @@ def test_a_stream_of_short_prompts_does_not_hold_a_long_one_back(name: str) -> N
         long.result(timeout=600)
         for w in waiting.values():
             w.result(timeout=600)
-        sched.stop()
     finally:
+        sched.stop()
         eng.close()
     before = order.index("L") * short_n
     assert before <= 2 * long_n, (
@@ -270,15 +270,15 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
         yield from eng.prefill_steps(p, [], lambda _: None, Cancel())
         yield from (None for _ in eng.generate(Sampling(temperature=0), gen, Cancel()))
 
+    sched = Scheduler(eng)
     try:
-        sched = Scheduler(eng)
         done = [sched.submit(1, _timed(steps, 1, eng.prefill_steps(q, [], lambda _: None,
                                                                    Cancel()))),
                 sched.submit(0, _timed(steps, 0, answer()))]
         for d in done:
             d.result(timeout=600)
-        sched.stop()
     finally:
+        sched.stop()
         eng.close()
     last = max(i for i, (slot, _) in enumerate(steps) if slot == 0)
     answering = sum(dt for slot, dt in steps if slot == 0)
@@ -310,6 +310,7 @@ def test_decode_steps_of_several_slots_answer_as_each_alone(name: str) -> None:
     gen = 48
     prompts = [_ids(name, 600, 11), _ids(name, 150, 12), _ids(name, 250, 13)]
     eng = Engine(model_file(name), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="off", n_seq=3)
+    sched = Scheduler(eng)
     try:
         report = selfcheck.run(eng)
         assert report.ok, report.failure
@@ -333,12 +334,11 @@ def test_decode_steps_of_several_slots_answer_as_each_alone(name: str) -> None:
 
         eng.decode_next = counted  # type: ignore[method-assign]
         traces: list[list[bytes]] = [[], [], []]
-        sched = Scheduler(eng)
         done = [sched.submit(s, _answer(eng, prompts[s], gen, traces[s])) for s in range(3)]
         for d in done:
             d.result(timeout=600)
-        sched.stop()
     finally:
+        sched.stop()
         eng.close()
     for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
         assert trace == ref, f"slot {slot}: logits or tokens differ from its run alone"
