@@ -33,6 +33,8 @@ export models=$build/models PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 export PREFIXGATE_TEST_MODEL_SMOLLM2=$models/llama.gguf PREFIXGATE_TEST_MODEL_GEMMA3=$models/gemma3.gguf
 export PREFIXGATE_TEST_MODEL_QWEN35=$models/qwen35.gguf
 export PREFIXGATE_TEST_GPU_LAYERS=-1 PREFIXGATE_N_GPU_LAYERS=-1
+# a server the suite starts without --model takes the stand-in (the default SmolLM2 is not here)
+export PREFIXGATE_MODEL=$PREFIXGATE_TEST_MODEL_SMOLLM2
 # Seen on the H100 image (CUDA 13 toolkit): libggml-cuda.so carries libstdc++ symbols of its own,
 # and when another extension loaded first (lmdb, aiohttp) llama_model::print_info crashed in
 # std::ostream inside them (SIGSEGV at model load). The system libstdc++ loaded first avoids it.

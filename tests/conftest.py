@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -91,15 +90,8 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
     # the RAM tier is off unless a test turns it on: the cache tests are about the disk, and a
     # request that replaces the live KV must leave only the disk to restore from
     ram = () if {"--cache-ram", "-cram"} & set(args) else ("--cache-ram", "0")
-    # the default model, unless the test names one: where it cannot be carried (a GPU machine,
-    # bench/gpu_check.sh) the plain-attention model that stands in for it
-    stand_in = os.environ.get("PREFIXGATE_TEST_MODEL_SMOLLM2")
-    model = ("--model", stand_in) if stand_in and not (
-        {"--model", "-m", "-hf", "-hfr", "--hf-repo"} & set(args)
-        or {"PREFIXGATE_MODEL", "LLAMA_ARG_MODEL", "LLAMA_ARG_HF_REPO"} & set(env or {})) else ()
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
-           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *ram, *model,
-           *args]
+           "--n-ctx", str(N_CTX), "--cache-dir", str(cache_dir), "--threads", "2", *ram, *args]
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                             env={**child_env(ROOT), **(env or {})})
