@@ -39,14 +39,21 @@ Rules this module keeps:
      prefill of the same text, so live reuse stops at `exact_n`, the end of the prompt.
   The start-up self-check (`backend.selfcheck`) proves the three on the user's model, KV
   types and backend, bit for bit, before the worker reuses anything.
-- Decode steps of several slots share one llama_decode (`decode_next`) only where the worker
-  proved at start that each slot's logits come out with the bits they have alone
-  (`batch_decode`, backend.selfcheck.check_decode), so that a slot answers what it answers
-  alone, whatever else generates. (A generated token's KV is never reused, rule 3: this is
-  about the answer.) It does not hold everywhere: with flash attention on a CPU, ggml splits
-  the attention of a single query row among the threads once its KV view reaches 512 cells
-  (ggml-cpu/ops.cpp, `use_split_kv_path`), a row beside another sequence's is not split, and
-  the sums come out in another order (bench/results/issue20/decode_batch.md).
+- A slot answers what it answers alone, whatever else generates (`decode`, set by the
+  worker from its start-up check, backend.selfcheck.check_decode). (A generated token's KV is
+  never reused, rule 3: this is about the answer.) Three ways, the first the check proves:
+  ``batched``: decode steps of several slots share one llama_decode, where each slot's logits
+  come out with the bits they have alone. ``fixed``: every decode step has the same shape, one
+  row per slot, the slots that do not generate given a padding row (at their next position,
+  with logits, since llama.cpp computes the output layer for those rows only; removed after;
+  plain attention only, whose cells can be dropped), where a
+  slot's logits in that shape do not depend on what the other rows hold or how long the other
+  slots are. ``apart``: each slot's step alone. Batched does not hold everywhere: with flash
+  attention on a CPU, ggml splits the attention of a single query row among the threads once
+  its KV view reaches 512 cells (ggml-cpu/ops.cpp, `use_split_kv_path`), a row beside another
+  sequence's is not split, and the sums come out in another order; f16 weights on a CPU
+  multiply one row in another order than several (bench/results/issue20/decode_batch.md).
+  Fixed costs a lone step the padding rows (about a quarter more on f16 weights on a CPU).
 - Cancellation is checked between prefill batches and between generated tokens.
 - Steps: `prefill_steps` and `generate_steps` yield between llama_decode calls so that a
   scheduler can run another slot's step there; never between a decode and the sample that reads
@@ -158,6 +165,8 @@ CACHE_TYPES: dict[str, int] = {  # llama.cpp's -ctk/-ctv names -> ggml types
 FLASH_ATTN = ("on", "off", "auto")
 
 MemoryKind = Literal["plain", "window", "recurrent"]
+# how decode steps of several slots run (module rules): the worker's start-up check decides
+DecodeMode = Literal["apart", "batched", "fixed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,9 +337,9 @@ class Engine:
         self.seq = self.seqs[0]  # the slot the calls below act on (`use`)
         # the last llama_decode's logits: the row of each sequence it holds them for
         self._logits_rows: dict[int, int] = {}
-        # decode steps of several slots may share a llama_decode (module rules); the worker
-        # sets it where its start-up check proved it
-        self.batch_decode = False
+        # how decode steps of several slots run (module rules); the worker sets it from its
+        # start-up check
+        self.decode: DecodeMode = "apart"
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
@@ -519,29 +528,32 @@ class Engine:
 
     # --- prefill and generation ------------------------------------------------------------
 
-    def _evaluate(self, rows: Sequence[tuple[Seq, Sequence[int]]]) -> None:
+    def _evaluate(self, rows: Sequence[tuple[Seq, Sequence[int]]],
+                  pads: Sequence[Seq] = ()) -> None:
         """Evaluate each slot's tokens at its next positions in one llama_decode, in this
-        order; logits for the last token of each."""
-        b, i = self._batch, 0
-        for q, tokens in rows:
+        order; logits for the last token of each. `pads`: slots given a padding row at their
+        next position, removed after (a `fixed` decode; plain attention)."""
+        b, i, last = self._batch, 0, {}
+        entries = [*rows, *((q, [rows[0][1][-1]]) for q in pads)]
+        for q, tokens in sorted(entries, key=lambda e: e[0].id) if pads else entries:
             assert tokens and q.n_live + len(tokens) <= self.n_ctx
             for j, t in enumerate(tokens):
                 b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, q.n_live + j, 1, 0
                 b.seq_id[i][0] = q.id
                 i += 1
-            b.logits[i - 1] = 1
+            last[q.id] = i - 1
+            b.logits[i - 1] = 1  # a padding row's too: llama.cpp's output rows are the shape
         assert i <= self.n_batch
         b.n_tokens = i
         rc = llama_cpp.llama_decode(self.ctx, b)
         self._logits_rows = {}
-        me, i = self.seq, 0
+        me = self.seq
         try:
             for q, tokens in rows:
                 self.seq, start, n = q, q.n_live, len(tokens)
-                i += n
                 q.n_live = start + n
                 if rc == 0:
-                    self._logits_rows[q.id] = i - 1
+                    self._logits_rows[q.id] = last[q.id]
                     q.ids[start : start + n] = tokens
                 else:
                     # the positions past n_live may hold part of this batch: cut them off (or,
@@ -549,6 +561,10 @@ class Engine:
                     self.truncate(start)
         finally:
             self.seq = me
+            kept = [q.id for q in pads  # their cell alone goes (plain attention: any cell can)
+                    if not llama_cpp.llama_memory_seq_rm(self.mem, q.id, q.n_live, -1)]
+        if kept:
+            raise RuntimeError(f"llama.cpp kept the padding rows of slots {kept}")
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc})")
 
@@ -653,16 +669,25 @@ class Engine:
 
     def decode_next(self, slots: Sequence[int]) -> None:
         """Evaluate the token each of these slots' generation waits with (`Seq.next`), in one
-        llama_decode (several slots only with `batch_decode`), logits for each. (llama.cpp
-        runs each run of consecutive sequence ids as one batch of its own: the shapes
+        llama_decode (several slots only where `decode` is not ``apart``; with ``fixed``, a
+        padding row in every other slot), logits for each. (llama.cpp runs each run of
+        consecutive sequence ids as one batch of its own: the shapes
         `selfcheck.check_decode` compares.)"""
         # in the order of their ids: llama.cpp runs a run of consecutive ids as one batch
         seqs = sorted((self.seqs[s] for s in slots), key=lambda q: q.id)
         assert seqs and all(q.next >= 0 for q in seqs), "no token waits for its decode"
-        assert len(seqs) == 1 or self.batch_decode, "batched decode steps were not proven"
+        assert len(seqs) == 1 or self.decode != "apart", "batched decode steps were not proven"
+        pads = [q for q in self.seqs if q.id not in slots] if self.decode == "fixed" else []
+        me = self.seq
         try:
-            self._evaluate([(q, [q.next]) for q in seqs])
+            for q in pads:
+                if q.n_live >= self.n_ctx:  # a full slot has no cell for its padding row
+                    self.seq = q
+                    self.truncate(q.n_live - 1)
+            self.seq = me
+            self._evaluate([(q, [q.next]) for q in seqs], pads)
         finally:
+            self.seq = me
             for q in seqs:
                 q.next = -1
 

@@ -20,17 +20,23 @@ A failure names the check and where the states first differ (`backend.layout`). 
 serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
 line); `--no-exact-check` skips the check, `prefixgate doctor` prints it as a table.
 
-With several slots one more check, ``decode 2-N slots`` (`check_decode`), decides whether decode
-steps of several slots may share a llama_decode (`Engine.batch_decode`): each slot's logits from
-one llama_decode of the tokens of 2, 3, ... N consecutive slots (llama.cpp runs a run of
-consecutive sequence ids as one batch) must equal, bit for bit, its logits from its decode
-alone. The slots hold states of different lengths, one past 512 KV cells, so that their KV
-views are padded to different sizes. Its failure only keeps the decode steps apart (each slot
-decodes alone, as a one-slot worker does); reuse does not depend on it. It fails with flash
-attention on a CPU (ggml splits a single query row's attention among the threads past 512
-cells, not a row beside others) and on the hybrid models measured (bench/results/issue20/
-decode_batch.md). What a pass rests on: that no kernel chooses its order of summation by a
-length the check does not reach.
+With several slots one more check, ``decode 2-N slots`` (`check_decode`), decides how decode
+steps of several slots run (`Engine.decode`), so that a slot answers what it answers alone,
+whatever else generates:
+- ``batched`` (in one llama_decode as they come) where each slot's logits from one llama_decode
+  of the tokens of 2, 3, ... N consecutive slots (llama.cpp runs a run of consecutive sequence
+  ids as one batch) equal, bit for bit, its logits from its decode alone;
+- else, for plain attention, ``fixed`` (every step one row per slot, padding rows in the slots
+  that do not generate) where each slot's logits in that shape are the same with the other
+  slots empty, idle (their padding rows) and decoding;
+- else ``apart`` (each slot's step alone, as a one-slot worker's).
+The slots hold states of different lengths, one past 512 KV cells, so that their KV views are
+padded to different sizes. Its failure only keeps the decode steps apart; reuse does not depend
+on it. Batched fails with flash attention on a CPU (ggml splits a single query row's attention
+among the threads past 512 cells, not a row beside others), on f16 weights on a CPU (one row
+multiplies in another order than several), on CUDA and on the hybrid models measured
+(bench/results/issue20/decode_batch.md); fixed holds for the first two. What a pass rests on:
+that no kernel chooses its order of summation by a length the check does not reach.
 
 A passing verdict is remembered (`recall`, `remember`: one file per verdict in
 ``$XDG_CACHE_HOME/prefixgate/selfcheck``, the 64 most recent) under `verdict_key`: the cache
@@ -56,14 +62,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 import numpy as np
 import xxhash
 
 from backend import layout
-from backend.engine import Cancel, Engine
+from backend.engine import Cancel, DecodeMode, Engine
 from backend.keys import user_dir
 
 log = logging.getLogger(__name__)
@@ -83,6 +89,7 @@ class Report:
     probe_tokens: int
     seconds: float
     decode: Row | None = None  # `check_decode`; None where it does not apply (one slot, ...)
+    decode_mode: DecodeMode = "apart"  # what `check_decode` proved (`Engine.decode`)
 
     @property
     def failure(self) -> str:
@@ -96,7 +103,7 @@ class Report:
                            for r in self.rows],
                 "batch_decode": None if self.decode is None else {
                     "ok": self.decode.ok, "check": self.decode.check,
-                    "detail": self.decode.detail}}
+                    "detail": self.decode.detail, "mode": self.decode_mode}}
 
 
 def random_ids(eng: Engine, n: int, seed: int) -> list[int]:
@@ -179,24 +186,29 @@ def run(eng: Engine) -> Report:
             eng.use(other)
             eng.truncate(0)
             eng.use(0)
-    decode = None
+    decode, mode = None, cast(DecodeMode, "apart")
     if len(eng.seqs) > 1:
-        decode = check_decode(eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
+        decode, mode = check_decode(
+            eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
     eng.truncate(0)
     eng.exact_n = 0
-    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0, decode)
+    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0, decode,
+                  mode)
 
 
 DECODE_LONG = 520  # tokens of the longest state in `check_decode`: a KV view past 512 cells
 
 
-def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Row:
-    """Decode steps of several slots in one llama_decode against each alone (module
-    docstring). `states`: (ids, state) of this engine, the first one extended here past
+def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Row, DecodeMode]:
+    """How decode steps of several slots may run (`Engine.decode`, module docstring):
+    ``batched`` where each slot's logits from a llama_decode beside other slots equal its
+    logits alone; else, for plain attention, ``fixed`` where its logits in the shape of one row
+    per slot are the same whether the other slots are empty, idle (padding rows) or decoding;
+    else ``apart``. `states`: (ids, state) of this engine, the first one extended here past
     DECODE_LONG tokens; slot s holds the s-th (in turn), restored before every decode, and
     decodes the same token each time. Leaves every slot empty."""
     slots, check = len(eng.seqs), f"decode 2-{len(eng.seqs)} slots"
-    was = eng.batch_decode
+    was = eng.decode
     try:
         ids, state = states[0]
         long_ids = ids + random_ids(eng, max(min(DECODE_LONG, eng.n_ctx - 2) - len(ids), 0), 20)
@@ -205,12 +217,17 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Row:
         eng.prefill(long_ids, [], lambda _: None, Cancel())
         held = [(long_ids, bytes(eng.snapshot()))] + states[1:]
 
+        def hold(s: int) -> int:
+            """Slot s holds its state again; its length."""
+            eng.use(s)
+            ids, state = held[s % len(held)]
+            eng.restore(ids, state)
+            return len(ids)
+
         def decode(run: list[int]) -> list[np.ndarray]:
             for s in run:
-                eng.use(s)
-                ids, state = held[s % len(held)]
-                eng.restore(ids, state)
-                eng.seq.next = ids[1]
+                hold(s)
+                eng.seq.next = held[s % len(held)][0][1]
             eng.decode_next(run)
             out = []
             for s in run:
@@ -218,23 +235,47 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Row:
                 out.append(eng.last_logits())
             return out
 
+        def differ(a: np.ndarray, b: np.ndarray) -> str:
+            return "" if a.tobytes() == b.tobytes() else f"{float(np.max(np.abs(a - b))):.3g}"
+
+        eng.decode = "apart"
         alone = [decode([s])[0] for s in range(slots)]
-        eng.batch_decode = True
+        eng.decode = "batched"
+        apart = ""  # why decode steps cannot be batched as they come
         for k in range(2, slots + 1):
             for first in range(slots - k + 1):
                 run = list(range(first, first + k))
                 for s, logits in zip(run, decode(run), strict=True):
-                    if logits.tobytes() != alone[s].tobytes():
-                        diff = float(np.max(np.abs(logits - alone[s])))
-                        return Row(check, False, f"slot {s} decoded with slots {run[0]}-"
-                                                 f"{run[-1]} ({len(held[s % len(held)][0])} "
-                                                 f"tokens): its logits differ from its decode "
-                                                 f"alone by up to {diff:.3g}")
-        return Row(check, True, "")
+                    if (diff := differ(logits, alone[s])) and not apart:
+                        apart = (f"slot {s} decoded with slots {run[0]}-{run[-1]} "
+                                 f"({len(held[s % len(held)][0])} tokens): its logits differ "
+                                 f"from its decode alone by up to {diff}")
+        if not apart:
+            return Row(check, True, ""), "batched"
+        if eng.memory.kind != "plain":  # a padding row's cell cannot be dropped again
+            return Row(check, False, apart), "apart"
+        eng.decode = "fixed"
+        for s in range(slots):
+            others = [o for o in range(slots) if o != s]
+            for o in others:
+                eng.use(o)
+                eng.truncate(0)
+            ref = decode([s])[0]
+            n = len(held[s % len(held)][0])
+            for o in others:
+                hold(o)
+            for what, logits in (("idle", decode([s])[0]),
+                                 ("decoding", decode(list(range(slots)))[s])):
+                if diff := differ(logits, ref):
+                    return Row(check, False, f"{apart}; in a fixed shape, a row per slot, slot "
+                                             f"{s} ({n} tokens) with the other slots {what} "
+                                             f"differs from with them empty by up to {diff}"), \
+                        "apart"
+        return Row(check, True, apart), "fixed"
     except (ValueError, RuntimeError) as e:
-        return Row(check, False, f"the check could not run: {e}")
+        return Row(check, False, f"the check could not run: {e}"), "apart"
     finally:
-        eng.batch_decode = was
+        eng.decode = was
         for s in range(slots):
             eng.use(s)
             eng.seq.next = -1
@@ -297,6 +338,12 @@ def _libraries() -> list[str]:
     return stamps
 
 
+def _decode_mode(mode: object) -> DecodeMode:
+    if mode not in ("apart", "batched", "fixed"):
+        raise ValueError(f"no decode mode {mode!r}")
+    return cast(DecodeMode, mode)
+
+
 def verdicts_dir() -> Path:
     return user_dir() / "selfcheck"
 
@@ -322,7 +369,7 @@ def recall(key: str, directory: Path | None = None) -> dict[str, Any] | None:
                 "checked_at": float(verdict["checked_at"]),
                 "batch_decode": None if decode is None else {
                     "ok": decode["ok"] is True, "check": str(decode["check"]),
-                    "detail": str(decode["detail"])}}
+                    "detail": str(decode["detail"]), "mode": _decode_mode(decode["mode"])}}
     except (KeyError, TypeError, ValueError):
         log.warning("ignoring the remembered self-check verdict %s: not a passing verdict", path)
         return None

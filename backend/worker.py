@@ -31,12 +31,12 @@ first, the prefills as one sharing the thread's time with each slot that generat
 prompt therefore does not wait behind a long one, a long prefill never starves a slot that is
 generating, nor does it slow that slot's answer to one token per prefill batch. Every prefill
 batch holds one sequence's tokens only, in the cold run's batches, and decode steps of several
-slots share a llama_decode only where the start-up check proved each slot's logits equal to
-alone (`Engine.batch_decode`): each slot computes exactly what it would alone (the exactness
-rules of backend/engine.py; bench/results/issue20/decode_batch.md: with flash attention on a
-CPU, batching changes the answers, and the check keeps the steps apart). State files are
-written on another thread, after the state was copied in memory, so a save never delays the
-first token.
+slots share a llama_decode only as the start-up check proved (`Engine.decode`): as they come
+where each slot's logits equal its own alone, in a fixed shape (a row per slot) where they do
+not depend on the other rows: each slot computes exactly what it would alone, whatever else
+generates (the exactness rules of backend/engine.py; bench/results/issue20/decode_batch.md).
+State files are written on another thread, after the state was copied in memory, so a save
+never delays the first token.
 Where llama.cpp computes on the CPU that thread first waits for the llama thread to rest
 (`_await_rest`: WRITE_REST_S at most, and not while WRITE_REST_BYTES wait): on a few cores its
 hashing and writing slowed every prefill it overlapped (bench/results/issue20). Meanwhile the
@@ -176,7 +176,7 @@ class Scheduler:
     before each of its steps.
 
     A generating job's step samples a token and yields DECODE; the token is evaluated when the
-    job's turn comes, and where the engine may batch decode steps (`Engine.batch_decode`) in one
+    job's turn comes, and where the engine may batch decode steps (`Engine.decode`) in one
     llama_decode with the tokens of every other job that waits so: each of them is charged the
     call's time and then samples its next token, before any other llama_decode (which would
     replace their logits)."""
@@ -248,7 +248,7 @@ class Scheduler:
         """Evaluate the token `task` waits with, beside every other waiting one's where the
         engine batches decode steps; then each of them takes its next step (it samples)."""
         group = [task]
-        if self.engine.batch_decode:
+        if self.engine.decode != "apart":
             group += [t for t in tasks if t.waits and t is not task
                       and not (t.cancel is not None and t.cancel.is_set)]
         t = time.perf_counter()
@@ -891,9 +891,9 @@ def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
 def exactness(engine: Engine, worker_id: int, check: bool, key: str = "") -> dict[str, object]:
     """The start-up self-check's verdict, logged in one line: what `/health` reports as
     "exact". Where it fails the worker reuses nothing (module rules). Its decode check sets
-    whether decode steps of several slots share a llama_decode (`Engine.batch_decode`; not
-    without the check). `key`: the verdict's name (`selfcheck.verdict_key`); a passing verdict
-    remembered under it stands for the check, a new one is remembered ("": neither)."""
+    how decode steps of several slots run (`Engine.decode`; apart without the check). `key`:
+    the verdict's name (`selfcheck.verdict_key`); a passing verdict remembered under it stands
+    for the check, a new one is remembered ("": neither)."""
     if not check:
         if engine.inexact:
             log.warning("worker %d: cache reuse off: %s", worker_id, engine.inexact)
@@ -909,11 +909,14 @@ def exactness(engine: Engine, worker_id: int, check: bool, key: str = "") -> dic
         if key and report.ok:
             selfcheck.remember(key, verdict)
     decode = verdict.get("batch_decode") or {}
-    engine.batch_decode = bool(decode.get("ok"))
+    engine.decode = decode.get("mode", "apart")
     if decode:
-        log.info("worker %d: decode steps of several slots %s", worker_id,
-                 "share a llama_decode (each slot's logits proven equal to its own alone)"
-                 if engine.batch_decode else f"run apart ({decode.get('detail')})")
+        log.info("worker %d: decode steps of several slots %s", worker_id, {
+            "batched": "share a llama_decode (each slot's logits proven equal to its own alone)",
+            "fixed": "share a llama_decode of a fixed shape, a row per slot, padding rows in "
+                     "the idle ones (each slot's logits proven the same whatever the others "
+                     f"hold; as they come they would differ: {decode.get('detail')})",
+            "apart": f"run apart ({decode.get('detail')})"}[engine.decode])
     if verdict["ok"]:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict["checked_at"])) \
             if remembered else ""

@@ -10,7 +10,7 @@ holding its own prompt of L + 100 s tokens (prefilled alone, in the cold run's b
   where its start-up check did not prove batching);
 - batched: one llama_decode holding one token of every slot (llama-server's continuous
   batching; prefixgate's where its check proved it, `backend.selfcheck.check_decode`);
-- padded: alone, plus a padding row in the next slot's sequence (without logits, removed
+- padded: alone, plus a padding row in the next slot's sequence (with logits, removed
   after), so that every decode has the shape of a batched one: the alternative measured and
   not taken (it costs every decode alone a row);
 - fixed: alone, with a padding row in every other slot's sequence: every decode has one row
@@ -56,15 +56,17 @@ def prompt_ids(eng: Engine, n: int, seed: int) -> list[int]:
 def decode(eng: Engine, tokens: list[tuple[int, int, int]],
            pads: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
     """One llama_decode of (slot, position, token) entries, logits for each. `pads`: (slot,
-    position) of padding rows in other slots' sequences, without logits, removed after: a
+    position) of padding rows in other slots' sequences, removed after: a
     decode of one slot's row then has the shape of a decode beside other slots' rows."""
     pads = pads or []
     # in the order of their sequence ids: llama.cpp runs only such a run as one batch
     rows = sorted([(*t, True) for t in tokens] + [(*p, tokens[0][2], False) for p in pads])
     b = llama_cpp.llama_batch_init(len(rows), 0, len(eng.seqs))
     try:
-        for i, (slot, pos, tok, want) in enumerate(rows):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(want)
+        for i, (slot, pos, tok, _) in enumerate(rows):
+            # a padding row's logits too: llama.cpp computes the output layer only for the
+            # rows that want them, and the shape is all rows
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1
             b.seq_id[i][0] = slot
         b.n_tokens = len(rows)
         if llama_cpp.llama_decode(eng.ctx, b) != 0:

@@ -141,7 +141,8 @@ async def props(request: web.Request) -> web.Response:
                       f"{_version('llama-cpp-python')}",
         "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure,
-                   "batch_decode": w.batch_decode} for w in request.app[POOL].workers],
+                   "batch_decode": w.decode != "apart", "decode": w.decode}
+                  for w in request.app[POOL].workers],
         # what each worker measured prefill and restores to cost: decide restores only what
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}

@@ -195,8 +195,10 @@ def doctor(argv: list[str]) -> None:
         out(f"| {r.check} | {'exact' if r.ok else 'DIFFERS'} | {r.detail or '-'} |")
     if report.decode is not None:  # --parallel 2 or more: whether decode steps are batched
         r = report.decode
-        out(f"| {r.check} | {'batched' if r.ok else 'DIFFERS: decoded apart'} | "
-            f"{r.detail or '-'} |")
+        out(f"| {r.check} | " + {"batched": "batched", "fixed": "batched in a fixed shape, "
+                                  "a row per slot (as they come: DIFFERS)",
+                                  "apart": "DIFFERS: decoded apart"}[report.decode_mode]
+            + f" | {r.detail or '-'} |")
     out(f"\n{'exact' if report.ok else 'NOT EXACT: serve reuses nothing'} "
         f"({report.probe_tokens} probe tokens, {report.seconds:.2f} s)")
     eng.close()

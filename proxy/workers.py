@@ -178,9 +178,9 @@ class Worker:
     batching: Batching = Batching()  # its prefill batches: it reuses only at their edges
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
     exact_failure: str = ""  # why not, from its /health
-    # its slots' decode steps share a llama_decode (its self-check proved each slot's logits
-    # equal to its own alone: backend.selfcheck.check_decode)
-    batch_decode: bool = False
+    # how its slots' decode steps run, as its self-check proved (backend.selfcheck
+    # .check_decode): batched (as they come), fixed (in one shape, a row per slot) or apart
+    decode: str = "apart"
     restarts: int = 0
     boot_id: str = ""  # the worker process's id from /health; a new one = a restart
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
@@ -226,7 +226,8 @@ class Worker:
         return (f"{len(self.slots)} slot(s), memory {self.memory}, reuse at batch edges (batch "
                 f"{b.size}" + (f", or message ends past {b.least}" if b.ends else "") + "), "
                 + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})")
-                + (", decode steps batched" if self.batch_decode else "")
+                + {"batched": ", decode steps batched",
+                   "fixed": ", decode steps batched in a fixed shape"}.get(self.decode, "")
                 + (f"; {where}" if where else ""))
 
     @property
@@ -522,7 +523,7 @@ class Pool:
         exact = h.get("exact") or {}
         w.exact = bool(exact.get("ok", True))
         w.exact_failure = str(exact.get("failure", ""))
-        w.batch_decode = bool((exact.get("batch_decode") or {}).get("ok", False))
+        w.decode = str((exact.get("batch_decode") or {}).get("mode", "apart"))
         w.borrows = w.memory == "plain" and w.exact and bool(
             (h.get("cache_ram") or {}).get("budget_bytes", 0)) and "borrowed" in h
         w.boot_id = str(h.get("boot_id", ""))

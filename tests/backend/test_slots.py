@@ -3,8 +3,9 @@ scheduler runs them (a prefill batch or a token of one, then of the other), each
 bit for bit what the same prompt computes alone in a context of its own: every logit of the
 prefill's end and of each greedy token, and the KV state. A snapshot taken in one slot restores
 into the other exactly. On plain attention, a sliding window and a hybrid recurrent state.
-Decode steps of several slots in one llama_decode (where the self-check proves it) give each
-slot the logits it gets alone, and the check catches a decode that does not."""
+Decode steps of several slots in one llama_decode (where the self-check proves it: as they
+come, or in a fixed shape of a row per slot) give each slot the logits it gets alone, and the
+check catches a decode that does not."""
 
 from __future__ import annotations
 
@@ -302,46 +303,69 @@ def _answer(eng: Engine, ids: list[int], gen: int,
             trace += [eng.last_logits().tobytes(), np.int32(step[0]).tobytes()]
 
 
+def _together(eng: Engine, prompts: list[list[int]], gen: int,
+              idle: list[int] | None = None) -> tuple[list[list[bytes]], list[list[bytes]],
+                                                      list[int]]:
+    """Each prompt generated alone in slot 0, then all at once through the scheduler (slot s
+    the s-th), as the engine's `decode` has it; with `idle`, the last slot holds that prompt,
+    prefilled, while they generate, and its state is checked unchanged after. Returns the
+    traces alone, together, and how many slots each decode step held."""
+    want = []
+    for ids in prompts:
+        eng.truncate(0)
+        trace: list[bytes] = []
+        for v in _answer(eng, ids, gen, trace):
+            if v == DECODE:
+                eng.decode_next([0])
+        want.append(trace)
+    eng.truncate(0)
+    if idle is not None:
+        eng.use(len(eng.seqs) - 1)
+        eng.prefill(idle, [], lambda _: None, Cancel())
+        before = bytes(eng.snapshot())
+        eng.use(0)
+    sizes: list[int] = []  # the slots of each decode step
+    decode_next = eng.decode_next
+
+    def counted(slots: list[int]) -> None:
+        sizes.append(len(slots))
+        decode_next(slots)
+
+    eng.decode_next = counted  # type: ignore[method-assign]
+    traces: list[list[bytes]] = [[] for _ in prompts]
+    sched = Scheduler(eng)
+    try:
+        done = [sched.submit(s, _answer(eng, ids, gen, traces[s]))
+                for s, ids in enumerate(prompts)]
+        for d in done:
+            d.result(timeout=600)
+    finally:
+        sched.stop()
+    if idle is not None:
+        eng.use(len(eng.seqs) - 1)
+        assert eng.live_ids() == idle and bytes(eng.snapshot()) == before, \
+            "the padding rows changed an idle slot's state"
+    return want, traces, sizes
+
+
 def test_decode_steps_of_several_slots_answer_as_each_alone(name: str) -> None:
     """Three slots generating at once through the scheduler get every logit and token each
     gets alone in the same engine: their decode steps share a llama_decode where the
     self-check proved it (without flash attention on a CPU, plain attention and the window
     so far: bench/results/issue20/decode_batch.md), and run apart where it did not."""
-    gen = 48
     prompts = [_ids(name, 600, 11), _ids(name, 150, 12), _ids(name, 250, 13)]
     eng = Engine(model_file(name), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="off", n_seq=3)
-    sched = Scheduler(eng)
     try:
         report = selfcheck.run(eng)
         assert report.ok, report.failure
         assert report.decode is not None and report.decode.check == "decode 2-3 slots"
-        want = []
-        for ids in prompts:  # each alone
-            eng.truncate(0)
-            trace: list[bytes] = []
-            for v in _answer(eng, ids, gen, trace):
-                if v == DECODE:
-                    eng.decode_next([0])
-            want.append(trace)
-        eng.truncate(0)
-        eng.batch_decode = report.decode.ok  # as the worker sets it
-        sizes: list[int] = []  # the slots of each decode step
-        decode_next = eng.decode_next
-
-        def counted(slots: list[int]) -> None:
-            sizes.append(len(slots))
-            decode_next(slots)
-
-        eng.decode_next = counted  # type: ignore[method-assign]
-        traces: list[list[bytes]] = [[], [], []]
-        done = [sched.submit(s, _answer(eng, prompts[s], gen, traces[s])) for s in range(3)]
-        for d in done:
-            d.result(timeout=600)
+        eng.decode = report.decode_mode  # as the worker sets it
+        want, traces, sizes = _together(eng, prompts, 48)
     finally:
-        sched.stop()
         eng.close()
     for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
         assert trace == ref, f"slot {slot}: logits or tokens differ from its run alone"
+    assert report.decode.ok == (report.decode_mode != "apart")
     if report.decode.ok:
         assert max(sizes) >= 2, "proven, yet no decode step held two slots"
     else:
@@ -349,20 +373,30 @@ def test_decode_steps_of_several_slots_answer_as_each_alone(name: str) -> None:
 
 
 @pytest.mark.skipif(GPU_LAYERS != 0, reason="about ggml's CPU flash attention kernel")
-def test_the_decode_check_refuses_flash_attention_on_a_cpu() -> None:
+def test_with_flash_attention_on_a_cpu_decode_steps_batch_in_a_fixed_shape() -> None:
     """With flash attention on a CPU a slot's decode alone is a single query row, whose
     attention ggml splits among the threads once its KV view reaches 512 cells; beside another
-    slot's row it is not split, and the logits differ: the check says so, and the worker keeps
-    the decode steps apart (reuse itself is still proven)."""
-    eng = Engine(model_file("smollm2"), SLOT_CTX * 2, 2, GPU_LAYERS, flash_attn="on", n_seq=2)
+    slot's row it is not split, and the logits differ. In one fixed shape, a row per slot (the
+    idle slots' padding rows), no row is ever alone: the check proves that a slot's logits then
+    do not depend on the other rows, and two slots generating at once answer as each does
+    alone, beside a third that holds a prompt and keeps it exactly."""
+    eng = Engine(model_file("smollm2"), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="on", n_seq=3)
     try:
         report = selfcheck.run(eng)
+        assert report.ok, report.failure
+        assert report.decode is not None and report.decode.ok, report.decode
+        assert report.decode_mode == "fixed"
+        assert "slot 0 decoded with slots 0-1" in report.decode.detail, report.decode.detail
+        assert "differ from its decode alone" in report.decode.detail
+        eng.decode = report.decode_mode
+        want, traces, sizes = _together(
+            eng, [_ids("smollm2", 300, 11), _ids("smollm2", 150, 12)], 32,
+            idle=_ids("smollm2", 300, 14))
     finally:
         eng.close()
-    assert report.ok, report.failure
-    assert report.decode is not None and not report.decode.ok
-    assert "slot 0 decoded with slots 0-1" in report.decode.detail, report.decode.detail
-    assert "differ from its decode alone" in report.decode.detail
+    for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
+        assert trace == ref, f"slot {slot}: logits or tokens differ from its run alone"
+    assert max(sizes) == 2, "two slots generated at once, yet no decode step held both"
 
 
 @pytest.mark.skipif(GPU_LAYERS != 0, reason="about a worker that computes on the CPU")

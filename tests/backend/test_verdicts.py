@@ -18,7 +18,8 @@ from backend import selfcheck
 PASS = {"ok": True, "probe_tokens": 449, "seconds": 33.1, "failure": "",
         "checks": [{"check": "live@196", "ok": True, "detail": ""},
                    {"check": "restore@34", "ok": True, "detail": ""}],
-        "batch_decode": {"ok": True, "check": "decode 2-3 slots", "detail": ""}}
+        "batch_decode": {"ok": True, "check": "decode 2-3 slots", "detail": "",
+                         "mode": "batched"}}
 
 
 def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
@@ -35,6 +36,8 @@ def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
     json.dumps({**PASS, "ok": False, "checked_at": 1.0}),  # a failure is never kept
     json.dumps({**PASS, "checks": "live@196", "checked_at": 1.0}),
     json.dumps({**PASS, "checked_at": "yesterday"}),
+    json.dumps({**PASS, "batch_decode": {**PASS["batch_decode"], "mode": "sometimes"},  # type: ignore[dict-item]
+                "checked_at": 1.0}),
     json.dumps([PASS]),
 ])
 def test_anything_else_is_ignored_and_said_once(tmp_path: Path, text: str,
