@@ -46,7 +46,7 @@ Rules this module keeps:
   come out with the bits they have alone. ``fixed``: every decode step has the same shape, one
   row per slot, the slots that do not generate given a padding row (at their next position,
   with logits, since llama.cpp computes the output layer for those rows only; removed after;
-  plain attention only, whose cells can be dropped), where a
+  plain attention or a full-size window, whose cells can be dropped: `pads`), where a
   slot's logits in that shape do not depend on what the other rows hold or how long the other
   slots are. ``apart``: each slot's step alone. Batched does not hold everywhere: with flash
   attention on a CPU, ggml splits the attention of a single query row among the threads once
@@ -340,6 +340,11 @@ class Engine:
         # how decode steps of several slots run (module rules); the worker sets it from its
         # start-up check
         self.decode: DecodeMode = "apart"
+        # a padding row's cell can be dropped again, leaving the slot as it was (a `fixed`
+        # decode): any cell of plain attention; a full-size window's too, where llama.cpp
+        # takes the empty cell at the slot's next position (a real window may take a masked one)
+        self.pads = self.memory.kind == "plain" or (self.memory.kind == "window"
+                                                    and self.memory.full)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)}
@@ -561,7 +566,7 @@ class Engine:
                     self.truncate(start)
         finally:
             self.seq = me
-            kept = [q.id for q in pads  # their cell alone goes (plain attention: any cell can)
+            kept = [q.id for q in pads  # their cell alone goes (`pads`)
                     if not llama_cpp.llama_memory_seq_rm(self.mem, q.id, q.n_live, -1)]
         if kept:
             raise RuntimeError(f"llama.cpp kept the padding rows of slots {kept}")
@@ -678,6 +683,7 @@ class Engine:
         assert seqs and all(q.next >= 0 for q in seqs), "no token waits for its decode"
         assert len(seqs) == 1 or self.decode != "apart", "batched decode steps were not proven"
         pads = [q for q in self.seqs if q.id not in slots] if self.decode == "fixed" else []
+        assert not pads or self.pads, "padding rows in a memory that cannot drop them"
         me = self.seq
         try:
             for q in pads:

@@ -26,9 +26,10 @@ whatever else generates:
 - ``batched`` (in one llama_decode as they come) where each slot's logits from one llama_decode
   of the tokens of 2, 3, ... N consecutive slots (llama.cpp runs a run of consecutive sequence
   ids as one batch) equal, bit for bit, its logits from its decode alone;
-- else, for plain attention, ``fixed`` (every step one row per slot, padding rows in the slots
-  that do not generate) where each slot's logits in that shape are the same with the other
-  slots empty, idle (their padding rows) and decoding;
+- else, where a cell can be dropped again (plain attention, a full-size window:
+  `Engine.pads`), ``fixed`` (every step one row per slot, padding rows in the slots that do not
+  generate) where each slot's logits in that shape are the same with the other slots empty,
+  idle (their padding rows, which leave their states as they were) and decoding;
 - else ``apart`` (each slot's step alone, as a one-slot worker's).
 The slots hold states of different lengths, one past 512 KV cells, so that their KV views are
 padded to different sizes. Its failure only keeps the decode steps apart; reuse does not depend
@@ -202,11 +203,12 @@ DECODE_LONG = 520  # tokens of the longest state in `check_decode`: a KV view pa
 def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Row, DecodeMode]:
     """How decode steps of several slots may run (`Engine.decode`, module docstring):
     ``batched`` where each slot's logits from a llama_decode beside other slots equal its
-    logits alone; else, for plain attention, ``fixed`` where its logits in the shape of one row
-    per slot are the same whether the other slots are empty, idle (padding rows) or decoding;
-    else ``apart``. `states`: (ids, state) of this engine, the first one extended here past
-    DECODE_LONG tokens; slot s holds the s-th (in turn), restored before every decode, and
-    decodes the same token each time. Leaves every slot empty."""
+    logits alone; else, where the engine `pads`, ``fixed`` where its logits in the shape of one
+    row per slot are the same whether the other slots are empty, idle (padding rows, their
+    states unchanged after) or decoding; else ``apart``. `states`: (ids, state) of this
+    engine, the first one extended here past DECODE_LONG tokens; slot s holds the s-th (in
+    turn), restored before every decode, and decodes the same token each time. Leaves every
+    slot empty."""
     slots, check = len(eng.seqs), f"decode 2-{len(eng.seqs)} slots"
     was = eng.decode
     try:
@@ -252,7 +254,7 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Ro
                                  f"from its decode alone by up to {diff}")
         if not apart:
             return Row(check, True, ""), "batched"
-        if eng.memory.kind != "plain":  # a padding row's cell cannot be dropped again
+        if not eng.pads:  # a padding row's cell could not be dropped again
             return Row(check, False, apart), "apart"
         eng.decode = "fixed"
         for s in range(slots):
@@ -262,9 +264,17 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Ro
                 eng.truncate(0)
             ref = decode([s])[0]
             n = len(held[s % len(held)][0])
+            kept = {}
             for o in others:
                 hold(o)
-            for what, logits in (("idle", decode([s])[0]),
+                kept[o] = bytes(eng.snapshot())
+            idle = decode([s])[0]
+            for o in others:  # the padding rows came and went without a trace
+                eng.use(o)
+                if bytes(eng.snapshot()) != kept[o]:
+                    return Row(check, False, f"{apart}; in a fixed shape, a row per slot, the "
+                                             f"padding row changed slot {o}'s state"), "apart"
+            for what, logits in (("idle", idle),
                                  ("decoding", decode(list(range(slots)))[s])):
                 if diff := differ(logits, ref):
                     return Row(check, False, f"{apart}; in a fixed shape, a row per slot, slot "
