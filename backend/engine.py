@@ -53,7 +53,9 @@ Rules this module keeps:
   its KV view reaches 512 cells (ggml-cpu/ops.cpp, `use_split_kv_path`), a row beside another
   sequence's is not split, and the sums come out in another order; f16 weights on a CPU
   multiply one row in another order than several (bench/results/issue20/decode_batch.md).
-  Fixed costs a lone step the padding rows (about a quarter more on f16 weights on a CPU).
+  Fixed costs a slot generating alone the padding rows: the check takes it only where that is
+  little (`selfcheck.FIXED_MAX_COST`; on a CPU it is not: 1.45x on a 1.1B f16, about 2x on its
+  Q4_K_M, on 2 cores).
 - Cancellation is checked between prefill batches and between generated tokens.
 - Steps: `prefill_steps` and `generate_steps` yield between llama_decode calls so that a
   scheduler can run another slot's step there; never between a decode and the sample that reads
@@ -537,7 +539,7 @@ class Engine:
                   pads: Sequence[Seq] = ()) -> None:
         """Evaluate each slot's tokens at its next positions in one llama_decode, in this
         order; logits for the last token of each. `pads`: slots given a padding row at their
-        next position, removed after (a `fixed` decode; plain attention)."""
+        next position, removed after (a `fixed` decode; `pads`)."""
         b, i, last = self._batch, 0, {}
         entries = [*rows, *((q, [rows[0][1][-1]]) for q in pads)]
         for q, tokens in sorted(entries, key=lambda e: e[0].id) if pads else entries:

@@ -379,19 +379,23 @@ def test_with_flash_attention_on_a_cpu_decode_steps_batch_in_a_fixed_shape(model
     attention ggml splits among the threads once its KV view reaches 512 cells; beside another
     slot's row it is not split, and the logits differ. In one fixed shape, a row per slot (the
     idle slots' padding rows), no row is ever alone: the check proves that a slot's logits then
-    do not depend on the other rows, and two slots generating at once answer as each does
-    alone, beside a third that holds a prompt and keeps it exactly. On plain attention and a
-    (full-size) sliding window; a hybrid's recurrent state could not drop a padding row, and
-    its steps run apart (`test_decode_steps_of_several_slots_answer_as_each_alone`)."""
+    do not depend on the other rows (and takes the shape only where a lone step costs little
+    more in it, as on a GPU, not on 2 CPU cores), and two slots generating at once answer as
+    each does alone, beside a third that holds a prompt and keeps it exactly. On plain
+    attention and a (full-size) sliding window; a hybrid's recurrent state could not drop a
+    padding row, and its steps run apart
+    (`test_decode_steps_of_several_slots_answer_as_each_alone`)."""
     eng = Engine(model_file(model), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="on", n_seq=3)
     try:
         report = selfcheck.run(eng)
         assert report.ok, report.failure
-        assert report.decode is not None and report.decode.ok, report.decode
-        assert report.decode_mode == "fixed"
-        assert "slot 0 decoded with slots 0-1" in report.decode.detail, report.decode.detail
-        assert "differ from its decode alone" in report.decode.detail
-        eng.decode = report.decode_mode
+        assert report.decode is not None
+        detail = report.decode.detail
+        assert "slot 0 decoded with slots 0-1" in detail, detail
+        assert "differ from its decode alone" in detail
+        assert report.decode_mode == "fixed" or "a fixed shape, a row per slot, is exact, " \
+            "but a slot's step alone costs" in detail, detail
+        eng.decode = "fixed"  # proven exact, taken or not for its cost
         want, traces, sizes = _together(
             eng, [_ids(model, 300, 11), _ids(model, 150, 12)], 32,
             idle=_ids(model, 300, 14))
