@@ -20,7 +20,8 @@ def prefill_s(model: str, n_tokens: int, ubatch: int, flash_attn: str, slots: in
               threads: int) -> float:
     from backend.engine import Cancel, Engine
 
-    ids = [random.Random(1).randrange(100, 40000) for _ in range(n_tokens)]
+    rng = random.Random(1)
+    ids = [rng.randrange(100, 40000) for _ in range(n_tokens)]
     eng = Engine(model, n_ctx=12288 * slots, n_threads=threads, n_gpu_layers=0, n_batch=ubatch,
                  flash_attn=flash_attn, n_seq=slots)
     t0 = time.perf_counter()
