@@ -537,12 +537,13 @@ class Engine:
 
     def _evaluate(self, rows: Sequence[tuple[Seq, Sequence[int]]],
                   pads: Sequence[Seq] = ()) -> None:
-        """Evaluate each slot's tokens at its next positions in one llama_decode, in this
-        order; logits for the last token of each. `pads`: slots given a padding row at their
+        """Evaluate each slot's tokens at its next positions in one llama_decode, in the order
+        of their sequence ids (llama.cpp runs a run of consecutive ids as one batch); logits
+        for the last token of each. `pads`: slots given a padding row at their
         next position, removed after (a `fixed` decode; `pads`)."""
         b, i, last = self._batch, 0, {}
         entries = [*rows, *((q, [rows[0][1][-1]]) for q in pads)]
-        for q, tokens in sorted(entries, key=lambda e: e[0].id) if pads else entries:
+        for q, tokens in sorted(entries, key=lambda e: e[0].id):
             assert tokens and q.n_live + len(tokens) <= self.n_ctx
             for j, t in enumerate(tokens):
                 b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, q.n_live + j, 1, 0
@@ -680,8 +681,7 @@ class Engine:
         padding row in every other slot), logits for each. (llama.cpp runs each run of
         consecutive sequence ids as one batch of its own: the shapes
         `selfcheck.check_decode` compares.)"""
-        # in the order of their ids: llama.cpp runs a run of consecutive ids as one batch
-        seqs = sorted((self.seqs[s] for s in slots), key=lambda q: q.id)
+        seqs = [self.seqs[s] for s in slots]
         assert seqs and all(q.next >= 0 for q in seqs), "no token waits for its decode"
         assert len(seqs) == 1 or self.decode != "apart", "batched decode steps were not proven"
         pads = [q for q in self.seqs if q.id not in slots] if self.decode == "fixed" else []

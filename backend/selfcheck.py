@@ -38,8 +38,8 @@ on it. Batched fails with flash attention on a CPU (ggml splits a single query r
 among the threads past 512 cells, not a row beside others), on f16 weights on a CPU (one row
 multiplies in another order than several), on CUDA and on the hybrid models measured
 (bench/results/issue20/decode_batch.md); fixed holds, bit for bit, for the first two, but there
-costs a lone step more than it may. What a pass rests on:
-that no kernel chooses its order of summation by a length the check does not reach.
+costs a lone step more than it may. What a pass rests on: that no kernel chooses its order of
+summation by a length the check does not reach.
 
 A passing verdict is remembered (`recall`, `remember`: one file per verdict in
 ``$XDG_CACHE_HOME/prefixgate/selfcheck``, the 64 most recent) under `verdict_key`: the cache
@@ -189,7 +189,8 @@ def run(eng: Engine) -> Report:
             eng.use(other)
             eng.truncate(0)
             eng.use(0)
-    decode, mode = None, cast(DecodeMode, "apart")
+    decode: Row | None = None
+    mode: DecodeMode = "apart"
     if len(eng.seqs) > 1:
         decode, mode = check_decode(
             eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
@@ -229,12 +230,11 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Ro
         eng.prefill(long_ids, [], lambda _: None, Cancel())
         held = [(long_ids, bytes(eng.snapshot()))] + states[1:]
 
-        def hold(s: int) -> int:
-            """Slot s holds its state again; its length."""
+        def hold(s: int) -> None:
+            """Slot s holds its state again."""
             eng.use(s)
             ids, state = held[s % len(held)]
             eng.restore(ids, state)
-            return len(ids)
 
         took: list[float] = []  # the seconds of each llama_decode below
 
@@ -256,16 +256,20 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Ro
 
         eng.decode = "apart"
         alone = [decode([s])[0] for s in range(slots)]
-        eng.decode = "batched"
-        apart = ""  # why decode steps cannot be batched as they come
-        for k in range(2, slots + 1):
-            for first in range(slots - k + 1):
-                run = list(range(first, first + k))
-                for s, logits in zip(run, decode(run), strict=True):
-                    if (diff := differ(logits, alone[s])) and not apart:
-                        apart = (f"slot {s} decoded with slots {run[0]}-{run[-1]} "
-                                 f"({len(held[s % len(held)][0])} tokens): its logits differ "
-                                 f"from its decode alone by up to {diff}")
+        def batched() -> str:
+            """Why decode steps cannot be batched as they come ("": they can)."""
+            eng.decode = "batched"
+            for k in range(2, slots + 1):
+                for first in range(slots - k + 1):
+                    run = list(range(first, first + k))
+                    for s, logits in zip(run, decode(run), strict=True):
+                        if diff := differ(logits, alone[s]):
+                            return (f"slot {s} decoded with slots {run[0]}-{run[-1]} "
+                                    f"({len(held[s % len(held)][0])} tokens): its logits "
+                                    f"differ from its decode alone by up to {diff}")
+            return ""
+
+        apart = batched()
         if not apart:
             return Row(check, True, ""), "batched"
         if not eng.pads:  # a padding row's cell could not be dropped again
