@@ -1,7 +1,7 @@
 """Where a model's weights go: llama-server's placement flags as llama.cpp model parameters.
 
-    apply(params, split_mode, tensor_split, override_tensor, n_cpu_moe, load_mode, lazy_mode)
-        -> keep
+    apply(params, split_mode, tensor_split, override_tensor, n_cpu_moe, load_mode, lazy_mode,
+          repack) -> keep
 
 - ``split_mode`` (``-sm``): ``none``, ``layer`` or ``row`` across several GPUs;
   ``tensor_split`` (``-ts``): the proportions per GPU, "3,1".
@@ -18,6 +18,12 @@
   dropped without a word. ``lazy_mode`` (``-lzm``): ``on`` reads the rows of the tensors an
   architecture marks (per-layer embeddings) from the mapped file as they are needed, ``auto``
   only for such tensors over 4 GiB, ``off`` never.
+- ``repack`` (llama-server's ``--repack`` / ``-nr, --no-repack``): the CPU's extra buffer types,
+  weights repacked for its kernels (AMX tiles, AVX2/AVX-512 interleaved blocks): ``on``,
+  ``off``, or ``auto`` (`uses_repack`): on, except on a CPU with AMX, whose llama.cpp kernels
+  crash at the first prompt batch on some machines (ggml-org/llama.cpp#20824, seen on this
+  project's Intel Xeon test machines; llama.cpp has no switch for AMX alone). Repacked weights
+  compute other bits, so whether they are used is in the compute identity.
 
 The arrays llama.cpp reads during the load are returned (``keep``): the caller holds them until
 the model is loaded. A buffer name no device has is a ValueError that lists the names there are.
@@ -92,10 +98,29 @@ def overrides(override_tensor: str, n_cpu_moe: int) -> list[tuple[str, str]]:
     return pairs
 
 
+REPACK = ("auto", "on", "off")
+
+
+def cpu_features() -> list[str]:
+    """The CPU features ggml picks its kernels by, as its system info says ("AVX2", "AMX_INT8")."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    cpu_part = info.split("CPU :", 1)[1].split(":", 1)[0] if "CPU :" in info else ""
+    # "SSE3 = 1 | AVX = 1 | ... | REPACK = 1 | CUDA" -> the features that are on
+    return [f.split("=")[0].strip() for f in cpu_part.split("|") if f.strip().endswith("= 1")]
+
+
+def uses_repack(repack: str) -> bool:
+    """Whether the CPU's extra buffer types are used (module docstring)."""
+    if repack not in REPACK:
+        raise ValueError(f"--repack is one of {', '.join(REPACK)}")
+    return repack == "on" or (repack == "auto" and "AMX_INT8" not in cpu_features())
+
+
 def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
           override_tensor: str = "", n_cpu_moe: int = 0, load_mode: str = "auto",
-          lazy_mode: str = "auto") -> list[Any]:
+          lazy_mode: str = "auto", repack: str = "auto") -> list[Any]:
     keep: list[Any] = []
+    params.use_extra_bufts = uses_repack(repack)
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"--split-mode is one of {', '.join(SPLIT_MODES)}")
     params.split_mode = SPLIT_MODES[split_mode]
@@ -169,7 +194,8 @@ def check_gpu_layers(n_gpu_layers: int) -> list[dict[str, Any]]:
     return gpus
 
 
-def compute_identity(gpus: list[dict[str, Any]], cpu_computes: bool) -> str:
+def compute_identity(gpus: list[dict[str, Any]], cpu_computes: bool, repack: bool = True
+                     ) -> str:
     """What computes a state's KV, in the words a cache key is salted with (backend.keys): the
     offload devices' kind and model ("CUDA (NVIDIA H100 80GB HBM3)"), and the CPU with the
     kernel features ggml picks its kernels by where it computes layers (`cpu_computes`: not
@@ -177,15 +203,12 @@ def compute_identity(gpus: list[dict[str, Any]], cpu_computes: bool) -> str:
 
     Another GPU model or CPU runs other kernels, so a state it made is not the bits a cold run
     here computes: with this in the salt, hosts sharing a cache (the shared tier, one volume)
-    share states only among like machines. The thread count is not in it (ggml computes each
-    output of an op on one thread, whatever their number)."""
+    share states only among like machines, and with weights repacked alike (`repack`). The
+    thread count is not in it (ggml computes each output of an op on one thread, whatever their
+    number)."""
     parts = sorted({f"{d['name'].rstrip('0123456789')} ({d['description']})" for d in gpus})
     if cpu_computes or not gpus:
         cpu = next((d["description"] for d in devices() if d["type"] == "cpu"), "CPU")
-        info = llama_cpp.llama_print_system_info().decode(errors="replace")
-        cpu_part = info.split("CPU :", 1)[1].split(":", 1)[0] if "CPU :" in info else ""
-        # "SSE3 = 1 | AVX = 1 | ... | REPACK = 1 | CUDA" -> the features that are on
-        features = [f.split("=")[0].strip() for f in cpu_part.split("|")
-                    if f.strip().endswith("= 1")]
-        parts.insert(0, f"CPU ({cpu}; {' '.join(features)})")
+        parts.insert(0, f"CPU ({cpu}; {' '.join(cpu_features())}"
+                        f"{'' if repack else '; weights not repacked'})")
     return ", ".join(parts)

@@ -3,7 +3,9 @@ back, each a frozen value, encoded and parsed here and nowhere else.
 
     POST /run     body: Job.to_wire()      -> NDJSON, one event per line (encode_event)
     POST /cancel  {"run_id"}               -> {"cancelled": bool}
-    GET  /health                           -> see backend/worker.py
+    GET  /health                           -> WorkerInfo.to_wire() (200), or while it loads
+                                              503 {"status": "loading", "phase", "progress"}
+    GET  /events                           -> NDJSON of TierEvent, from the tiers as they are
 
 Events of one run, in order:
 
@@ -29,8 +31,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from backend.keys import CacheIdentity
 from policies.decide import Plan
 from policies.prefix import keep_max
+from policies.sources import TIERS
 
 FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
 
@@ -95,7 +99,8 @@ class Start:
     restored: int  # n_tokens of the restored entry, 0 for none
     restore_s: float
     faults: tuple[Fault, ...]  # entries tried and found broken
-    ram: int = 0  # tokens restored from the worker's RAM tier instead (0: none)
+    ram: int = 0  # tokens restored from the worker's memory instead (0: none)
+    tier: str = "live"  # where they came from (policies.sources.Tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +160,25 @@ class Error:
     message: str
 
 
-Event = Start | Prefill | Token | Done | Cancelled | Saved | SaveFailed | Error
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """A state entered (stored) or left (removed) one of the worker's tiers (`GET /events`): the
+    proxy's view of the worker's memory, and what an external KV-aware router is fed."""
+
+    kind: str  # stored | removed
+    tier: str  # policies.sources.Tier: live, ram, queued, disk, shared
+    ref: int  # the tier's own handle (the slot, for live; the RAM entry's key)
+    salt: str  # hex: the cache salt (model identity and tenant) it is keyed with
+    tenant: str
+    n_tokens: int
+    ids: tuple[int, ...] = ()  # stored: exactly the tokens it holds
+
+
+Event = Start | Prefill | Token | Done | Cancelled | Saved | SaveFailed | Error | TierEvent
 
 _NAMES: dict[type, str] = {Start: "start", Prefill: "prefill", Token: "token", Done: "done",
                            Cancelled: "cancelled", Saved: "saved", SaveFailed: "save_failed",
-                           Error: "error"}
+                           Error: "error", TierEvent: "tier"}
 _TYPES: dict[str, type] = {name: t for t, name in _NAMES.items()}
 
 
@@ -175,6 +194,15 @@ _ADMITS: dict[str, Callable[[Any], bool]] = {
 _ADMITS["int | None"] = lambda v: v is None or _ADMITS["int"](v)
 _ADMITS["str | None"] = lambda v: v is None or isinstance(v, str)
 _ADMITS["tuple[Fault, ...]"] = _ADMITS["list"]
+_ADMITS["bool"] = lambda v: isinstance(v, bool)
+_ADMITS["tuple[int, ...]"] = lambda v: isinstance(v, list) and all(_ADMITS["int"](x) for x in v)
+_ADMITS["tuple[bool, ...]"] = lambda v: isinstance(v, list) and all(isinstance(x, bool)
+                                                                     for x in v)
+_ADMITS["dict[str, float]"] = lambda v: isinstance(v, dict) and all(
+    isinstance(k, str) and _ADMITS["float"](x) for k, x in v.items())
+_ADMITS["dict[str, float] | None"] = lambda v: v is None or _ADMITS["dict[str, float]"](v)
+_ADMITS["DecodeInfo"] = _ADMITS["CacheIdentity"] = _ADMITS["dict[str, Any]"]
+_ADMITS["dict[str, float] | None"] = lambda v: v is None or _ADMITS["dict[str, float]"](v)
 
 
 def _check(v: Any, annotation: str) -> Any:
@@ -187,13 +215,27 @@ def _fields(t: type, d: Mapping[str, Any]) -> dict[str, Any]:
     return {f.name: _check(d[f.name], str(f.type)) for f in fields(t)}
 
 
+def _tuples(t: type, ev: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists back into the tuples the annotations name."""
+    return {k: tuple(v) if str(f.type).startswith("tuple[") and isinstance(v, list) else v
+            for f in fields(t) for k, v in [(f.name, ev[f.name])]}
+
+
 def _start(d: Mapping[str, Any]) -> Start:
     ev = _fields(Start, d)
     ev["faults"] = tuple(Fault(**_fields(Fault, f)) for f in ev["faults"])
     return Start(**ev)
 
 
-_PARSERS: dict[type, Callable[[Mapping[str, Any]], Any]] = {Start: _start}
+def _tier_event(d: Mapping[str, Any]) -> TierEvent:
+    ev = TierEvent(**_tuples(TierEvent, _fields(TierEvent, d)))
+    if ev.kind not in ("stored", "removed") or ev.tier not in TIERS:
+        raise ValueError(f"malformed tier event {ev.kind!r} {ev.tier!r}")
+    return ev
+
+
+_PARSERS: dict[type, Callable[[Mapping[str, Any]], Any]] = {Start: _start,
+                                                            TierEvent: _tier_event}
 
 
 def encode_event(ev: Event) -> bytes:
@@ -215,6 +257,98 @@ def parse_event(line: bytes | str) -> Event:
         raise ValueError(f"malformed worker event {line[:200]!r}: {type(e).__name__} {e}"
                          ) from None
     return ev
+
+
+@dataclass(frozen=True, slots=True)
+class Loading:
+    """A loading worker's `/health` (503): how far it got."""
+
+    phase: str  # "loading the model", "self-check"
+    progress: float  # 0..1 (llama.cpp's progress callback)
+    worker_id: int
+    pid: int
+    seconds: float  # since it started
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ready": False, "status": "loading", **asdict(self)}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Loading:
+        try:
+            if not isinstance(d, dict) or d["status"] != "loading":
+                raise ValueError("not a loading worker's /health")
+            return cls(**_fields(cls, d))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed worker /health: {type(e).__name__} {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInfo:
+    """How a worker's decode steps of several slots run (`policies.schedule.Shapes`)."""
+
+    shape: str  # batched | fixed | apart
+    independent: bool  # a slot answers as it does alone, whatever else generates
+    deterministic: str  # --deterministic as asked: auto | on | off
+    note: str  # in one sentence, for the ready line, /props and doctor
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A ready worker's `/health`: what the proxy reads of it, typed, and parsed strictly on
+    both sides (a missing or mistyped field is a ValueError, never a default)."""
+
+    worker_id: int
+    pid: int
+    boot_id: str  # new each start: the proxy detects a restart
+    model: str
+    fingerprint: str  # hex: the cache identity (backend.keys)
+    llama_cpp_version: str
+    flash_attn: str  # as llama.cpp got it
+    compute: str  # the devices that compute the KV (in the fingerprint)
+    n_ctx: int  # as configured, all slots
+    n_ctx_actual: int  # one slot's, padded by llama.cpp
+    slots: int
+    n_live: tuple[int, ...]  # per slot
+    busy: tuple[bool, ...]  # per slot
+    memory: str  # plain | window | recurrent (backend.engine.Memory)
+    n_swa: int
+    swa_full: bool
+    align: int  # the batch size: reuse only at batch edges (policies.prefix.Batching)
+    batch_ends: tuple[int, ...]  # end-of-turn ids where a batch may end early
+    exact: bool  # the start-up self-check passed (false: it reuses nothing)
+    exact_failure: str  # why not
+    borrows: bool  # it copies part of one slot's live KV into another (policies.sources)
+    decode: DecodeInfo
+    threads: int  # as the engine resolved them
+    threads_batch: int
+    cache_volume: str  # the id in its --cache-dir (backend/volume.py)
+    costs: dict[str, Any]  # policies.costs.Costs.to_wire()
+    cache_ram: dict[str, float]  # the RAM tier's budget, use and counts
+    shared: dict[str, float] | None  # the shared tier's counts (None: no shared tier)
+    writes: dict[str, float]  # state files queued and written at rest
+    borrowed: dict[str, float]  # states cut back from another slot, RAM or the queue
+    placement: dict[str, Any]  # where weights and KV went (placement_note)
+    checked: dict[str, Any]  # the self-check's verdict as it ran or was remembered
+    identity: CacheIdentity  # its cache identity, the devices that compute included
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ready": True, **asdict(self)}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> WorkerInfo:
+        try:
+            if not isinstance(d, dict) or d["ready"] is not True:
+                raise ValueError("not a ready worker's /health")
+            ev = _tuples(cls, _fields(cls, d))
+            ev["decode"] = DecodeInfo(**_fields(DecodeInfo, ev["decode"]))
+            ev["identity"] = CacheIdentity(**_fields(CacheIdentity, ev["identity"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed worker /health: {type(e).__name__} {e}") from None
+        if ev["memory"] not in ("plain", "window", "recurrent") or ev["decode"].shape not in (
+                "batched", "fixed", "apart") or len(ev["n_live"]) != ev["slots"] or len(
+                ev["busy"]) != ev["slots"]:
+            raise ValueError("malformed worker /health: memory, decode shape or slots")
+        return cls(**ev)
 
 
 def placement_note(p: Mapping[str, Any]) -> str:

@@ -17,10 +17,10 @@ Rules:
   shorter; putting a shorter one beside a longer one keeps only the longer.
 - A restored entry leaves the tier (the slot holds it live now; it comes back when it gives way
   again). An entry a prompt shares only part of stays: the worker restores it and cuts its copy
-  back (`Worker._from_memory`).
+  back (`backend.worker.core`).
 
-Thread-safety: used from the worker's llama thread only; `stats` is read from the event loop
-(one dict build, no iteration over entries there).
+Thread-safety: used from the worker's compute thread only (`backend.worker.tiers`); `stats` is
+read from the event loop (one dict build, no iteration over entries there).
 """
 
 from __future__ import annotations
@@ -74,13 +74,15 @@ class RamTier:
         return self.budget < 0 or 0 < nbytes <= self.budget
 
     def put(self, salt: bytes, tenant: str, ids: np.ndarray, state: memoryview,
-            now_s: float | None = None) -> None:
+            now_s: float | None = None) -> tuple[int | None, list[tuple[int, RamEntry]]]:
+        """(the new entry's key, None where it is not kept; the entries it dropped)."""
         if not self.on or len(ids) == 0:
-            return
+            return None, []
         now = time.time() if now_s is None else now_s
         if 0 < self.budget < len(state):
             self.counts["too_big"] += 1
-            return
+            return None, []
+        dropped: list[tuple[int, RamEntry]] = []
         for k, e in list(self.entries.items()):
             if e.salt != salt or e.tenant != tenant:
                 continue
@@ -89,8 +91,8 @@ class RamTier:
                 continue
             if len(e.ids) >= len(ids):  # a longer (or the same) one is here already
                 self.counts["superseded"] += 1
-                return
-            self._drop(k)
+                return None, dropped
+            dropped.append((k, self._drop(k)))
             self.counts["superseded"] += 1
         key, self._next = self._next, self._next + 1
         self.entries[key] = RamEntry(salt, tenant, np.array(ids, dtype=np.intc), state, now, now)
@@ -101,8 +103,9 @@ class RamTier:
                             key=lambda k: (priority(self.entries[k].view(k), now), k)):
                 if self.used <= self.budget:
                     break
-                self._drop(k)
+                dropped.append((k, self._drop(k)))
                 self.counts["evicted"] += 1
+        return key, dropped
 
     def longest(self, salt: bytes, tenant: str, ids: np.ndarray, limit: int) -> int:
         """Tokens of `ids` the longest usable entry holds (0 for none)."""
@@ -122,7 +125,7 @@ class RamTier:
 
     def of(self, salt: bytes, tenant: str) -> list[tuple[int, np.ndarray, memoryview]]:
         """Every entry's (key, ids, state) of this salt and tenant, left in the tier: the
-        worker chooses among them (`Worker._from_memory`), then takes the one it restores
+        worker chooses among them (`policies.sources`), then takes the one it restores
         whole (`take_entry`); one a prompt shares only part of stays, its copy cut back."""
         return [(k, e.ids, e.state) for k, e in self.entries.items()
                 if e.salt == salt and e.tenant == tenant]
@@ -145,6 +148,7 @@ class RamTier:
                 best, best_n = k, n
         return best
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int) -> RamEntry:
         e = self.entries.pop(key)
         self.used -= e.size
+        return e

@@ -20,26 +20,26 @@ A failure names the check and where the states first differ (`backend.layout`). 
 serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
 line); `--no-exact-check` skips the check, `prefixgate doctor` prints it as a table.
 
-With several slots one more check, ``decode 2-N slots`` (`check_decode`), decides how decode
-steps of several slots run (`Engine.decode`), so that a slot answers what it answers alone,
-whatever else generates:
-- ``batched`` (in one llama_decode as they come) where each slot's logits from one llama_decode
-  of the tokens of 2, 3, ... N consecutive slots (llama.cpp runs a run of consecutive sequence
-  ids as one batch) equal, bit for bit, its logits from its decode alone;
-- else, where a cell can be dropped again (plain attention, a full-size window:
-  `Engine.pads`), ``fixed`` (every step one row per slot, padding rows in the slots that do not
-  generate) where each slot's logits in that shape are the same with the other slots empty,
-  idle (their padding rows, which leave their states as they were) and decoding, and where a
-  slot generating alone pays little for it (`FIXED_MAX_COST`: so on a GPU, not on a CPU);
-- else ``apart`` (each slot's step alone, as a one-slot worker's).
+With several slots one more check (`check_decode`) measures what decode steps of several slots
+do to a slot's logits (`policies.schedule.Proof`), from which `--deterministic` chooses their
+shape (`policies.schedule.choose_decode`):
+- batched as they come: whether each slot's logits from one llama_decode of the tokens of 2,
+  3, ... N consecutive slots (llama.cpp runs a run of consecutive sequence ids as one batch)
+  equal, bit for bit, its logits from its decode alone;
+- where a cell can be dropped again (plain attention, a full-size window: `Engine.pads`), the
+  fixed shape (every step one row per slot, padding rows in the slots that do not generate):
+  whether each slot's logits in it are the same with the other slots empty, idle (their padding
+  rows, which leave their states as they were) and decoding, and what a slot generating alone
+  pays for it (its step in the shape over alone, the least of `COST_STEPS`);
+- what running all slots' steps apart costs against one batched step of them.
 The slots hold states of different lengths, one past 512 KV cells, so that their KV views are
-padded to different sizes. Its failure only keeps the decode steps apart; reuse does not depend
-on it. Batched fails with flash attention on a CPU (ggml splits a single query row's attention
-among the threads past 512 cells, not a row beside others), on f16 weights on a CPU (one row
-multiplies in another order than several), on CUDA and on the hybrid models measured
-(bench/results/issue20/decode_batch.md); fixed holds, bit for bit, for the first two, but there
-costs a lone step more than it may. What a pass rests on: that no kernel chooses its order of
-summation by a length the check does not reach.
+padded to different sizes. Reuse does not depend on this check. Batched as they come changes
+the logits with flash attention on a CPU (ggml splits a single query row's attention among the
+threads past 512 cells, not a row beside others), on f16 weights on a CPU (one row multiplies
+in another order than several), on CUDA and on the hybrid models measured
+(bench/results/issue20/decode_batch.md); the fixed shape holds, bit for bit, for the first two,
+but there costs a lone step more than `auto` takes. What a pass rests on: that no kernel
+chooses its order of summation by a length the check does not reach.
 
 A passing verdict is remembered (`recall`, `remember`: one file per verdict in
 ``$XDG_CACHE_HOME/prefixgate/selfcheck``, the 64 most recent) under `verdict_key`: the cache
@@ -47,33 +47,40 @@ identity (model file bytes, n_ctx, KV types, flash attention, batch, library ver
 devices that compute), the worker's other settings (slots, threads, layers and placement), the
 llama.cpp and GPU libraries it runs (path, size and mtime of each), ggml's system info, the
 GGML_/CUDA_/HIP_ environment variables its kernels read and the source of the code the check
-exercises. The same key is the same computation, so a restart with nothing changed skips the
-check (33 s on a 1.1B Q4_K_M model on 2 CPU cores); anything changed checks again. A failing
-verdict is not remembered (every start checks it again), nor is one under a test's injected
-fault; `prefixgate doctor` always checks.
+exercises, with the thread counts the engine resolved (not as given: `-t 0` is one thread on 2
+cores, two on 4). The same key is the same computation, so a restart with nothing changed skips
+the check (33 s on a 1.1B Q4_K_M model on 2 CPU cores); anything changed checks again. A verdict
+file carries a MAC under a key of this user's (`_secret`): one edited by hand or brought from
+another machine does not verify and costs a check, never a wrong answer. A failing verdict is
+not remembered (every start checks it again), nor is one under a test's injected fault;
+`prefixgate doctor` always checks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import importlib
 import importlib.metadata
 import json
 import logging
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import llama_cpp
 import numpy as np
 import xxhash
 
 from backend import layout
-from backend.engine import Cancel, DecodeMode, Engine
+from backend.context import DecodeShape
+from backend.engine import Engine
 from backend.keys import user_dir
+from policies.schedule import Proof
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +98,7 @@ class Report:
     rows: tuple[Row, ...]
     probe_tokens: int
     seconds: float
-    decode: Row | None = None  # `check_decode`; None where it does not apply (one slot, ...)
-    decode_mode: DecodeMode = "apart"  # what `check_decode` proved (`Engine.decode`)
+    decode: Proof | None = None  # `check_decode`; None where it does not apply (one slot)
 
     @property
     def failure(self) -> str:
@@ -104,9 +110,25 @@ class Report:
                 "seconds": round(self.seconds, 3), "failure": self.failure,
                 "checks": [{"check": r.check, "ok": r.ok, "detail": r.detail}
                            for r in self.rows],
-                "batch_decode": None if self.decode is None else {
-                    "ok": self.decode.ok, "check": self.decode.check,
-                    "detail": self.decode.detail, "mode": self.decode_mode}}
+                "decode": None if self.decode is None else proof_to_wire(self.decode)}
+
+
+def proof_to_wire(p: Proof) -> dict[str, object]:
+    return {"batched": p.batched, "fixed": p.fixed, "fixed_cost": round(p.fixed_cost, 3),
+            "apart_cost": round(p.apart_cost, 3)}
+
+
+def proof_from_wire(d: object) -> Proof:
+    """A remembered verdict's decode proof; ValueError where it is not one (the verdict is then
+    not taken: the check runs again)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed decode proof {d!r}")
+    fixed, batched = d.get("fixed"), d.get("batched")
+    costs = [d.get("fixed_cost"), d.get("apart_cost")]
+    if not isinstance(batched, str) or not (fixed is None or isinstance(fixed, str)) or not all(
+            isinstance(c, int | float) and not isinstance(c, bool) and c >= 0 for c in costs):
+        raise ValueError(f"malformed decode proof {d!r}")
+    return Proof(True, batched, fixed, float(costs[0]), float(costs[1]))
 
 
 def random_ids(eng: Engine, n: int, seed: int) -> list[int]:
@@ -143,122 +165,108 @@ def run(eng: Engine) -> Report:
     sections = 2 if eng.memory.kind == "window" else 1
     points = sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < n})
     snaps: dict[int, bytes] = {}
-    eng.truncate(0)
-    eng.prefill(ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot())), Cancel())
-    cold_state, cold_logits = bytes(eng.snapshot()), eng.last_logits()
+    eng.truncate(0, 0)
+    eng.prefill(0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
+    cold_state, cold_logits = bytes(eng.snapshot(0)), eng.last_logits(0)
 
-    def compare(check: str) -> Row:
-        state, logits = bytes(eng.snapshot()), eng.last_logits()
+    def compare(check: str, state: bytes, logits: np.ndarray) -> Row:
         where = layout.first_difference(cold_state, state, sections)
         if where is None and logits.tobytes() != cold_logits.tobytes():
             where = "the KV is equal but the last logits differ"
         return Row(check, where is None, where or "")
 
+    def extended(slot: int) -> tuple[bytes, np.ndarray]:
+        eng.prefill(slot, ids)
+        return bytes(eng.snapshot(slot)), eng.last_logits(slot)
+
     rows = []
     if eng.memory.kind != "recurrent":  # the live state is the cold run's: cut it back first
-        cut = max(edges.floor(n // 2), edges.next(eng.floor() - 1)) or edges.next(0)
-        if cut < n and eng.truncate(cut) == cut:
-            eng.prefill(ids, [], lambda _: None, Cancel())
-            rows.append(compare(f"live@{cut}"))
+        cut = max(edges.floor(n // 2), edges.next(eng.floor(0) - 1)) or edges.next(0)
+        if cut < n and eng.truncate(0, cut) == cut:
+            rows.append(compare(f"live@{cut}", *extended(0)))
         elif cut < n:
             rows.append(Row(f"live@{cut}", False, "the memory refused the cut"))
     for p in points:
         try:
-            eng.restore(ids[:p], snaps[p])
-            eng.prefill(ids, [], lambda _: None, Cancel())
-            rows.append(compare(f"restore@{p}"))
+            eng.restore(0, ids[:p], snaps[p])
+            rows.append(compare(f"restore@{p}", *extended(0)))
         except ValueError as e:
             rows.append(Row(f"restore@{p}", False, f"the restore failed: {e}"))
     if len(eng.seqs) > 1 and points:  # a snapshot taken in one slot restores into any slot
         p, other = points[-1], len(eng.seqs) - 1
         try:
-            eng.use(other)
-            eng.restore(ids[:p], snaps[p])
-            eng.prefill(ids, [], lambda _: None, Cancel())
-            state, logits = bytes(eng.snapshot()), eng.last_logits()
-            eng.truncate(0)
-            eng.use(0)
-            eng.restore(ids, state)  # back in slot 0: the same sequence id as the cold state
-            where = layout.first_difference(cold_state, bytes(eng.snapshot()), sections)
-            if where is None and logits.tobytes() != cold_logits.tobytes():
-                where = "the KV is equal but the last logits differ"
-            rows.append(Row(f"slot {other} restore@{p}", where is None, where or ""))
+            eng.restore(other, ids[:p], snaps[p])
+            state, logits = extended(other)
+            eng.truncate(other, 0)
+            eng.restore(0, ids, state)  # back in slot 0: the same sequence id as the cold state
+            rows.append(compare(f"slot {other} restore@{p}", bytes(eng.snapshot(0)), logits))
         except ValueError as e:
             rows.append(Row(f"slot {other} restore@{p}", False, f"the restore failed: {e}"))
         finally:
-            eng.use(other)
-            eng.truncate(0)
-            eng.use(0)
-    decode: Row | None = None
-    mode: DecodeMode = "apart"
+            eng.truncate(other, 0)
+    decode: Proof | None = None
     if len(eng.seqs) > 1:
-        decode, mode = check_decode(
-            eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
-    eng.truncate(0)
-    eng.exact_n = 0
-    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0, decode,
-                  mode)
+        decode = check_decode(eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
+    eng.truncate(0, 0)
+    return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0, decode)
 
 
 DECODE_LONG = 520  # tokens of the longest state in `check_decode`: a KV view past 512 cells
-# The fixed shape is taken only where a slot that generates alone pays at most this for it
-# (its step in the shape over its step alone, the least of COST_STEPS each way): on a GPU,
-# which reads the weights once for all the rows, a row costs almost nothing; on 2 CPU cores a
-# step of 3 rows cost 1.45x one row on a 1.1B f16 model and about 2x on its Q4_K_M, where the
-# agent team took 1.36-1.56x llama-server's wall with the fixed shape against 1.04-1.22x apart
-# (bench/results/issue20, the twelfth round).
-FIXED_MAX_COST = 1.25
-COST_STEPS = 3
+COST_STEPS = 3  # the least of this many steps each way is a shape's cost
 
 
-def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Row, DecodeMode]:
-    """How decode steps of several slots may run (`Engine.decode`, module docstring):
-    ``batched`` where each slot's logits from a llama_decode beside other slots equal its
-    logits alone; else, where the engine `pads`, ``fixed`` where its logits in the shape of one
-    row per slot are the same whether the other slots are empty, idle (padding rows, their
-    states unchanged after) or decoding; else ``apart``. `states`: (ids, state) of this
-    engine, the first one extended here past DECODE_LONG tokens; slot s holds the s-th (in
-    turn), restored before every decode, and decodes the same token each time. Leaves every
-    slot empty."""
-    slots, check = len(eng.seqs), f"decode 2-{len(eng.seqs)} slots"
-    was = eng.decode
+def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> Proof:
+    """What decode steps of several slots do to a slot's logits (`policies.schedule.Proof`,
+    module docstring): whether steps batched as they come leave each slot's logits as they are
+    alone; where the engine `pads`, whether in the shape of one row per slot they are the same
+    whether the other slots are empty, idle (padding rows, their states unchanged after) or
+    decoding, and what a slot generating alone pays for that shape; what running all slots'
+    steps apart costs against one batched step. `states`: (ids, state) of this engine, the
+    first one extended here past DECODE_LONG tokens; slot s holds the s-th (in turn), restored
+    before every decode, and decodes the same token each time. Leaves every slot empty."""
+    slots = len(eng.seqs)
+    was = eng.decode_shape
     try:
         ids, state = states[0]
         long_ids = ids + random_ids(eng, max(min(DECODE_LONG, eng.n_ctx - 2) - len(ids), 0), 20)
-        eng.use(0)
-        eng.restore(ids, state)
-        eng.prefill(long_ids, [], lambda _: None, Cancel())
-        held = [(long_ids, bytes(eng.snapshot()))] + states[1:]
+        eng.restore(0, ids, state)
+        eng.prefill(0, long_ids)
+        held = [(long_ids, bytes(eng.snapshot(0)))] + states[1:]
 
         def hold(s: int) -> None:
             """Slot s holds its state again."""
-            eng.use(s)
             ids, state = held[s % len(held)]
-            eng.restore(ids, state)
+            eng.restore(s, ids, state)
 
         took: list[float] = []  # the seconds of each llama_decode below
 
         def decode(run: list[int]) -> list[np.ndarray]:
             for s in run:
                 hold(s)
-                eng.seq.next = held[s % len(held)][0][1]
             t = time.perf_counter()
-            eng.decode_next(run)
+            eng.decode({s: held[s % len(held)][0][1] for s in run})
             took.append(time.perf_counter() - t)
-            out = []
-            for s in run:
-                eng.use(s)
-                out.append(eng.last_logits())
-            return out
+            return [eng.last_logits(s) for s in run]
 
         def differ(a: np.ndarray, b: np.ndarray) -> str:
             return "" if a.tobytes() == b.tobytes() else f"{float(np.max(np.abs(a - b))):.3g}"
 
-        eng.decode = "apart"
+        def least(shape: DecodeShape, run: list[int]) -> float:
+            eng.decode_shape = shape
+            took.clear()
+            for _ in range(COST_STEPS):
+                decode(run)
+            return min(took)
+
+        eng.decode_shape = "apart"
         alone = [decode([s])[0] for s in range(slots)]
+        everyone = list(range(slots))
+        apart_cost = sum(least("apart", [s]) for s in everyone) / max(
+            least("batched", everyone), 1e-9)
+
         def batched() -> str:
             """Why decode steps cannot be batched as they come ("": they can)."""
-            eng.decode = "batched"
+            eng.decode_shape = "batched"
             for k in range(2, slots + 1):
                 for first in range(slots - k + 1):
                     run = list(range(first, first + k))
@@ -269,66 +277,50 @@ def check_decode(eng: Engine, states: list[tuple[list[int], bytes]]) -> tuple[Ro
                                     f"differ from its decode alone by up to {diff}")
             return ""
 
-        apart = batched()
-        if not apart:
-            return Row(check, True, ""), "batched"
-        if not eng.pads:  # a padding row's cell could not be dropped again
-            return Row(check, False, apart), "apart"
-        eng.decode = "fixed"
-        for s in range(slots):
-            others = [o for o in range(slots) if o != s]
-            for o in others:
-                eng.use(o)
-                eng.truncate(0)
-            ref = decode([s])[0]
-            n = len(held[s % len(held)][0])
-            kept = {}
-            for o in others:
-                hold(o)
-                kept[o] = bytes(eng.snapshot())
-            idle = decode([s])[0]
-            for o in others:  # the padding rows came and went without a trace
-                eng.use(o)
-                if bytes(eng.snapshot()) != kept[o]:
-                    return Row(check, False, f"{apart}; in a fixed shape, a row per slot, the "
-                                             f"padding row changed slot {o}'s state"), "apart"
-            for what, logits in (("idle", idle),
-                                 ("decoding", decode(list(range(slots)))[s])):
-                if diff := differ(logits, ref):
-                    return Row(check, False, f"{apart}; in a fixed shape, a row per slot, slot "
-                                             f"{s} ({n} tokens) with the other slots {what} "
-                                             f"differs from with them empty by up to {diff}"), \
-                        "apart"
-        # what a slot generating alone pays for the shape: the least of a few steps each way
-        lone = {}
-        for mode in ("apart", "fixed"):
-            eng.decode = mode
-            took.clear()
-            for _ in range(COST_STEPS):
-                decode([0])
-            lone[mode] = min(took)
-        cost = lone["fixed"] / max(lone["apart"], 1e-9)
-        if cost > FIXED_MAX_COST:
-            return Row(check, False, f"{apart}; a fixed shape, a row per slot, is exact, but a "
-                                     f"slot's step alone costs {cost:.2f}x in it (taken up to "
-                                     f"{FIXED_MAX_COST}x)"), "apart"
-        return Row(check, True, f"{apart}; a slot's step alone costs {cost:.2f}x in the fixed "
-                                f"shape"), "fixed"
+        why = batched()
+        proof = Proof(True, why, None, 0.0, apart_cost)
+        if not why or not eng.pads:  # batched holds; or a padding row could not be dropped
+            return proof
+        return replace(proof, fixed=_fixed(eng, slots, held, hold, decode, differ),
+                       fixed_cost=least("fixed", [0]) / max(least("apart", [0]), 1e-9))
     except (ValueError, RuntimeError) as e:
-        return Row(check, False, f"the check could not run: {e}"), "apart"
+        return Proof(True, f"the check could not run: {e}", None)
     finally:
-        eng.decode = was
+        eng.decode_shape = was
         for s in range(slots):
-            eng.use(s)
-            eng.seq.next = -1
-            eng.truncate(0)
-        eng.use(0)
+            eng.truncate(s, 0)
+
+
+def _fixed(eng: Engine, slots: int, held: list[tuple[list[int], bytes]],
+           hold: Callable[[int], None], decode: Callable[[list[int]], list[np.ndarray]],
+           differ: Callable[[np.ndarray, np.ndarray], str]) -> str:
+    """Why a slot's logits in the fixed shape depend on the other slots ("": they do not)."""
+    eng.decode_shape = "fixed"
+    for s in range(slots):
+        others = [o for o in range(slots) if o != s]
+        for o in others:
+            eng.truncate(o, 0)
+        ref = decode([s])[0]
+        n = len(held[s % len(held)][0])
+        kept = {}
+        for o in others:
+            hold(o)
+            kept[o] = bytes(eng.snapshot(o))
+        idle = decode([s])[0]
+        for o in others:  # the padding rows came and went without a trace
+            if bytes(eng.snapshot(o)) != kept[o]:
+                return f"the padding row changed slot {o}'s state"
+        for what, logits in (("idle", idle), ("decoding", decode(list(range(slots)))[s])):
+            if diff := differ(logits, ref):
+                return (f"slot {s} ({n} tokens) with the other slots {what} differs from with "
+                        f"them empty by up to {diff}")
+    return ""
 
 
 # --- remembered verdicts (module docstring) ---------------------------------------------------
 
 VERDICTS_KEPT = 64
-_VERDICT_DOMAIN = "prefixgate-selfcheck-v1"
+_VERDICT_DOMAIN = "prefixgate-selfcheck-v2"
 # the code a verdict proves besides llama.cpp's: the check, the engine and what they rest on
 _CHECKED_CODE = ("backend.selfcheck", "backend.engine", "backend.layout", "policies.prefix")
 # shared libraries whose kernels compute the states: llama.cpp's, and the GPU and BLAS
@@ -380,40 +372,64 @@ def _libraries() -> list[str]:
     return stamps
 
 
-def _decode_mode(mode: object) -> DecodeMode:
-    if mode not in ("apart", "batched", "fixed"):
-        raise ValueError(f"no decode mode {mode!r}")
-    return cast(DecodeMode, mode)
-
-
 def verdicts_dir() -> Path:
     return user_dir() / "selfcheck"
 
 
+def _secret(directory: Path, create: bool) -> bytes | None:
+    """This user's key for the verdicts' MACs (32 random bytes, mode 0600, made once): a file
+    edited by hand, or copied from another machine, does not verify and is checked again."""
+    path = directory / ".key"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        if not create:
+            return None
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return path.read_bytes()
+
+
+def _mac(secret: bytes, key: str, verdict: Mapping[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in verdict.items() if k != "mac"}, sort_keys=True,
+                      separators=(",", ":"), default=str)
+    return hmac.new(secret, f"{key}\n{body}".encode(), hashlib.sha256).hexdigest()
+
+
 def recall(key: str, directory: Path | None = None) -> dict[str, Any] | None:
-    """The verdict remembered under `key` (`Report.to_wire` and when it was checked), or None."""
-    path = (directory or verdicts_dir()) / f"{key}.json"
+    """The verdict remembered under `key` (`Report.to_wire` and when it was checked), or None:
+    one that is not a pass, is malformed, or whose MAC (`_secret`) does not verify is never
+    taken (the check runs again)."""
+    directory = directory or verdicts_dir()
+    path = directory / f"{key}.json"
     try:
         verdict = json.loads(path.read_text())
+        secret = _secret(directory, create=False)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         log.warning("ignoring the remembered self-check verdict %s: %s", path, e)
         return None
     try:
+        if not isinstance(verdict, dict) or secret is None or not hmac.compare_digest(
+                str(verdict.get("mac", "")), _mac(secret, key, verdict)):
+            raise ValueError("it does not verify")
         if verdict["ok"] is not True:
             raise ValueError("not a pass")
         checks = [{"check": str(c["check"]), "ok": bool(c["ok"]), "detail": str(c["detail"])}
                   for c in verdict["checks"]]
-        decode = verdict.get("batch_decode")
+        decode = verdict["decode"]
         return {**verdict, "checks": checks, "seconds": float(verdict["seconds"]),
                 "probe_tokens": int(verdict["probe_tokens"]),
                 "checked_at": float(verdict["checked_at"]),
-                "batch_decode": None if decode is None else {
-                    "ok": decode["ok"] is True, "check": str(decode["check"]),
-                    "detail": str(decode["detail"]), "mode": _decode_mode(decode["mode"])}}
-    except (KeyError, TypeError, ValueError):
-        log.warning("ignoring the remembered self-check verdict %s: not a passing verdict", path)
+                "decode": None if decode is None else proof_to_wire(proof_from_wire(decode))}
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("ignoring the remembered self-check verdict %s (%s): checking again", path,
+                    e)
         return None
 
 
@@ -425,7 +441,10 @@ def remember(key: str, verdict: Mapping[str, Any], directory: Path | None = None
     tmp = directory / f".{key}.{os.getpid()}.tmp"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**verdict, "checked_at": time.time()}))
+        secret = _secret(directory, create=True)
+        assert secret is not None
+        body = {**verdict, "checked_at": time.time()}
+        tmp.write_text(json.dumps({**body, "mac": _mac(secret, key, body)}))
         os.replace(tmp, directory / f"{key}.json")
     except OSError as e:
         log.warning("cannot remember the self-check verdict in %s (%s): every start checks",

@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-SHARED_PREFIX = "shared:"  # a plan's restore entry in the shared tier: "shared:<key hex>"
 # what a worker reports of its shared tier (its /health "shared"; proxy metrics per stat)
 STATS = ("published_bytes", "publish_failures", "pulls", "pulled_bytes", "pull_s",
          "verify_failures")

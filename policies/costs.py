@@ -1,7 +1,8 @@
 """What reuse costs on one worker, measured as it runs, and whether a restore pays.
 
     Costs.prefill_s(start, end)      seconds to prefill positions start..end-1
-    Costs.restore_s(nbytes, source)  seconds to restore a state of nbytes from "disk" or "ram"
+    Costs.restore_s(nbytes, source)  seconds to restore a state of nbytes from "disk", "ram" or
+                                     "shared"
     pays(costs, keep, n, nbytes, source) -> bool
 
 Model:
@@ -12,7 +13,8 @@ Model:
   the worker's recent prefills (time in llama_decode only, never waits on other slots), older
   samples decaying by ``DECAY`` per new one; ``b`` is held at 0 or above (a tiny ridge keeps it
   defined while every sample had the same shape).
-- Restore: ``s0 + nbytes / rate`` per source (disk: read, verify, load; RAM: load), fitted the
+- Restore: ``s0 + nbytes / rate`` per source (disk: read, verify, load; RAM: load; shared: pull
+  from the shared tier, verify, load), fitted the
   same way over that source's restores; with one size seen only the rate is fitted (s0 = 0).
 - A restore *pays* when its estimate is below the estimate of prefilling the tokens it would
   save (``keep`` to ``n``): then it is done, otherwise those tokens are prefilled. Until both
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-Source = Literal["disk", "ram"]
+Source = Literal["disk", "ram", "shared"]
 DECAY = 0.9  # weight of the older samples after each new one (about the last 10 count)
 RIDGE = 1e-3  # on the second coefficient: while every sample had one shape, the first explains
 # them (per token for prefill, per byte for restores)
@@ -86,6 +88,7 @@ class Costs:
     prefill: Fit = field(default_factory=Fit)  # t = a*tokens + b*sum(positions)
     disk: Fit = field(default_factory=Fit)  # t = (1/rate)*bytes + s0
     ram: Fit = field(default_factory=Fit)
+    shared: Fit = field(default_factory=Fit)  # a pull from the shared tier, read and loaded
 
     def add_prefill(self, start: int, end: int, seconds: float) -> Costs:
         if end <= start or seconds <= 0:
@@ -96,41 +99,43 @@ class Costs:
     def add_restore(self, source: Source, nbytes: int, seconds: float) -> Costs:
         if nbytes <= 0 or seconds <= 0:
             return self
-        fit = self.disk if source == "disk" else self.ram
-        return replace(self, **{source: fit.add(float(nbytes), 1.0, seconds)})
+        return replace(self, **{source: self.fit(source).add(float(nbytes), 1.0, seconds)})
+
+    def fit(self, source: Source) -> Fit:
+        return {"disk": self.disk, "ram": self.ram, "shared": self.shared}[source]
 
     def known(self, source: Source) -> bool:
-        return self.prefill.n > 0 and (self.disk if source == "disk" else self.ram).n > 0
+        return self.prefill.n > 0 and self.fit(source).n > 0
 
     def prefill_s(self, start: int, end: int) -> float:
         a, b = self.prefill.solve()
         return a * max(end - start, 0) + b * _positions(start, end) if end > start else 0.0
 
     def restore_s(self, nbytes: int, source: Source) -> float:
-        per_byte, s0 = (self.disk if source == "disk" else self.ram).solve()
+        per_byte, s0 = self.fit(source).solve()
         return s0 + per_byte * nbytes
 
     def to_wire(self) -> dict[str, Any]:
         return {"prefill": self.prefill.to_wire(), "disk": self.disk.to_wire(),
-                "ram": self.ram.to_wire()}
+                "ram": self.ram.to_wire(), "shared": self.shared.to_wire()}
 
     @classmethod
     def from_wire(cls, d: Any) -> Costs:
         if not isinstance(d, dict):
             raise ValueError(f"malformed costs {d!r}")
         return cls(Fit.from_wire(d["prefill"]), Fit.from_wire(d["disk"]),
-                   Fit.from_wire(d["ram"]))
+                   Fit.from_wire(d["ram"]), Fit.from_wire(d["shared"]))
 
     def summary(self, lengths: tuple[int, ...] = (1024, 4096, 16384, 32768)) -> dict[str, Any]:
         """What /props shows: prefill tokens/s of a whole prompt of each length, and each
         source's restore rate and fixed cost."""
         out: dict[str, Any] = {"samples": {"prefill": self.prefill.n, "disk": self.disk.n,
-                                           "ram": self.ram.n}}
+                                           "ram": self.ram.n, "shared": self.shared.n}}
         if self.prefill.n:
             out["prefill_tokens_per_s"] = {str(n): round(n / s, 1) for n in lengths
                                            if (s := self.prefill_s(0, n)) > 0}
-        for source in ("disk", "ram"):
-            fit = self.disk if source == "disk" else self.ram
+        for source in ("disk", "ram", "shared"):
+            fit = self.fit(source)
             if fit.n:
                 per_byte, s0 = fit.solve()
                 out[f"{source}_restore"] = {

@@ -35,12 +35,13 @@ Rules (the positions themselves are ``policies.plan``'s):
    and the longest stored entry; ``plan_saves`` picks the save points (``growing`` when a recent
    prompt is a whole prefix, or the prompt opens a conversation), including any behind the
    reuse, which the worker snapshots from the KV it holds.
-4. ``restore``: the stored entries longer than the live reuse, longest first (none when the
-   live reuse already reaches ``keep_max``); the worker tries them in order, so a broken file
-   falls back to the next one.
-   An entry is offered only where restoring it pays (``policies.costs.pays``: its estimated
-   restore time from its size below the estimated prefill from the live reuse to its end); the
-   longest one that does not is named in ``restore_skipped``, for the log line and a metric.
+4. ``restore``: the stored entries a prompt may start from, as ``policies.sources.choose_start``
+   orders them (the rule the worker follows too): longer than the live reuse, longest first,
+   only where restoring pays (its estimated restore time from its size, at its tier's cost,
+   below the estimated prefill from the live reuse to its end); the longest one that does not
+   pay is named in ``restore_skipped``, for the log line and a metric. The worker tries them in
+   order, so a broken file falls back to the next one. Each names its tier (``disk``, or
+   ``shared``: pulled from the shared tier first).
 5. ``lookup``: ``hit`` when the longest entry reaches the scope boundary (with no boundary: the
    last message start) or ``keep_max``, ``partial`` for a shorter one (e.g. only the anchor),
    ``miss`` for none.
@@ -67,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from policies.costs import Costs, pays
+from policies.costs import Costs
 from policies.plan import (
     CacheKnobs,
     MessageStart,
@@ -81,6 +82,7 @@ from policies.plan import (
 )
 from policies.prefix import Batching
 from policies.scope import Scope
+from policies.sources import COST_SOURCE, Candidate, Tier, choose_start
 
 Lookup = Literal["hit", "partial", "miss", "off"]
 
@@ -99,8 +101,9 @@ class Facts:
 class Hit:
     n_tokens: int  # the entry holds KV for exactly this many tokens
     key: bytes
-    file: str  # relative to the cache directory
+    file: str  # relative to the cache directory ("" for a shared entry not pulled yet)
     size_bytes: int = 0  # its state file's size (0: not known)
+    tier: Tier = "disk"  # disk, or shared (the worker pulls it first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,9 @@ class WorkerFacts:
 class Restore:
     n_tokens: int
     key: bytes
-    file: str
+    file: str  # relative to the cache directory ("" for a shared entry: pulled to its own)
+    size_bytes: int = 0  # its state's size (0: not known)
+    tier: Tier = "disk"  # disk or shared
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +154,8 @@ class Plan:
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "restore": [{"n_tokens": r.n_tokens, "key": r.key.hex(), "file": r.file}
-                        for r in self.restore],
+            "restore": [{"n_tokens": r.n_tokens, "key": r.key.hex(), "file": r.file,
+                         "size_bytes": r.size_bytes, "tier": r.tier} for r in self.restore],
             "saves": [{"n_tokens": s.n_tokens, "reason": s.reason} for s in self.saves],
             "keep_max": self.keep_max,
             "live_ok": self.live_ok,
@@ -170,9 +175,13 @@ class Plan:
             saves = tuple(Save(_int(s["n_tokens"]), s["reason"]) for s in _list(d["saves"]))
             if any(s.reason not in get_args(Reason) for s in saves):
                 raise ValueError("unknown save reason")
+            restore = tuple(Restore(_int(r["n_tokens"]), bytes.fromhex(_str(r["key"])),
+                                    _str(r["file"]), _int(r["size_bytes"]), r["tier"])
+                            for r in _list(d["restore"]))
+            if any(r.tier not in ("disk", "shared") for r in restore):
+                raise ValueError("unknown restore tier")
             return cls(
-                restore=tuple(Restore(_int(r["n_tokens"]), bytes.fromhex(_str(r["key"])),
-                                      _str(r["file"])) for r in _list(d["restore"])),
+                restore=restore,
                 saves=saves,
                 keep_max=_int(d["keep_max"]),
                 live_ok=_bool(d["live_ok"]),
@@ -251,17 +260,19 @@ def decide(
     target = boundary or max((s.pos for s in facts.message_starts), default=n)
     lookup: Lookup = ("miss" if disk_n == 0 else "hit" if disk_n >= min(target, keep_max)
                       else "partial")
-    offered = [h for h in hits if h.n_tokens > live_n and live_n < keep_max]
-    paying = [h for h in offered
-              if pays(worker.costs, live_n, h.n_tokens, h.size_bytes, "disk")]
+    start = choose_start(live_n, [Candidate(h.tier, h.n_tokens, True, h.size_bytes, i)
+                                  for i, h in enumerate(hits)], keep_max, worker.cut_back,
+                         worker.costs)
     skipped = None
-    if offered and offered[0] not in paying:
-        h, c = offered[0], worker.costs
+    if start.skipped is not None:
+        h, c = hits[start.skipped.ref], worker.costs
         assert c is not None  # without costs every restore pays
-        skipped = (f"{h.n_tokens} tokens: restore ~{c.restore_s(h.size_bytes, 'disk'):.3f} s "
-                   f">= prefill ~{c.prefill_s(live_n, h.n_tokens):.3f} s")
+        restore_s = c.restore_s(h.size_bytes, COST_SOURCE[h.tier])
+        skipped = (f"{h.n_tokens} tokens: restore ~{restore_s:.3f} s >= prefill "
+                   f"~{c.prefill_s(live_n, min(h.n_tokens, keep_max)):.3f} s")
     return Plan(
-        restore=tuple(Restore(h.n_tokens, h.key, h.file) for h in paying),
+        restore=tuple(Restore(h.n_tokens, h.key, h.file, h.size_bytes, h.tier)
+                      for h in (hits[c.ref] for c in start.order)),
         saves=tuple(Save(s.n_tokens, s.reason) for s in saves),
         keep_max=keep_max,
         live_ok=worker.live_ok,

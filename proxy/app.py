@@ -89,8 +89,8 @@ async def health(request: web.Request) -> web.Response:
                 "live_tokens": sum(len(s.live_ids) for s in w.slots),
                 "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
                           for s in w.slots],
-                **({} if w.ready else {"loading": loading_note(w.loading),
-                                       "progress": float(w.loading.get("progress", 0))})}
+                **({} if w.ready else {"loading": loading_note(w.loading), "progress":
+                                       w.loading.progress if w.loading is not None else 0.0})}
                for w in (pool.workers if pool is not None else [])]
     if boot["ready"] and pool is not None and pool.all_ready:
         return web.json_response({"status": "ok", "workers": workers})
@@ -111,6 +111,9 @@ async def metrics(request: web.Request) -> web.Response:
         m.workers_busy.labels(str(w.worker_id)).set(1 if w.busy else 0)
         m.workers_exact.labels(str(w.worker_id)).set(1 if w.exact else 0)
         m.slots_busy.labels(str(w.worker_id)).set(sum(s.busy for s in w.slots))
+        if w.decode is not None:
+            m.decode_independent.labels(str(w.worker_id), w.decode.shape).set(
+                1 if w.decode.independent else 0)
     for worker_id, stats in (await pool.worker_stats()).items():
         ram = stats["cache_ram"]
         for stat in SHARED_STATS:  # zero where the worker has no shared tier
@@ -141,8 +144,15 @@ async def props(request: web.Request) -> web.Response:
                       f"{_version('llama-cpp-python')}",
         "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure,
-                   "batch_decode": w.decode != "apart", "decode": w.decode}
+                   "batch_decode": w.decode is not None and w.decode.shape != "apart",
+                   "decode": w.decode.shape if w.decode is not None else None,
+                   "independent": w.decode.independent if w.decode is not None else None}
                   for w in request.app[POOL].workers],
+        # whether a slot's answer may depend on other slots generating at the same time, and
+        # what the other choice costs (policies.schedule.choose_decode)
+        "deterministic": {"asked": cfg.deterministic, "workers": {
+            str(w.worker_id): w.decode.note for w in request.app[POOL].workers
+            if w.decode is not None}},
         # what each worker measured prefill and restores to cost: decide restores only what
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
@@ -271,6 +281,9 @@ async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None
         return
     boot["phase"], boot["ready"] = "ready", True
     placement = placement_note(pool.workers[0].placement) if pool.workers else ""
+    decode = pool.workers[0].decode if pool.workers else None
+    if decode is not None and cfg.parallel > 1:
+        placement = f"{decode.note}; {placement}" if placement else decode.note
     log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s) x %d slot(s) of "
              "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s%s (%.1f s)",
              cfg.host, cfg.port, app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,

@@ -148,12 +148,13 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
 
     placement = {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
                  "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
-                 "load_mode": cfg.load_mode, "lazy_mode": cfg.lazy_mode}  # backend/placement.py
+                 "load_mode": cfg.load_mode, "lazy_mode": cfg.lazy_mode,
+                 "repack": cfg.repack}  # backend/placement.py
     return WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
                       cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
                       socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
-                      cfg.cache_ram, cfg.shared_tier)
+                      cfg.cache_ram, cfg.shared_tier, cfg.deterministic)
 
 
 def doctor(argv: list[str]) -> None:
@@ -163,6 +164,7 @@ def doctor(argv: list[str]) -> None:
 
     from backend import selfcheck
     from backend.worker import load_engine
+    from policies.schedule import choose_decode
     from proxy.cache_cli import out
 
     p = argparse.ArgumentParser(
@@ -193,12 +195,18 @@ def doctor(argv: list[str]) -> None:
     out("| check | result | where the states differ |\n|---|---|---|")
     for r in report.rows:
         out(f"| {r.check} | {'exact' if r.ok else 'DIFFERS'} | {r.detail or '-'} |")
-    if report.decode is not None:  # --parallel 2 or more: whether decode steps are batched
-        r = report.decode
-        out(f"| {r.check} | " + {"batched": "batched", "fixed": "batched in a fixed shape, "
-                                  "a row per slot (as they come: DIFFERS)",
-                                  "apart": "DIFFERS: decoded apart"}[report.decode_mode]
-            + f" | {r.detail or '-'} |")
+    if report.decode is not None:  # --parallel 2 or more: how decode steps of slots run
+        proof = report.decode
+        shapes = choose_decode(cfg.deterministic, proof, cfg.parallel)
+        out(f"| decode 2-{cfg.parallel} slots, batched as they come | "
+            f"{'exact' if not proof.batched else 'DIFFERS'} | {proof.batched or '-'} |")
+        if proof.fixed is not None:
+            out(f"| decode in a fixed shape, a row per slot | "
+                f"{'exact' if not proof.fixed else 'DIFFERS'} | {proof.fixed or '-'} "
+                f"(a lone slot's step {proof.fixed_cost:.2f}x) |")
+        out(f"| decode apart | exact | all slots' steps {proof.apart_cost:.2f}x one batched "
+            "step |")
+        out(f"\n--deterministic {cfg.deterministic}: {shapes.note}")
     out(f"\n{'exact' if report.ok else 'NOT EXACT: serve reuses nothing'} "
         f"({report.probe_tokens} probe tokens, {report.seconds:.2f} s)")
     eng.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
+from policies.schedule import DETERMINISTIC
 
 MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
 MIN_SLOT_CTX = 512  # tokens of context a slot needs at the least
@@ -106,6 +107,12 @@ class Config:
     # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
     # off: trust it unchecked
     exact_check: bool = True
+    # the CPU's repacked weights (llama.cpp's extra buffer types, backend/placement.py): auto
+    # (on, except with AMX, whose kernels crash on some machines) | on | off
+    repack: str = "auto"
+    # whether a slot's answer may depend on what other slots generate at the same moment
+    # (policies.schedule.choose_decode): auto | on | off; a cache hit is exact in every mode
+    deterministic: str = "auto"
     cache_dir: str = "~/.cache/prefixgate"  # state files and the LMDB index
     disk_prefix_cache: str = "auto:30"  # off | full | auto | auto:N | N
     kv_cache_min_tokens: int = 256  # smallest scope worth a snapshot, tokens
@@ -206,6 +213,13 @@ _HELP = {
                  "the mapped file on demand: on | auto (tensors over 4 GiB) | off",
     "parallel": "slots per worker: sessions served at once from one model copy, sharing "
                 "-c (llama-server's -np)",
+    "repack": "weights repacked for the CPU's kernels (llama.cpp's extra buffer types): auto "
+              "(on, but off on a CPU with AMX, whose llama.cpp kernels crash on some machines) "
+              "| on | off (llama-server's --no-repack)",
+    "deterministic": "auto | on | off: on keeps each slot's answer what it is alone whatever "
+                     "other sessions generate, at a cost; off batches their decode steps as "
+                     "llama-server does; auto: independent where the start-up check proves it "
+                     "cheap, else batched (a cache hit is exact in every mode)",
     "shared_tier": "redis://HOST:PORT of a Redis or Valkey shared by several prefixgate hosts: "
                    "snapshots are published there and pulled by a host that misses locally "
                    "(bound it with Redis's maxmemory and an LRU policy)",
@@ -285,6 +299,10 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         p.add_argument("--mmap", dest="old_mmap", action=argparse.BooleanOptionalAction,
                        default=None, help="--no-mmap, an older spelling: --load-mode none "
                        "(env PREFIXGATE_MMAP or LLAMA_ARG_MMAP)")
+    if not only or "repack" in only:  # llama-server's spelling
+        p.add_argument("-nr", "--no-repack", dest="old_no_repack", action="store_true",
+                       default=None, help="llama-server's spelling of --repack off (env "
+                       "LLAMA_ARG_NO_REPACK)")
     if not only:
         for names, n_args in ACCEPTED.items():
             dest = "accepted_" + names[0].strip("-").replace("-", "_")
@@ -296,11 +314,12 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
 
 
 _CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect", "split_mode",
-                  "load_mode", "lazy_mode")
+                  "load_mode", "lazy_mode", "deterministic", "repack")
 SPLIT_MODES = ("none", "layer", "row")  # llama.cpp's enum llama_split_mode, in order
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # backend.placement's
 LAZY_MODES = ("on", "auto", "off")  # likewise
-_WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES}
+_WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES,
+          "deterministic": DETERMINISTIC, "repack": ("auto", "on", "off")}
 # the older spellings of --load-mode, (mmap, mlock) as --no-mmap and --mlock give them: llama-server
 # took these before -lm, and its LLAMA_ARG_MMAP / LLAMA_ARG_MLOCK variables as well
 _OLD_LOAD_MODES = {(True, False): "auto", (False, False): "none", (True, True): "mmap+mlock",
@@ -326,7 +345,7 @@ def _coerce(name: str, value: Any) -> Any:
             raise ValueError(f"one of {', '.join(choices)}")
         return str(value).strip().lower()
     if name in _CHOICE_FIELDS:  # what the worker's engine accepts
-        from backend.engine import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
+        from backend.context import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
 
         choices = FLASH_ATTN if name == "flash_attn" else tuple(CACHE_TYPES)
         if name == "tool_dialect":
@@ -359,7 +378,8 @@ def _coerce(name: str, value: Any) -> Any:
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
-                 "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier")
+                 "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
+                 "deterministic", "repack")
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -409,6 +429,9 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 old[i] = v.strip().lower() in ("1", "true", "yes", "on")
         if old != [None, None]:
             values["load_mode"] = _OLD_LOAD_MODES[old[0] is not False, bool(old[1])]
+    if "repack" not in values and (getattr(ns, "old_no_repack", None) or environ.get(
+            "LLAMA_ARG_NO_REPACK", "").strip().lower() in ("1", "true", "yes", "on")):
+        values["repack"] = "off"
     if "n_gpu_layers" not in values:  # llama-server's default: every layer where a GPU is
         values["n_gpu_layers"] = _coerce("n_gpu_layers", "auto")
     cfg = Config(**values)

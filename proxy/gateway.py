@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from backend.keys import prefix_keys
-from backend.shared import SHARED_PREFIX, SharedFault, SharedTier
+from backend.shared import SharedFault, SharedTier
 from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
 from policies.prefix import common_prefix_len
@@ -103,7 +103,8 @@ class Gateway:
     async def _shared_lookup(self, facts: Facts, stored: Stored, tenant: str) -> Stored:
         """A prompt the local tier does not cover: the longest prefix the shared tier holds
         (its candidate keys at every batch edge past the local hit, one round trip), put first
-        among the hits as a `shared:` entry the worker pulls. A tier that fails is a miss."""
+        among the hits as a shared entry (its tier) the worker pulls. A tier that fails is a
+        miss."""
         assert self.shared is not None and self.cache is not None
         edges = self.pool.batching.edges(facts.ids)
         top = edges.keep_max
@@ -123,7 +124,7 @@ class Gateway:
         if found is None:
             return stored
         n, key, size = found
-        return Stored((Hit(n, key, SHARED_PREFIX + key.hex(), size), *stored.hits),
+        return Stored((Hit(n, key, "", size, "shared"), *stored.hits),
                       stored.positions | {n})
 
     async def offload(self, fn: Callable[..., T], *args: object) -> T:

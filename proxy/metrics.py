@@ -87,6 +87,11 @@ class Metrics:
             "prefixgate_worker_exact",
             "1 when the worker's start-up self-check proved exact reuse (0: it reuses nothing)",
             ["worker"], registry=r)
+        self.decode_independent = Gauge(
+            "prefixgate_decode_independent",
+            "1 when a slot's answer is its own whatever other slots generate at the same time "
+            "(--deterministic); shape: how decode steps of several slots run (batched, fixed, "
+            "apart)", ["worker", "shape"], registry=r)
         self.queue_depth = Gauge("prefixgate_queue_depth", "Requests waiting for a worker",
                                  registry=r)
         self.slots_busy = Gauge("prefixgate_slots_busy", "Slots running a request, per worker",

@@ -49,7 +49,6 @@ from backend.protocol import (
     Start,
     Token,
 )
-from backend.shared import SHARED_PREFIX
 from policies.decide import Plan
 from policies.scope import format_scope
 from proxy.errors import WorkerFailed
@@ -209,7 +208,7 @@ class RunState:
 
     def _start(self, ev: Start) -> list[Effect]:
         self.started = True
-        by_file = {r.file: r for r in self.plan.restore}
+        by_file = {r.file: r for r in self.plan.restore if r.tier == "disk"}
         fx: list[Effect] = [Drop(f, by_file[f.file].key if f.file in by_file else None)
                             for f in ev.faults]
         u = self.usage
@@ -217,9 +216,7 @@ class RunState:
         if ev.ram:
             u.source = "ram"
         elif ev.restored:
-            shared = any(r.n_tokens == ev.restored and r.file.startswith(SHARED_PREFIX)
-                         for r in self.plan.restore)
-            u.source = "shared" if shared else "disk"
+            u.source = "shared" if ev.tier == "shared" else "disk"
             fx += [Touch(r.key, ev.restore_s) for r in self.plan.restore
                    if r.n_tokens == ev.restored]
         elif ev.keep:

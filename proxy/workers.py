@@ -49,7 +49,15 @@ import aiohttp
 
 from backend import volume
 from backend.keys import CacheIdentity
-from backend.protocol import Event, Job, parse_event, placement_note
+from backend.protocol import (
+    DecodeInfo,
+    Event,
+    Job,
+    Loading,
+    WorkerInfo,
+    parse_event,
+    placement_note,
+)
 from policies.costs import Costs
 from policies.prefix import Batching, common_prefix_len, live_reuse
 from policies.router import SlotView, choose_slot
@@ -75,14 +83,17 @@ class WorkerLoading(aiohttp.ClientError):
     """A worker that answers /health 503 while it loads: not ready yet (an unreachable one, to
     every rule that does not look closer), with its phase and progress."""
 
-    def __init__(self, status: dict[str, Any]) -> None:
-        super().__init__(f"loading ({status.get('phase', 'loading')}, "
-                         f"{float(status.get('progress', 0)):.0%})")
+    def __init__(self, status: Loading) -> None:
+        super().__init__(f"loading ({status.phase}, {status.progress:.0%})")
         self.status = status
 
 
 class StartupError(RuntimeError):
     """A worker cannot be used: the proxy refuses to start. The message says what to fix."""
+
+
+class WorkerMalformed(ValueError):
+    """A worker's /health that is not a `WorkerInfo` (another version, or not a worker)."""
 
 
 class EventStream:
@@ -178,15 +189,15 @@ class Worker:
     batching: Batching = Batching()  # its prefill batches: it reuses only at their edges
     exact: bool = True  # its start-up self-check passed (false: it reuses nothing)
     exact_failure: str = ""  # why not, from its /health
-    # how its slots' decode steps run, as its self-check proved (backend.selfcheck
-    # .check_decode): batched (as they come), fixed (in one shape, a row per slot) or apart
-    decode: str = "apart"
+    # how its slots' decode steps run (--deterministic and its self-check:
+    # policies.schedule.choose_decode); None before it said
+    decode: DecodeInfo | None = None
     restarts: int = 0
     boot_id: str = ""  # the worker process's id from /health; a new one = a restart
     down_reason: str = ""  # why a remote worker is not ready, for logs and 503 messages
     streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
     checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
-    loading: dict[str, Any] = field(default_factory=dict)  # its /health while it loads
+    loading: Loading | None = None  # its /health while it loads
     costs: Costs | None = None  # its measured prefill and restore costs (policies.costs)
     placement: dict[str, Any] = field(default_factory=dict)  # where its model went
 
@@ -226,8 +237,8 @@ class Worker:
         return (f"{len(self.slots)} slot(s), memory {self.memory}, reuse at batch edges (batch "
                 f"{b.size}" + (f", or message ends past {b.least}" if b.ends else "") + "), "
                 + ("exact" if self.exact else f"REUSE OFF ({self.exact_failure})")
-                + {"batched": ", decode steps batched",
-                   "fixed": ", decode steps batched in a fixed shape"}.get(self.decode, "")
+                + (f"; {self.decode.note}" if self.decode is not None and len(self.slots) > 1
+                   else "")
                 + (f"; {where}" if where else ""))
 
     @property
@@ -239,17 +250,21 @@ class Worker:
             return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.socket_path))
         return aiohttp.ClientSession()
 
-    async def health(self, timeout_s: float = 2.0) -> dict[str, Any]:
+    async def health(self, timeout_s: float = 2.0) -> WorkerInfo:
+        """Its /health, parsed strictly (`WorkerMalformed` where it is not a `WorkerInfo`)."""
         assert self.session is not None
         async with self.session.get(self.base_url + "/health",
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             if r.status == 503:
                 with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
-                    status = await r.json()
-                    if isinstance(status, dict) and status.get("status") == "loading":
-                        raise WorkerLoading(status)
+                    raise WorkerLoading(Loading.from_wire(await r.json()))
             r.raise_for_status()
-            return dict(await r.json())
+            try:
+                return WorkerInfo.from_wire(await r.json(content_type=None))
+            except ValueError as e:
+                raise WorkerMalformed(f"{self.name} answers /health with something this proxy "
+                                      f"does not read ({e}): run the same prefixgate version "
+                                      "on both") from None
 
     @contextlib.asynccontextmanager
     async def run(self, job: Job, timeout_s: float) -> AsyncIterator[EventStream]:
@@ -298,11 +313,11 @@ def child_env(root: str | Path) -> dict[str, str]:
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
-def loading_note(status: dict[str, Any]) -> str:
+def loading_note(status: Loading | None) -> str:
     """"loading the model 42%" from a loading worker's /health ("starting" before it answers)."""
-    if not status:
+    if status is None:
         return "starting"
-    return f"{status.get('phase', 'loading')} {float(status.get('progress', 0)):.0%}"
+    return f"{status.phase} {status.progress:.0%}"
 
 
 def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers: int
@@ -318,34 +333,49 @@ def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers:
     return devices[worker_id] if len(devices) >= workers else None
 
 
-def incompatibility(h: dict[str, Any], identity: CacheIdentity | None, n_ctx: int,
+def incompatibility(h: WorkerInfo, identity: CacheIdentity | None, n_ctx: int,
                     model_path: str, volume_id: str, slots: int = 1) -> str | None:
-    """Why a worker whose /health says `h` cannot serve this proxy (whose cache `identity`
-    names the devices of the workers that came first, if any did), or None."""
-    if int(h.get("n_ctx", 0)) != n_ctx:
-        return (f"it runs n_ctx {h.get('n_ctx')} but the proxy expects {n_ctx}: start both with "
-                "the same --n-ctx")
-    if int(h.get("slots", 1)) != slots:
-        return (f"it runs {h.get('slots', 1)} slots but the proxy expects {slots} (each gets "
-                "--n-ctx / --parallel tokens): start both with the same --parallel")
-    compute = str(h.get("compute", ""))
-    if identity is not None and identity.compute and compute != identity.compute:
-        return (f"it computes on {compute or 'unnamed devices'}, the other workers on "
+    """Why a worker whose /health says `h` cannot serve this proxy (whose cache `identity` is
+    the first ready worker's, `adopt_identity`, if any came first), or None."""
+    if h.n_ctx != n_ctx:
+        return (f"it runs n_ctx {h.n_ctx} but the proxy expects {n_ctx}: start both with the "
+                "same --n-ctx")
+    if h.slots != slots:
+        return (f"it runs {h.slots} slots but the proxy expects {slots} (each gets --n-ctx / "
+                "--parallel tokens): start both with the same --parallel")
+    if identity is None:
+        return None
+    if identity.compute and h.identity.compute != identity.compute:
+        return (f"it computes on {h.compute or 'unnamed devices'}, the other workers on "
                 f"{identity.compute}: a state one makes is not the bits the other computes cold, "
                 "so one cache cannot serve both; run a prefixgate (or a cache directory) per kind "
                 "of device")
-    fingerprint = b"" if identity is None else replace(identity, compute=compute).fingerprint()
-    if fingerprint and h.get("fingerprint") != fingerprint.hex():
-        return (f"its model or KV settings differ from the proxy's: it serves "
-                f"{h.get('model')!r} (flash-attn {h.get('flash_attn')}, llama-cpp-python "
-                f"{h.get('llama_cpp_version')}), the proxy {model_path!r}; use the same GGUF "
-                "file, --flash-attn and image on both (fingerprint "
-                f"{h.get('fingerprint')} != {fingerprint.hex()})")
-    if volume_id and h.get("cache_volume") != volume_id:
+    if identity.compute:  # not the first: every field as the first worker's
+        differ = [f"{f.name} {getattr(h.identity, f.name)!r} (the others: "
+                  f"{getattr(identity, f.name)!r})" for f in dataclasses.fields(identity)
+                  if f.name != "model_path"
+                  and getattr(h.identity, f.name) != getattr(identity, f.name)]
+        if differ:
+            return (f"its cache settings differ from the other workers': {'; '.join(differ)}; "
+                    "start every worker with the same flags")
+    fingerprint = adopt_identity(identity, h).fingerprint()
+    if h.fingerprint != fingerprint.hex():
+        return (f"its model file differs from the proxy's: it serves {h.model!r}, the proxy "
+                f"{model_path!r} (llama-cpp-python {h.llama_cpp_version}); use the same GGUF "
+                f"file on both (fingerprint {h.fingerprint} != {fingerprint.hex()})")
+    if volume_id and h.cache_volume != volume_id:
         return (f"it does not share the proxy's cache directory (volume id "
-                f"{h.get('cache_volume') or 'missing'!r} != {volume_id!r}): mount the same "
+                f"{h.cache_volume or 'missing'!r} != {volume_id!r}): mount the same "
                 "volume as the worker's --cache-dir and the proxy's --cache-dir")
     return None
+
+
+def adopt_identity(identity: CacheIdentity, h: WorkerInfo) -> CacheIdentity:
+    """The proxy's cache identity with every field a worker reports (the batch, KV types, flash
+    attention, library version, the devices that compute) taken from it: a proxy in a CPU
+    container keys the states a GPU worker computes as that worker does. The model file stays
+    the proxy's own (the fingerprint then tells whether both serve the same file)."""
+    return replace(h.identity, model_path=identity.model_path)
 
 
 class Pool:
@@ -504,7 +534,7 @@ class Pool:
             raise
         self._tasks = [asyncio.create_task(self._watch(w)) for w in self.workers]
 
-    def _incompatibility(self, h: dict[str, Any]) -> str | None:
+    def _incompatibility(self, h: WorkerInfo) -> str | None:
         return incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path,
                                self.volume_id, self.cfg.parallel)
 
@@ -513,24 +543,23 @@ class Pool:
         """The cache's fingerprint (complete once `start` returned: a worker said what computes)."""
         return b"" if self.identity is None else self.identity.fingerprint()
 
-    def _adopt(self, w: Worker, h: dict[str, Any]) -> None:
+    def _adopt(self, w: Worker, h: WorkerInfo) -> None:
         if self.identity is not None and not self.identity.compute:  # the first worker
-            self.identity = replace(self.identity, compute=str(h.get("compute", "")))
-        w.n_ctx, w.fingerprint = int(h["n_ctx"]), str(h["fingerprint"])
-        w.memory = str(h.get("memory", {}).get("kind", "plain"))
-        w.batching = Batching(int(h.get("align", 1)),
-                              frozenset(int(t) for t in h.get("batch_ends", ())))
-        exact = h.get("exact") or {}
-        w.exact = bool(exact.get("ok", True))
-        w.exact_failure = str(exact.get("failure", ""))
-        w.decode = str((exact.get("batch_decode") or {}).get("mode", "apart"))
-        w.borrows = w.memory == "plain" and w.exact and bool(
-            (h.get("cache_ram") or {}).get("budget_bytes", 0)) and "borrowed" in h
-        w.boot_id = str(h.get("boot_id", ""))
-        w.set_slots(int(h.get("slots", 1)))
-        w.placement, w.loading = dict(h.get("placement") or {}), {}
-        if h.get("costs"):
-            w.learn(h["costs"])
+            adopted = adopt_identity(self.identity, h)
+            changed = [f"{f.name} {getattr(adopted, f.name)!r} (configured here: "
+                       f"{getattr(self.identity, f.name)!r})"
+                       for f in dataclasses.fields(adopted) if f.name != "compute"
+                       and getattr(adopted, f.name) != getattr(self.identity, f.name)]
+            if changed:
+                log.info("the cache keys take %s's settings: %s", w.name, "; ".join(changed))
+            self.identity = adopted
+        w.n_ctx, w.fingerprint = h.n_ctx, h.fingerprint
+        w.memory, w.batching = h.memory, Batching(h.align, frozenset(h.batch_ends))
+        w.exact, w.exact_failure, w.decode = h.exact, h.exact_failure, h.decode
+        w.borrows, w.boot_id = h.borrows, h.boot_id
+        w.set_slots(h.slots)
+        w.placement, w.loading = dict(h.placement), None
+        w.learn(h.costs)
 
     async def _first_contact(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -557,7 +586,7 @@ class Pool:
             raise StartupError(f"{w.name}: {problem}")
         self._adopt(w, h)
         await self._set_ready(w, True)
-        log.info("%s ready (pid %s, n_ctx %d, %s)", w.name, h.get("pid", "-"), w.n_ctx,
+        log.info("%s ready (pid %s, n_ctx %d, %s)", w.name, h.pid, w.n_ctx,
                  w.memory_note)
 
     async def _set_ready(self, w: Worker, ready: bool, reason: str = "") -> None:
@@ -586,8 +615,8 @@ class Pool:
             timeouts = 0
             await self._on_health(w, h)
 
-    async def _on_health(self, w: Worker, h: dict[str, Any]) -> None:
-        boot_id = str(h.get("boot_id", ""))
+    async def _on_health(self, w: Worker, h: WorkerInfo) -> None:
+        boot_id = h.boot_id
         if boot_id != w.boot_id:
             w.restarts += 1
             w.boot_id = boot_id
@@ -603,7 +632,7 @@ class Pool:
         if not w.ready:
             self._adopt(w, h)
             await self._set_ready(w, True)
-            log.info("%s is back (pid %s)", w.name, h.get("pid", "-"))
+            log.info("%s is back (pid %s)", w.name, h.pid)
 
     async def _recheck(self, w: Worker) -> None:
         boot_id = w.boot_id
@@ -619,7 +648,7 @@ class Pool:
                 except (aiohttp.ClientError, OSError) as e:  # refused: it is gone
                     w.down_reason = f"unreachable after a lost stream ({e or type(e).__name__})"
                     return  # a local one is restarted by its supervisor, a remote one probed
-                if str(h.get("boot_id", "")) == boot_id and not self._closing:
+                if h.boot_id == boot_id and not self._closing:
                     log.info("%s answers again after a lost stream", w.name)
                     await self._set_ready(w, True)
                 return  # a new boot id: restarted, its supervisor or watcher takes it back
@@ -645,8 +674,7 @@ class Pool:
                 h = await w.health(PROBE_TIMEOUT_S)
             except (*_UNREACHABLE, ValueError):
                 return None
-            return w.worker_id, {"cache_ram": dict(h.get("cache_ram") or {}),
-                                 "shared": dict(h.get("shared") or {})}
+            return w.worker_id, {"cache_ram": dict(h.cache_ram), "shared": dict(h.shared or {})}
         got = await asyncio.gather(*(one(w) for w in self.workers if w.ready))
         return dict(g for g in got if g is not None)
 

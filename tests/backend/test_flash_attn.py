@@ -1,11 +1,11 @@
-"""`--flash-attn auto` as a worker resolves it (`backend.engine.resolve_flash_attn`): off on a
+"""`--flash-attn auto` as a worker resolves it (`backend.context.resolve_flash_attn`): off on a
 CPU with several slots, where decode steps then batch exactly; llama.cpp's choice elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 
-from backend.engine import Memory, resolve_flash_attn
+from backend.context import Memory, resolve_flash_attn
 
 PLAIN, WINDOW, RECURRENT = Memory("plain"), Memory("window", 512, True), Memory("recurrent")
 

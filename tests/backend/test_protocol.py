@@ -20,7 +20,9 @@ from backend.protocol import (
     Saved,
     SaveFailed,
     Start,
+    TierEvent,
     Token,
+    WorkerInfo,
     encode_event,
     parse_event,
 )
@@ -162,6 +164,11 @@ EVENTS: list[Event] = [
     SaveFailed(n_tokens=20, key="6b3230", reason="scoped", fault="disk_full",
                message="No space left on device"),
     Error(message="llama_decode failed: -1"),
+    # Where the start came from is a typed field, never a prefix of a file name.
+    Start(keep=256, restored=256, restore_s=0.5, faults=(), ram=0, tier="shared"),
+    # A state entered the RAM tier, and one left it.
+    TierEvent("stored", "ram", 3, "5a" * 16, "t", 4, (1, 2, 3, 4)),
+    TierEvent("removed", "ram", 3, "5a" * 16, "t", 4),
 ]
 
 
@@ -248,3 +255,60 @@ def test_plan_values_are_not_coerced(plan_field: str, value: Any) -> None:
 def test_event_values_are_not_coerced(line: bytes) -> None:
     with pytest.raises(ValueError):
         parse_event(line)
+
+
+@pytest.mark.parametrize("line", [
+    b'{"event": "tier", "kind": "moved", "tier": "ram", "ref": 1, "salt": "", "tenant": "", '
+    b'"n_tokens": 1, "ids": []}',
+    b'{"event": "tier", "kind": "stored", "tier": "gpu", "ref": 1, "salt": "", "tenant": "", '
+    b'"n_tokens": 1, "ids": []}',
+    b'{"event": "tier", "kind": "stored", "tier": "ram", "ref": 1, "salt": "", "tenant": "", '
+    b'"n_tokens": 1, "ids": ["1"]}',
+])
+def test_a_tier_event_is_one_of_its_kinds_and_tiers(line: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_event(line)
+
+
+# A ready worker's /health, as a worker of this version writes it (backend.worker.server).
+INFO: dict[str, Any] = {
+    "ready": True, "worker_id": 0, "pid": 123, "boot_id": "b", "model": "m.gguf",
+    "fingerprint": "00" * 16, "llama_cpp_version": "0.3.36", "flash_attn": "off",
+    "compute": "CPU", "n_ctx": 8192, "n_ctx_actual": 4096, "slots": 2, "n_live": [0, 12],
+    "busy": [False, True], "memory": "plain", "n_swa": 0, "swa_full": True, "align": 128,
+    "batch_ends": [2], "exact": True, "exact_failure": "", "borrows": True,
+    "decode": {"shape": "batched", "independent": True, "deterministic": "auto",
+               "note": "decode steps batched"},
+    "threads": 1, "threads_batch": 2, "cache_volume": "v",
+    "costs": {"prefill": [0, 0, 0, 0, 0, 0]}, "cache_ram": {"budget_bytes": 1 << 30},
+    "shared": None, "writes": {"queued_bytes": 0}, "borrowed": {"slot": 0},
+    "placement": {"gpu_layers": 0}, "checked": {"ok": True},
+    "identity": {"model_path": "m.gguf", "n_ctx": 4096, "type_k": "f16", "type_v": "f16",
+                 "flash_attn": "auto", "lib_version": "0.3.36", "swa_full": True,
+                 "batch": 128, "compute": "CPU"},
+}
+
+
+def test_worker_info_round_trip() -> None:
+    info = WorkerInfo.from_wire(json.loads(json.dumps(INFO)))
+    assert info.busy == (False, True) and info.decode.shape == "batched"
+    assert info.identity.batch == 128
+    assert json.loads(json.dumps(info.to_wire())) == INFO
+
+
+@pytest.mark.parametrize("field", [k for k in INFO if k != "ready"])
+def test_worker_info_missing_field(field: str) -> None:
+    # a worker that omitted `exact` (or anything else) is not taken as exact: it is refused
+    d = {k: v for k, v in INFO.items() if k != field}
+    with pytest.raises(ValueError):
+        WorkerInfo.from_wire(d)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("exact", 1), ("exact", "true"), ("slots", 3), ("busy", [0, 1]), ("n_live", ["1", 2]),
+    ("memory", "linear"), ("decode", {"shape": "batched"}), ("identity", {"batch": 128}),
+    ("ready", False), ("cache_ram", {"budget_bytes": "1G"}), ("shared", []),
+])
+def test_worker_info_values_are_not_coerced(field: str, value: Any) -> None:
+    with pytest.raises(ValueError):
+        WorkerInfo.from_wire({**INFO, field: value})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine import StopMatcher
+from backend.sampling import StopMatcher
 
 
 def run(pieces: list[bytes], stops: list[str]) -> tuple[list[str], str | None, str]:

@@ -11,6 +11,8 @@ import logging
 import os
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 
 from backend import selfcheck
@@ -18,8 +20,7 @@ from backend import selfcheck
 PASS = {"ok": True, "probe_tokens": 449, "seconds": 33.1, "failure": "",
         "checks": [{"check": "live@196", "ok": True, "detail": ""},
                    {"check": "restore@34", "ok": True, "detail": ""}],
-        "batch_decode": {"ok": True, "check": "decode 2-3 slots", "detail": "",
-                         "mode": "batched"}}
+        "decode": {"batched": "", "fixed": None, "fixed_cost": 0.0, "apart_cost": 2.5}}
 
 
 def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
@@ -27,8 +28,38 @@ def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
     selfcheck.remember("k", PASS, tmp_path)
     got = selfcheck.recall("k", tmp_path)
     assert got is not None and got["checked_at"] > 0
-    assert {k: v for k, v in got.items() if k != "checked_at"} == PASS
-    assert [p.name for p in tmp_path.iterdir()] == ["k.json"], "no temporary file left"
+    assert {k: v for k, v in got.items() if k not in ("checked_at", "mac")} == PASS
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".key", "k.json"], \
+        "no temporary file left"
+
+
+@pytest.mark.parametrize("edit", [
+    # a hand edit of any field (a cheaper decode shape made to look proven among them)
+    lambda v: {**v, "probe_tokens": 1},
+    lambda v: {**v, "decode": {**v["decode"], "batched": ""}},
+    lambda v: {**v, "checked_at": v["checked_at"] + 1},
+    lambda v: {k: x for k, x in v.items() if k != "mac"},
+])
+def test_a_verdict_edited_by_hand_costs_a_check(tmp_path: Path, edit: Any,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    # issue 46: a hand-edited verdict file was taken; now it does not verify and the worker
+    # checks again (the same holds for one copied from another machine: another key)
+    selfcheck.remember("k", {**PASS, "decode": {**PASS["decode"], "batched": "differs"}},
+                       tmp_path)
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with caplog.at_level(logging.WARNING):
+        assert selfcheck.recall("k", tmp_path) is None
+    assert "does not verify" in caplog.text
+
+
+def test_a_verdict_from_another_machine_costs_a_check(tmp_path: Path) -> None:
+    selfcheck.remember("k", PASS, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    selfcheck.remember("other", PASS, tmp_path / "b")  # b has a key of its own
+    (tmp_path / "b" / "k.json").write_text((tmp_path / "a" / "k.json").read_text())
+    assert selfcheck.recall("k", tmp_path / "a") is not None
+    assert selfcheck.recall("k", tmp_path / "b") is None
 
 
 @pytest.mark.parametrize("text", [
@@ -36,12 +67,13 @@ def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
     json.dumps({**PASS, "ok": False, "checked_at": 1.0}),  # a failure is never kept
     json.dumps({**PASS, "checks": "live@196", "checked_at": 1.0}),
     json.dumps({**PASS, "checked_at": "yesterday"}),
-    json.dumps({**PASS, "batch_decode": {**PASS["batch_decode"], "mode": "sometimes"},  # type: ignore[dict-item]
+    json.dumps({**PASS, "decode": {**PASS["decode"], "fixed_cost": "cheap"},  # type: ignore[dict-item]
                 "checked_at": 1.0}),
     json.dumps([PASS]),
 ])
 def test_anything_else_is_ignored_and_said_once(tmp_path: Path, text: str,
                                                 caplog: pytest.LogCaptureFixture) -> None:
+    selfcheck.remember("other", PASS, tmp_path)  # the key exists: a file of its MAC is wanted
     (tmp_path / "k.json").write_text(text)
     with caplog.at_level(logging.WARNING):
         assert selfcheck.recall("k", tmp_path) is None

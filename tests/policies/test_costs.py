@@ -34,7 +34,7 @@ def test_the_fits_recover_the_costs_they_were_fed() -> None:
     assert c.prefill_s(0, 4096) == pytest.approx(4096 / 20_000 + 1e-9 * 4095 * 4096 / 2,
                                                  rel=1e-2)
     summary = c.summary()
-    assert summary["samples"] == {"prefill": 5, "disk": 4, "ram": 4}
+    assert summary["samples"] == {"prefill": 5, "disk": 4, "ram": 4, "shared": 0}
     assert summary["disk_restore"]["bytes_per_s"] == pytest.approx(1e9, rel=1e-2)
     assert set(summary["prefill_tokens_per_s"]) == {"1024", "4096", "16384", "32768"}
     assert Costs.from_wire(c.to_wire()) == c

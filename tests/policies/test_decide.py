@@ -571,8 +571,10 @@ def test_to_wire_shape() -> None:
     # Keys as hex, tuples as lists, None as null: plain JSON; a save has no key (the worker
     # keys the file).
     assert WIRE_PLAN.to_wire() == {
-        "restore": [{"n_tokens": 30, "key": "6b3330", "file": "30.state"},
-                    {"n_tokens": 20, "key": "6b3230", "file": "20.state"}],
+        "restore": [{"n_tokens": 30, "key": "6b3330", "file": "30.state", "size_bytes": 0,
+                     "tier": "disk"},
+                    {"n_tokens": 20, "key": "6b3230", "file": "20.state", "size_bytes": 0,
+                     "tier": "disk"}],
         "saves": [{"n_tokens": 10, "reason": "anchor-refresh"},
                   {"n_tokens": 40, "reason": "full"}],
         "keep_max": 39,
@@ -606,7 +608,7 @@ def test_from_wire_missing_field(field: str) -> None:
 @pytest.mark.parametrize(
     ("part", "field"),
     [("restore", "n_tokens"), ("restore", "key"), ("restore", "file"),
-     ("saves", "n_tokens"), ("saves", "reason")],
+     ("restore", "size_bytes"), ("restore", "tier"), ("saves", "n_tokens"), ("saves", "reason")],
 )
 def test_from_wire_missing_nested_field(part: str, field: str) -> None:
     d = wire()
@@ -645,6 +647,15 @@ def test_from_wire_bad_value(field: str, value: Any) -> None:
 def test_from_wire_unknown_save_reason(reason: Any) -> None:
     d = wire()
     d["saves"][1]["reason"] = reason
+    with pytest.raises(ValueError):
+        Plan.from_wire(d)
+
+
+@pytest.mark.parametrize("tier", ["ram", "", None, "Disk", "shared:"])
+def test_from_wire_unknown_restore_tier(tier: Any) -> None:
+    # a plan restores from the disk or the shared tier only; a tier is a field, never a prefix
+    d = wire()
+    d["restore"][0]["tier"] = tier
     with pytest.raises(ValueError):
         Plan.from_wire(d)
 

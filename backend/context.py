@@ -1,0 +1,212 @@
+"""Loading a model and making its context with prefixgate's settings: the parameters
+llama.cpp gets (KV types, flash attention, batch, threads, slots as non-unified KV streams,
+where the weights go), what the model's memory allows (`Memory`), and where it all went (the
+placement the ready line reports). `backend.engine.Engine` runs on what `load` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llama_cpp
+
+from backend.placement import apply as placement_params
+from backend.placement import check_gpu_layers, compute_identity, offload_devices
+from policies.prefix import default_batch
+
+log = logging.getLogger("prefixgate.engine")
+
+CACHE_TYPES: dict[str, int] = {  # llama.cpp's -ctk/-ctv names -> ggml types
+    "f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20,
+    "q5_0": 6, "q5_1": 7,
+}
+FLASH_ATTN = ("on", "off", "auto")
+
+MemoryKind = Literal["plain", "window", "recurrent"]
+# how decode steps of several slots run (module rules)
+DecodeShape = Literal["apart", "batched", "fixed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What the model's memory lets the live state do.
+
+    - ``plain``: attention KV for every position; cut back to any position.
+    - ``window``: sliding-window attention (``n_swa`` tokens): the window layers may hold only
+      the cells of the last window, so the state can be cut back only while the cells of the new
+      position's window are still there (``llama_memory_seq_pos_min``). With a real window
+      (``full`` false) they drop what falls behind it as the prompt grows; with a full-size
+      cache they keep everything they computed, but a restored snapshot holds only its last
+      window (llama.cpp does not write cells the window masks).
+    - ``recurrent``: a recurrent or hybrid model (Mamba, gated delta net, short conv beside
+      attention): the recurrent state exists only at its last position; never cut back.
+    """
+
+    kind: MemoryKind
+    n_swa: int = 0
+    full: bool = False  # window: a full-size cache for the window layers (--swa-full)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "n_swa": self.n_swa, "swa_full": self.full}
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A model and its context, as `load` made them (the handles are llama.cpp's)."""
+
+    model: Any
+    ctx: Any
+    memory: Memory
+    flash_attn: str  # as llama.cpp got it (`resolve_flash_attn`)
+    n_batch: int
+    n_threads: int  # as resolved: what the kernels run with
+    n_threads_batch: int
+    placement: dict[str, Any]  # where weights and KV went (the ready line)
+    compute: str  # what computes the KV (the cache identity)
+
+
+def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, *,
+         n_batch: int = 0, flash_attn: str = "off", type_k: str = "f16", type_v: str = "f16",
+         swa_full: bool = True, n_threads_batch: int | None = None,
+         placement: Mapping[str, Any] | None = None, n_seq: int = 1,
+         progress: Callable[[float], None] | None = None) -> Loaded:
+    """The model loaded and its context made; a ValueError that says what to change where
+    llama.cpp refuses either."""
+    if flash_attn not in FLASH_ATTN:
+        raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
+    for t in (type_k, type_v):
+        if t not in CACHE_TYPES:
+            raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
+    backend_init()
+    gpus = check_gpu_layers(n_gpu_layers)
+    mp = llama_cpp.llama_model_default_params()
+    # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
+    mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
+    keep: list[Any] = placement_params(mp, **(placement or {}))  # held while loading
+    if progress is not None:  # llama.cpp's loading progress, 0..1
+        def report(p: float, _: Any) -> bool:
+            progress(p)
+            return True
+        keep.append(llama_cpp.llama_progress_callback(report))
+        mp.progress_callback = keep[-1]
+    free0 = [d["free"] for d in gpus]
+    rss0 = _rss()
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
+    del keep
+    # what to do when the GPU is full (llama-server's --fit finds the layers that fit
+    # by itself; here they are given)
+    full = ("; if the GPU ran out of memory (llama.cpp's log above says so), offload fewer "
+            "layers (-ngl N), keep MoE experts on the CPU (--n-cpu-moe N) or give a smaller "
+            "-c") if gpus and n_gpu_layers else ""
+    if not model:
+        raise ValueError(f"llama.cpp could not load the model {model_path}{full}")
+    free1 = [d["free"] for d in offload_devices()]
+    rss1 = _rss()
+    memory = memory_of(model, swa_full)
+    # what flash attention is, as llama.cpp gets it (`resolve_flash_attn`)
+    fa = resolve_flash_attn(flash_attn, cpu_only=not gpus or n_gpu_layers == 0,
+                                         n_seq=n_seq, type_v=type_v, memory=memory)
+    cp = llama_cpp.llama_context_default_params()
+    n_batch = n_batch or default_batch(n_gpu_layers)
+    # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
+    cp.kv_unified = False
+    cores = os.cpu_count() or 1
+    cp.n_threads = n_threads or max(cores // 2, 1)
+    cp.n_threads_batch = n_threads_batch or n_threads or cores
+    # as resolved: what the kernels run with (a self-check verdict is keyed on these)
+    threads = int(cp.n_threads), int(cp.n_threads_batch)
+    cp.flash_attn_type = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                          "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                          "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[fa]
+    cp.type_k, cp.type_v = CACHE_TYPES[type_k], CACHE_TYPES[type_v]
+    cp.swa_full = swa_full
+    cp.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if not ctx:
+        llama_cpp.llama_model_free(model)
+        raise ValueError(
+            f"llama.cpp could not create a context (n_ctx {n_ctx}, K {type_k}, V {type_v}, "
+            f"flash attention {fa}; a quantized V cache needs flash attention)"
+            f"{full}")
+    # where it all went, for the ready line: weights and KV (with compute buffers), on the
+    # GPUs (their free memory before and after) and in RAM (this process's resident set)
+    free2 = [d["free"] for d in offload_devices()]
+    n_layer = int(llama_cpp.llama_model_n_layer(model))
+    where = {
+        "backend": ", ".join(f"{d['name']} ({d['description']})" for d in gpus) or "CPU",
+        "gpu_layers": min(n_gpu_layers if n_gpu_layers >= 0 else n_layer + 1, n_layer + 1)
+        if gpus else 0,
+        "layers": n_layer + 1,  # llama.cpp counts the output layer as one, as its log does
+        "weights_bytes": int(llama_cpp.llama_model_size(model)),
+        "vram_weights_bytes": sum(a - b for a, b in zip(free0, free1, strict=True)),
+        "vram_kv_bytes": sum(a - b for a, b in zip(free1, free2, strict=True)),
+        "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(_rss() - rss1, 0),
+    }
+    pl = placement or {}
+    # what computes the KV, for the cache identity: the CPU too where it computes layers
+    compute = compute_identity(gpus, where["gpu_layers"] < n_layer + 1 or bool(
+        str(pl.get("override_tensor", "")).strip() or int(pl.get("n_cpu_moe", 0) or 0)),
+        bool(mp.use_extra_bufts))
+    where["repack"] = bool(mp.use_extra_bufts)
+    if fa != flash_attn:  # `auto` decided here, not by llama.cpp: other bits
+        compute += f"; flash attention {fa}"
+    assert isinstance(compute, str)
+    return Loaded(model, ctx, memory, fa, n_batch, threads[0], threads[1], where, compute)
+
+
+_backend_ready = False
+
+
+def backend_init() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        # llama-cpp-python routes llama.cpp's log through this logger: errors only, as
+        # `Llama(verbose=False)` does, unless prefixgate itself logs at DEBUG
+        if not log.isEnabledFor(logging.DEBUG):
+            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def resolve_flash_attn(flash_attn: str, *, cpu_only: bool, n_seq: int, type_v: str,
+                       memory: Memory) -> str:
+    """Flash attention as llama.cpp gets it: as given, except ``auto`` on a CPU with several
+    slots, which is ``off`` (llama.cpp's auto would turn it on) unless the V cache is quantized
+    (only flash attention reads one) or the memory is recurrent.
+
+    Why: with flash attention on, a CPU decodes a slot alone with other bits than beside other
+    slots (module rules), so decode steps of several slots never share a llama_decode; off, they
+    do on the quantized models measured, and a prefill or a lone decode step is as fast
+    (bench/results/issue20: the 1.1B Q4_K_M team at 0.95x llama-server's wall against 1.13x).
+    The decode check still decides (backend.selfcheck.check_decode). A recurrent or hybrid
+    model's decode steps differ batched either way (measured), so it keeps llama.cpp's choice;
+    on a GPU nobody has measured it yet."""
+    if flash_attn == "auto" and cpu_only and n_seq > 1 and memory.kind != "recurrent" \
+            and type_v in ("f32", "f16", "bf16"):
+        return "off"
+    return flash_attn
+
+
+def memory_of(model: Any, swa_full: bool) -> Memory:
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        return Memory("recurrent")
+    n_swa = int(llama_cpp.llama_model_n_swa(model))
+    if n_swa > 0:
+        return Memory("window", n_swa, swa_full)
+    return Memory("plain")
+
+
+def _rss() -> int:
+    """This process's resident bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,113 @@
+"""What a generated token is drawn with, and the text it becomes: the request's sampling values,
+llama.cpp's sampler chain built from them, and the stop-string matcher.
+
+- `Sampling` is the wire form's fields (`backend.protocol.Job.sampling`), defaults as
+  llama-cpp-python's.
+- `Sampler` owns one llama.cpp sampler chain: penalties, the grammar, then greedy (temperature
+  0) or top-k, typical, top-p, min-p, temperature and a seeded draw. A grammar llama.cpp cannot
+  parse gives a NULL sampler: a ValueError when the chain is built, never a sample through it
+  (a SIGSEGV that kills the worker). Free it with `close()`.
+- `StopMatcher` holds back text that could still become a stop string, and never splits a
+  UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import llama_cpp
+
+PENALTY_LAST_N = 64  # tokens the repetition penalties look back (llama-cpp-python's default)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float = 0.8  # 0 = greedy
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    seed: int | None = None
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Sampling:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+
+class Sampler:
+    """One llama.cpp sampler chain (module docstring). Not thread-safe: used on the thread that
+    decodes."""
+
+    def __init__(self, vocab: Any, s: Sampling, grammar: str | None = None) -> None:
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        add = partial(llama_cpp.llama_sampler_chain_add, chain)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, s.repeat_penalty,
+                                                   s.frequency_penalty, s.presence_penalty))
+        if grammar:
+            g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not g:
+                llama_cpp.llama_sampler_free(chain)
+                raise ValueError("llama.cpp could not build a sampler from the grammar (it does "
+                                 "not parse); nothing was generated")
+            add(g)
+        if s.temperature <= 0:
+            add(llama_cpp.llama_sampler_init_greedy())
+        else:
+            add(llama_cpp.llama_sampler_init_top_k(s.top_k))
+            add(llama_cpp.llama_sampler_init_typical(1.0, 1))
+            add(llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+            add(llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
+            add(llama_cpp.llama_sampler_init_temp(s.temperature))
+            seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
+            add(llama_cpp.llama_sampler_init_dist(seed))
+        self.chain: Any = chain
+
+    def sample(self, ctx: Any, row: int) -> int:
+        """A token drawn from row `row` of the context's last logits (and accepted into the
+        chain's state: penalties, grammar)."""
+        return int(llama_cpp.llama_sampler_sample(self.chain, ctx, row))
+
+    def close(self) -> None:
+        if self.chain is not None:
+            llama_cpp.llama_sampler_free(self.chain)
+            self.chain = None
+
+
+class StopMatcher:
+    """Holds back text that could still become a stop string; never splits a UTF-8 character."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, piece: bytes) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string that matched or None). Of several
+        matches the earliest wins, the longest among those starting there."""
+        buf = self.pending + self.decoder.decode(piece)
+        found = [(i, -len(s), s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, _, matched = min(found)
+            self.pending = ""
+            return buf[:cut], matched
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
+
+    def flush(self) -> str:
+        out = self.pending + self.decoder.decode(b"", final=True)
+        self.pending = ""
+        return out

@@ -1,0 +1,276 @@
+"""A worker from its first second to serving: listen at once, load the model, run (or recall)
+the start-up self-check, choose the decode shape, serve.
+
+    serve(WorkerSpec)     `prefixgate worker`: listen, load, serve; a failed load is one line
+    load_engine(spec)     the engine as `serve` and `prefixgate doctor` load it
+    exactness(...)        the self-check's verdict, logged in one line (`/health`'s "checked")
+
+Until the model is loaded and checked, `/health` answers 503 {"status": "loading", "phase",
+"progress"} (llama.cpp's progress callback, 0..1) and `/run` 503, as llama-server does while it
+loads. A worker spawned by the proxy stops when the proxy is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from backend import keys, selfcheck
+from backend.engine import Engine
+from backend.protocol import DecodeInfo, Loading, placement_note
+from backend.ramtier import RamTier
+from backend.shared import SharedTier
+from backend.worker.core import Core
+from backend.worker.server import Worker
+from backend.worker.tiers import Tiers
+from policies.schedule import Deterministic, Proof, Shapes, choose_decode
+
+log = logging.getLogger("prefixgate.worker")
+
+PARENT_CHECK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """How to run one worker; `prefixgate worker` builds it from the proxy's Config."""
+
+    model_path: str
+    n_ctx: int
+    threads: int  # 0 = llama.cpp's default
+    n_gpu_layers: int
+    flash_attn: str  # on | off | auto
+    type_k: str  # KV cache types
+    type_v: str
+    swa_full: bool
+    batch: int  # tokens per prefill batch (the reuse granularity)
+    exact_check: bool  # run the start-up self-check (backend/selfcheck.py)
+    cache_dir: Path
+    identity: keys.CacheIdentity
+    worker_id: int = 0
+    socket: str | None = None  # spawned by the proxy on this Unix socket (and stops with it)
+    listen: tuple[str, int] | None = None  # or on TCP, in its own container
+    threads_batch: int = 0  # prefill threads; 0 = like threads, else all cores
+    # where the weights go (backend/placement.py): split_mode, tensor_split, override_tensor,
+    # n_cpu_moe, load_mode, lazy_mode
+    placement: dict[str, object] = field(default_factory=dict)
+    parallel: int = 1  # slots: sequences in the one context (n_ctx is shared among them)
+    cache_ram: int = 0  # MiB of host RAM for states that gave way (-1 no limit, 0 off)
+    shared_tier: str = ""  # redis://... of the shared snapshot tier ("" none)
+    deterministic: Deterministic = "auto"  # policies.schedule.choose_decode
+
+
+def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
+    """The worker's engine, as `serve` and `prefixgate doctor` load it."""
+    return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
+                  n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
+                  type_v=spec.type_v, swa_full=spec.swa_full,
+                  n_threads_batch=spec.threads_batch or None, placement=spec.placement,
+                  n_seq=spec.parallel, progress=progress)
+
+
+def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
+    """The name of the self-check's verdict for this worker (`selfcheck.verdict_key`): its cache
+    fingerprint and every other setting the engine runs with, as it resolved them; "" under a
+    test's injected fault."""
+    if os.environ.get("PREFIXGATE_FAULT"):
+        return ""
+    settings = {"n_ctx": engine.n_ctx, "slots": spec.parallel, "threads": engine.n_threads,
+                "threads_batch": engine.n_threads_batch, "gpu_layers": spec.n_gpu_layers,
+                "flash_attn": engine.flash_attn, "batch": engine.n_batch,
+                "placement": spec.placement}
+    return selfcheck.verdict_key(fingerprint, settings)
+
+
+def exactness(engine: Engine, worker_id: int, check: bool, key: str = ""
+              ) -> tuple[dict[str, Any], Proof]:
+    """The start-up self-check's verdict, logged in one line, and what it proved of decode
+    steps of several slots. Where it fails the worker reuses nothing. `key`: the verdict's name
+    (`selfcheck.verdict_key`); a passing verdict remembered under it stands for the check, a new
+    one is remembered ("": neither)."""
+    if not check:
+        if engine.inexact:
+            log.warning("worker %d: cache reuse off: %s", worker_id, engine.inexact)
+            return {"ok": False, "checked": False, "failure": engine.inexact}, Proof()
+        log.info("worker %d: exactness not checked (--no-exact-check)", worker_id)
+        return {"ok": True, "checked": False, "failure": ""}, Proof()
+    verdict = selfcheck.recall(key) if key and not engine.inexact else None
+    remembered = verdict is not None
+    if verdict is None:
+        report = selfcheck.run(engine)
+        verdict = dict(report.to_wire())
+        if key and report.ok:
+            selfcheck.remember(key, verdict)
+    proof = Proof() if verdict.get("decode") is None else \
+        selfcheck.proof_from_wire(verdict["decode"])
+    if verdict["ok"]:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict["checked_at"])) \
+            if remembered else ""
+        log.info("worker %d: exact reuse proven in %.1f s (%s on %d probe tokens, batch %d)%s",
+                 worker_id, verdict["seconds"], ", ".join(c["check"] for c in verdict["checks"]),
+                 verdict["probe_tokens"], engine.batching.size,
+                 f"; remembered from {when}: the same model, settings, build and code "
+                 "(`prefixgate doctor` checks again)" if remembered else "")
+    else:
+        log.warning("worker %d: exactness self-check FAILED (%s): serving without cache "
+                    "reuse; `prefixgate doctor` prints the checks", worker_id, verdict["failure"])
+    return {"checked": True, **verdict, "remembered": remembered}, proof
+
+
+class Boot:
+    """The worker from its first second (module docstring). The load runs on its own thread; a
+    load that fails stops the process with its one-line reason."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.phase, self.progress = "loading the model", 0.0
+        self.worker: Worker | None = None  # set once it serves
+        self.shapes: Shapes | None = None
+        self.error = ""
+        self.started = time.monotonic()
+        # a test's injected fault (PREFIXGATE_FAULT=slow-load): a disk that reads slowly
+        self.slow = os.environ.get("PREFIXGATE_FAULT", "") == "slow-load"
+
+    def _progress(self, p: float) -> None:
+        self.progress = p
+        if self.slow:
+            time.sleep(0.02)
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        spec = self.spec
+        try:
+            engine = load_engine(spec, self._progress)
+            self.phase, self.progress = "self-check", 1.0
+            identity = replace(spec.identity, compute=engine.compute)
+            fingerprint = identity.fingerprint()
+            checked, proof = exactness(engine, spec.worker_id, spec.exact_check,
+                                       verdict_key(spec, engine, fingerprint))
+            shapes = choose_decode(spec.deterministic, proof, spec.parallel)
+            engine.decode_shape = shapes.decode
+            ram = RamTier.from_mib(spec.cache_ram)
+            tiers = Tiers(spec.cache_dir, fingerprint, ram, engine.prepare, lambda r, e: None,
+                          at_rest=None, fault=engine.fault)
+            if spec.shared_tier:
+                tiers.shared = SharedTier(spec.shared_tier, fingerprint)
+            core = Core(len(engine.seqs), engine.batching, engine.memory.kind == "plain",
+                        ram.budget, bool(checked["ok"]), engine.n_ctx)
+            worker = Worker(engine, core, tiers,
+                            DecodeInfo(shapes.decode, shapes.independent, spec.deterministic,
+                                       shapes.note),
+                            spec.worker_id, spec.cache_dir, identity, spec.n_ctx, checked)
+        except Exception as e:  # said in one line by `serve`, after the server stopped
+            self.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            loop.call_soon_threadsafe(os.kill, os.getpid(), signal.SIGTERM)
+            return
+        log.info("worker %d loaded %s in %.1f s: %s%s", spec.worker_id,
+                 os.path.basename(spec.model_path), time.monotonic() - self.started,
+                 placement_note(engine.placement),
+                 f"; flash attention {engine.flash_attn} ({spec.flash_attn} with several slots "
+                 "on a CPU: lets decode steps batch)" if engine.flash_attn != spec.flash_attn
+                 else "")
+        if spec.parallel > 1:
+            log.info("worker %d: %s", spec.worker_id, shapes.note)
+        self.shapes = shapes
+        loop.call_soon_threadsafe(self._serve, worker)
+
+    def _serve(self, worker: Worker) -> None:
+        assert self.shapes is not None
+        worker.start(self.shapes)
+        assert worker.loop is not None
+        if worker.engine.placement.get("gpu_layers") == 0:  # CPU compute: write at rest
+            worker.tiers.at_rest = worker.loop.resting
+        self.worker = worker
+
+    async def begin(self, app: web.Application) -> None:
+        threading.Thread(target=self.load, args=(asyncio.get_running_loop(),),
+                         name="load", daemon=True).start()
+
+    async def close(self, app: web.Application) -> None:
+        """After the last stream: the compute loop ends after its step, the queued writes
+        finish (the next proxy adopts their files)."""
+        if self.worker is not None and self.worker.loop is not None:
+            await asyncio.to_thread(self.worker.loop.stop)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.worker is not None:
+            return await self.worker.health(request)
+        return web.json_response(Loading(
+            self.phase, round(self.progress, 3), self.spec.worker_id, os.getpid(),
+            round(time.monotonic() - self.started, 1)).to_wire(), status=503)
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        if self.worker is None:
+            return web.json_response({"error": "loading the model"}, status=503)
+        return await self.worker.run(request)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        if self.worker is None:
+            return web.json_response({"cancelled": False}, status=404)
+        return await self.worker.cancel(request)
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        if self.worker is None:
+            return web.json_response({"error": "loading the model"}, status=503)
+        return await self.worker.events(request)
+
+
+def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
+    """`parent_pid`: the proxy that spawned this worker; the worker stops when it is gone."""
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_get("/health", boot.health)
+    app.router.add_post("/run", boot.run)
+    app.router.add_post("/cancel", boot.cancel)
+    app.router.add_get("/events", boot.events)
+    app.on_startup.append(boot.begin)
+    app.on_cleanup.append(boot.close)
+    if parent_pid is not None:
+        app.cleanup_ctx.append(lambda app: _exit_with_parent(parent_pid))
+    return app
+
+
+async def _exit_with_parent(parent_pid: int) -> AsyncIterator[None]:
+    """A proxy killed without a chance to stop its workers (SIGKILL, the OOM killer) must not
+    leave them holding the model and its KV: when the parent is gone, stop as on SIGTERM, so
+    runs in flight finish writing the snapshots they took (the next proxy adopts them)."""
+
+    async def watch() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(PARENT_CHECK_S)
+        log.warning("the proxy (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    task = asyncio.create_task(watch())
+    yield
+    task.cancel()
+
+
+def serve(spec: WorkerSpec) -> None:
+    """Listen at once (`Boot`), load, serve; a load that failed is a ValueError (one line)."""
+    boot = Boot(spec)
+    if spec.listen is not None:
+        host, port = spec.listen
+        log.info("worker %d listening on %s:%d (model %s, cache %s); loading", spec.worker_id,
+                 host, port, spec.model_path, spec.cache_dir)
+        web.run_app(make_app(boot), host=host, port=port, print=None, handle_signals=True,
+                    access_log=None)
+    else:
+        assert spec.socket is not None
+        if os.path.exists(spec.socket):
+            os.unlink(spec.socket)
+        # spawned by the proxy: stop with it
+        web.run_app(make_app(boot, parent_pid=os.getppid()), path=spec.socket, print=None,
+                    handle_signals=True, access_log=None)
+    if boot.error:
+        raise ValueError(boot.error)
+    if boot.worker is None:  # stopped while loading: the load thread is not waited for
+        logging.shutdown()
+        os._exit(0)

@@ -1,0 +1,382 @@
+"""The worker's slot machines, without I/O: `Core.apply(input, world) -> effects`.
+
+The core is what the worker *decides*: for each slot's job, which state its prompt starts from,
+where it snapshots, which batch it prefills next, when its answer ends. It computes nothing and
+touches nothing: the compute loop (`backend.worker.loop`) feeds it inputs (a job arrived, a read
+came back, a batch was evaluated, a token sampled) with a `World` (what each slot's live KV and
+the worker's memory hold right now), performs the effects it returns in order, on the thread each
+belongs to, and feeds their results back. It imports no runner, thread, clock or llama_cpp (the
+layout test holds it to that), so its rules are tested with tables of inputs and exact effects.
+
+A job's life (the events are `backend.protocol`'s, in its order):
+
+1. **Arrive.** Nothing is reused unless the start-up self-check passed (`exact`). The prompt's
+   batch edges are its cold run's (`policies.prefix.Batching`); it reuses at most `limit`, the
+   plan's `keep_max` held to the last edge before its last token. `keep`: what the slot's live
+   KV holds of it, where the plan allows (`live_ok`) and the KV is this tenant's. Before the
+   live KV is replaced, the part of it a next request could reuse gives way to the RAM tier
+   (`GiveWay`: cut back to a batch edge first), unless this prompt extends all of it.
+2. **Start.** The states it may start from: other slots' live KV, snapshots waiting for their
+   files, the RAM tier's entries (all of its salt and tenant, compared here up to the last batch
+   edge they share with the prompt), and the plan's disk and shared entries;
+   `policies.sources.choose_start` orders them (the rule `decide()` follows too). Memory loads
+   on the compute thread (`Load`); a disk or shared entry is read and verified on the reader
+   thread first (`Read`), so the other slots go on generating meanwhile, then loaded. A failure
+   is a `Fault` in `Start` and the next candidate is tried; then whatever was loaded is cut back
+   to what the prompt may keep (`Cut`), and `Start` is emitted (and the `Saved` of an entry
+   pulled from the shared tier: a local entry now). Snapshots behind the reuse are copied from
+   the live KV (`Snapshot`, `behind`).
+3. **Prefill.** A task for the scheduler (`tasks()`, `policies.schedule`) until the prompt is
+   evaluated: each `Prefill` step one batch of the cold run's; after each, `Prefill` is emitted
+   and a save point reached is snapshotted. The step that evaluates the last batch samples at
+   once (`Sample`): the logits are gone at the next llama_decode.
+4. **Generate.** Each sampled token is fed to the stop matcher and emitted; the answer ends on
+   an end-of-generation token, a stop string, `max_tokens` or a full context; otherwise the
+   token waits for its decode (a task again: `Decode` steps of several slots as the scheduler
+   shapes them), after which the slot samples at once.
+5. **End.** `Done` (or `Cancelled` after a cancel, `Error` after a failure) with what the live
+   KV holds that a next request may keep and the saves still coming; the slot takes a new job
+   from then on. Saves are written on the writer thread and reported by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.protocol import Cancelled, Done, Error, Event, Fault, Job, Prefill, Start, Token
+from backend.sampling import StopMatcher
+from backend.worker.messages import (
+    Arrive,
+    CancelRun,
+    Cut,
+    Effect,
+    Emit,
+    Finish,
+    GiveWay,
+    Ids,
+    Input,
+    Live,
+    Load,
+    Loaded,
+    Read,
+    ReadDone,
+    Sample,
+    Sampled,
+    Snapshot,
+    Snapshotted,
+    StartSampling,
+    Stepped,
+    World,
+)
+from policies.costs import Costs
+from policies.decide import Save
+from policies.prefix import Batching, Edges, live_reuse
+from policies.schedule import Task
+from policies.sources import COST_SOURCE, Candidate, Tier, choose_start
+
+# --- the machine --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Job:
+    job: Job
+    ids: Ids
+    edges: Edges
+    limit: int  # reuse at most this many tokens
+    mine: bool  # the live KV may be kept (the plan allows it, it is this tenant's)
+    keep: int  # what the live KV holds of the prompt that it keeps
+    started_s: float
+    order: list[Candidate] = field(default_factory=list)  # what is left to try
+    faults: list[Fault] = field(default_factory=list)
+    pulled: list[Event] = field(default_factory=list)  # `Saved` of entries pulled
+    read_s: float = 0.0  # the reader's seconds for the candidate being loaded
+    source: Tier = "live"
+    restored: int = 0  # tokens restored from the disk or the shared tier
+    from_memory: int = 0  # tokens restored from memory (another slot, a held state)
+    saves: dict[int, Save] = field(default_factory=dict)
+    pending: int = 0  # writes begun
+    phase: str = "start"  # start | prefill | generate | waits
+    prefill_from: int = 0
+    busy_s: float = 0.0  # seconds its prefill batches took
+    generating_s: float = 0.0  # when its generation began
+    matcher: StopMatcher = field(default_factory=lambda: StopMatcher(()))
+    n_gen: int = 0
+    token: int = -1  # the sampled token that waits for its decode
+
+
+@dataclass(slots=True)
+class Core:
+    """Every slot's job, and what the worker has learnt (costs, borrow counts)."""
+
+    n_slots: int
+    batching: Batching
+    cuts: bool  # plain attention: the live KV can be cut back to any position
+    ram_budget: int  # bytes of the RAM tier (< 0 no limit, 0 off)
+    exact: bool = True  # the start-up self-check passed
+    n_ctx: int = 0  # one slot's context (0: no bound here)
+    costs: Costs = field(default_factory=Costs)
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    owners: list[tuple[str, bytes]] = field(default_factory=list)  # (tenant, salt) of each KV
+    borrowed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("slot", "ram", "queued", "tokens"), 0))
+
+    def __post_init__(self) -> None:
+        self.owners = self.owners or [("", b"")] * self.n_slots
+
+    # --- the scheduler's view ----------------------------------------------------------------
+
+    def tasks(self, world: World) -> list[Task]:
+        """The slots with compute to do (`policies.schedule.Task`)."""
+        out = []
+        for slot, j in self.jobs.items():
+            if j.phase == "prefill":
+                n_live = world.slots[slot].n_live
+                out.append(Task(slot, len(j.ids) - n_live, j.edges.next(n_live) - n_live))
+            elif j.phase == "waits":
+                out.append(Task(slot, waits=True))
+        return out
+
+    def prefill_end(self, slot: int, world: World) -> int:
+        """Where the slot's next prefill batch ends (one of the cold run's edges)."""
+        j = self.jobs[slot]
+        return min(j.edges.next(world.slots[slot].n_live), len(j.ids))
+
+    def waiting(self, slot: int) -> int:
+        """The token the slot's decode evaluates."""
+        return self.jobs[slot].token
+
+    def run_of(self, slot: int) -> str:
+        j = self.jobs.get(slot)
+        return j.job.run_id if j is not None else ""
+
+    # --- inputs -----------------------------------------------------------------------------
+
+    def apply(self, inp: Input, world: World) -> list[Effect]:
+        if isinstance(inp, Arrive):
+            return self._arrive(inp.job, world)
+        if isinstance(inp, CancelRun):
+            slot = next((s for s, j in self.jobs.items() if j.job.run_id == inp.run_id), None)
+            return [] if slot is None else self._end(slot, world)
+        if isinstance(inp, Snapshotted):
+            for k in self.jobs.values():
+                if k.job.run_id == inp.run_id:
+                    k.pending += inp.queued
+            return []
+        j = self.jobs.get(inp.slot)
+        if j is None:
+            return []  # a result for a job that has ended (cancelled meanwhile)
+        if isinstance(inp, Loaded | ReadDone) and inp.run_id != j.job.run_id:
+            return []
+        if isinstance(inp, ReadDone):
+            return self._read(inp.slot, j, inp, world)
+        if isinstance(inp, Loaded):
+            return self._loaded(inp.slot, j, inp, world)
+        if isinstance(inp, Stepped):
+            return self._stepped(inp.slot, j, inp.seconds, world)
+        if isinstance(inp, Sampled):
+            return self._sampled(inp.slot, j, inp, world)
+        return [Emit(j.job.run_id, Error(inp.message)), *self._finish(inp.slot)]
+
+    def _arrive(self, job: Job, world: World) -> list[Effect]:
+        assert job.slot not in self.jobs, f"slot {job.slot} is running a job"
+        slot, plan = job.slot, job.plan
+        ids = np.asarray(job.ids, dtype=np.intc)
+        edges = self.batching.edges(job.ids)
+        limit = min(plan.keep_max, edges.keep_max) if self.exact else 0
+        live = world.slots[slot]
+        mine = plan.live_ok and self.exact and self.owners[slot] == (job.tenant, job.salt)
+        keep = self._live_prefix(live, ids, edges, limit) if mine else 0
+        j = _Job(job, ids, edges, limit, mine, keep, world.now_s)
+        j.saves = {s.n_tokens: s for s in plan.saves if self.exact and s.n_tokens in edges}
+        self.jobs[slot] = j
+        effects: list[Effect] = []
+        if self.exact and self.ram_budget != 0:
+            effects += self._give_way(slot, job, ids, keep, live)
+        if self.exact:
+            cands = self._memory(slot, job, ids, edges, limit, world) + [
+                Candidate(r.tier, r.n_tokens, True, r.size_bytes, -1 - i)
+                for i, r in enumerate(plan.restore) if r.n_tokens in edges]
+            j.order = list(choose_start(keep, cands, limit, self.cuts, self.costs).order)
+        return effects + self._attempt(slot, j, world)
+
+    def _give_way(self, slot: int, job: Job, ids: Ids, keep: int, live: Live) -> list[Effect]:
+        """The part of the live KV a next request could reuse, cut back to a batch edge, before
+        this job replaces it; not where this prompt extends all of it."""
+        n = min(live.exact_n, live.n_live) if not (live.exact_n < live.n_live
+                                                    and live.exact_n < live.floor) else 0
+        if n > keep:
+            n = self.batching.edges(live.ids[:n].tolist()).floor(n)
+        tenant, salt = self.owners[slot]
+        if n <= keep or live_reuse(n, live.n_live, live.floor) != n or (
+                (tenant, salt) == (job.tenant, job.salt) and len(ids) >= n
+                and np.array_equal(live.ids[:n], ids[:n])):
+            return []
+        return [GiveWay(slot, n, salt, tenant)]
+
+    def _memory(self, slot: int, job: Job, ids: Ids, edges: Edges, limit: int,
+                world: World) -> list[Candidate]:
+        """Candidates in this worker's memory, of this salt and tenant: held states and other
+        slots' live KV (its exact part), each up to the last batch edge it shares with the
+        prompt. A copy of a live slot passes through host RAM: none larger than the budget."""
+        out = []
+        sources: list[tuple[Tier, int, Ids, int]] = [
+            (h.tier, h.ref, h.ids, h.nbytes) for h in world.held
+            if h.salt == job.salt and h.tenant == job.tenant]
+        sources += [("slot", s, live.ids[: live.exact_n], live.nbytes)
+                    for s, live in enumerate(world.slots)
+                    if s != slot and live.exact_n and self.owners[s] == (job.tenant, job.salt)
+                    and 0 < live.nbytes and (self.ram_budget < 0
+                                             or live.nbytes <= self.ram_budget)]
+        for tier, ref, src, nbytes in sources:
+            n = min(len(src), len(ids), limit)
+            differ = np.flatnonzero(src[:n] != ids[:n])
+            e = edges.floor(int(differ[0]) if len(differ) else n)
+            whole = e == len(src) and tier != "slot"
+            if e > 0 and (whole or (self.cuts and self.ram_budget != 0)):
+                out.append(Candidate(tier, e, whole, nbytes, ref))
+        return out
+
+    def _attempt(self, slot: int, j: _Job, world: World) -> list[Effect]:
+        """Load the next candidate, or, with none left, begin from what the slot holds."""
+        if not j.order:
+            return self._begin(slot, j, world)
+        c = j.order.pop(0)
+        if c.tier in ("disk", "shared"):
+            return [Read(slot, j.job.run_id, j.job, -1 - c.ref)]
+        n = min(c.n_tokens, j.limit)
+        return [Load(slot, j.job.run_id, c, n, src=c.ref if c.tier == "slot" else -1)]
+
+    def _read(self, slot: int, j: _Job, r: ReadDone, world: World) -> list[Effect]:
+        if r.pulled is not None:  # a local entry now, whether it loads or not
+            j.pulled.append(r.pulled)
+        if r.fault is not None:
+            j.faults.append(r.fault)
+            return self._attempt(slot, j, world)
+        entry = j.job.plan.restore[r.index]
+        j.read_s = r.seconds
+        c = Candidate(entry.tier, entry.n_tokens, True, entry.size_bytes, -1 - r.index)
+        return [Load(slot, j.job.run_id, c, min(entry.n_tokens, j.limit), payload=r.payload)]
+
+    def _loaded(self, slot: int, j: _Job, r: Loaded, world: World) -> list[Effect]:
+        c = r.candidate
+        if r.fault is not None or r.kept == 0:
+            if r.fault is not None:
+                j.faults.append(r.fault)
+            # a failed load may have emptied the slot: what it holds now
+            j.keep = self._keep(slot, j, world) if j.mine else 0
+            return self._attempt(slot, j, world)
+        seconds = r.seconds + (j.read_s if c.tier in ("disk", "shared") else 0.0)
+        self.costs = self.costs.add_restore(COST_SOURCE[c.tier], c.moved_bytes, seconds)
+        j.keep, j.source = r.kept, c.tier
+        if c.tier in ("disk", "shared"):
+            j.restored = c.n_tokens
+        else:
+            j.from_memory = r.kept
+            if not c.whole:
+                self.borrowed[c.tier] += 1
+                self.borrowed["tokens"] += r.kept
+        return self._begin(slot, j, world)
+
+    def _keep(self, slot: int, j: _Job, world: World) -> int:
+        return self._live_prefix(world.slots[slot], j.ids, j.edges, j.limit)
+
+    def _begin(self, slot: int, j: _Job, world: World) -> list[Effect]:
+        """The prompt starts from `j.keep` tokens: `Start`, the pulled entries' `Saved`, the
+        snapshots behind the reuse; then its prefill is a task."""
+        job, run = j.job, j.job.run_id
+        self.owners[slot] = (job.tenant, job.salt)
+        j.phase, j.prefill_from = "prefill", j.keep
+        effects: list[Effect] = [
+            Cut(slot, j.keep),
+            Emit(run, Start(j.keep, j.restored, world.now_s - j.started_s, tuple(j.faults),
+                            j.from_memory)),
+            *(Emit(run, e) for e in j.pulled)]
+        j.pending += len(j.pulled)
+        effects += [Snapshot(slot, run, p, j.saves[p], behind=p < j.keep)
+                    for p in sorted(j.saves) if 0 < p <= j.keep]
+        if j.keep >= len(j.ids):  # never: at least the last token is evaluated
+            return effects + [Emit(run, Error("nothing to prefill")), *self._finish(slot)]
+        return effects
+
+    def _stepped(self, slot: int, j: _Job, seconds: float, world: World) -> list[Effect]:
+        n_live, run = world.slots[slot].n_live, j.job.run_id
+        if j.phase == "prefill":
+            j.busy_s += seconds
+            effects: list[Effect] = [Emit(run, Prefill(n_live))]
+            if n_live in j.saves:
+                effects.append(Snapshot(slot, run, n_live, j.saves[n_live]))
+            if n_live < len(j.ids):
+                return effects
+            self.costs = self.costs.add_prefill(j.prefill_from, len(j.ids), j.busy_s)
+            j.phase, j.generating_s = "generate", world.now_s
+            j.matcher = StopMatcher(j.job.stop)
+            if j.job.max_tokens <= 0:
+                return effects + self._done(slot, j, world, "length", None)
+            return effects + [StartSampling(slot, dict(j.job.sampling), j.job.grammar),
+                              Sample(slot)]
+        j.phase = "generate"  # its decode: it samples at once
+        return [Sample(slot)]
+
+    def _sampled(self, slot: int, j: _Job, s: Sampled, world: World) -> list[Effect]:
+        run = j.job.run_id
+        if s.eog:
+            return self._done(slot, j, world, "stop", None)
+        j.n_gen += 1
+        text, matched = j.matcher.feed(s.piece)
+        effects: list[Effect] = [Emit(run, Token(s.token, text))]
+        if matched is not None:
+            return effects + self._done(slot, j, world, "stop_sequence", matched)
+        if j.n_gen >= j.job.max_tokens or (self.n_ctx and world.slots[slot].n_live
+                                            >= self.n_ctx):
+            return effects + self._done(slot, j, world, "length", None)
+        j.phase, j.token = "waits", s.token
+        return effects
+
+    def _done(self, slot: int, j: _Job, world: World, finish: str,
+              matched: str | None) -> list[Effect]:
+        run = j.job.run_id
+        tail = j.matcher.flush() if matched is None else ""
+        effects: list[Effect] = [Emit(run, Token(None, tail))] if tail else []
+        n, floor = reusable(world.slots[slot])
+        effects.append(Emit(run, Done(finish, matched, j.n_gen, n, floor,
+                                      j.generating_s - j.started_s,
+                                      world.now_s - j.generating_s, j.pending,
+                                      self.costs.to_wire())))
+        return effects + self._finish(slot)
+
+    def _end(self, slot: int, world: World) -> list[Effect]:
+        """A cancelled job ends here: what its prefill evaluated stays live (a retry reuses it),
+        snapshots taken are still written."""
+        j = self.jobs[slot]
+        if j.phase == "start":  # nothing of this prompt is in the slot: the KV is as it was
+            n, floor = 0, 0
+        else:
+            n, floor = reusable(world.slots[slot])
+        return [Emit(j.job.run_id, Cancelled(n, floor, j.pending)), *self._finish(slot)]
+
+    def _finish(self, slot: int) -> list[Effect]:
+        del self.jobs[slot]
+        return [Finish(slot)]
+
+    @staticmethod
+    def _live_prefix(live: Live, ids: Ids, edges: Edges, limit: int) -> int:
+        """Tokens of the prompt the live KV holds exactly and can be cut back to, at a batch
+        edge, at most `limit`."""
+        n = min(live.exact_n, len(ids))
+        if n == 0:
+            return 0
+        differ = np.flatnonzero(live.ids[:n] != ids[:n])
+        n = int(differ[0]) if len(differ) else n
+        return min(live_reuse(edges.floor(n), live.n_live, live.floor), limit)
+
+
+def reusable(live: Live) -> tuple[int, int]:
+    """(live tokens a next request may keep, the shortest of them the memory can be cut back
+    to). Generated tokens are not exact, so where the memory cannot be cut back to the exact
+    part (a recurrent state after generating), none."""
+    n, floor = live.exact_n, live.floor
+    if n < live.n_live and n < floor:
+        return 0, 0
+    return n, min(floor, n)

@@ -1,0 +1,167 @@
+"""The worker's threads: compute, reader, writer.
+
+- **compute** (one, "llama"): the only thread that calls llama.cpp on the context. It takes the
+  inputs that came (jobs, cancels, reads that finished), applies each to the core with the world
+  as it is (`Core.apply`), does the effects in order (the compute ones through the runner, a
+  result applied at once, before the next effect: the logits of a step are sampled before any
+  other llama_decode), then asks the scheduler for the next step (`policies.schedule`), runs it
+  and applies its results. It waits for input only when no slot has compute to do, and then
+  says it rests (`resting`), which the writer waits for on a CPU.
+- **reader** (one): reads, verifies and prepares the disk and shared entries a job starts from
+  (`Tiers.read`), so a restore of gigabytes never holds up the other slots' steps; only the load
+  itself (a copy into the context) runs on the compute thread.
+- **writer** (one): writes queued snapshots to their files and publishes them
+  (`Tiers.write`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from backend import keys
+from backend.engine import Engine
+from backend.protocol import Event, Job
+from backend.worker.core import Core
+from backend.worker.messages import (
+    Arrive,
+    CancelRun,
+    Effect,
+    Emit,
+    Failed,
+    Input,
+    Live,
+    Read,
+    ReadDone,
+    Snapshot,
+    World,
+)
+from backend.worker.runner import Runner
+from backend.worker.tiers import Tiers
+from policies.schedule import Clock, Shapes, charge, next_step, track
+
+log = logging.getLogger("prefixgate.worker")
+
+
+class Loop:
+    def __init__(self, engine: Engine, core: Core, tiers: Tiers, shapes: Shapes,
+                 emit: Callable[[str, Event], None]) -> None:
+        self.engine, self.core, self.tiers, self.shapes = engine, core, tiers, shapes
+        self.emit = emit
+        self.inbox: queue.SimpleQueue[Input | None] = queue.SimpleQueue()
+        self.resting = threading.Event()  # set while no slot has compute to do
+        self.resting.set()
+        self.clock = Clock()
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="reader")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="writer")
+        self.runner = Runner(engine, tiers, self._write)
+        self.thread = threading.Thread(target=self._main, name="llama", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, inp: Input) -> None:
+        """From any thread: a job, a cancel, or a read that finished."""
+        self.inbox.put(inp)
+
+    def stop(self) -> None:
+        """End the loop once the step it runs is done (jobs that wait are dropped), and wait
+        for it: the engine may be closed then, never under a step."""
+        self.inbox.put(None)
+        if self.thread.is_alive():
+            self.thread.join()
+        self.reader.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
+
+    # --- the compute thread ------------------------------------------------------------------
+
+    def _world(self, full: bool = False) -> World:
+        eng = self.engine
+        slots = [Live(q.ids, q.n_live, q.exact_n, eng.floor(q.id),
+                      eng.state_bytes(q.id) if full and q.exact_n else 0) for q in eng.seqs]
+        held = self.tiers.held() if full else []
+        self.runner.held = held if full else self.runner.held
+        return World(slots, held, time.perf_counter())
+
+    def _main(self) -> None:
+        while True:
+            tasks = self.core.tasks(self._world())
+            try:
+                while True:  # wait for input when there is no compute; else take what came
+                    if not tasks:
+                        self.resting.set()
+                    inp = self.inbox.get(block=not tasks)
+                    if inp is None:
+                        self.resting.set()
+                        return
+                    self.resting.clear()
+                    self._apply(inp)
+                    tasks = self.core.tasks(self._world())
+            except queue.Empty:
+                pass
+            world = self._world()
+            self.clock = track(self.clock, list(self.core.jobs), tasks, world.now_s)
+            step = next_step(tasks, self.clock, self.shapes)
+            if step is None:
+                continue
+            results = self.runner.step(step, self.core)
+            self.clock = charge(self.clock, step,
+                                max((r.seconds for r in results if hasattr(r, "seconds")),
+                                    default=0.0))
+            for r in results:
+                self._apply(r)
+
+    def _apply(self, inp: Input) -> None:
+        """Apply an input and do its effects, each result applied at once (depth first)."""
+        try:
+            effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive)))
+        except Exception:  # a bug: that job fails, the worker lives on
+            log.exception("the worker's core failed on %s", type(inp).__name__)
+            slot = getattr(inp, "slot", getattr(getattr(inp, "job", None), "slot", None))
+            if isinstance(slot, int) and slot in self.core.jobs and not isinstance(inp, Failed):
+                self._apply(Failed(slot, "the worker failed on this job (its log says why)"))
+            return
+        for e in effects:
+            self._do(e)
+
+    def _do(self, e: Effect) -> None:
+        if isinstance(e, Emit):
+            self.emit(e.run_id, e.event)
+        elif isinstance(e, Read):
+            self.reader.submit(self._read, e)
+        else:
+            try:
+                result = self.runner.effect(e, self.core)
+            except Exception as ex:  # llama.cpp refused something: that job fails
+                log.exception("the worker failed on %s", type(e).__name__)
+                slot = getattr(e, "slot", None)
+                result = Failed(slot, f"{type(ex).__name__}: {ex}") if isinstance(
+                    slot, int) and slot in self.core.jobs else None
+            if result is not None:
+                self._apply(result)
+
+    # --- the reader and writer threads -------------------------------------------------------
+
+    def _read(self, e: Read) -> None:
+        r = e.job.plan.restore[e.index]
+        payload, fault, pulled, seconds = self.tiers.read(e.job, r)
+        self.submit(ReadDone(e.slot, e.run_id, e.index, payload, seconds, fault, pulled))
+
+    def _write(self, run_id: str, key: keys.CacheKey, e: Snapshot, ids: tuple[int, ...],
+               state: memoryview, tenant: str) -> None:
+        self.writer.submit(self.tiers.write, run_id, e.save, key, ids, state, tenant,
+                           time.monotonic())
+
+    def arrive(self, job: Job) -> None:
+        self.submit(Arrive(job))
+
+    def cancel(self, run_id: str) -> None:
+        self.submit(CancelRun(run_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self.tiers.stats()

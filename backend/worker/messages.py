@@ -1,0 +1,207 @@
+"""What the worker's core is told and what it asks for (`backend.worker.core.Core.apply`):
+plain frozen values, no I/O.
+
+- `World`: what each slot's live KV and the worker's memory hold, read just before an input is
+  applied.
+- Inputs: a job arrived or was cancelled, or the result of an effect came back (`Loaded`,
+  `ReadDone`, `Stepped`, `Sampled`, `Snapshotted`, `Failed`).
+- Effects, each on the thread it belongs to (`backend.worker.loop`): `Emit` an event to a run's
+  stream; on the compute thread `GiveWay`, `Load`, `Cut`, `Snapshot`, `StartSampling`, `Sample`,
+  `Finish`; on the reader thread `Read`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from backend.protocol import Event, Fault, Job
+from policies.decide import Save
+from policies.sources import Candidate, Tier
+
+Ids = npt.NDArray[np.intc]
+
+
+# --- what the core is told ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """What a slot's live KV holds (the engine's `Seq`), read just before `apply`."""
+
+    ids: Ids  # ids[:n_live]
+    n_live: int
+    exact_n: int  # its leading tokens whose KV a cold prefill computes identically
+    floor: int  # the shortest live prefix its memory can be cut back to
+    nbytes: int = 0  # its state's size
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A state in the worker's memory: a RAM-tier entry or a snapshot waiting for its file."""
+
+    tier: Tier  # ram | queued
+    ref: int  # the tier's own handle on it
+    salt: bytes
+    tenant: str
+    ids: Ids  # exactly the tokens it holds
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    slots: Sequence[Live]
+    held: Sequence[Held] = ()
+    now_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive:
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRun:
+    run_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A `Load` ran: the slot holds `kept` tokens of the candidate (0 with `fault`)."""
+
+    slot: int
+    run_id: str
+    candidate: Candidate
+    kept: int
+    seconds: float
+    fault: Fault | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """A `Read` came back: `payload` is the state, verified and prepared, for `Load`."""
+
+    slot: int
+    run_id: str
+    index: int  # in job.plan.restore
+    payload: Any
+    seconds: float
+    fault: Fault | None = None
+    pulled: Event | None = None  # the `Saved` of an entry pulled from the shared tier
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """A prefill batch or a decode step evaluated this slot's tokens (`seconds`: its share)."""
+
+    slot: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    slot: int
+    token: int
+    piece: bytes
+    eog: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshotted:
+    run_id: str
+    queued: bool  # a write began (false: the same state waits for its file already)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    slot: int
+    message: str
+
+
+Input = Arrive | CancelRun | Loaded | ReadDone | Stepped | Sampled | Snapshotted | Failed
+
+
+# --- what the core asks for ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    run_id: str
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class GiveWay:
+    """Copy the slot's live KV, cut back to `n`, to the RAM tier under its owner's keys."""
+
+    slot: int
+    n: int
+    salt: bytes
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Load a candidate into the slot and cut it back to `n` (the compute thread): another
+    slot's live KV, a held state (`ref`), or a read's `payload`."""
+
+    slot: int
+    run_id: str
+    candidate: Candidate
+    n: int
+    src: int = -1  # the slot copied from (tier slot)
+    payload: Any = None  # a read's state (tiers disk and shared)
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read, verify and prepare a disk or shared entry (the reader thread)."""
+
+    slot: int
+    run_id: str
+    job: Job
+    index: int  # in job.plan.restore
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    slot: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Snapshot the slot's first `n` tokens (behind: cut back from the live KV, which is put
+    back) and write it (the writer thread)."""
+
+    slot: int
+    run_id: str
+    n: int
+    save: Save
+    behind: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StartSampling:
+    slot: int
+    sampling: dict[str, Any]
+    grammar: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The slot's job is over: free its sampler; it takes a new job."""
+
+    slot: int
+
+
+Effect = Emit | GiveWay | Load | Read | Cut | Snapshot | StartSampling | Sample | Finish

@@ -1,0 +1,147 @@
+"""The runner: the core's compute effects and the scheduler's steps, done on the engine. It runs
+on the compute thread only, decides nothing, and reports each result as the core's input.
+
+    Runner(engine, tiers, write).effect(effect, core) -> input | None
+    Runner.step(step, core) -> [input, ...]
+
+- `Prefill(slot, n)`: the slot's next batch of the cold run's (`Engine.prefill_batch`).
+- `Decode(slots)`: one llama_decode of each slot's waiting token, in the shape the engine's
+  `decode_shape` says; each slot is charged the step's time.
+- Loads restore a state into a slot and cut it back to what the prompt keeps; a failure is a
+  `Fault` in the result (the state was this engine's own or verified, so it is never expected).
+- A snapshot's key is computed here (xxh3 over the ids: microseconds), its copy queued in the
+  tiers and its file written on the writer thread (`write`).
+- Samplers are the slots' own (llama.cpp's chains), from `StartSampling` to `Finish`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backend import keys
+from backend.engine import Engine
+from backend.protocol import Fault, Job
+from backend.sampling import Sampler, Sampling
+from backend.worker.core import Core
+from backend.worker.messages import (
+    Cut,
+    Effect,
+    Failed,
+    Finish,
+    GiveWay,
+    Held,
+    Input,
+    Load,
+    Loaded,
+    Sample,
+    Sampled,
+    Snapshot,
+    Snapshotted,
+    StartSampling,
+    Stepped,
+)
+from backend.worker.tiers import Payload, Tiers
+from policies.schedule import Decode, Prefill, Step
+
+Write = Callable[[str, keys.CacheKey, Snapshot, tuple[int, ...], memoryview, str], None]
+
+
+@dataclass(slots=True)
+class Runner:
+    engine: Engine
+    tiers: Tiers
+    write: Write  # queue a snapshot's file for the writer thread
+    samplers: dict[int, Sampler] = field(default_factory=dict)
+    held: list[Held] = field(default_factory=list)  # the core's view of the tiers, at Arrive
+
+    def effect(self, e: Effect, core: Core) -> Input | None:
+        eng = self.engine
+        if isinstance(e, Cut):
+            eng.truncate(e.slot, e.n)
+        elif isinstance(e, GiveWay):
+            if eng.truncate(e.slot, e.n) == e.n:
+                q = eng.seqs[e.slot]
+                self.tiers.give_way(e.salt, e.tenant, q.ids[: e.n].copy(), eng.snapshot(e.slot))
+        elif isinstance(e, Load):
+            return self._load(e)
+        elif isinstance(e, Snapshot):
+            return self._snapshot(e, core.jobs[e.slot].job)
+        elif isinstance(e, StartSampling):
+            try:
+                self.samplers[e.slot] = eng.sampler(Sampling.from_json(e.sampling), e.grammar)
+            except ValueError as ex:
+                return Failed(e.slot, str(ex))
+        elif isinstance(e, Sample):
+            token = eng.sample(e.slot, self.samplers[e.slot])
+            eog = token in eng.eog
+            return Sampled(e.slot, token, b"" if eog else eng.piece(token), eog)
+        elif isinstance(e, Finish):
+            sampler = self.samplers.pop(e.slot, None)
+            if sampler is not None:
+                sampler.close()
+        return None
+
+    def _load(self, e: Load) -> Loaded:
+        eng, c, t = self.engine, e.candidate, time.perf_counter()
+        try:
+            if c.tier == "slot":
+                kept = eng.copy(e.src, e.slot, e.n)
+            elif isinstance(e.payload, Payload):
+                p = e.payload
+                eng.restore(e.slot, p.ids, p.state, prepared=p.padded)
+                kept = eng.truncate(e.slot, e.n)
+            else:
+                h = next((h for h in self.held if h.tier == c.tier and h.ref == c.ref), None)
+                got = None if h is None else self.tiers.state(h)
+                if h is None or got is None:
+                    return Loaded(e.slot, e.run_id, c, 0, 0.0,
+                                  Fault("missing", f"the {c.tier} state left its tier", ""))
+                eng.restore(e.slot, got[0], got[1])
+                kept = eng.truncate(e.slot, e.n)
+                if c.whole and kept == e.n:
+                    self.tiers.taken(h)
+        except ValueError as ex:  # never expected: the state was this engine's, or verified
+            return Loaded(e.slot, e.run_id, c, 0, time.perf_counter() - t,
+                          Fault("corrupt", f"the {c.tier} state did not load: {ex}", ""))
+        return Loaded(e.slot, e.run_id, c, kept, time.perf_counter() - t)
+
+    def _snapshot(self, e: Snapshot, job: Job) -> Snapshotted:
+        eng, q = self.engine, self.engine.seqs[e.slot]
+        if e.behind:
+            if not eng.can_snapshot_behind(e.slot, e.n):
+                return Snapshotted(e.run_id, False)
+            try:
+                state = eng.snapshot_behind(e.slot, e.n)
+            except ValueError:
+                return Snapshotted(e.run_id, False)
+        else:
+            assert q.n_live == e.n, (q.n_live, e.n)
+            state = eng.snapshot(e.slot)
+        ids = job.ids[: e.n]
+        key = keys.prefix_keys(job.salt, ids, [e.n])[e.n]
+        if not self.tiers.queue(key, job.salt, job.tenant, q.ids[: e.n].copy(), state):
+            return Snapshotted(e.run_id, False)
+        self.write(e.run_id, key, e, ids, state, job.tenant)
+        return Snapshotted(e.run_id, True)
+
+    def step(self, step: Step, core: Core) -> list[Input]:
+        """Evaluate the step; each slot's result (its share of the time, or its failure)."""
+        eng, t = self.engine, time.perf_counter()
+        if isinstance(step, Prefill):
+            slots = [step.slot]
+            ids = core.jobs[step.slot].job.ids
+            end = eng.seqs[step.slot].n_live + step.n
+            run: Callable[[], None] = lambda: eng.prefill_batch(step.slot, ids, end)  # noqa: E731
+        else:
+            assert isinstance(step, Decode)
+            slots = list(step.slots)
+            tokens = {s: core.waiting(s) for s in slots}
+            run = lambda: eng.decode(tokens)  # noqa: E731
+        try:
+            run()
+        except (RuntimeError, ValueError) as ex:
+            return [Failed(s, f"{type(ex).__name__}: {ex}") for s in slots]
+        dt = time.perf_counter() - t
+        return [Stepped(s, dt) for s in slots]

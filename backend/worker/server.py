@@ -1,0 +1,209 @@
+"""The worker's HTTP shell (Unix socket, or TCP across containers): the protocol of
+backend/protocol.py over the compute loop.
+
+    GET  /health  -> WorkerInfo (while it loads: 503 {"status": "loading", ...}, `Boot`)
+    POST /run     -> a Job in, its NDJSON event stream out (a malformed job is a 400, a job for
+                     a slot that is running one a 409)
+    POST /cancel  -> {"run_id"}: stop that run at once (its stream reports `Cancelled`)
+    GET  /events  -> NDJSON of TierEvent: the RAM tier's entries as they are, then every change
+
+`Done` comes as soon as generation ends (the slot is free then); `Saved` events follow once
+each file is durable, and the stream ends after the last one. The client closing the stream
+cancels the run; nothing more is written to it then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from aiohttp import web
+
+from backend import volume
+from backend.engine import Engine
+from backend.keys import CacheIdentity
+from backend.protocol import (
+    Cancelled,
+    DecodeInfo,
+    Done,
+    Error,
+    Event,
+    Job,
+    Saved,
+    SaveFailed,
+    TierEvent,
+    WorkerInfo,
+    encode_event,
+)
+from backend.worker.core import Core
+from backend.worker.loop import Loop
+from backend.worker.tiers import Tiers
+
+WATCH_S = 0.05  # how often a stream checks that its client is still there
+
+
+@dataclass(slots=True)
+class _Run:
+    slot: int
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+
+class Worker:
+    def __init__(self, engine: Engine, core: Core, tiers: Tiers, decode: DecodeInfo,
+                 worker_id: int, cache_dir: Path, identity: CacheIdentity, n_ctx: int,
+                 checked: dict[str, Any]) -> None:
+        self.engine, self.core, self.tiers, self.decode = engine, core, tiers, decode
+        self.worker_id, self.cache_dir, self.identity = worker_id, cache_dir, identity
+        self.fingerprint = identity.fingerprint()
+        self.n_ctx, self.checked = n_ctx, checked  # as configured, all slots
+        self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
+        self.runs: dict[str, _Run] = {}  # streaming runs
+        self.active: dict[int, str] = {}  # slot -> the run it serves, until it ends
+        self.listeners: set[asyncio.Queue[TierEvent]] = set()
+        self.aloop: asyncio.AbstractEventLoop | None = None
+        self.loop: Loop | None = None
+
+    def start(self, shapes: Any) -> None:
+        """Serve: the compute loop starts (events reach this event loop from its threads)."""
+        self.aloop = asyncio.get_running_loop()
+        self.tiers.emit = self.emit
+        self.tiers.on_event = self.tier_event
+        self.loop = Loop(self.engine, self.core, self.tiers, shapes, self.emit)
+        self.loop.start()
+
+    # --- from the worker's threads -----------------------------------------------------------
+
+    def emit(self, run_id: str, event: Event) -> None:
+        assert self.aloop is not None
+        self.aloop.call_soon_threadsafe(self._deliver, run_id, event)
+
+    def _deliver(self, run_id: str, event: Event) -> None:
+        run = self.runs.get(run_id)
+        if isinstance(event, Done | Cancelled | Error) and run is not None \
+                and self.active.get(run.slot) == run_id:
+            del self.active[run.slot]  # the slot takes a new job from now on
+        if run is not None:
+            run.events.put_nowait(event)
+
+    def tier_event(self, event: TierEvent) -> None:
+        assert self.aloop is not None
+        self.aloop.call_soon_threadsafe(lambda: [q.put_nowait(event) for q in self.listeners])
+
+    # --- HTTP --------------------------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        eng, mem, stats = self.engine, self.engine.memory, self.tiers.stats()
+        return WorkerInfo(
+            worker_id=self.worker_id, pid=os.getpid(), boot_id=self.boot_id,
+            model=self.identity.model_path, fingerprint=self.fingerprint.hex(),
+            llama_cpp_version=llama_cpp.__version__, flash_attn=eng.flash_attn,
+            compute=eng.compute, n_ctx=self.n_ctx, n_ctx_actual=eng.n_ctx,
+            slots=len(eng.seqs), n_live=tuple(q.n_live for q in eng.seqs),
+            busy=tuple(s in self.active for s in range(len(eng.seqs))), memory=mem.kind,
+            n_swa=mem.n_swa, swa_full=mem.full, align=eng.batching.size,
+            batch_ends=tuple(sorted(eng.batching.ends)), exact=self.core.exact,
+            exact_failure=str(self.checked.get("failure", "")),
+            borrows=self.core.exact and self.core.cuts and self.tiers.ram.on,
+            decode=self.decode, threads=eng.n_threads, threads_batch=eng.n_threads_batch,
+            cache_volume=volume.read(self.cache_dir), costs=self.core.costs.to_wire(),
+            cache_ram=dict(stats["ram"]), shared=stats["shared"], writes={
+                **stats["writes"], "at_rest_on": float(self.tiers.at_rest is not None)},
+            borrowed=dict(self.core.borrowed), placement=dict(eng.placement),
+            checked=self.checked, identity=self.identity)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(self.info().to_wire())
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        try:
+            job = Job.from_wire(await request.json())
+        except ValueError as e:  # a proxy of another version, or a bug: say what is wrong
+            return web.json_response({"error": str(e)}, status=400)
+        slots = len(self.engine.seqs)
+        if job.slot >= slots:
+            return web.json_response({"error": f"slot {job.slot}: this worker has {slots} "
+                                               "(--parallel)"}, status=400)
+        if job.slot in self.active:  # one job per slot: two proxies, or a proxy's bug
+            return web.json_response({"error": f"slot {job.slot} is running a job"},
+                                     status=409)
+        assert self.loop is not None
+        run = self.runs[job.run_id] = _Run(job.slot)
+        self.active[job.slot] = job.run_id
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+        except BaseException:
+            self.active.pop(job.slot, None)
+            self.runs.pop(job.run_id, None)
+            raise
+        self.loop.arrive(job)
+        watch = asyncio.create_task(self._watch(request, job.run_id))
+        gone = False  # the proxy closed the stream: nothing more is written
+        try:
+            saves_seen, expected = 0, None  # `expected`: saves announced by done or cancelled
+            while expected is None or saves_seen < expected:
+                event = await run.events.get()
+                if isinstance(event, Done | Cancelled):
+                    expected = event.pending_saves
+                elif isinstance(event, Saved | SaveFailed):
+                    saves_seen += 1
+                elif isinstance(event, Error):
+                    expected = saves_seen  # a failed run's pending writes are not awaited
+                gone = gone or request.transport is None or request.transport.is_closing()
+                if not gone:
+                    try:
+                        await resp.write(encode_event(event))
+                    except (ConnectionError, RuntimeError):
+                        gone = True
+                        self.loop.cancel(job.run_id)
+        finally:
+            watch.cancel()
+            if self.active.get(job.slot) == job.run_id:  # still running: it stops at once
+                self.loop.cancel(job.run_id)
+            self.runs.pop(job.run_id, None)
+        with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
+            await resp.write_eof()
+        return resp
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """Stop a run now; its stream goes on to report what is live and the snapshots still
+        being written."""
+        body = await request.json()
+        run_id = str(body.get("run_id")) if isinstance(body, dict) else ""
+        run = self.runs.get(run_id)
+        if run is None or self.active.get(run.slot) != run_id or self.loop is None:
+            return web.json_response({"cancelled": False}, status=404)
+        self.loop.cancel(run_id)
+        return web.json_response({"cancelled": True})
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """The RAM tier's entries as they are, then every tier event, until the client goes."""
+        q: asyncio.Queue[TierEvent] = asyncio.Queue()
+        self.listeners.add(q)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            for k, e in list(self.tiers.ram.entries.items()):
+                await resp.write(encode_event(TierEvent("stored", "ram", k, e.salt.hex(),
+                                                        e.tenant, len(e.ids),
+                                                        tuple(int(t) for t in e.ids))))
+            while True:
+                await resp.write(encode_event(await q.get()))
+        except (ConnectionError, RuntimeError):
+            return resp
+        finally:
+            self.listeners.discard(q)
+
+    async def _watch(self, request: web.Request, run_id: str) -> None:
+        while run_id in self.runs:
+            if request.transport is None or request.transport.is_closing():
+                if self.loop is not None:
+                    self.loop.cancel(run_id)
+                return
+            await asyncio.sleep(WATCH_S)

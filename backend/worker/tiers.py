@@ -1,0 +1,226 @@
+"""The tier chain: every place a state of this worker can be besides a slot's live KV, and what
+enters and leaves each.
+
+    ram      the RAM tier (`backend.ramtier`, --cache-ram): live states that had to give way
+    queued   snapshots taken but not yet written to their files (restorable meanwhile)
+    disk     state files in the cache directory (`backend.store`), indexed by the proxy
+    shared   the shared tier across hosts (`backend.shared`, --shared-tier), pulled to the disk
+
+Which thread does what (`backend.worker.loop`):
+- the compute thread holds the RAM tier and the queue: `held()` (the core's view of them),
+  `state()` (a held state's bytes, to load), `give_way()`, `queue()`;
+- the reader thread `read()`s a disk or shared entry: pulled (shared), read, verified (header,
+  fingerprint, checksum, the prompt's token ids: `store.read_state_file`) and prepared for the
+  engine (`Engine.prepare`), so the compute thread only loads it;
+- the writer thread `write()`s a queued snapshot to its file (and publishes it to the shared
+  tier), then reports `Saved` or `SaveFailed` to the run's stream. Where llama.cpp computes on the
+  CPU it first waits for the compute thread to rest (`WRITE_REST_S` at most, and not while
+  `WRITE_REST_BYTES` wait): on a few cores hashing and writing slowed every prefill it
+  overlapped (bench/results/issue20).
+
+Every change is said as a `TierEvent` to `on_event` (stored: a state of `ids` entered the tier;
+removed: it left), what the proxy's view of the worker and an external KV-aware router are fed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from backend import keys, store
+from backend.protocol import Event, Fault, Job, Saved, SaveFailed, TierEvent
+from backend.ramtier import RamTier
+from backend.shared import STATS, SharedFault, SharedTier
+from backend.worker.messages import Held, Ids
+from policies.decide import Restore, Save
+
+log = logging.getLogger("prefixgate.worker")
+
+# a state file waits at most this long for the compute thread to rest (CPU compute only), and
+# does not wait while this much is queued: a snapshot's memory is held until it is written
+WRITE_REST_S = 10.0
+WRITE_REST_BYTES = 512 << 20
+SLOW_DISK_S = 3.0  # PREFIXGATE_FAULT=slow-disk: each state file read takes this much longer
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    salt: bytes
+    tenant: str
+    ids: Ids  # exactly the tokens its state holds
+    state: memoryview
+    ref: int
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A disk or shared entry, read, verified and prepared: what `Engine.restore` loads."""
+
+    ids: tuple[int, ...]
+    state: bytes | memoryview
+    padded: int
+
+
+@dataclass(slots=True)
+class Tiers:
+    cache_dir: Path
+    fingerprint: bytes
+    ram: RamTier
+    prepare: Callable[[bytes | memoryview], tuple[bytes | memoryview, int]]
+    emit: Callable[[str, Event], None]  # to a run's stream
+    on_event: Callable[[TierEvent], None] = lambda e: None
+    at_rest: threading.Event | None = None  # set while the compute thread rests (CPU only)
+    fault: str = ""  # a test's injected fault (PREFIXGATE_FAULT)
+    shared: SharedTier | None = None
+    shared_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
+    writes: dict[str, float] = field(default_factory=lambda: {
+        "queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0})
+    queued: dict[bytes, _Queued] = field(default_factory=dict)  # key -> a state awaiting its file
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _next_ref: int = 0
+
+    # --- the compute thread ------------------------------------------------------------------
+
+    def held(self) -> list[Held]:
+        """The RAM tier's entries and the queued snapshots, as the core sees them."""
+        out = [Held("ram", k, e.salt, e.tenant, e.ids, e.size) for k, e in self.ram.entries.items()]
+        with self.lock:
+            out += [Held("queued", q.ref, q.salt, q.tenant, q.ids, len(q.state))
+                    for q in self.queued.values()]
+        return out
+
+    def state(self, h: Held) -> tuple[Ids, memoryview] | None:
+        """A held state's (ids, bytes), or None where it left its tier meanwhile."""
+        if h.tier == "ram":
+            e = self.ram.entries.get(h.ref)
+            return None if e is None else (e.ids, e.state)
+        with self.lock:
+            q = next((q for q in self.queued.values() if q.ref == h.ref), None)
+        return None if q is None else (q.ids, q.state)
+
+    def taken(self, h: Held) -> None:
+        """A RAM entry restored whole leaves the tier: a slot holds it live now."""
+        if h.tier == "ram" and h.ref in self.ram.entries:
+            self.ram.take_entry(h.ref)
+            self.on_event(TierEvent("removed", "ram", h.ref, h.salt.hex(), h.tenant,
+                                    len(h.ids)))
+
+    def give_way(self, salt: bytes, tenant: str, ids: Ids, state: memoryview) -> None:
+        """A live state that gave way enters the RAM tier (what it drops leaves it)."""
+        key, dropped = self.ram.put(salt, tenant, ids, state)
+        for k, e in dropped:
+            self.on_event(TierEvent("removed", "ram", k, e.salt.hex(), e.tenant, len(e.ids)))
+        if key is not None:
+            self.on_event(TierEvent("stored", "ram", key, salt.hex(), tenant, len(ids),
+                                    tuple(int(t) for t in ids)))
+
+    def queue(self, key: keys.CacheKey, salt: bytes, tenant: str, ids: Ids,
+              state: memoryview) -> bool:
+        """A snapshot waits for its file (restorable meanwhile); False where the same state
+        waits already (a plan made before the index had it: written once)."""
+        with self.lock:
+            if bytes(key) in self.queued:
+                return False
+            self._next_ref += 1
+            self.queued[bytes(key)] = _Queued(salt, tenant, ids, state, self._next_ref)
+            self.writes["queued_bytes"] += state.nbytes
+        return True
+
+    # --- the reader thread -------------------------------------------------------------------
+
+    def read(self, job: Job, r: Restore) -> tuple[Payload | None, Fault | None, Saved | None,
+                                                    float]:
+        """The entry pulled (shared), read, verified and prepared: (payload, fault, the pulled
+        entry's `Saved`, seconds). A failure is a fault, never an exception."""
+        t = time.perf_counter()
+        pulled: Saved | None = None
+        file = r.file
+        try:
+            if self.fault == "slow-disk":  # a test's injected fault: a slow disk
+                time.sleep(SLOW_DISK_S)
+            if r.tier == "shared":
+                pulled = self._pull(r.key, r.n_tokens, job.tenant)
+                file = pulled.file
+            n, state = store.read_state_file(self.cache_dir / file, self.fingerprint, job.ids)
+            if n != r.n_tokens:
+                raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
+                                                 f"{r.n_tokens}")
+            prepared, padded = self.prepare(state)
+            return (Payload(job.ids[:n], prepared, padded), None, pulled,
+                    time.perf_counter() - t)
+        except store.CacheFault as e:
+            if pulled is not None:  # verified: not kept locally
+                self.shared_stats["verify_failures"] += 1
+                with contextlib.suppress(OSError):
+                    (self.cache_dir / pulled.file).unlink()
+                pulled = None
+            fault = Fault(e.reason, str(e), r.file or r.key.hex())
+        except SharedFault as e:
+            fault = Fault("missing", f"shared tier: {e}", r.key.hex())
+        except ValueError as e:
+            fault = Fault("corrupt", str(e), file)
+        return None, fault, pulled, time.perf_counter() - t
+
+    def _pull(self, key: bytes, n_tokens: int, tenant: str) -> Saved:
+        """A shared entry pulled into the local tier (raises SharedFault): its `Saved` (reason
+        "shared"), for the proxy to commit as a local entry."""
+        if self.shared is None:
+            raise SharedFault("this worker has no --shared-tier")
+        t = time.perf_counter()
+        path = store.state_path(self.cache_dir, keys.CacheKey(key))
+        size = self.shared.pull(key, tenant, path)
+        self.shared_stats["pulls"] += 1
+        self.shared_stats["pulled_bytes"] += size
+        self.shared_stats["pull_s"] += time.perf_counter() - t
+        return Saved(n_tokens, key.hex(), "shared", str(path.relative_to(self.cache_dir)), size,
+                     store.read_header(path).checksum, time.perf_counter() - t)
+
+    # --- the writer thread -------------------------------------------------------------------
+
+    def write(self, run_id: str, save: Save, key: keys.CacheKey, ids: tuple[int, ...],
+              state: memoryview, tenant: str, queued_s: float) -> None:
+        self._await_rest(queued_s)
+        t0 = time.perf_counter()
+        try:
+            path, size, checksum = store.write_state_file(self.cache_dir, key, self.fingerprint,
+                                                          ids, state)
+        except store.CacheFault as e:
+            self.emit(run_id, SaveFailed(len(ids), key.hex(), save.reason, e.reason, str(e)))
+            return
+        finally:  # written (the proxy commits it now) or failed: no longer restored from here
+            with self.lock:
+                self.writes["queued_bytes"] -= state.nbytes
+                self.queued.pop(bytes(key), None)
+        self.emit(run_id, Saved(len(ids), key.hex(), save.reason,
+                                str(path.relative_to(self.cache_dir)), size, checksum,
+                                time.perf_counter() - t0))
+        if self.shared is not None:  # after the local commit: the shared tier is the extra
+            try:
+                self.shared_stats["published_bytes"] += self.shared.publish(
+                    key, tenant, len(ids), checksum, path)
+            except SharedFault as e:
+                self.shared_stats["publish_failures"] += 1
+                log.warning("shared tier: a snapshot of %d tokens not published: %s",
+                            len(ids), e)
+
+    def _await_rest(self, queued_s: float) -> None:
+        """Where `at_rest` is given (CPU compute): wait for the compute thread to rest,
+        WRITE_REST_S after the state was queued at most, and not while more than
+        WRITE_REST_BYTES wait."""
+        if self.at_rest is None or self.writes["queued_bytes"] > WRITE_REST_BYTES:
+            return
+        t = time.monotonic()
+        rested = self.at_rest.wait(max(queued_s + WRITE_REST_S - t, 0))
+        with self.lock:
+            self.writes["at_rest"] += rested
+            self.writes["rest_waited_s"] += time.monotonic() - t
+
+    def stats(self) -> dict[str, Any]:
+        return {"ram": self.ram.stats(), "writes": dict(self.writes),
+                "shared": dict(self.shared_stats) if self.shared is not None else None}

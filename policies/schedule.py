@@ -1,0 +1,269 @@
+"""The worker's scheduler: which llama_decode runs next on its one compute thread, and how decode
+steps of several slots are shaped.
+
+    next_step(tasks, clock, shapes) -> Prefill(slot, n) | Decode(slots) | None
+    track(clock, active, tasks, now_s) -> Clock       the accounts in line with the slots' jobs
+    charge(clock, step, seconds) -> Clock
+    choose_decode(deterministic, proof, slots) -> Shapes
+
+Pure: the times are passed in (the worker measures each step), nothing here reads a clock.
+
+**Tasks.** A slot with a job is a task while it has compute to do: a prefill with `left` prompt
+tokens to go (its next batch `n` tokens, ending at one of the cold run's batch edges, which the
+worker's core computes), or a generated token that waits for its decode (`waits`). A slot that
+reads a state from disk or the shared tier, or has nothing to compute, is no task.
+
+**Rules of `next_step`** (the ordering llama-server gets from filling each batch with every
+slot's tokens in turn, kept exact: a prefill batch holds one sequence's tokens, in the cold
+run's batches):
+
+1. The prefills are served as one: of them, the one *due* first runs its batch. A prefill is due
+   when it would end had it run alone from its start: ``began_s + total * per_token_s`` (its
+   tokens at the seconds a prefilled token has taken lately, the same for all;
+   `NOMINAL_TOKEN_S` until one was measured). Beside a long prompt a short one is due first and
+   ends almost as soon as alone (a title's 200 tokens do not wait behind a subagent's 2,000);
+   a prompt's due time moves only with that measure, so short prompts arriving one after
+   another hold a long one back only until it is due (no prompt waits without end), and two
+   prompts never take turns batch by batch.
+2. The prefills, as one, and each slot that generates share the thread's *time*, not its turns:
+   whichever has used the least time runs its step. On a CPU a prefill batch costs ten or more
+   generated tokens, so turns would let an answer crawl at one token per batch. Ties go to the
+   generating slot that came first; the prefills win only with strictly less time used.
+3. A decode step takes the generating slot that has used the least, and with it every other
+   slot whose token waits, where decode steps may share a llama_decode (`Shapes.decode` is not
+   ``apart``); each of them is charged the step's time.
+4. A slot that arrives, and the prefills when one begins while none runs, start level with the
+   least time used by the others (`admit`, `begin_prefill`): never owed their past. A slot whose
+   prefill ends carries on from the prefills' count (`end_prefill`).
+
+**Decode shapes** (`choose_decode`). A cache hit is bit for bit a cold prefill's in every mode;
+what `--deterministic` chooses is whether a slot's *answer* may depend on what other slots
+generate at the same moment (llama-server's, SGLang's and vLLM's default: it may):
+
+- ``auto`` (default): the cheapest way the start-up check proved independent (decode steps
+  batched as they come, where each slot's logits equal its own alone; else the fixed shape of
+  a row per slot, where a slot generating alone pays at most `FIXED_MAX_COST` for it);
+  otherwise decode steps batched as they come, answers then depending on the other sessions.
+- ``on``: independent at whatever cost: batched where proven, else the fixed shape where
+  proven, else each slot's step apart.
+- ``off``: decode steps always batched as they come.
+
+Without a check (one slot, or `--no-exact-check`) nothing is proven: ``on`` runs apart, the
+others batch as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+DecodeShape = Literal["batched", "fixed", "apart"]
+Deterministic = Literal["auto", "on", "off"]
+DETERMINISTIC: tuple[Deterministic, ...] = ("auto", "on", "off")
+
+NOMINAL_TOKEN_S = 0.001  # a prefilled token's seconds until one was measured
+PER_TOKEN_WEIGHT = 0.3  # of the newest batch in the per-token estimate (a decaying mean)
+# `auto` takes the fixed shape only where a slot generating alone pays at most this for it: on
+# a GPU, which reads the weights once for all the rows, a row costs almost nothing; on 2 CPU
+# cores a step of 3 rows cost 1.45x one row on a 1.1B f16 model and about 2x on its Q4_K_M
+# (bench/results/issue20, the twelfth round)
+FIXED_MAX_COST = 1.25
+
+
+# --- decode shapes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    """What the start-up check measured of decode steps of several slots
+    (`backend.selfcheck.check_decode`); the default: nothing was checked."""
+
+    checked: bool = False
+    batched: str = ""  # why steps batched as they come change a slot's logits ("": they do not)
+    fixed: str | None = None  # why the fixed shape does ("": it does not; None: not possible)
+    fixed_cost: float = 0.0  # a lone slot's step in the fixed shape over alone (0: unmeasured)
+    apart_cost: float = 0.0  # all slots' steps apart over one batched step of them (0: same)
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    """How decode steps run, and what that means for an answer, in one sentence."""
+
+    decode: DecodeShape
+    independent: bool  # a slot answers as it does alone, whatever else generates
+    note: str  # for the ready line, /props and doctor
+
+
+def _cost(x: float) -> str:
+    return f"{x:.2f}x" if x > 0 else "an unmeasured cost"
+
+
+def choose_decode(deterministic: Deterministic, proof: Proof, slots: int) -> Shapes:
+    """The decode shape for this worker (module docstring)."""
+    if slots < 2:
+        return Shapes("apart", True, "one slot: each answer is its own")
+    batched_ok = proof.checked and not proof.batched
+    fixed_ok = proof.checked and proof.fixed == ""
+    if batched_ok:
+        return Shapes("batched", True, "decode steps batched; the start-up check proved each "
+                                       "slot's answer the same as alone")
+    depends = ("decode steps batched as they come: answers may depend on other sessions "
+               "generating at the same time, as in llama-server")
+    on_costs = (f"the fixed shape, a lone slot's step at {_cost(proof.fixed_cost)}"
+                if fixed_ok else f"steps apart, at {_cost(proof.apart_cost)} the step time "
+                                 "of batching")
+    if deterministic == "off":
+        return Shapes("batched", False, f"{depends} (--deterministic off; on keeps them apart: "
+                                        f"{on_costs})")
+    if fixed_ok and (deterministic == "on" or 0 < proof.fixed_cost <= FIXED_MAX_COST):
+        return Shapes("fixed", True, "decode steps batched in a fixed shape, a row per slot; "
+                                     "each slot's answer proven the same as alone (a lone "
+                                     f"slot's step at {_cost(proof.fixed_cost)})")
+    if deterministic == "on":
+        return Shapes("apart", True, "decode steps apart (--deterministic on): each slot's "
+                                     f"answer its own, at {_cost(proof.apart_cost)} the step "
+                                     "time of batching")
+    return Shapes("batched", False, f"{depends}; --deterministic on keeps them apart: {on_costs}")
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    slot: int
+    left: int = 0  # prompt tokens its prefill has left (0: it does not prefill)
+    n: int = 0  # tokens of its next prefill batch
+    waits: bool = False  # its generated token waits for its decode
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    slot: int
+    n: int  # tokens of the batch
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    slots: tuple[int, ...]  # ascending
+
+
+Step = Prefill | Decode
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    used_s: float = 0.0  # its steps' time, counted from the least of the others' at its start
+    began_s: float = 0.0  # when its prefill began
+    total: int = 0  # the tokens its prefill had then
+    prefilling: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """The scheduler's accounts: each slot's (in the order they came) and the prefills'."""
+
+    accounts: Mapping[int, Account] = field(default_factory=dict)
+    prefills_used_s: float = 0.0
+    per_token_s: float = 0.0  # seconds a prefilled token has taken lately (0: not measured)
+
+
+def _least(clock: Clock, without: int | None = None) -> float:
+    """The least time used by the prefills (if any) and the slots that do not prefill."""
+    used = [a.used_s for s, a in clock.accounts.items() if s != without and not a.prefilling]
+    if any(a.prefilling for s, a in clock.accounts.items() if s != without):
+        used.append(clock.prefills_used_s)
+    return min(used, default=0.0)
+
+
+def _with(clock: Clock, slot: int, account: Account) -> Clock:
+    return replace(clock, accounts={**clock.accounts, slot: account})
+
+
+def admit(clock: Clock, slot: int) -> Clock:
+    """A slot with a new job: level with the least of the others (rule 4)."""
+    return _with(clock, slot, Account(used_s=_least(clock, slot)))
+
+
+def leave(clock: Clock, slot: int) -> Clock:
+    """A slot whose job is over."""
+    return replace(clock, accounts={s: a for s, a in clock.accounts.items() if s != slot})
+
+
+def begin_prefill(clock: Clock, slot: int, left: int, now_s: float) -> Clock:
+    """The slot begins to prefill `left` tokens: due from now (rule 1); the prefills start level
+    where none ran (rule 4)."""
+    if not any(a.prefilling for a in clock.accounts.values()):
+        clock = replace(clock, prefills_used_s=_least(clock, slot))
+    a = clock.accounts.get(slot, Account())
+    return _with(clock, slot, replace(a, began_s=now_s, total=left, prefilling=True))
+
+
+def end_prefill(clock: Clock, slot: int) -> Clock:
+    """Its prefill ended (or stopped): it carries on from the prefills' count (rule 4)."""
+    a = clock.accounts.get(slot, Account())
+    return _with(clock, slot, replace(a, used_s=clock.prefills_used_s, prefilling=False))
+
+
+def track(clock: Clock, active: Sequence[int], tasks: Sequence[Task], now_s: float) -> Clock:
+    """The accounts brought in line with the slots' jobs (`active`, in the order they came) and
+    their tasks: a new job admitted, a prefill begun or ended, a job gone (rules 1 and 4)."""
+    for slot in [s for s in clock.accounts if s not in active]:
+        clock = leave(clock, slot)
+    for slot in active:
+        if slot not in clock.accounts:
+            clock = admit(clock, slot)
+    prefilling = {t.slot: t.left for t in tasks if t.left > 0}
+    for slot, a in list(clock.accounts.items()):
+        if a.prefilling and slot not in prefilling:
+            clock = end_prefill(clock, slot)
+    for slot, left in prefilling.items():
+        if not clock.accounts[slot].prefilling:
+            clock = begin_prefill(clock, slot, left, now_s)
+    return clock
+
+
+def charge(clock: Clock, step: Step, seconds: float) -> Clock:
+    """The step took `seconds`: the prefills' time and the per-token estimate, or each decoding
+    slot's time."""
+    if isinstance(step, Prefill):
+        per = seconds / step.n if step.n > 0 else 0.0
+        per_token = per if not clock.per_token_s else \
+            (1 - PER_TOKEN_WEIGHT) * clock.per_token_s + PER_TOKEN_WEIGHT * per
+        return replace(clock, prefills_used_s=clock.prefills_used_s + seconds,
+                       per_token_s=per_token)
+    accounts = dict(clock.accounts)
+    for s in step.slots:
+        a = accounts.get(s, Account())
+        accounts[s] = replace(a, used_s=a.used_s + seconds)
+    return replace(clock, accounts=accounts)
+
+
+def due_s(clock: Clock, slot: int) -> float:
+    """When the slot's prefill would end had it run alone from its start (rule 1)."""
+    a = clock.accounts.get(slot, Account())
+    return a.began_s + a.total * (clock.per_token_s or NOMINAL_TOKEN_S)
+
+
+def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes) -> Step | None:
+    """The step to run now (module rules); None when no task has compute to do. `tasks` in the
+    order the slots' jobs came."""
+    order = {s: i for i, s in enumerate(clock.accounts)}
+
+    def came(t: Task) -> int:
+        return order.get(t.slot, len(order) + t.slot)
+
+    def used(t: Task) -> float:
+        return clock.accounts.get(t.slot, Account()).used_s
+
+    prefills = [t for t in tasks if t.left > 0 and t.n > 0]
+    waiting = sorted((t for t in tasks if t.waits), key=came)
+    first = min(waiting, key=used, default=None)  # the first of the least used (rule 2)
+    if prefills and (first is None or clock.prefills_used_s < used(first)):
+        t = min(prefills, key=lambda t: (due_s(clock, t.slot), came(t)))
+        return Prefill(t.slot, t.n)
+    if first is None:
+        return None
+    group = [first] if shapes.decode == "apart" else waiting
+    return Decode(tuple(sorted(t.slot for t in group)))
