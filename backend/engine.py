@@ -43,20 +43,13 @@ Rules this module keeps:
      prefill of the same text, so live reuse stops at `exact_n`, the end of the prompt.
   The start-up self-check (`backend.selfcheck`) proves the three on the user's model, KV
   types and backend, bit for bit, before the worker reuses anything.
-- Decode steps of several slots (`decode`), in the shape `decode_shape` says (the worker sets
-  it from `--deterministic` and its start-up check, `backend.selfcheck.check_decode`; a
-  generated token's KV is never reused, rule 3, so this is about the answer, not the cache):
-  ``batched``: the slots that generate share one llama_decode as they come; ``fixed``: every
-  decode step has the same shape, one row per slot, the slots that do not generate given a
-  padding row (at their next position, with logits, since llama.cpp computes the output layer
-  for those rows only; removed after; plain attention or a full-size window, whose cells can be
-  dropped: `pads`); ``apart``: each slot's step alone. Whether a slot's logits then depend on
-  what the others generate is what the check measures: batched as they come does not change
-  them where each slot's logits come out with the bits they have alone (not with flash
-  attention on a CPU, where ggml splits a single query row's attention among the threads once
-  its KV view reaches 512 cells, ggml-cpu/ops.cpp `use_split_kv_path`; not with f16 weights on a
-  CPU; not on CUDA: bench/results/issue20); the fixed shape does not where a slot's logits in
-  it do not depend on the other rows; apart never does.
+- Decode steps of several slots (`decode`) run in the shape `decode_shape` says (the worker
+  sets it from `--deterministic` and its start-up check: policies.schedule.choose_decode):
+  ``batched``, one llama_decode as they come; ``fixed``, every step one row per slot, the slots
+  that do not generate given a padding row (at their next position, with logits, since
+  llama.cpp computes the output layer for those rows only; removed after; only where a cell
+  can be dropped again: `pads`); ``apart``, each slot's step alone. A generated token's KV is
+  never reused (rule 3): the shape is about the answer, never the cache.
 - Logits: llama.cpp keeps the last llama_decode's only, whichever sequences it held, so a slot
   samples right after the decode that held it, before any other; a sample of a slot the last
   decode did not hold is refused (RuntimeError), never drawn from another's logits.
@@ -378,10 +371,9 @@ class Engine:
         order of their sequence ids (llama.cpp runs a run of consecutive ids as one batch);
         logits for the last token of each row, and for every token of the slots in `every` (a
         verify). `pads`: slots given a padding row at their next position, removed after (a
-        `fixed` decode). The rows' tokens extend `exact_n` only where the caller says so
-        (`exact`, after a prefill batch): generated tokens are never exact (module rules).
-        A failed decode cuts each row's slot back to what it held (or, where the memory
-        cannot, none) and raises."""
+        `fixed` decode). `exact_n` is the caller's (`prefill_batch`): generated tokens are
+        never exact. A failed decode cuts each row's slot back to what it held (or, where the
+        memory cannot, none) and raises."""
         b, i, rows_of = self._batch, 0, {}
         entries = [*((self.seqs[s], t) for s, t in rows),
                    *((self.seqs[s], [rows[0][1][-1]]) for s in pads)]
@@ -461,13 +453,14 @@ class Engine:
     # --- one slot alone: the self-check, tests and benchmarks -------------------------------
 
     def prefill(self, slot: int, ids: Sequence[int], stops_at: Sequence[int] = (),
-                on_stop: Callable[[int], None] | None = None, cancel: Cancel | None = None,
+                on_stop: Callable[[int], None] | None = None,
+                on_batch: Callable[[int], None] | None = None, cancel: Cancel | None = None,
                 edges: Edges | None = None) -> float:
         """Evaluate ids[n_live:] in the cold run's batches (module rules: `edges`, the ids'
         batch edges, computed here when not given), stopping at each batch edge of `stops_at`
-        to call on_stop(position) (a snapshot point). A live state that does not end at a
-        batch edge is first cut back to one (where the memory refuses, to none). Returns the
-        seconds spent in llama_decode."""
+        to call on_stop(position) (a snapshot point); on_batch(n_live) after each batch. A live
+        state that does not end at a batch edge is first cut back to one (where the memory
+        refuses, to none). Returns the seconds spent in llama_decode."""
         edges = edges or self.batching.edges(ids)
         q = self.seqs[slot]
         if q.n_live != edges.floor(q.n_live) or q.exact_n < q.n_live:
@@ -481,6 +474,8 @@ class Engine:
                 t = time.perf_counter()
                 self.prefill_batch(slot, ids, min(p, edges.next(q.n_live)))
                 busy += time.perf_counter() - t
+                if on_batch is not None:
+                    on_batch(q.n_live)
             if p in points and on_stop is not None:
                 on_stop(p)
         return busy
@@ -506,9 +501,3 @@ class Engine:
                 self.evaluate([(slot, [token])])
         finally:
             sampler.close()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0

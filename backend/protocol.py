@@ -31,7 +31,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from backend.keys import CacheIdentity
 from policies.decide import Plan
 from policies.prefix import keep_max
 from policies.sources import TIERS
@@ -201,7 +200,7 @@ _ADMITS["tuple[bool, ...]"] = lambda v: isinstance(v, list) and all(isinstance(x
 _ADMITS["dict[str, float]"] = lambda v: isinstance(v, dict) and all(
     isinstance(k, str) and _ADMITS["float"](x) for k, x in v.items())
 _ADMITS["dict[str, float] | None"] = lambda v: v is None or _ADMITS["dict[str, float]"](v)
-_ADMITS["DecodeInfo"] = _ADMITS["CacheIdentity"] = _ADMITS["dict[str, Any]"]
+_ADMITS["DecodeInfo"] = _ADMITS["Identity"] = _ADMITS["dict[str, Any]"]
 _ADMITS["dict[str, float] | None"] = lambda v: v is None or _ADMITS["dict[str, float]"](v)
 
 
@@ -257,6 +256,21 @@ def parse_event(line: bytes | str) -> Event:
         raise ValueError(f"malformed worker event {line[:200]!r}: {type(e).__name__} {e}"
                          ) from None
     return ev
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A worker's cache identity as it reports it (backend.keys.CacheIdentity's fields)."""
+
+    model_path: str
+    n_ctx: int
+    type_k: str
+    type_v: str
+    flash_attn: str
+    lib_version: str
+    swa_full: bool
+    batch: int
+    compute: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +343,7 @@ class WorkerInfo:
     borrowed: dict[str, float]  # states cut back from another slot, RAM or the queue
     placement: dict[str, Any]  # where weights and KV went (placement_note)
     checked: dict[str, Any]  # the self-check's verdict as it ran or was remembered
-    identity: CacheIdentity  # its cache identity, the devices that compute included
+    identity: Identity  # its cache identity, the devices that compute included
 
     def to_wire(self) -> dict[str, Any]:
         return {"ready": True, **asdict(self)}
@@ -341,7 +355,7 @@ class WorkerInfo:
                 raise ValueError("not a ready worker's /health")
             ev = _tuples(cls, _fields(cls, d))
             ev["decode"] = DecodeInfo(**_fields(DecodeInfo, ev["decode"]))
-            ev["identity"] = CacheIdentity(**_fields(CacheIdentity, ev["identity"]))
+            ev["identity"] = Identity(**_fields(Identity, ev["identity"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed worker /health: {type(e).__name__} {e}") from None
         if ev["memory"] not in ("plain", "window", "recurrent") or ev["decode"].shape not in (

@@ -1,5 +1,5 @@
-"""What a generated token is drawn with, and the text it becomes: the request's sampling values,
-llama.cpp's sampler chain built from them, and the stop-string matcher.
+"""What a generated token is drawn with: the request's sampling values and llama.cpp's sampler
+chain built from them (the stop-string matcher is backend.stops).
 
 - `Sampling` is the wire form's fields (`backend.protocol.Job.sampling`), defaults as
   llama-cpp-python's.
@@ -7,14 +7,11 @@ llama.cpp's sampler chain built from them, and the stop-string matcher.
   0) or top-k, typical, top-p, min-p, temperature and a seeded draw. A grammar llama.cpp cannot
   parse gives a NULL sampler: a ValueError when the chain is built, never a sample through it
   (a SIGSEGV that kills the worker). Free it with `close()`.
-- `StopMatcher` holds back text that could still become a stop string, and never splits a
-  UTF-8 character.
 """
 
 from __future__ import annotations
 
-import codecs
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -79,35 +76,3 @@ class Sampler:
         if self.chain is not None:
             llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
-
-
-class StopMatcher:
-    """Holds back text that could still become a stop string; never splits a UTF-8 character."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, piece: bytes) -> tuple[str, str | None]:
-        """Returns (text safe to emit, the stop string that matched or None). Of several
-        matches the earliest wins, the longest among those starting there."""
-        buf = self.pending + self.decoder.decode(piece)
-        found = [(i, -len(s), s) for s in self.stops if (i := buf.find(s)) >= 0]
-        if found:
-            cut, _, matched = min(found)
-            self.pending = ""
-            return buf[:cut], matched
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], None
-
-    def flush(self) -> str:
-        out = self.pending + self.decoder.decode(b"", final=True)
-        self.pending = ""
-        return out

@@ -12,7 +12,7 @@ Each arm prefills the same seeded prompt cold REPEATS times, interleaved arm by 
 change hits all arms alike); the best time of each is reported, with tokens/s and the ratio to
 ``before``. The engine's own prefill runs the batches (`backend.engine.Engine.prefill`); the
 extra buffer types are the model parameter llama.cpp exposes (`use_extra_bufts`, the
-engine's `extra_bufts`).
+engine's `placement["repack"]`).
 
     python -m bench.batches [--models smollm2,gemma3,qwen35] [--tokens 2048] [--repeats 3]
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.engine import Cancel, Engine
+from backend.engine import Engine
 from tests.models import model_file
 
 
@@ -44,7 +44,8 @@ ARMS = (Arm("before (512, no repack)", 512, False), Arm("after (64, repack)", 64
 
 
 def load(path: str, arm: Arm, n_ctx: int, threads: int) -> Engine:
-    return Engine(path, n_ctx, threads, 0, n_batch=arm.n_batch, extra_bufts=arm.extra_bufts)
+    return Engine(path, n_ctx, threads, 0, n_batch=arm.n_batch,
+                  placement={"repack": "on" if arm.extra_bufts else "off"})
 
 
 def main() -> None:
@@ -64,9 +65,9 @@ def main() -> None:
         best = [float("inf")] * len(ARMS)
         for _ in range(a.repeats):
             for i, eng in enumerate(engines):
-                eng.truncate(0)
+                eng.truncate(0, 0)
                 t0 = time.perf_counter()
-                eng.prefill(ids, [], lambda _: None, Cancel())
+                eng.prefill(0, ids, [], lambda _: None)
                 best[i] = min(best[i], time.perf_counter() - t0)
         for arm, s in zip(ARMS, best, strict=True):
             print(f"| {name} | {arm.name} | {s:.2f} | {a.tokens / s:,.0f} | "

@@ -41,7 +41,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from backend.engine import Cancel, Engine
+from backend.engine import Engine
 from tests.models import GPU_LAYERS, model_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,15 +89,13 @@ def run(name: str, slots: int, steps: int, flash_attn: str, length: int) -> dict
         prompts = [prompt_ids(eng, length + 100 * s, s) for s in range(slots)]
         first, states = [], []
         for s, ids in enumerate(prompts):
-            eng.use(s)
-            eng.prefill(ids, [], lambda _: None, Cancel())
-            first.append(int(np.argmax(eng.last_logits())))
-            states.append(bytes(eng.snapshot()))
+            eng.prefill(s, ids)
+            first.append(int(np.argmax(eng.last_logits(s))))
+            states.append(bytes(eng.snapshot(s)))
 
         def restore_all() -> None:
             for s, ids in enumerate(prompts):
-                eng.use(s)
-                eng.restore(ids, states[s])
+                eng.restore(s, ids, states[s])
 
         def walk(mode: str) -> tuple[list[list[np.ndarray]], float]:
             """alone | batched (one call of all slots) | padded (alone, with a padding row in

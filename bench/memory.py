@@ -23,7 +23,7 @@ from typing import Any
 
 import llama_cpp
 
-from backend.engine import Cancel, Engine
+from backend.engine import Engine
 from tests.models import model_file
 
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [  # (model, label, engine settings)
@@ -54,12 +54,12 @@ def measure(name: str, settings: dict[str, Any], n: int, threads: int) -> dict[s
     ids = text_ids(path, n)
     eng = Engine(path, n + 64, threads, 0, **settings)
     t0 = time.perf_counter()
-    eng.prefill(ids, [], lambda p: None, Cancel())
+    eng.prefill(0, ids, [], lambda p: None)
     prefill_s = time.perf_counter() - t0
-    state = eng.snapshot()
-    eng.truncate(0)
+    state = eng.snapshot(0)
+    eng.truncate(0, 0)
     t1 = time.perf_counter()
-    eng.restore(ids, state)
+    eng.restore(0, ids, state)
     restore_s = time.perf_counter() - t1
     eng.close()
     return {"bytes": len(state), "prefill_s": prefill_s, "restore_s": restore_s}

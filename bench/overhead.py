@@ -246,7 +246,8 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
 
 def measure_worker(target: int, tail: int, threads: int) -> dict[str, Any]:
     """Prefill of `tail` tokens after `target - tail` tokens of history, then a short decode."""
-    from backend.engine import Cancel, Engine, Sampling
+    from backend.engine import Engine
+    from backend.sampling import Sampling
     from bench.prompts import load_builder, render
     from proxy.config import Config
 
@@ -256,16 +257,15 @@ def measure_worker(target: int, tail: int, threads: int) -> dict[str, Any]:
     prev = len(render(builder, rows[-2]).ids)
     eng = Engine(Config().model_path, n_ctx=len(ids) + DECODE_TOKENS + 64,
                  n_threads=threads, n_gpu_layers=0)
-    cancel = Cancel()
     t0 = time.perf_counter()
-    eng.prefill(ids[:prev], [], lambda p: None, cancel)
+    eng.prefill(0, ids[:prev])
     history_s = time.perf_counter() - t0
     keep = min(prev, len(ids) - 2)
-    eng.truncate(keep)
+    eng.truncate(0, keep)
     c1, t1 = time.process_time(), time.perf_counter()
-    eng.prefill(ids, [], lambda p: None, cancel)
+    eng.prefill(0, ids)
     t2 = time.perf_counter()
-    n_gen = sum(1 for _ in eng.generate(Sampling(temperature=0.0), DECODE_TOKENS, cancel))
+    n_gen = sum(1 for _ in eng.generate(0, Sampling(temperature=0.0), DECODE_TOKENS))
     c3, t3 = time.process_time(), time.perf_counter()
     del eng
     return {"prompt_tokens": len(ids), "history_tokens": prev, "tail_tokens": len(ids) - keep,

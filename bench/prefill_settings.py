@@ -18,14 +18,14 @@ import time
 
 def prefill_s(model: str, n_tokens: int, ubatch: int, flash_attn: str, slots: int,
               threads: int) -> float:
-    from backend.engine import Cancel, Engine
+    from backend.engine import Engine
 
     rng = random.Random(1)
     ids = [rng.randrange(100, 40000) for _ in range(n_tokens)]
     eng = Engine(model, n_ctx=12288 * slots, n_threads=threads, n_gpu_layers=0, n_batch=ubatch,
                  flash_attn=flash_attn, n_seq=slots)
     t0 = time.perf_counter()
-    eng.prefill(ids, [], lambda p: None, Cancel())
+    eng.prefill(0, ids, [], lambda p: None)
     dt = time.perf_counter() - t0
     del eng
     return dt

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from backend import keys, store
-from backend.engine import Cancel, Engine
+from backend.engine import Engine
 from policies.costs import Costs, pays
 from proxy.config import Config, cache_identity, default_model
 
@@ -56,17 +56,17 @@ def measure(eng: Engine, fp: bytes, tmp: Path, part: list[int], repeats: int
     n = len(part)
 
     def prefill() -> None:
-        eng.truncate(0)
-        eng.prefill(part, [], lambda _: None, Cancel())
+        eng.truncate(0, 0)
+        eng.prefill(0, part, [], lambda _: None)
 
     prefill_s = median_s(prefill, repeats)
-    state = eng.snapshot()
+    state = eng.snapshot(0)
     path, size, _ = store.write_state_file(tmp, keys.prefix_keys(b"", part, [n])[n], fp, part,
                                            state)
 
     def ram() -> None:
-        eng.restore(part, state)
-        assert eng.n_live == n
+        eng.restore(0, part, state)
+        assert eng.seqs[0].n_live == n
 
     def disk(cold: bool) -> None:
         if cold:
@@ -74,8 +74,8 @@ def measure(eng: Engine, fp: bytes, tmp: Path, part: list[int], repeats: int
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         got, data = store.read_state_file(path, fp, part)
-        eng.restore(part[:got], data)
-        assert eng.n_live == n
+        eng.restore(0, part[:got], data)
+        assert eng.seqs[0].n_live == n
 
     ram_s = median_s(ram, repeats)
     warm_s = median_s(lambda: disk(False), repeats)

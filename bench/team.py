@@ -17,6 +17,8 @@ the sessions and the background requests at the same time.
 Arms, run one after the other in one invocation on one machine (two cores cannot run them at
 once without measuring each other):
 - `slots`: prefixgate, 1 worker with 3 slots (`--parallel 3`, `-c 3 x slot-ctx`);
+- `one`: prefixgate, 1 worker with 1 slot (`--parallel 1`, `-c slot-ctx`), its RAM tier holding
+  the states that give way: whether the slots pay for themselves;
 - `workers`: prefixgate, 3 workers of 1 slot (`--workers 3`, `-c slot-ctx`): 3 model copies;
 - `llama-server`: llama.cpp's server, `-np 3 -c 3 x slot-ctx`, its defaults otherwise (the
   host-RAM prompt cache included), sent the exact text prefixgate renders for each request
@@ -51,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.placement import uses_repack
 from bench.replay import ROOT, free_port, http_get, stream_request
 from bench.synth import TOOL_NAMES, paragraphs, tool_schema, words
 from proxy.workers import child_env
@@ -319,11 +322,18 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
     ub = ["-ub", str(args.ubatch_size)] if args.ubatch_size else []
     if arm == "llama-server":
         own = [] if args.peer_defaults else ["-fa", args.flash_attn, *ub]
+        # the weights as prefixgate lays them out here (--repack auto: not on a CPU with AMX,
+        # whose kernels crash on some machines, llama-server's included)
+        repack = [] if uses_repack("auto") else ["--no-repack"]
         cmd = [args.llama_server, "-m", args.model, "-c", str(3 * slot_ctx), "-np", "3",
-               "-t", str(args.threads), *own, "--host", "127.0.0.1", "--port", str(port)]
+               "-t", str(args.threads), *own, *repack, "--host", "127.0.0.1", "--port",
+               str(port)]
     else:
-        shape = ["--parallel", "3", "-c", str(3 * slot_ctx)] if arm == "slots" else \
-            ["--workers", "3", "-c", str(slot_ctx)]
+        shape = {"slots": ["--parallel", "3", "-c", str(3 * slot_ctx)],
+                 "one": ["--parallel", "1", "-c", str(slot_ctx)],
+                 "workers": ["--workers", "3", "-c", str(slot_ctx)]}[arm]
+        if args.deterministic:
+            shape += ["--deterministic", args.deterministic]
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, *common,
                *shape, "-fa", args.flash_attn, *ub, "--cache-dir", str(work / f"cache-{arm}"),
                "--log-level", "DEBUG" if args.debug else "INFO"]
@@ -420,7 +430,10 @@ def markdown(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="bench.team", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arms", default="slots,workers,llama-server")
+    p.add_argument("--arms", default="slots,workers,llama-server",
+                   help="of slots, one, workers, llama-server")
+    p.add_argument("--deterministic", default="", help="prefixgate's --deterministic (default: "
+                   "its own default, auto)")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"))
     p.add_argument("--model", default="")
     p.add_argument("--main-tokens", type=int, default=6000)

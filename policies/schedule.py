@@ -114,8 +114,8 @@ def choose_decode(deterministic: Deterministic, proof: Proof, slots: int) -> Sha
                 if fixed_ok else f"steps apart, at {_cost(proof.apart_cost)} the step time "
                                  "of batching")
     if deterministic == "off":
-        return Shapes("batched", False, f"{depends} (--deterministic off; on keeps them apart: "
-                                        f"{on_costs})")
+        return Shapes("batched", False, f"{depends} (--deterministic off; --deterministic on "
+                                        f"keeps each answer its own: {on_costs})")
     if fixed_ok and (deterministic == "on" or 0 < proof.fixed_cost <= FIXED_MAX_COST):
         return Shapes("fixed", True, "decode steps batched in a fixed shape, a row per slot; "
                                      "each slot's answer proven the same as alone (a lone "
@@ -124,7 +124,8 @@ def choose_decode(deterministic: Deterministic, proof: Proof, slots: int) -> Sha
         return Shapes("apart", True, "decode steps apart (--deterministic on): each slot's "
                                      f"answer its own, at {_cost(proof.apart_cost)} the step "
                                      "time of batching")
-    return Shapes("batched", False, f"{depends}; --deterministic on keeps them apart: {on_costs}")
+    return Shapes("batched", False, f"{depends}; --deterministic on keeps each answer its own: "
+                                    f"{on_costs}")
 
 
 # --- the scheduler ------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ Rules:
    beats prefilling the tokens it saves. A slot's state moves twice (out of that slot, into
    this one); every nearer tier loads from memory (the ``ram`` cost), ``disk`` and ``shared``
    at their own. The longest usable candidate that does not pay is named (`Start.skipped`).
-4. Order: the most tokens first; ties by tier, nearest first; then a whole state before one
-   cut back; then the caller's order. The first is loaded; the others are fallbacks, tried in
+4. Order: the most tokens first; on a tie, a state in memory before one read from the disk or
+   pulled from the shared tier, then a whole state before one cut back, then the nearer tier,
+   then the caller's order. The first is loaded; the others are fallbacks, tried in
    turn when one fails (a broken file, a shared entry gone).
 
 Pure: plain data in, a value out.
@@ -50,6 +51,7 @@ TIERS: tuple[Tier, ...] = ("live", "slot", "queued", "ram", "disk", "shared")
 COST_SOURCE: dict[Tier, Source] = {"live": "ram", "slot": "ram", "queued": "ram", "ram": "ram",
                                    "disk": "disk", "shared": "shared"}
 MOVES: dict[Tier, int] = {"slot": 2}
+READ: tuple[Tier, ...] = ("disk", "shared")  # tiers read from outside the worker's memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,8 @@ def choose_start(keep: int, candidates: Sequence[Candidate], limit: int, cuts: b
     paying = [c for c in usable if pays(costs, keep, min(c.n_tokens, limit), c.moved_bytes,
                                         COST_SOURCE[c.tier])]
     rank = {t: i for i, t in enumerate(TIERS)}
-    order = sorted(paying, key=lambda c: (-min(c.n_tokens, limit), rank[c.tier], not c.whole))
+    order = sorted(paying, key=lambda c: (-min(c.n_tokens, limit), c.tier in READ,
+                                          not c.whole, rank[c.tier]))
     longest = max(usable, key=lambda c: min(c.n_tokens, limit), default=None)
     skipped = longest if longest is not None and longest not in paying and (
         not order or min(longest.n_tokens, limit) > min(order[0].n_tokens, limit)) else None

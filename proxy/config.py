@@ -213,9 +213,9 @@ _HELP = {
                  "the mapped file on demand: on | auto (tensors over 4 GiB) | off",
     "parallel": "slots per worker: sessions served at once from one model copy, sharing "
                 "-c (llama-server's -np)",
-    "repack": "weights repacked for the CPU's kernels (llama.cpp's extra buffer types): auto "
-              "(on, but off on a CPU with AMX, whose llama.cpp kernels crash on some machines) "
-              "| on | off (llama-server's --no-repack)",
+    "repack": "repack the weights for the CPU's kernels (llama.cpp's extra buffer types); by "
+              "default on, but off on a CPU with AMX, whose llama.cpp kernels crash on some "
+              "machines",
     "deterministic": "auto | on | off: on keeps each slot's answer what it is alone whatever "
                      "other sessions generate, at a cost; off batches their decode steps as "
                      "llama-server does; auto: independent where the start-up check proves it "
@@ -255,6 +255,7 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "cache_ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
     "load_mode": (("-lm",), "LLAMA_ARG_LOAD_MODE"),
     "lazy_mode": (("-lzm",), "LLAMA_ARG_LAZY_MODE"),
+    "repack": ((), "LLAMA_ARG_REPACK"),
     "api_key": ((), "LLAMA_API_KEY"),
     "api_keys": (("--api-key-file",), "LLAMA_ARG_API_KEY_FILE"),
 }
@@ -287,6 +288,11 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         elif f.name == "limits":
             p.add_argument("--limit", dest=f.name, action="append", default=None,
                            metavar="NAME=VALUE", help=help_)
+        elif f.name == "repack":  # llama-server's pair: --repack, -nr/--no-repack
+            p.add_argument(flag, dest=f.name, action="store_const", const="on", default=None,
+                           help=help_)
+            p.add_argument("-nr", "--no-repack", dest=f.name, action="store_const", const="off",
+                           default=None, help="--repack off")
         elif f.name in ("worker_url", "api_key"):
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help_,
                            metavar="KEY" if f.name == "api_key" else None)
@@ -299,10 +305,6 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         p.add_argument("--mmap", dest="old_mmap", action=argparse.BooleanOptionalAction,
                        default=None, help="--no-mmap, an older spelling: --load-mode none "
                        "(env PREFIXGATE_MMAP or LLAMA_ARG_MMAP)")
-    if not only or "repack" in only:  # llama-server's spelling
-        p.add_argument("-nr", "--no-repack", dest="old_no_repack", action="store_true",
-                       default=None, help="llama-server's spelling of --repack off (env "
-                       "LLAMA_ARG_NO_REPACK)")
     if not only:
         for names, n_args in ACCEPTED.items():
             dest = "accepted_" + names[0].strip("-").replace("-", "_")
@@ -341,6 +343,8 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())
     if name in _WORDS:
         choices = _WORDS[name]
+        if name == "repack":  # LLAMA_ARG_REPACK is a boolean
+            value = _ON_OFF.get(str(value).strip().lower(), value)
         if str(value).strip().lower() not in choices:
             raise ValueError(f"one of {', '.join(choices)}")
         return str(value).strip().lower()
@@ -390,7 +394,9 @@ def worker_argv(cfg: Config) -> list[str]:
             continue
         value = getattr(cfg, "model_path" if name == "model" else name)
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
+        if name == "repack":  # a pair of flags, as llama-server's
+            argv += {"on": ["--repack"], "off": ["--no-repack"]}.get(value, [])
+        elif isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]
@@ -429,9 +435,6 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 old[i] = v.strip().lower() in ("1", "true", "yes", "on")
         if old != [None, None]:
             values["load_mode"] = _OLD_LOAD_MODES[old[0] is not False, bool(old[1])]
-    if "repack" not in values and (getattr(ns, "old_no_repack", None) or environ.get(
-            "LLAMA_ARG_NO_REPACK", "").strip().lower() in ("1", "true", "yes", "on")):
-        values["repack"] = "off"
     if "n_gpu_layers" not in values:  # llama-server's default: every layer where a GPU is
         values["n_gpu_layers"] = _coerce("n_gpu_layers", "auto")
     cfg = Config(**values)

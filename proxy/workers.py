@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from backend.protocol import (
     Event,
     Job,
     Loading,
+    TierEvent,
     WorkerInfo,
     parse_event,
     placement_note,
@@ -75,6 +76,7 @@ CONNECT_TIMEOUT_S = 10.0  # connecting to a worker for a run
 CANCEL_TIMEOUT_S = 2.0  # a cancel the worker does not answer in time: close the stream instead
 RECHECK_TRIES = 40  # after a lost stream: health probes before leaving it to its supervisor
 RECHECK_INTERVAL_S = 0.25
+EVENTS_RETRY_S = 0.5  # a worker's tier events stream that ended is asked for again this late
 
 _UNREACHABLE = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -198,6 +200,8 @@ class Worker:
     streams: set[aiohttp.ClientResponse] = field(default_factory=set)  # in-flight /run streams
     checking: bool = False  # a run's stream was lost: waiting for its /health (Pool._recheck)
     loading: Loading | None = None  # its /health while it loads
+    # its RAM tier's entries, ref -> (tenant, ids), as its tier events say (Pool._listen)
+    ram: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     costs: Costs | None = None  # its measured prefill and restore costs (policies.costs)
     placement: dict[str, Any] = field(default_factory=dict)  # where its model went
 
@@ -351,10 +355,10 @@ def incompatibility(h: WorkerInfo, identity: CacheIdentity | None, n_ctx: int,
                 "so one cache cannot serve both; run a prefixgate (or a cache directory) per kind "
                 "of device")
     if identity.compute:  # not the first: every field as the first worker's
-        differ = [f"{f.name} {getattr(h.identity, f.name)!r} (the others: "
+        theirs = adopt_identity(identity, h)
+        differ = [f"{f.name} {getattr(theirs, f.name)!r} (the others: "
                   f"{getattr(identity, f.name)!r})" for f in dataclasses.fields(identity)
-                  if f.name != "model_path"
-                  and getattr(h.identity, f.name) != getattr(identity, f.name)]
+                  if getattr(theirs, f.name) != getattr(identity, f.name)]
         if differ:
             return (f"its cache settings differ from the other workers': {'; '.join(differ)}; "
                     "start every worker with the same flags")
@@ -375,7 +379,7 @@ def adopt_identity(identity: CacheIdentity, h: WorkerInfo) -> CacheIdentity:
     attention, library version, the devices that compute) taken from it: a proxy in a CPU
     container keys the states a GPU worker computes as that worker does. The model file stays
     the proxy's own (the fingerprint then tells whether both serve the same file)."""
-    return replace(h.identity, model_path=identity.model_path)
+    return CacheIdentity(**{**dataclasses.asdict(h.identity), "model_path": identity.model_path})
 
 
 class Pool:
@@ -418,6 +422,7 @@ class Pool:
             await self.close()  # no orphaned worker processes
             raise
         self._tasks = [asyncio.create_task(self._supervise(w)) for w in self.workers]
+        self._tasks += [asyncio.create_task(self._listen(w)) for w in self.workers]
 
     async def close(self) -> None:
         self._closing = True
@@ -495,6 +500,35 @@ class Pool:
         log.info("worker %d ready (pid %s, n_ctx %d, %s)", w.worker_id,
                  w.process.pid if w.process else "-", w.n_ctx, w.memory_note)
 
+    async def _listen(self, w: Worker) -> None:
+        """The worker's tier events (`GET /events`: its RAM tier's entries as they are, then
+        every change), for as long as the pool runs: the proxy's view of its RAM tier
+        (`Worker.ram`). A stream that fails or ends forgets the view and connects again once the
+        worker is ready."""
+        while not self._closing:
+            if not w.ready or w.session is None:
+                await asyncio.sleep(EVENTS_RETRY_S)
+                continue
+            boot_id = w.boot_id
+            try:
+                async with w.session.get(w.base_url + "/events",
+                                         timeout=aiohttp.ClientTimeout(total=None)) as r:
+                    r.raise_for_status()
+                    w.ram = {}
+                    while line := await r.content.readline():
+                        ev = parse_event(line)
+                        if isinstance(ev, TierEvent) and ev.tier == "ram":
+                            if ev.kind == "stored":
+                                w.ram[ev.ref] = (ev.tenant, ev.ids)
+                            else:
+                                w.ram.pop(ev.ref, None)
+                        if w.boot_id != boot_id:
+                            break
+            except (*_UNREACHABLE, ValueError) as e:
+                log.debug("%s: its tier events stopped (%s)", w.name, e)
+            w.ram = {}
+            await asyncio.sleep(EVENTS_RETRY_S)
+
     async def _supervise(self, w: Worker) -> None:
         """Restart a worker process that exits; its in-flight request fails on its own."""
         while not self._closing:
@@ -533,6 +567,7 @@ class Pool:
             await self.close()
             raise
         self._tasks = [asyncio.create_task(self._watch(w)) for w in self.workers]
+        self._tasks += [asyncio.create_task(self._listen(w)) for w in self.workers]
 
     def _incompatibility(self, h: WorkerInfo) -> str | None:
         return incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path,
@@ -723,14 +758,21 @@ class Pool:
 
     @staticmethod
     def _views(slots: list[Slot], ids: list[int], tenant: str) -> list[SlotView]:
-        """The router's view of each slot; `borrow`: the longest live prefix of another slot of
-        its worker, where the worker copies between its slots."""
+        """The router's view of each slot; `borrow`: what its worker can load into it from its
+        memory (policies.sources): the longest prefix of the prompt its RAM tier holds (its
+        tier events), and the longest live prefix of another of its slots where it copies
+        between them."""
         prefix = [s.live_prefix(ids, tenant) for s in slots]
+        def held(w: Worker) -> int:  # a state it cannot cut back counts only whole
+            mine = [h for t, h in w.ram.values() if t == tenant]
+            return max((n for h in mine
+                        if (n := common_prefix_len(h, ids)) == len(h) or w.borrows), default=0)
+        ram = {id(w): held(w) if w.exact else 0 for w in {s.worker for s in slots}}
         views = []
         for i, s in enumerate(slots):
             borrow = max((p for j, p in enumerate(prefix) if j != i
                           and slots[j].worker is s.worker), default=0) if s.worker.borrows else 0
-            views.append(s.view(i, ids, tenant, borrow))
+            views.append(s.view(i, ids, tenant, max(borrow, ram[id(s.worker)])))
         return views
 
     async def release(self, s: Slot, live_ids: list[int], tenant: str = "",

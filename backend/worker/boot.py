@@ -179,6 +179,10 @@ class Boot:
                  else "")
         if spec.parallel > 1:
             log.info("worker %d: %s", spec.worker_id, shapes.note)
+        if spec.placement.get("repack", "auto") == "auto" and not engine.placement["repack"]:
+            log.info("worker %d: weights not repacked for this CPU's AMX kernels, which crash "
+                     "on some machines (ggml-org/llama.cpp#20824); --repack uses them",
+                     spec.worker_id)
         self.shapes = shapes
         loop.call_soon_threadsafe(self._serve, worker)
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.protocol import Cancelled, Done, Error, Event, Fault, Job, Prefill, Start, Token
-from backend.sampling import StopMatcher
+from backend.stops import StopMatcher
 from backend.worker.messages import (
     Arrive,
     CancelRun,

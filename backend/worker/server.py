@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from backend.protocol import (
     Done,
     Error,
     Event,
+    Identity,
     Job,
     Saved,
     SaveFailed,
@@ -115,7 +116,7 @@ class Worker:
             cache_ram=dict(stats["ram"]), shared=stats["shared"], writes={
                 **stats["writes"], "at_rest_on": float(self.tiers.at_rest is not None)},
             borrowed=dict(self.core.borrowed), placement=dict(eng.placement),
-            checked=self.checked, identity=self.identity)
+            checked=self.checked, identity=Identity(**asdict(self.identity)))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(self.info().to_wire())

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects import hermes
 from proxy.dialects.base import DECODER, Call, Tools, json_call, skip_ws
 from proxy.dialects.grammar import calls
+from proxy.dialects.hermes import call_of
 
 OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
 OPENS = (OPEN,)
@@ -47,7 +47,7 @@ def _listed(text: str, start: int, tools: Tools, final: bool
     if not isinstance(listed, list):
         return [], None, False
 
-    found = [hermes.call_of(c, tools) for c in listed]
+    found = [call_of(c, tools) for c in listed]
     if not found or any(c is None for c in found):
         return [], None, False
     return [c for c in found if c is not None], end, True

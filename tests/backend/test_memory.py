@@ -11,7 +11,8 @@ import llama_cpp
 import pytest
 
 from backend import layout
-from backend.engine import Cancel, Engine, Sampling
+from backend.engine import Engine
+from backend.sampling import Sampling
 from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
@@ -54,12 +55,12 @@ def engines(name: str) -> Iterator[tuple[Engine, Engine]]:
 
 
 def _answer(eng: Engine, ids: list[int], stops: list[int] = (), on_stop=None) -> list[int]:
-    eng.prefill(ids, list(stops), on_stop or (lambda p: None), Cancel())
-    return [t for t, _, _ in eng.generate(Sampling(temperature=0), GEN, Cancel())]
+    eng.prefill(0, ids, list(stops), on_stop or (lambda p: None))
+    return [t for t, _, _ in eng.generate(0, Sampling(temperature=0), GEN)]
 
 
 def _cold(eng: Engine, ids: list[int]) -> list[int]:
-    eng.truncate(0)
+    eng.truncate(0, 0)
     return _answer(eng, ids)
 
 
@@ -78,15 +79,15 @@ def _same_state(eng: Engine, ref: Engine) -> str | None:
     """None when `eng` holds exactly `ref`'s state (every KV cell and recurrent state, byte for
     byte) and the same last logits (bit for bit); else where they first differ."""
     sections = 2 if eng.memory.kind == "window" else 1
-    where = layout.first_difference(ref.snapshot(), eng.snapshot(), sections)
-    if where is None and eng.last_logits().tobytes() != ref.last_logits().tobytes():
+    where = layout.first_difference(ref.snapshot(0), eng.snapshot(0), sections)
+    if where is None and eng.last_logits(0).tobytes() != ref.last_logits(0).tobytes():
         return "the KV is equal but the last logits differ"
     return where
 
 
 def _prefill_cold(ref: Engine, ids: list[int]) -> None:
-    ref.truncate(0)
-    ref.prefill(ids, [], lambda p: None, Cancel())
+    ref.truncate(0, 0)
+    ref.prefill(0, ids, [], lambda p: None)
 
 
 def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine, Engine]
@@ -101,34 +102,34 @@ def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine
     first = _ids(name, far + 4, seed=1)
     second = first + _ids(name, 3 * A + 8, seed=2)
     snaps: dict[int, memoryview] = {}
-    eng.truncate(0)
-    assert _answer(eng, first, [near, far], lambda p: snaps.__setitem__(p, eng.snapshot())) \
+    eng.truncate(0, 0)
+    assert _answer(eng, first, [near, far], lambda p: snaps.__setitem__(p, eng.snapshot(0))) \
         == _cold(ref, first)
     assert sorted(snaps) == [near, far]
     cold_second = _cold(ref, second)
 
-    kept = eng.live_prefix(second)
+    kept = eng.live_prefix(0, second)
     if MEMORY[name] == "recurrent":
         assert kept == 0, "generated tokens moved the recurrent state past the prompt"
     else:
         assert kept == far, "the live reuse ends at a batch edge"
-    assert eng.truncate(kept) == kept
+    assert eng.truncate(0, kept) == kept
     assert _answer(eng, second) == cold_second, "live hit"
 
-    eng.restore(second[:far], snaps[far])
-    assert eng.n_live == far
-    eng.prefill(second, [], lambda p: None, Cancel())
+    eng.restore(0, second[:far], snaps[far])
+    assert eng.seqs[0].n_live == far
+    eng.prefill(0, second, [], lambda p: None)
     _prefill_cold(ref, second)
     assert _same_state(eng, ref) is None, "restored hit"
 
     # diverges at `near`, far behind the live end; the window's cache restored at `far` holds
     # only the window's last positions (384-895 at 64): it cannot be cut back to `near` either
     third = first[:near] + _ids(name, 8 * A - 12, seed=3)
-    kept = eng.live_prefix(third)
+    kept = eng.live_prefix(0, third)
     assert kept == (near if MEMORY[name] == "plain" else 0)
-    eng.truncate(kept)
+    eng.truncate(0, kept)
     if kept == 0:
-        eng.restore(third[:near], snaps[near])
+        eng.restore(0, third[:near], snaps[near])
     assert _answer(eng, third) == _cold(ref, third), "diverging far inside the live sequence"
 
 
@@ -138,10 +139,10 @@ def test_a_cut_the_memory_refuses_never_leaves_a_wrong_state(name: str,
     eng, ref = engines
     n, cut = 28 * A + 8, 2 * A  # 1800 and 128 at 64
     prompt = _ids(name, n, seed=4)
-    eng.truncate(0)
-    eng.prefill(prompt, [], lambda p: None, Cancel())
-    floor = eng.floor()
-    kept = eng.truncate(cut)
+    eng.truncate(0, 0)
+    eng.prefill(0, prompt, [], lambda p: None)
+    floor = eng.floor(0)
+    kept = eng.truncate(0, cut)
     mem = llama_cpp.llama_get_memory(eng.ctx)
     if MEMORY[name] == "recurrent":
         assert (floor, kept) == (n, 0), "cutting back inside a recurrent state is refused"
@@ -168,17 +169,17 @@ def test_a_restored_snapshot_extended_holds_the_cold_runs_state(
     eng, ref = engines
     prompt = _ids(name, max(ENDS), seed=6)
     snaps: dict[int, bytes] = {}
-    eng.truncate(0)
-    eng.prefill(prompt, [*POINTS, 2 * A - 28, 8 * A + 1],  # the last two: not at an edge
-                lambda p: snaps.__setitem__(p, bytes(eng.snapshot())), Cancel())
+    eng.truncate(0, 0)
+    eng.prefill(0, prompt, [*POINTS, 2 * A - 28, 8 * A + 1],  # the last two: not at an edge
+                lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     assert sorted(snaps) == sorted(POINTS), "a stop only at a batch edge"
     failures = []
     for n in ENDS:
         _prefill_cold(ref, prompt[:n])
         for p in (p for p in POINTS if p < n):
-            eng.restore(prompt[:p], snaps[p])
+            eng.restore(0, prompt[:p], snaps[p])
             assert llama_cpp.llama_memory_seq_pos_max(eng.mem, 0) == p - 1
-            eng.prefill(prompt[:n], [], lambda q: None, Cancel())
+            eng.prefill(0, prompt[:n], [], lambda q: None)
             where = _same_state(eng, ref)
             if where is not None:
                 failures.append(f"restored at {p}, extended to {n}: {where}")
@@ -193,8 +194,8 @@ def test_a_window_restore_lays_each_position_in_the_cold_runs_cell() -> None:
     cell changed the logits by up to 1.0 on an AMD EPYC)."""
     eng = _engine("gemma3")
     prompt = _ids("gemma3", 700, seed=11)
-    eng.prefill(prompt, [], lambda p: None, Cancel())
-    state = eng.snapshot()
+    eng.prefill(0, prompt, [], lambda p: None)
+    state = eng.snapshot(0)
     base, window = layout.parse(state, 2).sections
     assert base.positions == tuple(range(700))
     assert window.positions == tuple(range(700 - 512, 700)), "only the window's cells"
@@ -216,14 +217,14 @@ def test_a_real_window_cuts_back_only_inside_it() -> None:
     eng, ref = (_engine("gemma3", swa_full=False, n_batch=64) for _ in range(2))
     prompt = _ids("gemma3", 1800, seed=7)
     assert "ring" in eng.inexact, "a real window: no reuse is exact, the worker reuses nothing"
-    eng.prefill(prompt, [], lambda p: None, Cancel())
-    assert eng.floor() > 1800 - 1024
-    assert eng.live_prefix(prompt[:100] + [0] * 10) == 0
-    assert eng.live_prefix(prompt[:1790] + [0] * 10) == 1728  # inside the window, a batch edge
+    eng.prefill(0, prompt, [], lambda p: None)
+    assert eng.floor(0) > 1800 - 1024
+    assert eng.live_prefix(0, prompt[:100] + [0] * 10) == 0
+    assert eng.live_prefix(0, prompt[:1790] + [0] * 10) == 1728  # inside the window, a batch edge
     mem = llama_cpp.llama_get_memory(eng.ctx)
-    assert eng.truncate(1728) == 1728
+    assert eng.truncate(0, 1728) == 1728
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 1727
-    assert eng.truncate(100) == 0, "behind the window: refused"
+    assert eng.truncate(0, 100) == 0, "behind the window: refused"
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == -1
     other = prompt[:100] + _ids("gemma3", 300, seed=8)
     assert _answer(eng, other) == _cold(ref, other)
@@ -252,18 +253,18 @@ def test_a_hit_at_a_message_end_equals_the_cold_run(name: str, engines: tuple[En
     assert e1.keep_max == ends_first and ends_first % size, "an edge at the message end"
     assert ends_first in e2, "the next turn has the same edge"
     snaps: dict[int, memoryview] = {}
-    eng.truncate(0)
-    assert _answer(eng, first, [ends_first], lambda p: snaps.__setitem__(p, eng.snapshot())) \
+    eng.truncate(0, 0)
+    assert _answer(eng, first, [ends_first], lambda p: snaps.__setitem__(p, eng.snapshot(0))) \
         == _cold(ref, first)
     assert sorted(snaps) == [ends_first]
     cold_second = _cold(ref, second)
-    kept = eng.live_prefix(second)
+    kept = eng.live_prefix(0, second)
     if MEMORY[name] != "recurrent":
         assert kept == ends_first, "the live reuse ends at the message end"
-        assert eng.truncate(kept) == kept
+        assert eng.truncate(0, kept) == kept
         assert _answer(eng, second) == cold_second, "live hit at a message end"
-    eng.restore(second[:ends_first], snaps[ends_first])
-    eng.prefill(second, [], lambda p: None, Cancel())
+    eng.restore(0, second[:ends_first], snaps[ends_first])
+    eng.prefill(0, second, [], lambda p: None)
     _prefill_cold(ref, second)
     assert _same_state(eng, ref) is None, "restored hit at a message end"
 
@@ -278,22 +279,22 @@ def test_an_engine_reuses_only_at_batch_edges() -> None:
     eng = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64)
     ref = Engine(model_file("smollm2"), N_CTX, 2, 0, n_batch=64)
     prompt = _ids("smollm2", 300, seed=9)
-    eng.prefill(prompt, [], lambda p: None, Cancel())
+    eng.prefill(0, prompt, [], lambda p: None)
     other = prompt[:250] + _ids("smollm2", 60, seed=10)
-    assert eng.live_prefix(other) == 192
-    assert eng.truncate(192) == 192
+    assert eng.live_prefix(0, other) == 192
+    assert eng.truncate(0, 192) == 192
     assert _answer(eng, other) == _cold(ref, other)
     snaps: dict[int, memoryview] = {}
-    eng.truncate(0)
+    eng.truncate(0, 0)
     batches: list[int] = []
-    eng.prefill(prompt, [128, 256], lambda p: snaps.__setitem__(p, eng.snapshot()), Cancel(),
+    eng.prefill(0, prompt, [128, 256], lambda p: snaps.__setitem__(p, eng.snapshot(0)),
                 batches.append)
     assert batches == [64, 128, 192, 256, 300]
-    eng.restore(prompt[:256], snaps[256])
+    eng.restore(0, prompt[:256], snaps[256])
     assert _answer(eng, prompt) == _cold(ref, prompt)
-    eng.truncate(0)
+    eng.truncate(0, 0)
     batches.clear()
-    eng.prefill(prompt[:257], [100], lambda p: None, Cancel(), batches.append)
+    eng.prefill(0, prompt[:257], [100], lambda p: None, batches.append)
     assert batches == [64, 128, 192, 256, 257], "no stop off a batch edge; a last batch of one"
     eng.close()
     ref.close()

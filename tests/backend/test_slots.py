@@ -1,24 +1,33 @@
-"""Slots (issue 20): two sequences in one context, their steps interleaved as the worker's
-scheduler runs them (a prefill batch or a token of one, then of the other), each compute
-bit for bit what the same prompt computes alone in a context of its own: every logit of the
-prefill's end and of each greedy token, and the KV state. A snapshot taken in one slot restores
-into the other exactly. On plain attention, a sliding window and a hybrid recurrent state.
-Decode steps of several slots in one llama_decode (where the self-check proves it: as they
-come, or in a fixed shape of a row per slot) give each slot the logits it gets alone, and the
-check catches a decode that does not."""
+"""Slots (issues 20 and 41): several sequences in one context, run by the worker's own compute
+loop (backend.worker: the core, the scheduler, the runner, the reader thread), on the real
+models of every memory kind. Each slot computes bit for bit what the same prompt computes
+alone in a context of its own, every logit of every sample and the KV state; a snapshot taken
+in one slot restores into another. The scheduler's rules are exact tables in
+tests/policies/test_schedule.py; here one real-model test per rule: a short prompt beside a
+long prefill is served first, a generating slot shares the thread's time with a prefill, decode
+steps of several slots share a llama_decode as `--deterministic` and the start-up check say,
+and a restore read from disk never stops another slot generating."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from backend import selfcheck
-from backend.engine import Cancel, Engine, Sampling
-from backend.worker import DECODE, Scheduler
+from backend.engine import Engine
+from backend.protocol import Done, Event, Job, Prefill, Start, Token
+from backend.ramtier import RamTier
+from backend.sampling import Sampling
+from backend.worker.core import Core
+from backend.worker.loop import Loop
+from backend.worker.tiers import Tiers
+from policies.decide import Plan, Restore
 from policies.prefix import default_batch
+from policies.schedule import Deterministic, Shapes, choose_decode
 from tests.backend.test_memory import _ids
 from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
@@ -30,6 +39,7 @@ pytestmark = pytest.mark.model
 SLOT_BATCH = default_batch(GPU_LAYERS)
 SLOT_CTX = 16 * SLOT_BATCH
 GEN = 6
+COLD = Plan((), (), 0, False, "off", None, None)  # nothing reused, nothing saved
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -37,40 +47,88 @@ def name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _engine(name: str, n_seq: int) -> Engine:
+def _engine(name: str, n_seq: int, flash_attn: str = FLASH_ATTN) -> Engine:
     return Engine(model_file(name), SLOT_CTX * n_seq, 2, GPU_LAYERS, n_batch=SLOT_BATCH,
-                  flash_attn=FLASH_ATTN, n_seq=n_seq)
+                  flash_attn=flash_attn, n_seq=n_seq)
 
 
-def _run(eng: Engine, ids: list[int], trace: list[bytes], stops: tuple[int, ...] = (),
-         snaps: dict[int, bytes] | None = None) -> Iterator[None]:
-    """A job as the worker runs it: steps of prefill batches, then steps of one greedy token;
-    the logits of the prefill's end and of every token go to `trace`. It does not say what its
-    prefill has left, so the scheduler interleaves two prefills' batches too (by their time)."""
-    kept = {} if snaps is None else snaps
-    for _ in eng.prefill_steps(ids, list(stops),
-                               lambda p: kept.__setitem__(p, bytes(eng.snapshot())), Cancel()):
-        yield
-    for token, _, _ in eng.generate(Sampling(temperature=0), GEN, Cancel()):
-        trace.append(eng.last_logits().tobytes())
-        trace.append(np.int32(token).tobytes())
-        yield
+class Worker:
+    """A worker's compute loop over `eng`, in this process: jobs in, every event out in the
+    order it came (with the time), the logits of every sample per run, the slots of every
+    decode step."""
+
+    def __init__(self, eng: Engine, shapes: Shapes | None = None, cache: Path | None = None,
+                 fault: str = "") -> None:
+        self.eng, self.events = eng, []  # type: list[tuple[float, str, Event]]
+        self.logits: dict[int, list[bytes]] = {s: [] for s in range(len(eng.seqs))}
+        self.steps: list[int] = []  # the slots of each decode step
+        self.lock, self.ended = threading.Lock(), threading.Condition()
+        self.finished: set[str] = set()
+        tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
+                      self._emit, fault=fault)
+        core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
+                    eng.n_ctx)
+        shapes = shapes or Shapes(eng.decode_shape, True, "")
+        eng.decode_shape = shapes.decode
+        sample, decode = eng.sample, eng.decode
+
+        def sampled(slot: int, sampler: object, i: int = -1) -> int:
+            self.logits[slot].append(eng.last_logits(slot).tobytes())
+            return sample(slot, sampler, i)  # type: ignore[arg-type]
+
+        def decoded(tokens: dict[int, int]) -> None:
+            self.steps.append(len(tokens))
+            decode(tokens)
+
+        eng.sample, eng.decode = sampled, decoded  # type: ignore[method-assign]
+        self.loop = Loop(eng, core, tiers, shapes, self._emit)
+        self.loop.start()
+
+    def _emit(self, run: str, event: Event) -> None:
+        with self.lock:
+            self.events.append((time.perf_counter(), run, event))
+        if isinstance(event, Done) or type(event).__name__ in ("Cancelled", "Error"):
+            with self.ended:
+                self.finished.add(run)
+                self.ended.notify_all()
+
+    def submit(self, run: str, ids: list[int], slot: int, gen: int = GEN,
+               plan: Plan = COLD) -> None:
+        self.loop.arrive(Job(run, tuple(ids), b"", "", plan, {"temperature": 0.0}, gen, (),
+                             None, slot))
+
+    def wait(self, *runs: str, timeout_s: float = 600) -> None:
+        with self.ended:
+            assert self.ended.wait_for(lambda: set(runs) <= self.finished, timeout_s), runs
+
+    def of(self, run: str) -> list[Event]:
+        return [e for _, r, e in self.events if r == run]
+
+    def tokens(self, run: str) -> list[int]:
+        return [e.id for e in self.of(run) if isinstance(e, Token) and e.id is not None]
+
+    def stop(self) -> None:
+        self.loop.stop()
+        del self.eng.sample, self.eng.decode  # the engine's own methods again
 
 
-def _alone(name: str, prompts: list[list[int]]) -> list[list[bytes]]:
+def _alone(name: str, prompts: list[list[int]], gen: int = GEN) -> list[tuple[list[bytes],
+                                                                           list[int], bytes]]:
+    """Each prompt alone in a context of one slot: (the logits of every sample, the tokens, the
+    KV state after)."""
     eng = _engine(name, 1)
+    out = []
     try:
-        out = []
-        for ids in prompts:
-            eng.truncate(0)
-            trace: list[bytes] = []
-            for _ in _run(eng, ids, trace):
-                pass
-            trace.append(bytes(eng.snapshot()))
-            out.append(trace)
-        return out
+        for k, ids in enumerate(prompts):
+            w = Worker(eng)
+            w.submit(f"a{k}", ids, 0, gen)
+            w.wait(f"a{k}")
+            w.stop()
+            out.append((w.logits[0], w.tokens(f"a{k}"), bytes(eng.snapshot(0))))
+            eng.truncate(0, 0)
     finally:
         eng.close()
+    return out
 
 
 def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
@@ -78,39 +136,37 @@ def test_interleaved_slots_compute_what_each_computes_alone(name: str) -> None:
     cut = 5 * SLOT_BATCH
     want = _alone(name, [p, q])
     eng = _engine(name, 2)
-    sched = Scheduler(eng)
     try:
-        traces: list[list[bytes]] = [[], []]
-        snaps: dict[int, bytes] = {}
-        done = [sched.submit(0, _run(eng, p, traces[0])),
-                sched.submit(1, _run(eng, q, traces[1], (cut,), snaps))]
-        for d in done:
-            d.result(timeout=600)
-        for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
-            eng.use(slot)
-            state = bytes(eng.snapshot())
-            assert trace == ref[:-1], f"slot {slot}: logits or tokens differ from its run alone"
-            if slot == 0:  # the sequence id in a state is its slot's: slot 0's is the cold one's
-                assert state == ref[-1], "slot 0: its KV differs from the run alone"
+        w = Worker(eng)
+        w.submit("p", p, 0)
+        w.submit("q", q, 1)
+        w.wait("p", "q")
+        w.stop()
+        for slot, run, ref in ((0, "p", want[0]), (1, "q", want[1])):
+            assert (w.logits[slot], w.tokens(run)) == ref[:2], \
+                f"slot {slot}: logits or tokens differ from its run alone"
+        # the sequence id in a state is its slot's: slot 0's is the cold one's
+        assert bytes(eng.snapshot(0)) == want[0][2], "slot 0: its KV differs from alone"
         # a snapshot taken in slot 1 restores into slot 0 and answers as the run alone
-        eng.use(0)
-        eng.restore(q[:cut], snaps[cut])
-        trace = []
-        for _ in _run(eng, q, trace):
-            pass
-        assert trace == want[1][:-1]
-        assert bytes(eng.snapshot()) == want[1][-1]
+        eng.truncate(1, 0)
+        eng.prefill(1, q[:cut])
+        snap = bytes(eng.snapshot(1))
+        eng.restore(0, q[:cut], snap)
+        w = Worker(eng)
+        w.submit("q0", q, 0, plan=Plan((), (), 7 * SLOT_BATCH, True, "off", None, None))
+        w.wait("q0")
+        w.stop()
+        start = next(e for e in w.of("q0") if isinstance(e, Start))
+        assert start.keep == cut and (w.logits[0], w.tokens("q0")) == want[1][:2]
     finally:
-        sched.stop()
         eng.close()
     # and into a context of one slot (a state file outlives a change of --parallel)
     solo = _engine(name, 1)
     try:
-        solo.restore(q[:cut], snaps[cut])
-        trace = []
-        for _ in _run(solo, q, trace):
-            pass
-        assert trace == want[1][:-1]
+        solo.restore(0, q[:cut], snap)
+        solo.prefill(0, q)
+        tokens = [t for t, _, _ in solo.generate(0, Sampling(temperature=0), GEN)]
+        assert tokens == want[1][1]
     finally:
         solo.close()
 
@@ -119,27 +175,20 @@ def test_a_slot_cancelled_mid_prefill_leaves_the_other_exact(name: str) -> None:
     p, q = _ids(name, 5 * SLOT_BATCH + 60, 3), _ids(name, 7 * SLOT_BATCH + 4, 4)  # q: 8 batches
     want = _alone(name, [p])[0]
     eng = _engine(name, 2)
-    sched = Scheduler(eng)
     try:
-        cancel = Cancel()
-        trace: list[bytes] = []
-
-        def cancelled() -> Iterator[None]:
-            for i, _ in enumerate(eng.prefill_steps(q, [], lambda _: None, cancel)):
-                if i == 3:
-                    cancel.set()
-                yield
-
-        a, b = sched.submit(0, _run(eng, p, trace)), sched.submit(1, cancelled())
-        a.result(timeout=600)
-        with pytest.raises(Exception, match="Cancelled|^$"):
-            b.result(timeout=600)
-        assert trace == want[:-1]
-        eng.use(1)
-        assert 0 < eng.n_live < len(q) and eng.n_live % eng.batching.size == 0, \
+        w = Worker(eng)
+        w.submit("q", q, 1)
+        w.submit("p", p, 0)
+        while sum(isinstance(e, Prefill) for e in w.of("q")) < 3:
+            time.sleep(0.001)
+        w.loop.cancel("q")
+        w.wait("p", "q")
+        w.stop()
+        assert (w.logits[0], w.tokens("p")) == want[:2]
+        n = eng.seqs[1].n_live
+        assert 0 < n < len(q) and n % SLOT_BATCH == 0, \
             "what it prefilled stays live, at a batch edge"
     finally:
-        sched.stop()
         eng.close()
 
 
@@ -157,219 +206,116 @@ def test_a_slots_snapshot_is_rewritten_in_place_as_the_join_writes_it(name: str)
     eng = _engine(name, 3)
     try:
         for slot in range(3):
-            eng.use(slot)
-            eng.prefill(_ids(name, 100 + 30 * slot, seed=slot), [], lambda p: None, Cancel())
+            eng.prefill(slot, _ids(name, 100 + 30 * slot, seed=slot))
             size = llama_cpp.llama_state_seq_get_size(eng.ctx, slot)
             raw = np.empty(size, dtype=np.uint8)
             n = llama_cpp.llama_state_seq_get_data(
                 eng.ctx, raw.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, slot)
             want = bytes(layout.one_stream(memoryview(raw)[:n], eng.caches))
             assert len(want) < n, "the other slots' empty streams are dropped"
-            assert bytes(eng.snapshot()) == want
+            assert bytes(eng.snapshot(slot)) == want
     finally:
         eng.close()
-
-
-def _timed(steps: list[tuple[int, float]], slot: int,
-           job: Iterator[int | None]) -> Iterator[int | None]:
-    """The job, each step's (slot, seconds) appended to `steps` in the order they ran."""
-    while True:
-        t = time.perf_counter()
-        try:
-            left = next(job)
-        except StopIteration:
-            return
-        steps.append((slot, time.perf_counter() - t))
-        yield left
 
 
 def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None:
-    """Of the prefills, the one due first runs: a short prompt that arrives while a long one
-    prefills is due first and ends within a few of the long one's batches, and both compute
-    what they compute alone. (Sharing the time, the long one ran 6 batches beside the short
-    one's 5.)"""
+    """Rule 1 (policies.schedule): of the prefills, the one due first runs. A short prompt
+    that arrives while a long one prefills is due first and ends within a few of the long one's
+    batches, and both compute what they compute alone."""
     p, q = _ids(name, 5 * SLOT_BATCH + 60, 7), _ids(name, 14 * SLOT_BATCH + 8, 8)
-    want = _alone(name, [p, q])
-    steps: list[tuple[int, float]] = []
-    ends: dict[int, bytes] = {}  # each prefill's last logits
+    want = _alone(name, [p, q], gen=1)
     eng = _engine(name, 2)
-
-    def prefill(slot: int, ids: list[int]) -> Iterator[int | None]:
-        yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
-        ends[slot] = eng.last_logits().tobytes()  # in the step of its last batch
-
-    sched = Scheduler(eng)
     try:
-        long = sched.submit(1, _timed(steps, 1, prefill(1, q)))
-        while not steps:  # the long prefill is under way
+        w = Worker(eng)
+        w.submit("long", q, 1, gen=1)
+        while not w.of("long")[1:]:  # its first batch is done
             time.sleep(0.001)
-        short = sched.submit(0, _timed(steps, 0, prefill(0, p)))
-        short.result(timeout=600)
-        long.result(timeout=600)
+        w.submit("short", p, 0, gen=1)
+        w.wait("short", "long")
+        w.stop()
     finally:
-        sched.stop()
         eng.close()
-    assert [ends[0], ends[1]] == [want[0][0], want[1][0]], "a prefill differs from it alone"
-    last = max(i for i, (slot, _) in enumerate(steps) if slot == 0)
-    beside = sum(slot == 1 for slot, _ in steps[:last])
-    own = sum(slot == 0 for slot, _ in steps)
-    assert beside <= 3, (f"the long prefill ran {beside} batches before the short one's "
-                         f"{own} ended")
-
-
-def test_a_stream_of_short_prompts_does_not_hold_a_long_one_back(name: str) -> None:
-    """Short first, but not without end: a prefill is due when it would end alone from its
-    start, and the one due first runs, so short prompts arriving one after another beside a
-    long one (an agent's quick turns) run only until the long one is due. (Serving the
-    shortest instead, on SmolLM2 all 7200 tokens of short prompts ran first. Where a batch
-    costs little beside the test's own overhead, as on the random Qwen3.5, the long one ends
-    before the stream gets going.)"""
-    long_n, short_n, shorts = 1200, 120, 60
-    q = _ids(name, long_n, 9)
-    order: list[str] = []  # "s" as each short prompt's prefill ends, "L" as the long one's
-    eng = _engine(name, 3)
-
-    def prefill(ids: list[int], mark: str) -> Iterator[int | None]:
-        eng.truncate(0)
-        yield len(ids)  # as the worker's job says what it has to prefill, before it begins
-        yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
-        order.append(mark)
-
-    sched = Scheduler(eng)
-    try:
-        long = sched.submit(1, prefill(q, "L"))
-        waiting = {}  # slots 0 and 2 take turns, so that one short prompt always waits
-        for k in range(shorts):
-            slot = 2 * (k % 2)
-            if slot in waiting:
-                waiting.pop(slot).result(timeout=600)
-            if long.done():
-                break
-            waiting[slot] = sched.submit(slot, prefill(_ids(name, short_n, 100 + k), "s"))
-        long.result(timeout=600)
-        for w in waiting.values():
-            w.result(timeout=600)
-    finally:
-        sched.stop()
-        eng.close()
-    before = order.index("L") * short_n
-    assert before <= 2 * long_n, (
-        f"{before} tokens of short prompts ran before the long one's {long_n} ended")
+    assert (w.logits[0][0], w.logits[1][0]) == (want[0][0][0], want[1][0][0]), \
+        "a prefill differs from it alone"
+    order = [run for _, run, e in w.events if isinstance(e, Prefill)]
+    last = max(i for i, run in enumerate(order) if run == "short")
+    arrived = order.index("short")
+    beside = sum(run == "long" for run in order[arrived:last])
+    assert beside <= 3, f"the long prefill ran {beside} batches before the short one ended"
 
 
 def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str) -> None:
-    """The scheduler shares the llama thread's time, not its turns: a slot generating beside
-    one that prefills a long prompt gets as much of the thread's time as the prefill until its
-    answer ends (within a step or two), so where a prefill batch costs ten tokens it gets ten
-    tokens a batch, not one (taking turns it got one: 24 tokens took 27 of 28 batches)."""
+    """Rule 2: the scheduler shares the compute thread's time, not its turns: a slot
+    generating beside one that prefills a long prompt ends its answer well before the prefill
+    ends (taking turns, 24 tokens took 27 of 28 batches)."""
     gen = 24
     p, q = _ids(name, SLOT_BATCH + 72, 5), _ids(name, 14 * SLOT_BATCH + 8, 6)
-    steps: list[tuple[int, float]] = []  # (slot, seconds) of each step, in the order they ran
     eng = _engine(name, 2)
-
-    def answer() -> Iterator[int | None]:
-        yield from eng.prefill_steps(p, [], lambda _: None, Cancel())
-        yield from (None for _ in eng.generate(Sampling(temperature=0), gen, Cancel()))
-
-    sched = Scheduler(eng)
     try:
-        done = [sched.submit(1, _timed(steps, 1, eng.prefill_steps(q, [], lambda _: None,
-                                                                   Cancel()))),
-                sched.submit(0, _timed(steps, 0, answer()))]
-        for d in done:
-            d.result(timeout=600)
+        w = Worker(eng)
+        w.submit("long", q, 1, gen=1)
+        w.submit("answer", p, 0, gen=gen)
+        w.wait("answer", "long")
+        w.stop()
     finally:
-        sched.stop()
         eng.close()
-    last = max(i for i, (slot, _) in enumerate(steps) if slot == 0)
-    answering = sum(dt for slot, dt in steps if slot == 0)
-    prefill = [dt for slot, dt in steps[:last] if slot == 1]
-    assert len(prefill) < sum(slot == 1 for slot, _ in steps), (
-        "the answer ended only after the prefill: held to one token per prefill batch")
-    assert sum(prefill) <= answering + 2 * max(prefill), (
-        f"beside the answer ({answering:.2f} s of steps) the prefill ran {sum(prefill):.2f} s "
-        f"({len(prefill)} batches)")
+    assert len(w.tokens("answer")) == gen
+    batches = [run for _, run, e in w.events
+               if isinstance(e, Prefill) and run == "long" or isinstance(e, Done)]
+    before = batches.index("answer") if "answer" in batches else len(batches)
+    assert before < len(q) // SLOT_BATCH - 2, (
+        f"the answer ended after {before} of the long prompt's batches")
 
 
-def _answer(eng: Engine, ids: list[int], gen: int,
-            trace: list[bytes]) -> Iterator[int | str | None]:
-    """A job as the worker's: it prefills, then generates greedily, yielding DECODE while its
-    token waits to be evaluated; the logits of each sample and its token go to `trace`."""
-    yield from eng.prefill_steps(ids, [], lambda _: None, Cancel())
-    for step in eng.generate_steps(Sampling(temperature=0), gen, Cancel()):
-        if step is None:
-            yield DECODE
-        else:
-            trace += [eng.last_logits().tobytes(), np.int32(step[0]).tobytes()]
-
-
-def _together(eng: Engine, prompts: list[list[int]], gen: int,
-              idle: list[int] | None = None) -> tuple[list[list[bytes]], list[list[bytes]],
-                                                      list[int]]:
-    """Each prompt generated alone in slot 0, then all at once through the scheduler (slot s
-    the s-th), as the engine's `decode` has it; with `idle`, the last slot holds that prompt,
-    prefilled, while they generate, and its state is checked unchanged after. Returns the
-    traces alone, together, and how many slots each decode step held."""
+def _together(name: str, eng: Engine, prompts: list[list[int]], gen: int,
+              shapes: Shapes) -> tuple[list[tuple[list[bytes], list[int]]], Worker]:
+    """Each prompt generated alone in slot 0 of this engine, in the shape given, then all at
+    once (slot s the s-th). Returns (the logits and tokens of each alone, the worker)."""
     want = []
-    for ids in prompts:
-        eng.truncate(0)
-        trace: list[bytes] = []
-        for v in _answer(eng, ids, gen, trace):
-            if v == DECODE:
-                eng.decode_next([0])
-        want.append(trace)
-    eng.truncate(0)
-    if idle is not None:
-        eng.use(len(eng.seqs) - 1)
-        eng.prefill(idle, [], lambda _: None, Cancel())
-        before = bytes(eng.snapshot())
-        eng.use(0)
-    sizes: list[int] = []  # the slots of each decode step
-    decode_next = eng.decode_next
-
-    def counted(slots: list[int]) -> None:
-        sizes.append(len(slots))
-        decode_next(slots)
-
-    eng.decode_next = counted  # type: ignore[method-assign]
-    traces: list[list[bytes]] = [[] for _ in prompts]
-    sched = Scheduler(eng)
-    try:
-        done = [sched.submit(s, _answer(eng, ids, gen, traces[s]))
-                for s, ids in enumerate(prompts)]
-        for d in done:
-            d.result(timeout=600)
-    finally:
-        sched.stop()
-    if idle is not None:
-        eng.use(len(eng.seqs) - 1)
-        assert eng.live_ids() == idle and bytes(eng.snapshot()) == before, \
-            "the padding rows changed an idle slot's state"
-    return want, traces, sizes
+    for k, ids in enumerate(prompts):
+        w = Worker(eng, shapes)
+        w.submit(f"a{k}", ids, 0, gen)
+        w.wait(f"a{k}")
+        w.stop()
+        want.append((w.logits[0], w.tokens(f"a{k}")))
+        eng.truncate(0, 0)
+    w = Worker(eng, shapes)
+    for s, ids in enumerate(prompts):
+        w.submit(f"s{s}", ids, s, gen)
+    w.wait(*(f"s{s}" for s in range(len(prompts))))
+    w.stop()
+    return want, w
 
 
-def test_decode_steps_of_several_slots_answer_as_each_alone(name: str) -> None:
-    """Three slots generating at once through the scheduler get every logit and token each
-    gets alone in the same engine: their decode steps share a llama_decode where the
-    self-check proved it (without flash attention on a CPU, plain attention and the window
-    so far: bench/results/issue20/decode_batch.md), and run apart where it did not."""
+@pytest.mark.parametrize("deterministic", ["on", "off"])
+def test_decode_steps_of_several_slots_as_deterministic_says(name: str,
+                                                            deterministic: Deterministic
+                                                            ) -> None:
+    """Rule 3, and `--deterministic` (policies.schedule.choose_decode). `on`: three slots
+    generating at once get every logit and token each gets alone, their steps sharing a
+    llama_decode where the start-up check proved it and apart where it did not. `off`: their
+    decode steps are batched as they come whatever the check found (answers may then depend on
+    the others, as in llama-server); a prefill is still the cold run's, so the first sample of
+    each equals its first alone."""
     prompts = [_ids(name, 600, 11), _ids(name, 150, 12), _ids(name, 250, 13)]
     eng = Engine(model_file(name), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="off", n_seq=3)
     try:
         report = selfcheck.run(eng)
-        assert report.ok, report.failure
-        assert report.decode is not None and report.decode.check == "decode 2-3 slots"
-        eng.decode = report.decode_mode  # as the worker sets it
-        want, traces, sizes = _together(eng, prompts, 48)
+        assert report.ok and report.decode is not None, report.failure
+        shapes = choose_decode(deterministic, report.decode, 3)
+        want, w = _together(name, eng, prompts, 48, shapes)
     finally:
         eng.close()
-    for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
-        assert trace == ref, f"slot {slot}: logits or tokens differ from its run alone"
-    assert report.decode.ok == (report.decode_mode != "apart")
-    if report.decode.ok:
-        assert max(sizes) >= 2, "proven, yet no decode step held two slots"
+    for s, ref in enumerate(want):
+        if shapes.independent:
+            assert (w.logits[s], w.tokens(f"s{s}")) == ref, \
+                f"slot {s}: logits or tokens differ from its run alone"
+        else:
+            assert w.logits[s][0] == ref[0][0], f"slot {s}: its prefill differs from alone"
+    if shapes.decode == "apart":
+        assert max(w.steps) == 1, "not proven, yet decode steps were batched"
     else:
-        assert max(sizes) == 1, "not proven, yet decode steps were batched"
+        assert max(w.steps) >= 2, "decode steps that may share a llama_decode never did"
 
 
 @pytest.mark.skipif(GPU_LAYERS != 0, reason="about ggml's CPU flash attention kernel")
@@ -379,31 +325,66 @@ def test_with_flash_attention_on_a_cpu_decode_steps_batch_in_a_fixed_shape(model
     attention ggml splits among the threads once its KV view reaches 512 cells; beside another
     slot's row it is not split, and the logits differ. In one fixed shape, a row per slot (the
     idle slots' padding rows), no row is ever alone: the check proves that a slot's logits then
-    do not depend on the other rows (and takes the shape only where a lone step costs little
-    more in it, as on a GPU, not on 2 CPU cores), and two slots generating at once answer as
-    each does alone, beside a third that holds a prompt and keeps it exactly. On plain
-    attention and a (full-size) sliding window; a hybrid's recurrent state could not drop a
-    padding row, and its steps run apart
-    (`test_decode_steps_of_several_slots_answer_as_each_alone`)."""
+    do not depend on the other rows, `--deterministic on` takes the shape whatever it costs,
+    and two slots generating at once answer as each does alone, beside a third that holds a
+    prompt and keeps it exactly. On plain attention and a (full-size) sliding window; a
+    hybrid's recurrent state could not drop a padding row, and its steps run apart."""
     eng = Engine(model_file(model), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="on", n_seq=3)
     try:
         report = selfcheck.run(eng)
-        assert report.ok, report.failure
-        assert report.decode is not None
-        detail = report.decode.detail
-        assert "slot 0 decoded with slots 0-1" in detail, detail
-        assert "differ from its decode alone" in detail
-        assert report.decode_mode == "fixed" or "a fixed shape, a row per slot, is exact, " \
-            "but a slot's step alone costs" in detail, detail
-        eng.decode = "fixed"  # proven exact, taken or not for its cost
-        want, traces, sizes = _together(
-            eng, [_ids(model, 300, 11), _ids(model, 150, 12)], 32,
-            idle=_ids(model, 300, 14))
+        assert report.ok and report.decode is not None, report.failure
+        proof = report.decode
+        assert "slot 0 decoded with slots 0-1" in proof.batched, proof
+        assert proof.fixed == "" and proof.fixed_cost > 0, proof
+        shapes = choose_decode("on", proof, 3)
+        assert shapes.decode == "fixed" and shapes.independent
+        idle = _ids(model, 300, 14)
+        eng.prefill(2, idle)
+        before = bytes(eng.snapshot(2))
+        want, w = _together(model, eng, [_ids(model, 300, 11), _ids(model, 150, 12)], 32,
+                            shapes)
+        assert eng.live_ids(2) == idle and bytes(eng.snapshot(2)) == before, \
+            "the padding rows changed an idle slot's state"
     finally:
         eng.close()
-    for slot, (trace, ref) in enumerate(zip(traces, want, strict=True)):
-        assert trace == ref, f"slot {slot}: logits or tokens differ from its run alone"
-    assert max(sizes) == 2, "two slots generated at once, yet no decode step held both"
+    for s, ref in enumerate(want):
+        assert (w.logits[s], w.tokens(f"s{s}")) == ref, \
+            f"slot {s}: logits or tokens differ from its run alone"
+    assert max(w.steps) == 2, "two slots generated at once, yet no decode step held both"
+
+
+def test_a_restore_read_from_disk_never_stops_another_slot_generating(
+        tmp_path: Path) -> None:
+    """The reader thread (issue 41): a job that starts from a state file waits for the file on
+    the reader thread, here a slow one (PREFIXGATE_FAULT=slow-disk: 3 s a read); meanwhile the
+    other slot generates its whole answer. The restored job then answers as a cold run."""
+    from backend import keys, store
+
+    name = "smollm2"
+    p, q = _ids(name, 2 * SLOT_BATCH + 10, 21), _ids(name, 3 * SLOT_BATCH + 20, 22)
+    want = _alone(name, [q], gen=4)[0]
+    eng = _engine(name, 2)
+    try:
+        eng.prefill(1, q[: 3 * SLOT_BATCH])
+        key = keys.CacheKey(b"k" * 16)
+        path, size, _ = store.write_state_file(tmp_path, key, b"f" * 16, q[: 3 * SLOT_BATCH],
+                                               eng.snapshot(1))
+        eng.truncate(1, 0)
+        w = Worker(eng, cache=tmp_path, fault="slow-disk")
+        restore = Restore(3 * SLOT_BATCH, bytes(key), str(path.relative_to(tmp_path)), size)
+        w.submit("restored", q, 1, gen=4,
+                 plan=Plan((restore,), (), 3 * SLOT_BATCH, False, "hit", None, None))
+        w.submit("answer", p, 0, gen=16)
+        w.wait("answer", "restored")
+        w.stop()
+    finally:
+        eng.close()
+    runs = [(run, type(e).__name__) for _, run, e in w.events]
+    assert runs.index(("answer", "Done")) < runs.index(("restored", "Start")), \
+        "the other slot waited for the read"
+    start = next(e for e in w.of("restored") if isinstance(e, Start))
+    assert (start.keep, start.restored) == (3 * SLOT_BATCH, 3 * SLOT_BATCH)
+    assert (w.logits[1], w.tokens("restored")) == want[:2], "the restored hit differs from cold"
 
 
 @pytest.mark.skipif(GPU_LAYERS != 0, reason="about a worker that computes on the CPU")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.sampling import StopMatcher
+from backend.stops import StopMatcher
 
 
 def run(pieces: list[bytes], stops: list[str]) -> tuple[list[str], str | None, str]:

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 from pathlib import Path
-
 from typing import Any
 
 import pytest

@@ -189,14 +189,15 @@ def test_the_tool_that_breaks_the_grammar_is_named() -> None:
 def test_the_worker_refuses_a_grammar_it_cannot_parse(model_path: str) -> None:
     """The worker's own guard (a proxy of another version could send one): a ValueError that
     the worker turns into an error event, before the first sample; a good grammar samples."""
-    from backend.engine import Cancel, Engine, Sampling
+    from backend.engine import Engine
+    from backend.sampling import Sampling
 
     eng = Engine(model_path, 256, 2, 0)
     with pytest.raises(ValueError, match="could not build a sampler from the grammar"):
-        next(eng.generate(Sampling(temperature=0), 4, Cancel(), 'root ::= "'))
+        next(eng.generate(0, Sampling(temperature=0), 4, None, 'root ::= "'))
     vocab = llama_cpp.Llama(model_path, vocab_only=True, verbose=False)
-    eng.prefill(vocab.tokenize(b"Say a letter:"), [], lambda p: None, Cancel())
-    assert next(eng.generate(Sampling(temperature=0), 4, Cancel(), 'root ::= "a"'))[1] == b"a"
+    eng.prefill(0, vocab.tokenize(b"Say a letter:"))
+    assert next(eng.generate(0, Sampling(temperature=0), 4, None, 'root ::= "a"'))[1] == b"a"
     eng.close()
 
 

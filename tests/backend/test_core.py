@@ -1,0 +1,276 @@
+"""backend.worker.core: the worker's decisions as tables of inputs and exact effects, no model.
+
+Batches of 8 tokens (`Batching(8)`, no end-of-turn ids): a prompt's edges are multiples of 8.
+The world is what the compute loop would read of each slot's KV and of the worker's memory."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backend.protocol import Cancelled, Done, Error, Fault, Job, Prefill, Saved, Start, Token
+from backend.worker.core import Core
+from backend.worker.messages import (
+    Arrive,
+    CancelRun,
+    Cut,
+    Emit,
+    Failed,
+    Finish,
+    GiveWay,
+    Held,
+    Live,
+    Load,
+    Loaded,
+    Read,
+    ReadDone,
+    Sample,
+    Sampled,
+    Snapshot,
+    Snapshotted,
+    StartSampling,
+    Stepped,
+    World,
+)
+from policies.decide import Plan, Restore, Save
+from policies.prefix import Batching
+from policies.sources import Candidate
+
+SALT, OTHER = b"s" * 16, b"o" * 16
+IDS = tuple(range(100, 140))  # 40 tokens: edges 8, 16, 24, 32; keep_max 32
+
+
+def ids(n: int, start: int = 100) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.intc)
+
+
+def live(n: int, start: int = 100, exact: int | None = None, nbytes: int = 0) -> Live:
+    a = np.zeros(64, dtype=np.intc)
+    a[:n] = ids(n, start)
+    return Live(a, n, n if exact is None else exact, 0, nbytes)
+
+
+EMPTY = live(0)
+
+
+def plan(keep_max: int = 32, live_ok: bool = True, restore: tuple[Restore, ...] = (),
+         saves: tuple[Save, ...] = ()) -> Plan:
+    return Plan(restore, saves, keep_max, live_ok, "miss", None, None)
+
+
+def job(p: Plan | None = None, slot: int = 0, run: str = "r", tenant: str = "a",
+        salt: bytes = SALT, max_tokens: int = 3, stop: tuple[str, ...] = ()) -> Job:
+    return Job(run, IDS, salt, tenant, p or plan(), {"temperature": 0}, max_tokens, stop,
+               None, slot)
+
+
+def core(slots: int = 2, exact: bool = True, ram: int = 1 << 30, cuts: bool = True) -> Core:
+    c = Core(slots, Batching(8), cuts, ram, exact, n_ctx=64)
+    return c
+
+
+def world(*slots: Live, held: tuple[Held, ...] = (), now: float = 0.0) -> World:
+    return World(list(slots), held, now)
+
+
+def start(keep: int, restored: int = 0, faults: tuple[Fault, ...] = (), ram: int = 0,
+          run: str = "r", restore_s: float = 0.0) -> Emit:
+    return Emit(run, Start(keep, restored, restore_s, faults, ram))
+
+
+def test_nothing_is_reused_unless_the_self_check_passed() -> None:
+    c = core(exact=False)
+    c.owners[0] = ("a", SALT)
+    fx = c.apply(Arrive(job(plan(restore=(Restore(32, b"k", "k.state", 10),),
+                                 saves=(Save(16, "cold"),)))), world(live(40), EMPTY))
+    assert fx == [Cut(0, 0), start(0)], "no live reuse, no restore, no save"
+    assert [(t.slot, t.left, t.n) for t in c.tasks(world(EMPTY, EMPTY))] == [(0, 40, 8)]
+
+
+def test_the_live_kv_is_kept_to_a_batch_edge_and_the_limit() -> None:
+    c = core()
+    c.owners[0] = ("a", SALT)
+    # the live KV holds the first 37 tokens exactly: kept to the edge 32 (also the limit)
+    assert c.apply(Arrive(job()), world(live(37), EMPTY)) == [Cut(0, 32), start(32)]
+    c = core()
+    c.owners[0] = ("a", SALT)
+    # the plan says not to keep it (another proxy's view): nothing kept
+    assert c.apply(Arrive(job(plan(live_ok=False))), world(live(37), EMPTY))[:2] == \
+        [Cut(0, 0), start(0)]
+
+
+def test_another_tenants_live_kv_is_never_kept_nor_borrowed() -> None:
+    c = core()
+    c.owners = [("b", SALT), ("b", SALT)]
+    fx = c.apply(Arrive(job(tenant="a")), world(live(37), live(40, nbytes=100)))
+    assert fx == [GiveWay(0, 32, SALT, "b"), Cut(0, 0), start(0)], \
+        "b's state gives way to the RAM tier under b's keys; a starts from nothing"
+
+
+def test_the_live_kv_gives_way_unless_the_prompt_extends_all_of_it() -> None:
+    c = core()
+    c.owners[0] = ("a", SALT)
+    # it holds 24 tokens of this prompt and 13 of another's: the 37 cut to 32 give way first
+    other = live(37)
+    other.ids[24:37] = 7
+    fx = c.apply(Arrive(job()), world(other, EMPTY))
+    assert fx[0] == GiveWay(0, 32, SALT, "a") and fx[1:] == [Cut(0, 24), start(24)]
+    c = core(ram=0)  # no RAM tier: nothing gives way
+    c.owners[0] = ("a", SALT)
+    assert c.apply(Arrive(job()), world(other, EMPTY)) == [Cut(0, 24), start(24)]
+
+
+def test_a_disk_entry_is_read_on_the_reader_thread_then_loaded() -> None:
+    r = Restore(32, b"k", "k.state", 1000)
+    c = core()
+    j = job(plan(restore=(r,)))
+    assert c.apply(Arrive(j), world(EMPTY, EMPTY)) == [Read(0, "r", j, 0)]
+    assert c.tasks(world(EMPTY, EMPTY)) == [], "reading: no compute to schedule"
+    cand = Candidate("disk", 32, True, 1000, -1)
+    assert c.apply(ReadDone(0, "r", 0, "payload", 0.2), world(EMPTY, EMPTY)) == \
+        [Load(0, "r", cand, 32, payload="payload")]
+    fx = c.apply(Loaded(0, "r", cand, 32, 0.05), world(live(32), EMPTY, now=0.5))
+    assert fx == [Cut(0, 32), start(32, restored=32, restore_s=0.5)]
+    assert c.costs.disk.n == 1, "the read and the load are one disk restore's cost"
+
+
+def test_a_broken_entry_is_a_fault_and_the_next_one_is_tried() -> None:
+    long, short = Restore(32, b"k2", "k2.state", 1000), Restore(16, b"k1", "k1.state", 500)
+    c = core()
+    j = job(plan(restore=(long, short)))
+    assert c.apply(Arrive(j), world(EMPTY, EMPTY)) == [Read(0, "r", j, 0)]
+    bad = Fault("checksum", "bad", "k2.state")
+    assert c.apply(ReadDone(0, "r", 0, None, 0.1, bad), world(EMPTY, EMPTY)) == \
+        [Read(0, "r", j, 1)]
+    missing = Fault("missing", "gone", "k1.state")
+    fx = c.apply(ReadDone(0, "r", 1, None, 0.1, missing), world(EMPTY, EMPTY))
+    assert fx == [Cut(0, 0), start(0, faults=(bad, missing))]
+
+
+def test_a_pulled_shared_entry_is_reported_as_a_local_one() -> None:
+    r = Restore(32, b"k", "", 1000, "shared")
+    pulled = Saved(32, "6b", "shared", "6b.state", 1000, 1, 0.1)
+    c = core()
+    j = job(plan(restore=(r,)))
+    c.apply(Arrive(j), world(EMPTY, EMPTY))
+    c.apply(ReadDone(0, "r", 0, "p", 0.2, pulled=pulled), world(EMPTY, EMPTY))
+    fx = c.apply(Loaded(0, "r", Candidate("shared", 32, True, 1000, -1), 32, 0.05),
+                 world(live(32), EMPTY))
+    assert fx == [Cut(0, 32), start(32, restored=32), Emit("r", pulled)]
+    assert c.costs.shared.n == 1 and c.costs.disk.n == 0, "a pull is its own cost"
+
+
+def test_memory_beats_an_equal_disk_entry_and_a_whole_ram_entry_beats_a_cut_one() -> None:
+    held = (Held("queued", 4, SALT, "a", ids(40), 100),  # goes on past the prompt's limit
+            Held("ram", 9, SALT, "a", ids(32), 100),  # exactly 32 tokens of the prompt
+            Held("ram", 5, OTHER, "a", ids(32), 100))  # another salt: never
+    c = core()
+    j = job(plan(restore=(Restore(32, b"k", "k.state", 100),)))
+    fx = c.apply(Arrive(j), world(EMPTY, EMPTY, held=held))
+    assert fx == [Load(0, "r", Candidate("ram", 32, True, 100, 9), 32)]
+    fx = c.apply(Loaded(0, "r", Candidate("ram", 32, True, 100, 9), 32, 0.01),
+                 world(live(32), EMPTY))
+    assert fx == [Cut(0, 32), start(32, ram=32)]
+
+
+def test_a_prompt_borrows_the_part_it_shares_of_another_slots_live_kv() -> None:
+    c = core()
+    c.owners = [("a", SALT), ("a", SALT)]
+    other = live(40, exact=36, nbytes=100)
+    other.ids[20:40] = 7  # it shares 20 tokens: the edge 16
+    fx = c.apply(Arrive(job(slot=0)), world(EMPTY, other))
+    cand = Candidate("slot", 16, False, 100, 1)
+    assert fx == [Load(0, "r", cand, 16, src=1)]
+    fx = c.apply(Loaded(0, "r", cand, 16, 0.01), world(live(16), other))
+    assert fx == [Cut(0, 16), start(16, ram=16)]
+    assert c.borrowed == {"slot": 1, "ram": 0, "queued": 0, "tokens": 16}
+    # no cut where the memory cannot be cut back (a window, a recurrent state)
+    c = core(cuts=False)
+    c.owners = [("a", SALT), ("a", SALT)]
+    assert c.apply(Arrive(job(slot=0)), world(EMPTY, other)) == [Cut(0, 0), start(0)]
+
+
+def test_prefill_snapshots_at_its_save_points_and_samples_after_its_last_batch() -> None:
+    c = core()
+    saves = (Save(8, "cold"), Save(24, "scoped"), Save(40, "full"), Save(36, "continued"))
+    c.owners[0] = ("a", SALT)
+    fx = c.apply(Arrive(job(plan(saves=saves))), world(live(16), EMPTY))
+    assert fx == [Cut(0, 16), start(16), Snapshot(0, "r", 8, saves[0], behind=True)]
+    assert c.apply(Snapshotted("r", True), world(live(16), EMPTY)) == []
+    assert c.apply(Stepped(0, 0.1), world(live(24), EMPTY)) == \
+        [Emit("r", Prefill(24)), Snapshot(0, "r", 24, saves[1])]
+    assert c.apply(Snapshotted("r", False), world(live(24), EMPTY)) == [], \
+        "the same state waits for its file already: no second write"
+    assert c.apply(Stepped(0, 0.1), world(live(32), EMPTY)) == [Emit("r", Prefill(32))]
+    # the prompt's end is a save point (36 is no edge: never a snapshot there)
+    assert c.apply(Stepped(0, 0.1), world(live(40), EMPTY, now=1.0)) == [
+        Emit("r", Prefill(40)), Snapshot(0, "r", 40, saves[2]),
+        StartSampling(0, {"temperature": 0}, None), Sample(0)]
+    c.apply(Snapshotted("r", True), world(live(40), EMPTY))
+    assert c.costs.prefill.n == 1
+    assert c.apply(Sampled(0, 5, b"hi", False), world(live(40), EMPTY)) == \
+        [Emit("r", Token(5, "hi"))]
+    assert [(t.slot, t.waits) for t in c.tasks(world(live(40), EMPTY))] == [(0, True)]
+    assert c.waiting(0) == 5
+    assert c.apply(Stepped(0, 0.01), world(live(41, exact=40), EMPTY)) == [Sample(0)]
+    fx = c.apply(Sampled(0, 0, b"", True), world(live(41, exact=40), EMPTY, now=2.0))
+    assert fx == [Emit("r", Done("stop", None, 1, 40, 0, 1.0, 1.0, 2, c.costs.to_wire())),
+                  Finish(0)]
+    assert c.jobs == {}, "the slot takes a new job"
+
+
+@pytest.mark.parametrize(("pieces", "stop", "max_tokens", "want"), [
+    # a stop string across two tokens: what came before it is emitted, the answer ends
+    ([b"ab", b"c<e", b"nd>"], ("<end>",), 9, ["ab", "c", "", ("stop_sequence", "<end>")]),
+    # max_tokens
+    ([b"a", b"b"], (), 2, ["a", "b", ("length", None)]),
+    # text held back for a stop string that did not come is flushed at the end
+    ([b"x<"], ("<end>",), 1, ["x", "<", ("length", None)]),
+])
+def test_an_answer_ends_on_a_stop_string_or_max_tokens(pieces: list[bytes],
+                                                        stop: tuple[str, ...], max_tokens: int,
+                                                        want: list[Any]) -> None:
+    c = core()
+    c.apply(Arrive(job(max_tokens=max_tokens, stop=stop)), world(EMPTY, EMPTY))
+    got: list[Any] = []
+    fx = c.apply(Stepped(0, 0.1), world(live(40), EMPTY))
+    for i, piece in enumerate(pieces):
+        fx = c.apply(Sampled(0, i + 1, piece, False), world(live(40 + i), EMPTY))
+        for e in fx:
+            if isinstance(e, Emit) and isinstance(e.event, Token):
+                got.append(e.event.text)
+            if isinstance(e, Emit) and isinstance(e.event, Done):
+                got.append((e.event.finish_reason, e.event.stop))
+    assert got == want
+
+
+def test_a_cancelled_prefill_keeps_what_it_evaluated() -> None:
+    c = core()
+    c.apply(Arrive(job(plan(saves=(Save(8, "cold"),)))), world(EMPTY, EMPTY))
+    c.apply(Stepped(0, 0.1), world(live(8), EMPTY))
+    c.apply(Snapshotted("r", True), world(live(8), EMPTY))
+    c.apply(Stepped(0, 0.1), world(live(16), EMPTY))
+    assert c.apply(CancelRun("r"), world(live(16), EMPTY)) == \
+        [Emit("r", Cancelled(16, 0, 1)), Finish(0)]
+    assert c.apply(CancelRun("r"), world(live(16), EMPTY)) == [], "once"
+
+
+def test_a_run_cancelled_while_it_reads_ignores_the_read() -> None:
+    c = core()
+    j = job(plan(restore=(Restore(32, b"k", "k.state", 10),)))
+    c.apply(Arrive(j), world(live(40, start=900), EMPTY))
+    assert c.apply(CancelRun("r"), world(live(40, start=900), EMPTY)) == \
+        [Emit("r", Cancelled(0, 0, 0)), Finish(0)], "nothing of this prompt is in the slot"
+    c.apply(Arrive(replace(j, run_id="r2")), world(live(40, start=900), EMPTY))
+    assert c.apply(ReadDone(0, "r", 0, "p", 0.1), world(EMPTY, EMPTY)) == [], \
+        "the first run's read: not the slot's job any more"
+
+
+def test_a_failure_ends_the_job_with_an_error() -> None:
+    c = core()
+    c.apply(Arrive(job()), world(EMPTY, EMPTY))
+    assert c.apply(Failed(0, "llama_decode failed (1)"), world(EMPTY, EMPTY)) == \
+        [Emit("r", Error("llama_decode failed (1)")), Finish(0)]

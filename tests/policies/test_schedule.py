@@ -1,0 +1,183 @@
+"""policies.schedule: which step the worker's compute thread runs next, its accounts, and the
+decode shape each `--deterministic` takes. Exact tables; the real-model tests of each rule are
+in tests/backend/test_slots.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.schedule import (
+    NOMINAL_TOKEN_S,
+    Account,
+    Clock,
+    Decode,
+    Deterministic,
+    Prefill,
+    Proof,
+    Shapes,
+    Step,
+    Task,
+    charge,
+    choose_decode,
+    next_step,
+    track,
+)
+
+BATCHED = Shapes("batched", True, "")
+FIXED = Shapes("fixed", True, "")
+APART = Shapes("apart", True, "")
+
+
+def clock(per_token_s: float = 0.001, prefills_used_s: float = 0.0,
+          **accounts: Account) -> Clock:
+    """Accounts by slot ("s0", "s2", ...), in the order given: the order the jobs came."""
+    return Clock({int(k[1:]): a for k, a in accounts.items()}, prefills_used_s, per_token_s)
+
+
+def prefilling(began_s: float, total: int, used_s: float = 0.0) -> Account:
+    return Account(used_s, began_s, total, True)
+
+
+NEXT_CASES: list[tuple[str, list[Task], Clock, Shapes, Step | None]] = [
+    ("nothing to compute: the thread rests", [], clock(), BATCHED, None),
+    ("a lone prefill runs its next batch",
+     [Task(0, left=900, n=128)], clock(s0=prefilling(0, 900)), BATCHED, Prefill(0, 128)),
+    # rule 1: of the prefills the one due first runs. A title's 200 tokens arriving at 0.5 s
+    # beside a subagent's 2,000 from 0 s are due at 0.7 s, the subagent's at 2.0 s.
+    ("a short prompt beside a long prefill is due first",
+     [Task(0, left=1500, n=128), Task(1, left=200, n=128)],
+     clock(s0=prefilling(0.0, 2000), s1=prefilling(0.5, 200)), BATCHED, Prefill(1, 128)),
+    # ...but not without end: a short prompt arriving once the long one is almost due waits
+    ("a long prefill that is due goes before a short one that came late",
+     [Task(0, left=100, n=100), Task(1, left=200, n=128)],
+     clock(s0=prefilling(0.0, 2000), s1=prefilling(1.95, 200)), BATCHED, Prefill(0, 100)),
+    ("before any batch was measured a token is NOMINAL_TOKEN_S",
+     [Task(0, left=1000, n=128), Task(1, left=10, n=10)],
+     clock(0.0, s0=prefilling(0.0, 1000), s1=prefilling(1000 * NOMINAL_TOKEN_S - 0.001, 10)),
+     BATCHED, Prefill(0, 128)),
+    ("two prefills due at once: the one that came first",
+     [Task(1, left=100, n=100), Task(0, left=100, n=100)],
+     clock(s1=prefilling(0.0, 100), s0=prefilling(0.0, 100)), BATCHED, Prefill(1, 100)),
+    # rule 2: the prefills, as one, and each generating slot share the thread's time
+    ("the generating slot has used less: its decode runs",
+     [Task(0, left=900, n=128), Task(1, waits=True)],
+     clock(prefills_used_s=0.5, s0=prefilling(0, 900), s1=Account(0.4)), BATCHED, Decode((1,))),
+    ("the prefills have used less: a batch runs",
+     [Task(0, left=900, n=128), Task(1, waits=True)],
+     clock(prefills_used_s=0.3, s0=prefilling(0, 900), s1=Account(0.4)), BATCHED,
+     Prefill(0, 128)),
+    ("a tie goes to the generating slot",
+     [Task(0, left=900, n=128), Task(1, waits=True)],
+     clock(prefills_used_s=0.4, s0=prefilling(0, 900), s1=Account(0.4)), BATCHED, Decode((1,))),
+    # rule 3: a decode step takes every waiting slot where steps may share a llama_decode
+    ("batched: every waiting slot in one step",
+     [Task(2, waits=True), Task(0, waits=True), Task(1, left=50, n=50)],
+     clock(prefills_used_s=9.0, s2=Account(0.2), s0=Account(0.1), s1=prefilling(0, 50)),
+     BATCHED, Decode((0, 2))),
+    ("the fixed shape: every waiting slot too (the engine pads the others)",
+     [Task(2, waits=True), Task(0, waits=True)], clock(s2=Account(0.2), s0=Account(0.1)),
+     FIXED, Decode((0, 2))),
+    ("apart: the least used alone",
+     [Task(2, waits=True), Task(0, waits=True)], clock(s2=Account(0.2), s0=Account(0.1)),
+     APART, Decode((0,))),
+    ("apart, a tie: the slot whose job came first",
+     [Task(0, waits=True), Task(2, waits=True)], clock(s2=Account(0.1), s0=Account(0.1)),
+     APART, Decode((2,))),
+]
+
+
+@pytest.mark.parametrize(("why", "tasks", "clk", "shapes", "want"), NEXT_CASES,
+                         ids=[c[0] for c in NEXT_CASES])
+def test_next_step(why: str, tasks: list[Task], clk: Clock, shapes: Shapes,
+                   want: Step | None) -> None:
+    assert next_step(tasks, clk, shapes) == want
+
+
+def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() -> None:
+    """A long prompt beside short prompts that arrive one after another (an agent's quick
+    turns): the short ones run first only until the long one is due (its 1,000 tokens at 1 ms
+    from 0 s: 1.0 s), then it runs every batch until it ends. Serving the shortest first
+    instead, the long one never ran here."""
+    per_token, batch = 0.001, 100
+    clk = Clock({0: prefilling(0.0, 1000)}, 0.0, per_token)
+    left, now, order, short = 1000, 0.0, [], 0
+    while left > 0 and now < 5.0:
+        # a short prompt of 120 tokens always waits, arrived just now
+        clk = track(clk, [0, 1], [Task(0, left, batch), Task(1, 120, 120)], now)
+        if clk.accounts[1].began_s != now:  # a new short prompt each round
+            clk = Clock({**clk.accounts, 1: prefilling(now, 120)}, clk.prefills_used_s,
+                        per_token)
+        step = next_step([Task(0, left, min(batch, left)), Task(1, 120, 120)], clk, BATCHED)
+        assert isinstance(step, Prefill)
+        now += step.n * per_token
+        clk = charge(clk, step, step.n * per_token)
+        order.append(step.slot)
+        if step.slot == 0:
+            left -= step.n
+        else:
+            short += 120
+    assert left == 0, "the long prompt never ended"
+    assert short <= 1000 + 120, f"{short} tokens of short prompts ran first"
+
+
+def test_track_admits_level_begins_and_ends_prefills_and_lets_jobs_go() -> None:
+    # rule 4: a new job starts level with the least the others used, never owed their past
+    clk = Clock({0: Account(5.0)}, 0.0, 0.001)
+    clk = track(clk, [0, 1], [Task(0, waits=True)], now_s=10.0)
+    assert clk.accounts[1] == Account(5.0)
+    # its prefill begins while none runs: the prefills start level too, due from now
+    clk = track(clk, [0, 1], [Task(0, waits=True), Task(1, left=300, n=128)], now_s=11.0)
+    assert (clk.prefills_used_s, clk.accounts[1]) == (5.0, Account(5.0, 11.0, 300, True))
+    clk = charge(clk, Prefill(1, 128), 0.25)
+    # its prefill ends: it carries on from the prefills' count
+    clk = track(clk, [0, 1], [Task(0, waits=True), Task(1, waits=True)], now_s=12.0)
+    assert clk.accounts[1] == Account(5.25, 11.0, 300, False)
+    # a job that ended leaves the accounts; the order of the others stays
+    clk = track(clk, [1], [Task(1, waits=True)], now_s=13.0)
+    assert list(clk.accounts) == [1]
+
+
+def test_charge() -> None:
+    clk = charge(Clock({0: Account(1.0), 1: Account(2.0)}), Decode((0, 1)), 0.5)
+    assert [a.used_s for a in clk.accounts.values()] == [1.5, 2.5], "each slot the step's time"
+    clk = charge(clk, Prefill(0, 100), 0.2)
+    assert clk.prefills_used_s == 0.2 and clk.per_token_s == pytest.approx(0.002)
+    clk = charge(clk, Prefill(0, 100), 0.1)  # a decaying mean of the batches' per-token time
+    assert clk.per_token_s == pytest.approx(0.7 * 0.002 + 0.3 * 0.001)
+
+
+CHECKED_BATCHED = Proof(True, "", None, 0.0, 2.6)
+DIFFERS_NO_PAD = Proof(True, "slot 1 decoded with slots 0-1 (...) differ by 0.4", None, 0.0, 2.9)
+FIXED_CHEAP = Proof(True, "differ by 0.4", "", 1.05, 2.9)
+FIXED_DEAR = Proof(True, "differ by 0.4", "", 1.45, 2.2)
+FIXED_INEXACT = Proof(True, "differ by 0.4", "slot 0 with the others idle differs", 1.02, 2.9)
+
+SHAPE_CASES: list[tuple[Deterministic, Proof, int, str, bool]] = [
+    # (asked, proof, slots) -> shape, independent
+    ("auto", CHECKED_BATCHED, 3, "batched", True),  # proven: free
+    ("on", CHECKED_BATCHED, 3, "batched", True),
+    ("off", CHECKED_BATCHED, 3, "batched", True),
+    ("auto", FIXED_CHEAP, 3, "fixed", True),  # a GPU: the fixed shape costs a lone slot little
+    ("auto", FIXED_DEAR, 3, "batched", False),  # 2 CPU cores: as they come, as llama-server
+    ("on", FIXED_DEAR, 3, "fixed", True),  # whatever it costs
+    ("off", FIXED_CHEAP, 3, "batched", False),
+    ("auto", FIXED_INEXACT, 3, "batched", False),
+    ("on", FIXED_INEXACT, 3, "apart", True),  # the last resort
+    ("auto", DIFFERS_NO_PAD, 3, "batched", False),  # a recurrent state cannot pad
+    ("on", DIFFERS_NO_PAD, 3, "apart", True),
+    ("auto", Proof(), 3, "batched", False),  # --no-exact-check: nothing proven
+    ("on", Proof(), 3, "apart", True),
+    ("on", FIXED_DEAR, 1, "apart", True),  # one slot: every answer is its own
+]
+
+
+@pytest.mark.parametrize(("asked", "proof", "slots", "shape", "independent"), SHAPE_CASES)
+def test_choose_decode(asked: Deterministic, proof: Proof, slots: int, shape: str,
+                       independent: bool) -> None:
+    got = choose_decode(asked, proof, slots)
+    assert (got.decode, got.independent) == (shape, independent)
+    if not independent:  # never silent: what it means, and what on would cost
+        assert "as in llama-server" in got.note and "--deterministic on" in got.note
+        assert ("x" in got.note.split("--deterministic on")[1]) == (proof.checked or False)
+    if shape == "apart" and slots > 1:
+        assert "step time of batching" in got.note
