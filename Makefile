@@ -87,6 +87,8 @@ test: $(STAMP) fixtures
 lint: $(STAMP)
 	$(BIN)/ruff check proxy backend policies tests
 	$(BIN)/mypy --strict policies
+	$(BIN)/mypy --strict --follow-imports=silent backend/worker/core.py \
+		backend/worker/messages.py backend/stops.py
 
 # cold prefill vs live reuse, cold vs after-restart disk hit, restore vs read (ratios)
 bench-quick: $(STAMP)

@@ -94,7 +94,11 @@ class Worker:
 
     def tier_event(self, event: TierEvent) -> None:
         assert self.aloop is not None
-        self.aloop.call_soon_threadsafe(lambda: [q.put_nowait(event) for q in self.listeners])
+        self.aloop.call_soon_threadsafe(self._broadcast, event)
+
+    def _broadcast(self, event: TierEvent) -> None:
+        for q in self.listeners:
+            q.put_nowait(event)
 
     # --- HTTP --------------------------------------------------------------------------------
 
