@@ -299,16 +299,29 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
-    prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
-    batching = Batching(a.ubatch_size, model_ends(a.model))
+    head, table, data = report(a.trace, policies, modes, knobs, a.ubatch_size, a.format,
+                               a.tool_blocks, a.turns, a.model)
+    print(head + "\n\n" + table)
+    if a.out:
+        stem = write_report(a.out, a.trace, head, table, data, a.note)
+        print(f"\nwrote {stem}.json and .md", file=sys.stderr)
+
+
+def report(trace: str, policies: Sequence[str], modes: Sequence[str], knobs: CacheKnobs,
+           ubatch_size: int, fmt: str = "auto", tool_blocks: str = "openai",
+           turns: int | None = None, model: str = ""
+           ) -> tuple[str, str, dict[str, Any]]:
+    """One trace under each policy and mode: the heading, the markdown table and the JSON."""
+    prompts = render_trace(trace, fmt, tool_blocks, turns, model)
+    batching = Batching(ubatch_size, model_ends(model))
     oracle, rows = run(prompts, policies, modes, knobs, batching)
     # the same trace laid out as the client sent it: what the stable-first layout gains
-    old = compute_oracle([p.ids for p in render_trace(a.trace, a.format, a.tool_blocks,
-                                                       a.turns, a.model, stable_layout=False)])
-    head = (f"trace {Path(a.trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
+    old = compute_oracle([p.ids for p in render_trace(trace, fmt, tool_blocks, turns, model,
+                                                       stable_layout=False)])
+    head = (f"trace {Path(trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
             f"tokens; oracle: {oracle.total_fresh} fresh tokens, mean hit ratio "
             f"{oracle.mean_hit_ratio:.1%}; at the batches' edges (batches of at most "
-            f"{a.ubatch_size} that end early at message ends, the last token evaluated: what "
+            f"{ubatch_size} that end early at message ends, the last token evaluated: what "
             f"any exact cache here can reach): "
             f"{compute_oracle([p.ids for p in prompts], batching).total_fresh} "
             f"(stable-first layout; the oracle of the client's own "
@@ -316,30 +329,34 @@ def main(argv: list[str] | None = None) -> None:
             f"{old.total_fresh} fresh tokens, {old.mean_hit_ratio:.1%})\n"
             f"knobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
-            f"tokens; batch {a.ubatch_size}; one worker; no eviction. mode restart = proxy and "
+            f"tokens; batch {ubatch_size}; one worker; no eviction. mode restart = proxy and "
             "worker restarted before every request, only the disk (index, state files, "
             "persisted ring) survives: the pessimistic default; live = one long-lived proxy "
             "and worker.")
-    table = markdown_table(rows)
-    print(head + "\n\n" + table)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"simulate-{Path(a.trace).stem}"
-        note = f"{a.note}\n\n" if a.note else ""
-        (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(a.trace).name}\n\n" + note
-                                         + head.replace("\n", "\n\n") + "\n\n" + table + "\n")
-        (out / f"{stem}.json").write_text(json.dumps({
-            "trace": Path(a.trace).name, "requests": len(prompts),
-            "knobs": {"min_tokens": knobs.min_tokens, "cold_max_tokens": knobs.cold_max_tokens,
-                      "continued_interval_tokens": knobs.continued_interval_tokens},
-            "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
-                       "mean_hit_ratio": oracle.mean_hit_ratio},
-            "oracle_client_layout": {"prompt_tokens": old.total_prompt,
-                                     "fresh_tokens": old.total_fresh,
-                                     "mean_hit_ratio": old.mean_hit_ratio},
-            "results": rows}, indent=2) + "\n")
-        print(f"\nwrote {out / stem}.json and .md", file=sys.stderr)
+    data = {
+        "trace": Path(trace).name, "requests": len(prompts),
+        "knobs": {"min_tokens": knobs.min_tokens, "cold_max_tokens": knobs.cold_max_tokens,
+                  "continued_interval_tokens": knobs.continued_interval_tokens},
+        "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
+                   "mean_hit_ratio": oracle.mean_hit_ratio},
+        "oracle_client_layout": {"prompt_tokens": old.total_prompt,
+                                 "fresh_tokens": old.total_fresh,
+                                 "mean_hit_ratio": old.mean_hit_ratio},
+        "results": rows}
+    return head, markdown_table(rows), data
+
+
+def write_report(out_dir: str | Path, trace: str, head: str, table: str, data: dict[str, Any],
+                 note: str = "") -> Path:
+    """simulate-<trace>.md and .json in `out_dir`; returns their path without the suffix."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"simulate-{Path(trace).stem}"
+    note = f"{note}\n\n" if note else ""
+    (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(trace).name}\n\n" + note
+                                     + head.replace("\n", "\n\n") + "\n\n" + table + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    return out / stem
 
 
 if __name__ == "__main__":
