@@ -4,8 +4,9 @@
 
 Each trace (a JSONL file, or every `*.jsonl` in a directory; by default `bench/traces/` and the
 shared traces in `../shared/traces/`) is simulated under `auto:2,auto:8,auto:30,full,1000`,
-with a restart before every request and live, as `prefixgate simulate` does
-(`simulate-<trace>.md` and `.json` in DIR). `summary.md` and `summary.json` then put every
+with a restart before every request, live on a worker of one slot, and live on a worker of
+`--slots` slots (4: sessions taking turns keep their own live KV), as `prefixgate simulate`
+does (`simulate-<trace>.md` and `.json` in DIR). `summary.md` and `summary.json` then put every
 `auto:N` beside `full` and the oracle, and check the promises of issue 46 on each trace:
 
 - **oracle**: `auto:N` with a restart before every request prefills at most `ORACLE_RATIO`
@@ -15,7 +16,7 @@ with a restart before every request and live, as `prefixgate simulate` does
 - **full**: `auto:N` prefills at most `FULL_RATIO` (1.02) times what `full` does, live and
   with restarts;
 - **restart**: a restart before every request costs `auto:N` at most `RESTART_RATIO` (1.05)
-  times the fresh tokens of staying live.
+  times the fresh tokens of staying live (the better of one slot and `--slots`).
 
 Beside them, the snapshot tokens each policy writes with a restart per request (`full`'s too):
 what the fresh tokens cost in disk writes.
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.simulate import DEFAULT_POLICIES, MODES, report, write_report
+from bench.simulate import DEFAULT_POLICIES, report, write_report
 from policies.plan import CacheKnobs
 from proxy.config import Config
 
@@ -38,6 +39,7 @@ ORACLE_RATIO = 1.05
 FULL_RATIO = 1.02
 RESTART_RATIO = 1.05
 DEFAULT_TRACES = ("bench/traces", "../shared/traces")
+DEFAULT_SLOTS = 4
 
 
 def trace_files(paths: Iterable[str]) -> list[Path]:
@@ -47,24 +49,27 @@ def trace_files(paths: Iterable[str]) -> list[Path]:
     return out
 
 
-def check(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per `auto:N` policy of one trace's results: the ratios and whether each promise holds."""
+def check(data: dict[str, Any], slots: int = DEFAULT_SLOTS) -> list[dict[str, Any]]:
+    """Per `auto:N` policy of one trace's results (modes restart, live and live:`slots`):
+    the ratios and whether each promise holds."""
     by = {(r["policy"], r["mode"]): r for r in data["results"]}
     out = []
     for policy in sorted({p for p, _ in by if p.startswith("auto:")},
                          key=lambda p: int(p.split(":")[1])):
-        restart, live = by[(policy, "restart")], by[(policy, "live")]
+        restart, one = by[(policy, "restart")], by[(policy, "live")]
+        live = min(one, by[(policy, f"live:{slots}")], key=lambda r: r["fresh_tokens"])
         full_r, full_l = by[("full", "restart")], by[("full", "live")]
         batch = max(restart["batch_oracle_fresh_tokens"], 1)
         row = {
             "trace": data["trace"], "policy": policy,
             "restart_fresh_tokens": restart["fresh_tokens"],
-            "live_fresh_tokens": live["fresh_tokens"],
+            "live_fresh_tokens": one["fresh_tokens"],
+            "slots_fresh_tokens": by[(policy, f"live:{slots}")]["fresh_tokens"],
             "batch_oracle_fresh_tokens": restart["batch_oracle_fresh_tokens"],
             "restart_over_batch_oracle": restart["fresh_tokens"] / batch,
             "restart_over_oracle": restart["fresh_over_oracle"],
             "restart_over_full": restart["fresh_tokens"] / max(full_r["fresh_tokens"], 1),
-            "live_over_full": live["fresh_tokens"] / max(full_l["fresh_tokens"], 1),
+            "live_over_full": one["fresh_tokens"] / max(full_l["fresh_tokens"], 1),
             "restart_over_live": restart["fresh_tokens"] / max(live["fresh_tokens"], 1),
             "snapshot_tokens": restart["snapshot_tokens"],  # what it writes: its cost
             "full_snapshot_tokens": full_r["snapshot_tokens"],
@@ -79,6 +84,7 @@ def check(data: dict[str, Any]) -> list[dict[str, Any]]:
 SUMMARY_COLUMNS = (
     ("trace", "trace", "{}"), ("policy", "policy", "{}"),
     ("restart_fresh_tokens", "fresh, restart", "{}"), ("live_fresh_tokens", "fresh, live", "{}"),
+    ("slots_fresh_tokens", "fresh, live on slots", "{}"),
     ("batch_oracle_fresh_tokens", "batch oracle", "{}"),
     ("restart_over_batch_oracle", "restart x batch oracle", "{:.3f}"),
     ("restart_over_oracle", "restart x oracle", "{:.3f}"),
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="directory for the tables and summary")
     p.add_argument("--policies", default=DEFAULT_POLICIES)
     p.add_argument("--ubatch-size", type=int, default=d.batch)
+    p.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
+                   help=f"slots of the second live worker (default {DEFAULT_SLOTS})")
     p.add_argument("--note", default="", help="a line for summary.md")
     a = p.parse_args(argv)
     files = trace_files(a.traces)
@@ -122,15 +130,17 @@ def main(argv: list[str] | None = None) -> None:
                        d.kv_cache_continued_interval_tokens)
     rows = []
     for f in files:
-        head, table, data = report(str(f), policies, MODES, knobs, a.ubatch_size)
+        head, table, data = report(str(f), policies, ("restart", "live", f"live:{a.slots}"),
+                                   knobs, a.ubatch_size)
         write_report(a.out, str(f), head, table, data)
-        rows.extend(check(data))
+        rows.extend(check(data, a.slots))
         print(f"{f.name}: {len(data['results'])} rows", file=sys.stderr)
     held = sum(r["holds"] for r in rows)
     text = ("# `auto:N` against `full` and the oracle, every trace\n\n"
             + (f"{a.note}\n\n" if a.note else "")
             + f"Promises (issue 46): restart x batch oracle <= {ORACLE_RATIO}, restart and live "
-            f"x full <= {FULL_RATIO}, restart x live <= {RESTART_RATIO}. Batch "
+            f"x full <= {FULL_RATIO}, restart x live (the better of one slot and {a.slots}) <= "
+            f"{RESTART_RATIO}. Batch "
             f"{a.ubatch_size}; knobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
             f"tokens. Held: {held} of {len(rows)}. Per trace: `simulate-<trace>.md`.\n\n"

@@ -18,6 +18,10 @@ Modes (what survives between two requests):
   in the index); the live KV is lost.
 - `live`: one long-lived proxy with one worker: the worker's live KV holds the previous
   request's prompt (interleaved sessions take it from each other).
+- `live:N`: as `live` with N slots (`--parallel N`), each holding the last prompt it ran; the
+  proxy's router (`policies.router.choose_slot`, every slot idle: requests are replayed one at
+  a time) picks the slot. Sessions taking turns keep their own live KV, as on a server with a
+  slot per session, which hides from `live` what a restart loses.
 
 Per policy and mode: requests, hits (requests with any cached token) and disk hits, tokens cached
 per hit, hit rate, cached and fresh tokens, the mean per-turn hit ratio, the oracle's fresh tokens
@@ -41,6 +45,7 @@ from policies.plan import CacheKnobs, MessageStart
 from policies.prefix import Batching, common_prefix_len
 from policies.radix import RadixTree
 from policies.ring import Ring
+from policies.router import SlotView, choose_slot
 from policies.scope import format_scope, parse_scope
 from proxy.config import Config
 from proxy.gateway import RING_CAPACITY
@@ -78,7 +83,8 @@ class Simulator:
     """One proxy and one worker, as far as the cache decisions go."""
 
     def __init__(self, policy: str, knobs: CacheKnobs | None = None,
-                 memory: str = "plain", batching: Batching | None = None) -> None:
+                 memory: str = "plain", batching: Batching | None = None, slots: int = 1
+                 ) -> None:
         self.batching = batching or Batching()  # the worker's batches: reuse at their edges
         self.knobs = knobs or CacheKnobs()
         # the worker's memory (backend.engine.Memory): a recurrent state is never reused live
@@ -89,7 +95,9 @@ class Simulator:
         self.disk = RadixTree()  # the stored entries' token ids: survive restarts
         self.ring_log: list[tuple[int, ...]] = []  # the persisted ring, oldest first
         self.ring = Ring(RING_CAPACITY)
-        self.live_ids: tuple[int, ...] = ()
+        self.live: list[tuple[int, ...]] = [()] * max(slots, 1)  # per slot, its live KV
+        self.used = [0] * len(self.live)  # per slot, the turn it last ran
+        self.turn = 0
 
     def restart(self) -> None:
         """The proxy and worker processes restart: the live KV is gone; the new proxy reads the
@@ -97,7 +105,7 @@ class Simulator:
         self.ring = Ring(RING_CAPACITY)
         for ids in self.ring_log:
             self.ring.push(_TENANT, ids)
-        self.live_ids = ()
+        self.live = [()] * len(self.live)
 
     def lookup(self, facts: Facts) -> Stored:
         """`proxy.cache.DiskCache.lookup` on the in-memory disk."""
@@ -109,8 +117,12 @@ class Simulator:
         ids, n, scope = p.ids, len(p.ids), self.scope
         facts = Facts(ids, tuple(MessageStart(q, r) for q, r in p.message_starts), scope)
         stored = self.lookup(facts) if scope.kind != "off" else Stored()
-        live_n = common_prefix_len(self.live_ids, ids) if live and self.memory != "recurrent" \
-            else 0
+        prefixes = [common_prefix_len(kv, ids) if live and self.memory != "recurrent" else 0
+                    for kv in self.live]
+        slot = choose_slot([SlotView(i, n, False, True, len(kv), self.used[i])
+                            for i, (n, kv) in enumerate(zip(prefixes, self.live, strict=True))],
+                           stored.longest) or 0
+        live_n = prefixes[slot]
         recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
         plan = decide(facts, stored, WorkerFacts(live_n, True, self.memory == "plain",
                                                  self.batching), recent, self.knobs)
@@ -126,7 +138,9 @@ class Simulator:
         for s in plan.saves:
             self.disk.insert(ids[: s.n_tokens], keys.prefix_keys(_SALT, ids, [s.n_tokens])[
                 s.n_tokens])
-        self.live_ids = ids  # the worker's exact live KV after the prefill: the prompt
+        self.live[slot] = ids  # the slot's exact live KV after the prefill: the prompt
+        self.turn += 1
+        self.used[slot] = self.turn
         source = "disk" if restored else "live" if cached else "none"
         return SimTurn(n, cached, source, stored.longest, live_n, saves)
 
@@ -192,15 +206,24 @@ def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
              batching: Batching | None = None) -> SimResult:
     """Replay `prompts` in order through one simulated proxy under `policy` and `mode`, on a
     worker with this `memory` (plain, window or recurrent) and `batching` (its batch edges)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    sim = Simulator(policy, knobs, memory, batching)
+    sim = Simulator(policy, knobs, memory, batching, slots_of(mode))
     turns = []
     for i, p in enumerate(prompts):
         if mode == "restart" and i:
             sim.restart()
-        turns.append(sim.step(p, live=mode == "live"))
+        turns.append(sim.step(p, live=mode != "restart"))
     return SimResult(sim.policy, mode, tuple(turns))
+
+
+def slots_of(mode: str) -> int:
+    """The slots a mode's worker has (`restart`, `live`: 1; `live:N`: N); ValueError for an
+    unknown mode."""
+    kind, colon, n = mode.partition(":")
+    if kind in MODES and not colon:
+        return 1
+    if kind == "live" and n.isascii() and n.isdigit() and int(n) >= 1:
+        return int(n)
+    raise ValueError(f"unknown mode {mode!r}: use restart, live or live:N (N slots)")
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -272,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated scopes (default {DEFAULT_POLICIES})")
     p.add_argument("--modes", default="restart,live",
-                   help="comma-separated of restart (the pessimistic default) and live")
+                   help="comma-separated of restart (the pessimistic default), live and "
+                   "live:N (N slots)")
     p.add_argument("--turns", type=int, default=None, help="the first N rows only")
     p.add_argument("--format", default="auto", choices=["auto", "anthropic", "openai"])
     p.add_argument("--tool-blocks", default="openai", choices=["openai", "text"])
@@ -295,9 +319,11 @@ def main(argv: list[str] | None = None) -> None:
             parse_scope(pol)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
+    for mode in modes:
+        try:
+            slots_of(mode)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
     head, table, data = report(a.trace, policies, modes, knobs, a.ubatch_size, a.format,
                                a.tool_blocks, a.turns, a.model)
@@ -332,7 +358,7 @@ def report(trace: str, policies: Sequence[str], modes: Sequence[str], knobs: Cac
             f"tokens; batch {ubatch_size}; one worker; no eviction. mode restart = proxy and "
             "worker restarted before every request, only the disk (index, state files, "
             "persisted ring) survives: the pessimistic default; live = one long-lived proxy "
-            "and worker.")
+            "and worker; live:N = the same with N slots.")
     data = {
         "trace": Path(trace).name, "requests": len(prompts),
         "knobs": {"min_tokens": knobs.min_tokens, "cold_max_tokens": knobs.cold_max_tokens,

@@ -65,9 +65,9 @@ def test_the_promises_hold_on_it() -> None:
     d = Config()
     knobs = CacheKnobs(d.kv_cache_min_tokens, d.kv_cache_cold_max_tokens,
                        d.kv_cache_continued_interval_tokens)
-    _, _, data = report(str(TRACE), ["auto:2", "auto:30", "full"], ["restart", "live"], knobs,
-                        d.batch)
-    rows = check(data)
+    _, _, data = report(str(TRACE), ["auto:2", "auto:30", "full"],
+                        ["restart", "live", "live:4"], knobs, d.batch)
+    rows = check(data, 4)
     assert [r["policy"] for r in rows] == ["auto:2", "auto:30"]
     for r in rows:
         assert r["restart_over_batch_oracle"] <= ORACLE_RATIO, r

@@ -129,8 +129,9 @@ def test_a_rewritten_early_block_misses() -> None:
 
 
 def test_unknown_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown mode"):
-        simulate(PROMPTS, "full", "sometimes", KNOBS)
+    for mode in ("sometimes", "live:0", "live:", "restart:2"):
+        with pytest.raises(ValueError, match="unknown mode"):
+            simulate(PROMPTS, "full", mode, KNOBS)
 
 
 def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -215,3 +216,15 @@ def test_interleaved_sessions_with_a_changed_status_line(mode: str) -> None:
     # auto:2 does not see the session's previous turn (3 others came between): the ends it
     # saves as chat turns still give every turn its whole previous prompt
     assert simulate(INTERLEAVED, "auto:2", mode, KNOBS).fresh == oracle.total_fresh
+
+
+def test_sessions_taking_turns_keep_their_slots() -> None:
+    # live:4, a worker of four slots, as the proxy's router places the requests: each session's
+    # first turn restores the shared prefix from disk into a free slot (cheaper than taking
+    # another session's: policies.router's score), and from then on every turn extends its own
+    # slot's live KV. A restart before every request prefills no more.
+    oracle = compute_oracle([p.ids for p in INTERLEAVED])
+    res = simulate(INTERLEAVED, "auto:30", "live:4", KNOBS)
+    assert "".join(t.source[0] for t in res.turns) == "n" + "d" * 3 + "l" * 20
+    assert res.fresh == oracle.total_fresh
+    assert simulate(INTERLEAVED, "auto:30", "restart", KNOBS).fresh == oracle.total_fresh
