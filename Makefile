@@ -116,7 +116,7 @@ clean:
 TRACE      ?= ../shared/traces/light_tool_schema_38.jsonl
 POLICIES   ?= auto:2,auto:8,auto:30,full,1000
 BENCH_STAMP := $(VENV)/.bench-installed
-.PHONY: simulate synth overhead
+.PHONY: simulate simulate-all synth overhead
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
@@ -137,6 +137,11 @@ fuzz: $(STAMP)
 
 simulate: $(STAMP)
 	$(BIN)/prefixgate simulate --trace $(TRACE) --policies $(POLICIES) --out bench/results
+
+# every trace in bench/traces and ../shared/traces, auto:N against full and the oracle, live and
+# with a restart per request, the promises checked (issue 46): make simulate-all [SIM_OUT=dir]
+simulate-all: $(STAMP)
+	$(BIN)/python -m bench.scorecard --out $(or $(SIM_OUT),bench/results/simulate-all)
 
 synth: $(STAMP)
 	$(BIN)/python -m bench.synth --out $(or $(OUT),bench/results/synth.jsonl) \

@@ -18,6 +18,10 @@ Modes (what survives between two requests):
   in the index); the live KV is lost.
 - `live`: one long-lived proxy with one worker: the worker's live KV holds the previous
   request's prompt (interleaved sessions take it from each other).
+- `live:N`: as `live` with N slots (`--parallel N`), each holding the last prompt it ran; the
+  proxy's router (`policies.router.choose_slot`, every slot idle: requests are replayed one at
+  a time) picks the slot. Sessions taking turns keep their own live KV, as on a server with a
+  slot per session, which hides from `live` what a restart loses.
 
 Per policy and mode: requests, hits (requests with any cached token) and disk hits, tokens cached
 per hit, hit rate, cached and fresh tokens, the mean per-turn hit ratio, the oracle's fresh tokens
@@ -41,6 +45,7 @@ from policies.plan import CacheKnobs, MessageStart
 from policies.prefix import Batching, common_prefix_len
 from policies.radix import RadixTree
 from policies.ring import Ring
+from policies.router import SlotView, choose_slot
 from policies.scope import format_scope, parse_scope
 from proxy.config import Config
 from proxy.gateway import RING_CAPACITY
@@ -78,7 +83,8 @@ class Simulator:
     """One proxy and one worker, as far as the cache decisions go."""
 
     def __init__(self, policy: str, knobs: CacheKnobs | None = None,
-                 memory: str = "plain", batching: Batching | None = None) -> None:
+                 memory: str = "plain", batching: Batching | None = None, slots: int = 1
+                 ) -> None:
         self.batching = batching or Batching()  # the worker's batches: reuse at their edges
         self.knobs = knobs or CacheKnobs()
         # the worker's memory (backend.engine.Memory): a recurrent state is never reused live
@@ -89,7 +95,9 @@ class Simulator:
         self.disk = RadixTree()  # the stored entries' token ids: survive restarts
         self.ring_log: list[tuple[int, ...]] = []  # the persisted ring, oldest first
         self.ring = Ring(RING_CAPACITY)
-        self.live_ids: tuple[int, ...] = ()
+        self.live: list[tuple[int, ...]] = [()] * max(slots, 1)  # per slot, its live KV
+        self.used = [0] * len(self.live)  # per slot, the turn it last ran
+        self.turn = 0
 
     def restart(self) -> None:
         """The proxy and worker processes restart: the live KV is gone; the new proxy reads the
@@ -97,7 +105,7 @@ class Simulator:
         self.ring = Ring(RING_CAPACITY)
         for ids in self.ring_log:
             self.ring.push(_TENANT, ids)
-        self.live_ids = ()
+        self.live = [()] * len(self.live)
 
     def lookup(self, facts: Facts) -> Stored:
         """`proxy.cache.DiskCache.lookup` on the in-memory disk."""
@@ -109,8 +117,12 @@ class Simulator:
         ids, n, scope = p.ids, len(p.ids), self.scope
         facts = Facts(ids, tuple(MessageStart(q, r) for q, r in p.message_starts), scope)
         stored = self.lookup(facts) if scope.kind != "off" else Stored()
-        live_n = common_prefix_len(self.live_ids, ids) if live and self.memory != "recurrent" \
-            else 0
+        prefixes = [common_prefix_len(kv, ids) if live and self.memory != "recurrent" else 0
+                    for kv in self.live]
+        slot = choose_slot([SlotView(i, n, False, True, len(kv), self.used[i])
+                            for i, (n, kv) in enumerate(zip(prefixes, self.live, strict=True))],
+                           stored.longest) or 0
+        live_n = prefixes[slot]
         recent = self.ring.recent(_TENANT, scope.window) if scope.kind == "auto" else []
         plan = decide(facts, stored, WorkerFacts(live_n, True, self.memory == "plain",
                                                  self.batching), recent, self.knobs)
@@ -126,7 +138,9 @@ class Simulator:
         for s in plan.saves:
             self.disk.insert(ids[: s.n_tokens], keys.prefix_keys(_SALT, ids, [s.n_tokens])[
                 s.n_tokens])
-        self.live_ids = ids  # the worker's exact live KV after the prefill: the prompt
+        self.live[slot] = ids  # the slot's exact live KV after the prefill: the prompt
+        self.turn += 1
+        self.used[slot] = self.turn
         source = "disk" if restored else "live" if cached else "none"
         return SimTurn(n, cached, source, stored.longest, live_n, saves)
 
@@ -192,15 +206,24 @@ def simulate(prompts: Sequence[SimPrompt], policy: str, mode: str = "restart",
              batching: Batching | None = None) -> SimResult:
     """Replay `prompts` in order through one simulated proxy under `policy` and `mode`, on a
     worker with this `memory` (plain, window or recurrent) and `batching` (its batch edges)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    sim = Simulator(policy, knobs, memory, batching)
+    sim = Simulator(policy, knobs, memory, batching, slots_of(mode))
     turns = []
     for i, p in enumerate(prompts):
         if mode == "restart" and i:
             sim.restart()
-        turns.append(sim.step(p, live=mode == "live"))
+        turns.append(sim.step(p, live=mode != "restart"))
     return SimResult(sim.policy, mode, tuple(turns))
+
+
+def slots_of(mode: str) -> int:
+    """The slots a mode's worker has (`restart`, `live`: 1; `live:N`: N); ValueError for an
+    unknown mode."""
+    kind, colon, n = mode.partition(":")
+    if kind in MODES and not colon:
+        return 1
+    if kind == "live" and n.isascii() and n.isdigit() and int(n) >= 1:
+        return int(n)
+    raise ValueError(f"unknown mode {mode!r}: use restart, live or live:N (N slots)")
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -272,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help=f"comma-separated scopes (default {DEFAULT_POLICIES})")
     p.add_argument("--modes", default="restart,live",
-                   help="comma-separated of restart (the pessimistic default) and live")
+                   help="comma-separated of restart (the pessimistic default), live and "
+                   "live:N (N slots)")
     p.add_argument("--turns", type=int, default=None, help="the first N rows only")
     p.add_argument("--format", default="auto", choices=["auto", "anthropic", "openai"])
     p.add_argument("--tool-blocks", default="openai", choices=["openai", "text"])
@@ -295,20 +319,35 @@ def main(argv: list[str] | None = None) -> None:
             parse_scope(pol)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"unknown mode(s) {bad}: use {', '.join(MODES)}")
+    for mode in modes:
+        try:
+            slots_of(mode)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     knobs = CacheKnobs(a.min_tokens, a.cold_max_tokens, a.continued_interval_tokens)
-    prompts = render_trace(a.trace, a.format, a.tool_blocks, a.turns, a.model)
-    batching = Batching(a.ubatch_size, model_ends(a.model))
+    head, table, data = report(a.trace, policies, modes, knobs, a.ubatch_size, a.format,
+                               a.tool_blocks, a.turns, a.model)
+    print(head + "\n\n" + table)
+    if a.out:
+        stem = write_report(a.out, a.trace, head, table, data, a.note)
+        print(f"\nwrote {stem}.json and .md", file=sys.stderr)
+
+
+def report(trace: str, policies: Sequence[str], modes: Sequence[str], knobs: CacheKnobs,
+           ubatch_size: int, fmt: str = "auto", tool_blocks: str = "openai",
+           turns: int | None = None, model: str = ""
+           ) -> tuple[str, str, dict[str, Any]]:
+    """One trace under each policy and mode: the heading, the markdown table and the JSON."""
+    prompts = render_trace(trace, fmt, tool_blocks, turns, model)
+    batching = Batching(ubatch_size, model_ends(model))
     oracle, rows = run(prompts, policies, modes, knobs, batching)
     # the same trace laid out as the client sent it: what the stable-first layout gains
-    old = compute_oracle([p.ids for p in render_trace(a.trace, a.format, a.tool_blocks,
-                                                       a.turns, a.model, stable_layout=False)])
-    head = (f"trace {Path(a.trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
+    old = compute_oracle([p.ids for p in render_trace(trace, fmt, tool_blocks, turns, model,
+                                                       stable_layout=False)])
+    head = (f"trace {Path(trace).name}: {len(prompts)} requests, {oracle.total_prompt} prompt "
             f"tokens; oracle: {oracle.total_fresh} fresh tokens, mean hit ratio "
             f"{oracle.mean_hit_ratio:.1%}; at the batches' edges (batches of at most "
-            f"{a.ubatch_size} that end early at message ends, the last token evaluated: what "
+            f"{ubatch_size} that end early at message ends, the last token evaluated: what "
             f"any exact cache here can reach): "
             f"{compute_oracle([p.ids for p in prompts], batching).total_fresh} "
             f"(stable-first layout; the oracle of the client's own "
@@ -316,30 +355,34 @@ def main(argv: list[str] | None = None) -> None:
             f"{old.total_fresh} fresh tokens, {old.mean_hit_ratio:.1%})\n"
             f"knobs: min {knobs.min_tokens}, cold max "
             f"{knobs.cold_max_tokens}, continued interval {knobs.continued_interval_tokens} "
-            f"tokens; batch {a.ubatch_size}; one worker; no eviction. mode restart = proxy and "
+            f"tokens; batch {ubatch_size}; one worker; no eviction. mode restart = proxy and "
             "worker restarted before every request, only the disk (index, state files, "
             "persisted ring) survives: the pessimistic default; live = one long-lived proxy "
-            "and worker.")
-    table = markdown_table(rows)
-    print(head + "\n\n" + table)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"simulate-{Path(a.trace).stem}"
-        note = f"{a.note}\n\n" if a.note else ""
-        (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(a.trace).name}\n\n" + note
-                                         + head.replace("\n", "\n\n") + "\n\n" + table + "\n")
-        (out / f"{stem}.json").write_text(json.dumps({
-            "trace": Path(a.trace).name, "requests": len(prompts),
-            "knobs": {"min_tokens": knobs.min_tokens, "cold_max_tokens": knobs.cold_max_tokens,
-                      "continued_interval_tokens": knobs.continued_interval_tokens},
-            "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
-                       "mean_hit_ratio": oracle.mean_hit_ratio},
-            "oracle_client_layout": {"prompt_tokens": old.total_prompt,
-                                     "fresh_tokens": old.total_fresh,
-                                     "mean_hit_ratio": old.mean_hit_ratio},
-            "results": rows}, indent=2) + "\n")
-        print(f"\nwrote {out / stem}.json and .md", file=sys.stderr)
+            "and worker; live:N = the same with N slots.")
+    data = {
+        "trace": Path(trace).name, "requests": len(prompts),
+        "knobs": {"min_tokens": knobs.min_tokens, "cold_max_tokens": knobs.cold_max_tokens,
+                  "continued_interval_tokens": knobs.continued_interval_tokens},
+        "oracle": {"prompt_tokens": oracle.total_prompt, "fresh_tokens": oracle.total_fresh,
+                   "mean_hit_ratio": oracle.mean_hit_ratio},
+        "oracle_client_layout": {"prompt_tokens": old.total_prompt,
+                                 "fresh_tokens": old.total_fresh,
+                                 "mean_hit_ratio": old.mean_hit_ratio},
+        "results": rows}
+    return head, markdown_table(rows), data
+
+
+def write_report(out_dir: str | Path, trace: str, head: str, table: str, data: dict[str, Any],
+                 note: str = "") -> Path:
+    """simulate-<trace>.md and .json in `out_dir`; returns their path without the suffix."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"simulate-{Path(trace).stem}"
+    note = f"{note}\n\n" if note else ""
+    (out / f"{stem}.md").write_text(f"# Policy simulator: {Path(trace).name}\n\n" + note
+                                     + head.replace("\n", "\n\n") + "\n\n" + table + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    return out / stem
 
 
 if __name__ == "__main__":

@@ -36,12 +36,23 @@ Rules:
   - continued checkpoints: every ``k * interval`` with ``cached_n < k * interval <= n_prompt``
     (``continued``), waypoints for a long conversation whose scope moves; an interval <= 0
     disables them;
-  - the growing turn (``auto`` only, ``growing``): when a recent prompt in the window is a whole
-    prefix of this one (``extends_recent``: an append-only conversation, the usual agent loop),
-    or when this prompt opens a conversation (``opens_conversation``: messages and no assistant
-    message yet), the prompt end, which the next turn will share. The scope boundary alone is
-    one turn behind there: it is where the *previous* prompt ended, so every turn after a
-    restart would prefill the last two turns instead of one.
+  - the growing turn (``auto`` only, ``growing``): the prompt end, whenever the prompt is a
+    chat turn (``awaits_reply``: messages located) or extends a recent prompt in the window
+    (``extends_recent``: a raw prompt growing append-only). The client's next turn of the same
+    conversation extends the prompt it sends now, whatever came before it: a session's first
+    turn, the next turn of the usual agent loop, a turn whose history the client re-rendered (a
+    ``gitStatus:`` line that changed after an edit, a compacted history, an edited message) and
+    a turn whose previous one has left the window (more sessions taking turns than ``N``). The
+    scope boundary alone is one turn behind there: it is where the *previous* prompt ended, or,
+    after a re-render, the short prefix the sessions share, so every turn after a restart would
+    prefill the last two turns, or the whole history again (issue 46: four sessions taking
+    turns, two of them with a changed status line, paid 1.16x what any exact cache must prefill
+    with a restart before every request, against 1.00x with this rule). It is what ``full``
+    stores, and bounded the same way: by the cache's byte budget, where a turn end that a newer
+    entry contains goes first (``policies.eviction``). A conversation's last turn stores an end
+    no one extends; that is the price of not knowing the future. (A client that changes its
+    history on every turn, a timestamp in its first message, stores an end per turn that no
+    turn extends; no cache reuses its history either: a volatile pattern strips it.)
 
   One reason per position, the strongest: ``full`` > ``scoped``/``growing`` >
   ``cold``/``anchor-refresh`` > ``continued``. Save points come out ascending, so the worker
@@ -136,9 +147,14 @@ def choose_scope_boundary(
     return shared if shared > 0 and shared >= knobs.min_tokens else None
 
 
-def opens_conversation(starts: Sequence[MessageStart]) -> bool:
-    """Whether the prompt is a conversation's first turn: messages, and no assistant one yet."""
-    return bool(starts) and all(s.role != "assistant" for s in starts)
+def awaits_reply(starts: Sequence[MessageStart]) -> bool:
+    """Whether the prompt is a chat turn (its messages located): the client waits for the reply,
+    and its next turn of the conversation, if any, extends this prompt."""
+    return bool(starts)
+
+
+# decide() calls it by the name of the rule it replaced (a conversation's first turn only)
+opens_conversation = awaits_reply
 
 
 def extends_recent(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> bool:

@@ -6,7 +6,8 @@ surrounding blanks ignored:
 - ``off``: no disk cache for this request (no lookup, no save).
 - ``full``: the whole prompt, plus the cold anchor and continued checkpoints.
 - ``auto`` (same as ``auto:30``): exactly the longest common token prefix between this prompt and
-  each of the last N prompts in the ring, at least min tokens.
+  each of the last N prompts in the ring, at least min tokens; and the end of a chat turn, which
+  the client's next turn extends (``policies.plan``'s growing turn).
 - ``auto:N`` (N >= 1): as ``auto`` with a window of the last N prompts.
 - ``N`` (N >= 1): exactly the first N tokens.
 

@@ -124,7 +124,14 @@ class _Recent:
     object as before (later stages remember their work by it). The text is parsed with the
     json module's own scanner, value by value; anything unusual (not an object, a duplicate
     key, a lone surrogate escape, a string longer than the bounds allow) takes the plain
-    path, and so does anything that fails, which then says why."""
+    path, and so does anything that fails, which then says why.
+
+    A body replaces the one it resumed only when it repeats all of that one's messages (the
+    next turn of the same conversation, or a retry): one that shares less with it (another
+    session whose system prompt differs in its last line, a title call, a subagent: any two
+    bodies share at least their first key) is kept beside it, so sessions that take turns each
+    find their own last body and resume as a lone session does. At most `max_bodies` bodies
+    and `max_chars` characters are kept, the least recently used dropped first."""
 
     def __init__(self, max_bodies: int = 8, max_chars: int = 64 << 20) -> None:
         self.max_bodies = max_bodies
@@ -153,14 +160,22 @@ class _Recent:
         if parsed is None:
             return None
         with self._lock:
-            self._bodies = [b for b in self._bodies if b is not best][-(self.max_bodies - 1):]
-            self._bodies.append(parsed)
+            kept = [b for b in self._bodies if b is not best]
+            if best is not None and not _repeats(best, shared):
+                kept.append(best)  # another conversation's: kept, as just used
+            self._bodies = [*kept[-(self.max_bodies - 1):], parsed]
             while sum(len(b.text) for b in self._bodies) > self.max_chars and self._bodies:
                 self._bodies.pop(0)
         return parsed.body
 
 
 _RECENT = _Recent()
+
+
+def _repeats(old: _Parsed, shared: int) -> bool:
+    """Whether a body that shares `shared` characters with `old` repeats all of its messages
+    (all of its text when it has none)."""
+    return shared >= (old.messages[-1][1] if old.messages else len(old.text))
 
 
 def _parse_top(text: str, limits: Limits, old: _Parsed | None, shared: int) -> _Parsed | None:

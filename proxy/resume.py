@@ -11,13 +11,17 @@ template, tools, variables and generation flag whose messages start with the sam
 messages resumes each such loop at a boundary ``k`` of the earlier render when that is proven
 to change nothing:
 
-- the template's top-level state where the loop began is the same (every top-level variable,
-  namespaces by their attributes, the messages by which ones they are) and so is the text
-  written before it;
+- it is the same loop of the template (the same ``for`` statement, and as many top-level
+  loops ran before it: a template that chose one of two loops by what it read of the messages
+  before them runs another loop), the template's top-level state where the loop began is the
+  same (every top-level variable, namespaces by their attributes, the messages by which ones
+  they are) and so is the text written before it;
 - everything the loop observed of the messages before boundary ``k`` is within the first
   ``m`` (an item pulled, peeked or indexed, a message read), and it did not observe the list's
-  length (``loop.length``, ``|length``, an index from the end, the end of the iteration) unless
-  both lists have the same length;
+  length (``loop.length``, ``|length``, an index from the end, the end of the iteration, a
+  reversed list: ``|last``, ``|reverse``; a slice with a bound from the end or a negative step,
+  ``messages[-2:]``: which messages these are depends on the length) unless both lists have the
+  same length;
 - the namespaces at ``k`` hold plain values (strings, numbers, lists and dicts of them).
 
 Then the earlier render's text up to ``k`` is the text this one would write, its namespaces
@@ -126,11 +130,12 @@ class _Loop:
     whether the length was, and how much the run's log had grown since the loop began
     (`log0`: its length then)."""
 
-    __slots__ = ("first", "state", "out", "names", "pos", "at", "spaces", "seen", "length",
-                 "log", "log0")
+    __slots__ = ("site", "first", "state", "out", "names", "pos", "at", "spaces", "seen",
+                 "length", "log", "log0")
 
-    def __init__(self, first: int, state: dict[str, Any], out: int, names: tuple[str, ...]
-                 ) -> None:
+    def __init__(self, site: int, first: int, state: dict[str, Any], out: int,
+                 names: tuple[str, ...]) -> None:
+        self.site = site  # the line of the template's compiled code that runs it: which loop
         self.first = first
         self.state = state
         self.out = out
@@ -208,7 +213,7 @@ class Run:
             state = {k: _snapshot(v) for k, v in names.items() if k.startswith("l_0_")}
             spaces = tuple(k for k, v in names.items()
                            if k.startswith("l_0_") and isinstance(v, Namespace))
-            loop = _Loop(it.indices.start, state, self.at, spaces)
+            loop = _Loop(root.f_lineno, it.indices.start, state, self.at, spaces)
             loop.log0 = len(self.log)
             self.loop = it.loop = loop
             self.seen, self.length = -1, False
@@ -241,7 +246,8 @@ class Run:
         if src is None or ordinal >= len(src.loops) or (self.positions and not src.positions):
             return 0
         old = src.loops[ordinal]
-        if (old.first != loop.first or old.names != loop.names or old.out != self.at
+        if (old.site != loop.site or old.first != loop.first or old.names != loop.names
+                or old.out != self.at
                 or (src.clock and any(datetime.now().strftime(f) != t for f, t in src.clock))
                 or not _same_state(old.state, loop.state, self.common, src.context,
                                    self.context)
@@ -400,11 +406,14 @@ class TracedList(list):  # type: ignore[type-arg]
                      self._indices.step == 1)
 
     def __reversed__(self) -> Iterator[Any]:
+        self._run.length = True  # its first item is the last
         return _Iter(list(reversed(list(list.__iter__(self)))), self._indices[::-1], self._run,
                      False)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
+            if any(isinstance(v, int) and v < 0 for v in (index.start, index.stop, index.step)):
+                self._run.length = True  # counted from the end: which items depends on it
             return TracedList(list.__getitem__(self, index), self._run, self._indices[index])
         if isinstance(index, int) and index < 0:
             self._run.length = True

@@ -78,7 +78,13 @@ def grammar(tools: list[dict[str, Any]]) -> tuple[str, list[str]]:
 
 
 def history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The template reads an assistant turn's reasoning from `thinking`."""
-    return [{**{k: v for k, v in m.items() if k != "reasoning_content"},
-             "thinking": m["reasoning_content"]} if m.get("reasoning_content") else m
-            for m in messages]
+    """The template reads an assistant turn's reasoning from `thinking`. A turn with both
+    reasoning and tool calls loses its text (what the model wrote on the commentary channel
+    before the call, which Claude Code echoes beside its thinking and tool_use blocks): the
+    template refuses content and thinking beside tool calls ("Cannot pass both content and
+    thinking..."), and llama-server maps such a turn the same way (its gpt-oss chat params
+    drop `content` where `reasoning_content` and tool calls meet), so both render one prompt."""
+    return [m if not m.get("reasoning_content") else {
+        **{k: v for k, v in m.items()
+           if k != "reasoning_content" and not (k == "content" and m.get("tool_calls"))},
+        "thinking": m["reasoning_content"]} for m in messages]

@@ -129,8 +129,9 @@ def test_a_rewritten_early_block_misses() -> None:
 
 
 def test_unknown_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown mode"):
-        simulate(PROMPTS, "full", "sometimes", KNOBS)
+    for mode in ("sometimes", "live:0", "live:", "restart:2"):
+        with pytest.raises(ValueError, match="unknown mode"):
+            simulate(PROMPTS, "full", mode, KNOBS)
 
 
 def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -168,3 +169,62 @@ def test_command_on_a_tiny_trace(tmp_path, capsys) -> None:  # type: ignore[no-u
     out = json.loads((tmp_path / "simulate-tiny.json").read_text())
     for r in out["results"]:
         assert 0 <= r["excess_over_oracle_tokens"] <= 63 * r["disk_hits"], r
+
+
+# --- issue 46: four sessions taking turns, two with a status line that changes ---------------
+# The shape of bench/traces/interleaved-gitstatus.jsonl in made-up ids, as the stable-first
+# layout renders it: the shared tools and system text (30 tokens), then each session's first
+# user message, which opens with its own git status line (3 tokens, moved there from the end of
+# the system prompt), then the turns. Sessions 0 and 1 change their status line at turn 4, so
+# that prompt extends none of the session's earlier ones.
+SHARED = tuple(range(1, 31))
+SESSIONS, TURNS, CHANGE_AT = 4, 6, 4
+
+
+def session_prompt(s: int, turns: int) -> SimPrompt:
+    version = 1 if s < 2 and turns >= CHANGE_AT else 0
+    status = (1000 + 10 * s + version, 1100, 1101)
+    ids = list(SHARED)
+    starts = [(0, "system"), (len(ids), "user")]
+    ids += status + tuple(2000 + 100 * s + i for i in range(4))  # the task
+    for k in range(1, turns):
+        starts.append((len(ids), "assistant"))
+        ids += HEADER + tuple(3000 + 100 * s + 10 * k + i for i in range(3)) + (99,)
+        starts.append((len(ids), "user"))
+        ids += tuple(4000 + 100 * s + 10 * k + i for i in range(4))  # a tool result
+    ids += HEADER
+    return SimPrompt(tuple(ids), tuple(sorted({p for p, _ in starts} | {len(ids)})),
+                     tuple(starts))
+
+
+INTERLEAVED = [session_prompt(s, t) for t in range(1, TURNS + 1) for s in range(SESSIONS)]
+
+
+@pytest.mark.parametrize("mode", ["restart", "live"])
+def test_interleaved_sessions_with_a_changed_status_line(mode: str) -> None:
+    oracle = compute_oracle([p.ids for p in INTERLEAVED])
+    auto = simulate(INTERLEAVED, "auto:30", mode, KNOBS)
+    full = simulate(INTERLEAVED, "full", mode, KNOBS)
+    # every turn of every session restores what any cache could: auto as full, as the oracle
+    assert [t.fresh for t in auto.turns] == list(oracle.fresh_tokens)
+    assert auto.fresh == full.fresh == oracle.total_fresh
+    # the turn with the changed status line extends no earlier prompt; its end is saved, and
+    # the session's next turn (4 sessions later) restores all of it
+    i = SESSIONS * (CHANGE_AT - 1)
+    assert (len(INTERLEAVED[i].ids), auto.turns[i].saves[-1]) == (69, (69, "growing"))
+    assert auto.turns[i + SESSIONS].cached == 69
+    # auto:2 does not see the session's previous turn (3 others came between): the ends it
+    # saves as chat turns still give every turn its whole previous prompt
+    assert simulate(INTERLEAVED, "auto:2", mode, KNOBS).fresh == oracle.total_fresh
+
+
+def test_sessions_taking_turns_keep_their_slots() -> None:
+    # live:4, a worker of four slots, as the proxy's router places the requests: each session's
+    # first turn restores the shared prefix from disk into a free slot (cheaper than taking
+    # another session's: policies.router's score), and from then on every turn extends its own
+    # slot's live KV. A restart before every request prefills no more.
+    oracle = compute_oracle([p.ids for p in INTERLEAVED])
+    res = simulate(INTERLEAVED, "auto:30", "live:4", KNOBS)
+    assert "".join(t.source[0] for t in res.turns) == "n" + "d" * 3 + "l" * 20
+    assert res.fresh == oracle.total_fresh
+    assert simulate(INTERLEAVED, "auto:30", "restart", KNOBS).fresh == oracle.total_fresh

@@ -162,52 +162,54 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
              boundary=None, anchor_skipped=None),
     ),
     # --- auto: the boundary comes from the ring ----------------------------------------------
-    # First prompt of a tenant, empty ring: no boundary, the anchor only.
+    # The prompt is a chat turn (its messages located), so auto also saves its end (growing) in
+    # every case: the client's next turn extends it, whatever the ring holds (issue 46).
+    # First prompt of a tenant, empty ring: no boundary, the anchor and the end.
     (
         facts("auto"), [], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=39, live_ok=True, lookup="miss",
-             boundary=None, anchor_skipped=None),
+        Plan(restore=(), saves=saves((10, "cold"), (40, "growing")), keep_max=39, live_ok=True,
+             lookup="miss", boundary=None, anchor_skipped=None),
     ),
     # 25 tokens shared with a recent prompt: the boundary is exactly 25, inside the reply (not
     # aligned down to its start, 20): scoped save.
     (
         facts("auto"), [diverge(25)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold"), (25, "scoped")), keep_max=39, live_ok=True,
-             lookup="miss", boundary=25, anchor_skipped=None),
+        Plan(restore=(), saves=saves((10, "cold"), (25, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="miss", boundary=25, anchor_skipped=None),
     ),
     # 10 shared: the boundary is the anchor too: one save there, scoped outranks cold.
     (
         facts("auto"), [diverge(10)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "scoped")), keep_max=39, live_ok=True, lookup="miss",
-             boundary=10, anchor_skipped=None),
+        Plan(restore=(), saves=saves((10, "scoped"), (40, "growing")), keep_max=39, live_ok=True,
+             lookup="miss", boundary=10, anchor_skipped=None),
     ),
     # 7 shared, which clears min tokens 4: a boundary before the anchor (inside the first user
     # message)...
     (
         facts("auto"), [diverge(7)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((7, "scoped"), (10, "cold")), keep_max=39, live_ok=True,
-             lookup="miss", boundary=7, anchor_skipped=None),
+        Plan(restore=(), saves=saves((7, "scoped"), (10, "cold"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="miss", boundary=7, anchor_skipped=None),
     ),
     # ...but not min tokens 8: no boundary.
     (
         facts("auto"), [diverge(7)], stored(), COLD, CacheKnobs(8, 1000, 0),
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=39, live_ok=True, lookup="miss",
-             boundary=None, anchor_skipped=None),
+        Plan(restore=(), saves=saves((10, "cold"), (40, "growing")), keep_max=39, live_ok=True,
+             lookup="miss", boundary=None, anchor_skipped=None),
     ),
     # NEW (a): a shared prefix that ends inside the system message (a system prompt up to its
     # per-session block), exactly at min tokens 4: the boundary is exactly 4, not a message start.
     (
         facts("auto"), [diverge(4)], stored(), COLD, K,
-        Plan(restore=(), saves=saves((4, "scoped"), (10, "cold")), keep_max=39, live_ok=True,
-             lookup="miss", boundary=4, anchor_skipped=None),
+        Plan(restore=(), saves=saves((4, "scoped"), (10, "cold"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="miss", boundary=4, anchor_skipped=None),
     ),
     # NEW (a): 33 shared, inside the last user turn (which starts at 30): boundary 33; the entry
     # stored at the message start 30 falls short of it: partial, restore 30 (10 as the fallback),
     # and save 33.
     (
         facts("auto"), [diverge(33)], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=saves((33, "scoped")), keep_max=39, live_ok=True,
-             lookup="partial", boundary=33, anchor_skipped=None),
+        Plan(restore=restores(30, 10), saves=saves((33, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="partial", boundary=33, anchor_skipped=None),
     ),
     # The previous turn (a whole prefix, 30 tokens): scoped at 30, and growing at the prompt end,
     # which the next turn will share.
@@ -216,12 +218,12 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=39,
              live_ok=True, lookup="miss", boundary=30, anchor_skipped=None),
     ),
-    # auto:1 sees only the most recent prompt (3 shared: below min tokens, not a prefix), so
-    # neither the scope boundary nor the growing save come from the previous turn behind it...
+    # auto:1 sees only the most recent prompt (3 shared: below min tokens, not a prefix), so the
+    # scope boundary does not come from the previous turn behind it (the end is saved anyway)...
     (
         facts("auto:1"), [diverge(3), IDS[:30]], stored(), COLD, K,
-        Plan(restore=(), saves=saves((10, "cold")), keep_max=39, live_ok=True, lookup="miss",
-             boundary=None, anchor_skipped=None),
+        Plan(restore=(), saves=saves((10, "cold"), (40, "growing")), keep_max=39, live_ok=True,
+             lookup="miss", boundary=None, anchor_skipped=None),
     ),
     # ...auto:2 reaches it.
     (
@@ -229,7 +231,7 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
         Plan(restore=(), saves=saves((10, "cold"), (30, "scoped"), (40, "growing")), keep_max=39,
              live_ok=True, lookup="miss", boundary=30, anchor_skipped=None),
     ),
-    # The same prompt again (a retry) with its KV live: boundary 40, not growing (not shorter);
+    # The same prompt again (a retry) with its KV live: boundary 40, the end (scoped, as growing);
     # reuse is capped at n - 2 and the end is snapshotted from there; the anchor lies behind the
     # reuse (a hit past the anchor saves nothing).
     (
@@ -275,115 +277,116 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # auto, an entry exactly at the scope boundary 30: a hit, nothing to save.
     (
         facts("auto"), [diverge(30)], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=(), keep_max=39, live_ok=True, lookup="hit",
-             boundary=30, anchor_skipped=None),
+        Plan(restore=restores(30, 10), saves=saves((40, "growing")), keep_max=39, live_ok=True,
+             lookup="hit", boundary=30, anchor_skipped=None),
     ),
     # auto, the longest entry (20) short of the boundary 30: partial, restore it with its
     # fallbacks, save the boundary.
     (
         facts("auto"), [diverge(30)], stored(5, 10, 20), COLD, K,
-        Plan(restore=restores(20, 10, 5), saves=saves((30, "scoped")), keep_max=39, live_ok=True,
-             lookup="partial", boundary=30, anchor_skipped=None),
+        Plan(restore=restores(20, 10, 5), saves=saves((30, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # Only an entry shorter than the anchor: partial, and the stale anchor is refreshed in the
     # same prefill as the scope boundary (25).
     (
         facts("auto"), [diverge(25)], stored(5), COLD, K,
-        Plan(restore=restores(5), saves=saves((10, "anchor-refresh"), (25, "scoped")),
-             keep_max=39, live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
+        Plan(restore=restores(5),
+             saves=saves((10, "anchor-refresh"), (25, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
     ),
     # Only the anchor: partial, the anchor is fresh, the boundary is saved.
     (
         facts("auto"), [diverge(25)], stored(10), COLD, K,
-        Plan(restore=restores(10), saves=saves((25, "scoped")), keep_max=39, live_ok=True,
-             lookup="partial", boundary=25, anchor_skipped=None),
+        Plan(restore=restores(10), saves=saves((25, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
     ),
     # No scope boundary: the lookup target is the last message start, 30: an entry there is a
     # hit...
     (
         facts("auto"), [], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=(), keep_max=39, live_ok=True, lookup="hit",
-             boundary=None, anchor_skipped=None),
+        Plan(restore=restores(30, 10), saves=saves((40, "growing")), keep_max=39, live_ok=True,
+             lookup="hit", boundary=None, anchor_skipped=None),
     ),
     # ...the anchor alone is partial.
     (
         facts("auto"), [], stored(10), COLD, K,
-        Plan(restore=restores(10), saves=(), keep_max=39, live_ok=True, lookup="partial",
-             boundary=None, anchor_skipped=None),
+        Plan(restore=restores(10), saves=saves((40, "growing")), keep_max=39, live_ok=True,
+             lookup="partial", boundary=None, anchor_skipped=None),
     ),
     # A disk entry (30) past the unstored scope boundary 25: the boundary is saved behind the
     # restore, keep_max stays n - 1; still a hit (the entry reaches the boundary).
     (
         facts("auto"), [diverge(25)], stored(10, 30), COLD, K,
-        Plan(restore=restores(30, 10), saves=saves((25, "scoped")), keep_max=39, live_ok=True,
-             lookup="hit", boundary=25, anchor_skipped=None),
+        Plan(restore=restores(30, 10), saves=saves((25, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="hit", boundary=25, anchor_skipped=None),
     ),
     # NEW (c): the only entry (30) lies past the unstored boundary 20: restore it and save 20
     # behind it (reason scoped), keep_max n - 2. The anchor (10) is not stored either but is not
     # saved: a hit past the anchor saves nothing.
     (
         facts("auto"), [diverge(20)], stored(30), COLD, K,
-        Plan(restore=restores(30), saves=saves((20, "scoped")), keep_max=39, live_ok=True,
-             lookup="hit", boundary=20, anchor_skipped=None),
+        Plan(restore=restores(30), saves=saves((20, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="hit", boundary=20, anchor_skipped=None),
     ),
     # NEW (d): the boundary 20 is stored and lies behind the restored entry 30: not saved again.
     (
         facts("auto"), [diverge(20)], stored(10, 20, 30), COLD, K,
-        Plan(restore=restores(30, 20, 10), saves=(), keep_max=39, live_ok=True, lookup="hit",
-             boundary=20, anchor_skipped=None),
+        Plan(restore=restores(30, 20, 10), saves=saves((40, "growing")), keep_max=39, live_ok=True,
+             lookup="hit", boundary=20, anchor_skipped=None),
     ),
     # --- live reuse --------------------------------------------------------------------------
     # Live reuse of 25 between the stored entries: restore only lists the one longer than it.
     (
         facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(25, True), K,
-        Plan(restore=restores(30), saves=(), keep_max=39, live_ok=True, lookup="hit",
-             boundary=30, anchor_skipped=None),
+        Plan(restore=restores(30), saves=saves((40, "growing")), keep_max=39, live_ok=True,
+             lookup="hit", boundary=30, anchor_skipped=None),
     ),
     # Live reuse exactly as long as the longest entry (30): an entry must be longer to be listed.
     (
         facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(30, True), K,
-        Plan(restore=(), saves=(), keep_max=39, live_ok=True, lookup="hit", boundary=30,
-             anchor_skipped=None),
+        Plan(restore=(), saves=saves((40, "growing")), keep_max=39, live_ok=True, lookup="hit",
+             boundary=30, anchor_skipped=None),
     ),
     # Live reuse of 36, longer than every entry: nothing to restore, but the lookup (which is
     # about the disk) is still a hit; the boundary behind it is stored, so nothing to save.
     (
         facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(36, True), K,
-        Plan(restore=(), saves=(), keep_max=39, live_ok=True, lookup="hit", boundary=30,
-             anchor_skipped=None),
+        Plan(restore=(), saves=saves((40, "growing")), keep_max=39, live_ok=True, lookup="hit",
+             boundary=30, anchor_skipped=None),
     ),
     # Live reuse of 34 past the unstored boundary 30: not cut back; 30 is saved behind it.
     (
         facts("auto"), [diverge(30)], stored(10, 20), WorkerFacts(34, True), K,
-        Plan(restore=(), saves=saves((30, "scoped")), keep_max=39, live_ok=True,
+        Plan(restore=(), saves=saves((30, "scoped"), (40, "growing")), keep_max=39, live_ok=True,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # Live reuse ending exactly on the unstored boundary: snapshot it at once.
     (
         facts("auto"), [diverge(30)], stored(10, 20), WorkerFacts(30, True), K,
-        Plan(restore=(), saves=saves((30, "scoped")), keep_max=39, live_ok=True,
+        Plan(restore=(), saves=saves((30, "scoped"), (40, "growing")), keep_max=39, live_ok=True,
              lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # Live 25 past the unstored boundary 20, and a disk entry at 30 longer than both: restore 30
     # (the live KV does not reach it) and save 20 behind it.
     (
         facts("auto"), [diverge(20)], stored(10, 30), WorkerFacts(25, True), K,
-        Plan(restore=restores(30), saves=saves((20, "scoped")), keep_max=39, live_ok=True,
-             lookup="hit", boundary=20, anchor_skipped=None),
+        Plan(restore=restores(30), saves=saves((20, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="hit", boundary=20, anchor_skipped=None),
     ),
     # NEW (b): live reuse 2870 tokens past the unstored boundary 30 (far more than any refill):
     # 30 is still saved, from the live KV, and keep_max stays n - 1.
     (
         facts("auto", n=N_LONG), [diverge(30, n=N_LONG)], stored(10, 20),
         WorkerFacts(2900, True), K,
-        Plan(restore=(), saves=saves((30, "scoped")), keep_max=N_LONG - 1, live_ok=True,
-             lookup="partial", boundary=30, anchor_skipped=None),
+        Plan(restore=(), saves=saves((30, "scoped"), (3000, "growing")), keep_max=N_LONG - 1,
+             live_ok=True, lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # NEW (d): live reuse 34 past the stored boundary 20: nothing saved, nothing restored.
     (
         facts("auto"), [diverge(20)], stored(10, 20, 30), WorkerFacts(34, True), K,
-        Plan(restore=(), saves=(), keep_max=39, live_ok=True, lookup="hit", boundary=20,
-             anchor_skipped=None),
+        Plan(restore=(), saves=saves((40, "growing")), keep_max=39, live_ok=True, lookup="hit",
+             boundary=20, anchor_skipped=None),
     ),
     # --- fixed N behind the reuse ------------------------------------------------------------
     # NEW (e): fixed 25 behind the live reuse 36: saved from the live KV; the disk has only the
@@ -404,14 +407,14 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # live_ok false goes to the worker.
     (
         facts("auto"), [diverge(30)], stored(10, 20), WorkerFacts(34, False), K,
-        Plan(restore=restores(20, 10), saves=saves((30, "scoped")), keep_max=39, live_ok=False,
-             lookup="partial", boundary=30, anchor_skipped=None),
+        Plan(restore=restores(20, 10), saves=saves((30, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=False, lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # The same as the live-25 case above, but not this tenant's: all three hits are listed.
     (
         facts("auto"), [diverge(30)], stored(10, 20, 30), WorkerFacts(25, False), K,
-        Plan(restore=restores(30, 20, 10), saves=(), keep_max=39, live_ok=False, lookup="hit",
-             boundary=30, anchor_skipped=None),
+        Plan(restore=restores(30, 20, 10), saves=saves((40, "growing")), keep_max=39, live_ok=False,
+             lookup="hit", boundary=30, anchor_skipped=None),
     ),
     # Nothing stored: the prefill is cold, so the cold anchor is saved.
     (
@@ -452,15 +455,15 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # Restored from the checkpoint at 15: only the checkpoints past it (30), plus the boundary.
     (
         facts("auto"), [diverge(25)], stored(15), COLD, K15,
-        Plan(restore=restores(15), saves=saves((25, "scoped"), (30, "continued")), keep_max=39,
-             live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
+        Plan(restore=restores(15), saves=saves((25, "scoped"), (30, "continued"), (40, "growing")),
+             keep_max=39, live_ok=True, lookup="partial", boundary=25, anchor_skipped=None),
     ),
     # Restored from the checkpoint 30, past the unstored boundary 25: the boundary is saved
     # behind the restore; no checkpoint lies ahead (the next would be 45 > 40).
     (
         facts("auto"), [diverge(25)], stored(30), COLD, K15,
-        Plan(restore=restores(30), saves=saves((25, "scoped")), keep_max=39, live_ok=True,
-             lookup="hit", boundary=25, anchor_skipped=None),
+        Plan(restore=restores(30), saves=saves((25, "scoped"), (40, "growing")), keep_max=39,
+             live_ok=True, lookup="hit", boundary=25, anchor_skipped=None),
     ),
     # --- a recurrent state (rule 6): nothing is cut back ---------------------------------------
     # The opening turn: the growing save at the prompt end 18 is taken at keep_max 17, so the
@@ -494,7 +497,7 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # the boundary 36 ahead of it is saved.
     (
         facts("auto"), [diverge(36)], stored(10), WorkerFacts(34, True, cut_back=False), K,
-        Plan(restore=(), saves=saves((36, "scoped")), keep_max=39, live_ok=True,
+        Plan(restore=(), saves=saves((36, "scoped"), (39, "growing")), keep_max=39, live_ok=True,
              lookup="partial", boundary=36, anchor_skipped=None),
     ),
     # --- a worker that reuses only at batch edges (rule 7: align 8 here, its batch on a GPU) ---
@@ -509,14 +512,14 @@ DECIDE_CASES: list[tuple[Facts, Sequence[Sequence[int]], Stored, WorkerFacts, Ca
     # is stored: nothing to save.
     (
         facts("auto"), [diverge(30)], stored(10, 24), ALIGNED, K,
-        Plan(restore=restores(24), saves=(), keep_max=32, live_ok=True, lookup="partial",
-             boundary=30, anchor_skipped=None),
+        Plan(restore=restores(24), saves=saves((40, "growing")), keep_max=32, live_ok=True,
+             lookup="partial", boundary=30, anchor_skipped=None),
     ),
     # The live reuse 37 counts as 32; the boundary 36 is saved at 32.
     (
         facts("auto"), [diverge(36)], stored(), WorkerFacts(37, True, batching=Batching(8)), K,
-        Plan(restore=(), saves=saves((32, "scoped")), keep_max=32, live_ok=True, lookup="miss",
-             boundary=36, anchor_skipped=None),
+        Plan(restore=(), saves=saves((32, "scoped"), (40, "growing")), keep_max=32, live_ok=True,
+             lookup="miss", boundary=36, anchor_skipped=None),
     ),
     # A prompt of 4 x 8 + 1 tokens: keep_max is 32 = n - 1 (the last token alone is the cold
     # run's last batch too); the worker's wire check takes it (tests/backend/test_protocol.py).

@@ -338,8 +338,8 @@ def test_a_growing_auto_prompt_also_snapshots_its_end() -> None:
                       growing=True) == SavePlan((), None)
 
 
-# --- opens_conversation: a conversation's first turn (its end is auto's growing save) ---------
-from policies.plan import opens_conversation  # noqa: E402
+# --- awaits_reply: a chat turn, whose end auto saves (growing): the next turn extends it -------
+from policies.plan import awaits_reply, opens_conversation  # noqa: E402
 
 
 @pytest.mark.parametrize("starts,expected", [
@@ -347,11 +347,14 @@ from policies.plan import opens_conversation  # noqa: E402
     ((MessageStart(0, "system"), MessageStart(40, "user")), True),
     # one user message alone
     ((MessageStart(0, "user"),), True),
-    # a reply in the history: a later turn (extends_recent covers those)
+    # a reply in the history: a later turn, also one whose history the client re-rendered (a
+    # changed gitStatus line, a compaction) and so extends no recent prompt (issue 46)
     ((MessageStart(0, "system"), MessageStart(40, "user"), MessageStart(60, "assistant"),
-      MessageStart(80, "user")), False),
-    # no messages located (a raw /v1/completions prompt): not a conversation
+      MessageStart(80, "user")), True),
+    # no messages located (a raw /v1/completions prompt): not a chat turn (extends_recent
+    # covers one that grows)
     ((), False),
 ])
-def test_opens_conversation(starts: tuple[MessageStart, ...], expected: bool) -> None:
-    assert opens_conversation(starts) is expected
+def test_awaits_reply(starts: tuple[MessageStart, ...], expected: bool) -> None:
+    assert awaits_reply(starts) is expected
+    assert opens_conversation(starts) is expected  # decide()'s name for it

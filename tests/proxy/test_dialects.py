@@ -381,3 +381,61 @@ def test_request_variables_reach_the_template(template: str) -> None:
     assert plain != varied
     assert for_template(src).inside_think(plain) != for_template(src).inside_think(varied) \
         or template == "openai-gpt-oss-120b"
+
+
+# --- gpt-oss: a Claude Code turn with thinking, text and a tool call (issue 46) -----------------
+
+CLAUDE_CODE_TURN = {
+    "model": "gpt-oss", "max_tokens": 64, "system": "You are Claude Code.",
+    "tools": [{"name": "Read", "description": "Read a file.", "input_schema": {
+        "type": "object", "properties": {"file_path": {"type": "string"}}}}],
+    "messages": [
+        {"role": "user", "content": "Fix the bug in main.py"},
+        # a thinking turn that called a tool, echoed back with the text the model wrote
+        # before the call, as Claude Code sends it
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Read main.py first.", "signature": ""},
+            {"type": "text", "text": "I'll read main.py."},
+            {"type": "tool_use", "id": "toolu_01", "name": "Read",
+             "input": {"file_path": "main.py"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01", "content": "print('hi'"}]}],
+}
+
+
+def test_gpt_oss_renders_a_turn_with_thinking_text_and_a_tool_call(tmp_path: Path) -> None:
+    """Through the Anthropic parser, gpt-oss's own template and the default tokenizer: the turn
+    renders as llama-server renders it (the reasoning in the analysis channel, then the call;
+    the text, which the template has no place for beside both, left out), not a 400. The same
+    turn through the OpenAI API renders the same prompt."""
+    from bench.prompts import prepare
+    from proxy.config import default_model
+    from proxy.prompt import PromptBuilder
+
+    builder = PromptBuilder.load(default_model(), template_file=str(TEMPLATES /
+                                                                    "openai-gpt-oss-120b.jinja"))
+    text = prepare(builder, CLAUDE_CODE_TURN, "anthropic").rendered.text
+    assert text.endswith(
+        "<|start|>user<|message|>Fix the bug in main.py<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Read main.py first.<|end|>"
+        '<|start|>assistant to=functions.Read<|channel|>commentary json<|message|>'
+        '{"file_path": "main.py"}<|call|>'
+        "<|start|>functions.Read to=assistant<|channel|>commentary<|message|>"
+        '"print(\'hi\'"<|end|><|start|>assistant')
+    openai = {"model": "gpt-oss", "max_tokens": 64, "tools": [{"type": "function", "function": {
+        "name": "Read", "description": "Read a file.",
+        "parameters": CLAUDE_CODE_TURN["tools"][0]["input_schema"]}}],  # type: ignore[index]
+        "messages": [
+            {"role": "system", "content": "You are Claude Code."},
+            {"role": "user", "content": "Fix the bug in main.py"},
+            {"role": "assistant", "content": "I'll read main.py.",
+             "reasoning_content": "Read main.py first.",
+             "tool_calls": [{"id": "toolu_01", "type": "function", "function": {
+                 "name": "Read", "arguments": '{"file_path": "main.py"}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_01", "content": "print('hi'"}]}
+    assert prepare(builder, openai).rendered.text == text
+    # text beside a call without reasoning is still rendered (as the analysis, by the template)
+    plain = json.loads(json.dumps(openai))
+    del plain["messages"][2]["reasoning_content"]
+    assert "<|channel|>analysis<|message|>I'll read main.py.<|end|>" in \
+        prepare(builder, plain).rendered.text

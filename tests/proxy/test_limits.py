@@ -264,3 +264,72 @@ def test_reuse_is_per_set_of_bounds() -> None:
     body["messages"].append(M)
     with pytest.raises(BadRequest, match="max_array_items"):
         load(json.dumps(body).encode(), small)
+
+
+# --- issue 46: sessions that take turns, subagents and title calls ------------------------------
+
+
+def replay(rows: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Each row through `load` and the Anthropic parser, as the edge does, with nothing
+    remembered before; per session (`metadata.user_id`), how many of its requests resumed the
+    Anthropic parse after some of their messages (the same objects as its last turn's)."""
+    from proxy import anthropic_api, limits
+
+    monkeypatch.setattr(limits, "_RECENT", limits._Recent())
+    monkeypatch.setattr(anthropic_api, "_RECENT", anthropic_api._Recent())
+    resumed: dict[str, int] = {}
+    for row in rows:
+        body = load(json.dumps(row).encode())
+        _, start = anthropic_api._RECENT.find(
+            anthropic_api._text_blocks(body.get("system"), "system"), body["messages"])
+        anthropic_api.parse_request(body, "")
+        who = row["metadata"]["user_id"]
+        resumed[who] = resumed.get(who, 0) + (start > 0)
+    return resumed
+
+
+def test_sessions_that_take_turns_resume_as_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interleaved trace's shape (bench/traces/interleaved-gitstatus.jsonl): four sessions
+    take turns; each resumes on every turn but its first and the one whose gitStatus line (in
+    the system prompt) changed, exactly as when it runs alone."""
+    from bench.interleaved import Knobs, generate
+
+    rows = list(generate(Knobs(system_tokens=300, tail_tokens=20)))
+    alone = sorted(rows, key=lambda r: r["metadata"]["user_id"])  # stable: turns in order
+    expected = {"session-0": 4, "session-1": 4, "session-2": 5, "session-3": 5}
+    assert replay(alone, monkeypatch) == expected
+    assert replay(rows, monkeypatch) == expected
+
+
+def test_title_calls_and_a_subagent_between_turns_do_not_stop_the_resume(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's turns with a title call (another system prompt, one message) and a
+    subagent's turns (its own system prompt and history) between them: both resume."""
+    from bench.interleaved import Knobs, generate
+
+    main_rows = list(generate(Knobs(sessions=1, turns=6, changed=0, system_tokens=300,
+                                    tail_tokens=20)))
+    sub = list(generate(Knobs(sessions=1, turns=3, changed=0, system_tokens=200,
+                              tail_tokens=20), seed=7))
+    for r in sub:
+        r["metadata"] = {"user_id": "subagent"}
+    title = {"model": "synthetic", "system": "Write a 5-10 word title for the conversation.",
+             "messages": [{"role": "user", "content": "Fix the bug in main.py"}],
+             "max_tokens": 20, "metadata": {"user_id": "title"}}
+    rows = [main_rows[0], title, main_rows[1], sub[0], main_rows[2], sub[1], main_rows[3],
+            sub[2], main_rows[4], title, main_rows[5]]
+    assert replay(rows, monkeypatch) == {"session-0": 5, "title": 0, "subagent": 2}
+
+
+def test_a_retry_or_the_next_turn_replaces_the_body_it_repeats() -> None:
+    """The bound holds by replacing: a conversation's turns keep one body, not one each."""
+    from proxy.limits import _Recent
+
+    recent = _Recent(max_bodies=4)
+    for n in range(1, 7):
+        assert recent.load(json.dumps(conversation_body(n)), LIMITS) is not None
+    recent.load(json.dumps(conversation_body(6)), LIMITS)  # a retry
+    assert len(recent._bodies) == 1
+    for seed in range(1, 7):  # other conversations: the least recently used goes first
+        recent.load(json.dumps(conversation_body(2, seed)), LIMITS)
+    assert len(recent._bodies) == 4
