@@ -32,8 +32,9 @@ Rules (the positions themselves are ``policies.plan``'s):
 2. ``off``: nothing is restored or saved; ``lookup = "off"``.
 3. Otherwise the scope boundary is ``choose_scope_boundary`` over the window (exactly the
    longest shared token prefix, for ``auto``); the reused prefix is the longer of the live reuse
-   and the longest stored entry; ``plan_saves`` picks the save points (``growing`` when a recent
-   prompt is a whole prefix, or the prompt opens a conversation), including any behind the
+   and the longest stored entry; ``plan_saves`` picks the save points (``growing``: the end of a
+   chat turn, which the client's next turn extends, or of a raw prompt that extends a recent
+   one), including any behind the
    reuse, which the worker snapshots from the KV it holds.
 4. ``restore``: the stored entries a prompt may start from, as ``policies.sources.choose_start``
    orders them (the rule the worker follows too): longer than the live reuse, longest first,
@@ -74,9 +75,9 @@ from policies.plan import (
     MessageStart,
     Reason,
     anchor_position,
+    awaits_reply,
     choose_scope_boundary,
     extends_recent,
-    opens_conversation,
     plan_saves,
     strongest,
 )
@@ -248,8 +249,8 @@ def decide(
     cached_n = min(max(live_n, disk_n), keep_max)
     planned = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),
                          positions, knobs,
-                         growing=extends_recent(ids, window)
-                         or opens_conversation(facts.message_starts))
+                         growing=awaits_reply(facts.message_starts)
+                         or extends_recent(ids, window))
     saves, anchor_skipped = planned.saves, planned.anchor_skipped
     if not worker.cut_back:  # rule 6: past keep_max taken at keep_max, none behind the reuse
         saves = strongest((p, s.reason) for s in saves

@@ -154,7 +154,6 @@ def awaits_reply(starts: Sequence[MessageStart]) -> bool:
 
 
 # decide() calls it by the name of the rule it replaced (a conversation's first turn only)
-opens_conversation = awaits_reply
 
 
 def extends_recent(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> bool:

@@ -339,7 +339,7 @@ def test_a_growing_auto_prompt_also_snapshots_its_end() -> None:
 
 
 # --- awaits_reply: a chat turn, whose end auto saves (growing): the next turn extends it -------
-from policies.plan import awaits_reply, opens_conversation  # noqa: E402
+from policies.plan import awaits_reply  # noqa: E402
 
 
 @pytest.mark.parametrize("starts,expected", [
@@ -357,4 +357,3 @@ from policies.plan import awaits_reply, opens_conversation  # noqa: E402
 ])
 def test_awaits_reply(starts: tuple[MessageStart, ...], expected: bool) -> None:
     assert awaits_reply(starts) is expected
-    assert opens_conversation(starts) is expected  # decide()'s name for it
