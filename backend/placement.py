@@ -8,8 +8,9 @@
 - ``override_tensor`` (``-ot``): "PATTERN=BUFFER,..."; a tensor whose name matches a regex
   PATTERN goes to the named buffer type ("CPU", "CUDA0", ... as `ggml_backend_buft_name` names
   them); ``n_cpu_moe`` (``--n-cpu-moe``): the MoE experts of the first N layers stay on the CPU
-  (llama.cpp's own patterns, ``blk\\.I\\.ffn_(up|down|gate|gate_up)_(ch|)exps``). Together they
-  let a 30B MoE model run on a 24 GB card.
+  (llama.cpp's own patterns, ``blk\\.I\\.ffn_(up|down|gate|gate_up)_(ch|)exps``); -1 keeps every
+  layer's there (llama-server's ``-cmoe``). Together they let a 30B MoE model run on a 24 GB
+  card.
 - ``load_mode`` (llama-server's ``-lm``): how the weights are read, ``auto`` (map the file,
   unless a device cannot), ``none`` (read it), ``mmap``, ``mlock`` (read and lock in RAM),
   ``mmap+mlock`` or ``dio`` (direct I/O where there is). The older ``--mlock`` and ``--no-mmap``
@@ -86,8 +87,8 @@ def overrides(override_tensor: str, n_cpu_moe: int) -> list[tuple[str, str]]:
         if not sep or not pattern or not buft:
             raise ValueError(f"--override-tensor wants PATTERN=BUFFER, got {item!r}")
         pairs.append((pattern, buft))
-    if n_cpu_moe < 0:
-        raise ValueError("--n-cpu-moe takes a number of layers, 0 or more")
+    if n_cpu_moe < 0:  # llama-server's -cmoe: every layer's experts, as its one pattern
+        return [*pairs, (FFN_EXPERTS, "CPU")]
     pairs += [(rf"blk\.{i}{FFN_EXPERTS}", "CPU") for i in range(n_cpu_moe)]
     return pairs
 
