@@ -131,7 +131,7 @@ _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
         ("-C", "--cpu-mask", "-Cr", "--cpu-range", "--cpu-strict", "--prio", "--poll", "-Cb",
          "--cpu-mask-batch", "-Crb", "--cpu-range-batch", "--cpu-strict-batch", "--prio-batch",
          "--poll-batch"),
-    "llama.cpp's defaults for this build are kept": (
+    "prefixgate's workers choose how weights and buffers are laid out": (
         "-kvo", "--kv-offload", "--repack", "-nr", "--no-repack", "--no-host", "--op-offload",
         "--no-op-offload", "-bs", "--backend-sampling", "--check-tensors"),
     "the context and layers are as given, not fitted to free memory":

@@ -251,3 +251,18 @@ def test_the_unsloth_qwen3_coder_line_starts_and_serves(tmp_path: Path, model_pa
         assert r.choices[0].message.content is not None
         log = srv.log()
     assert "--jinja: accepted for llama-server's command line" in log
+
+
+@pytest.mark.model
+@pytest.mark.slow  # the self-check proves -ub 2048 batches: about 3 minutes on 2 CPU cores
+def test_the_gpt_oss_guide_line_starts_with_the_models_trained_context(tmp_path: Path,
+                                                                       model_path: str) -> None:
+    """`--ctx-size 0` is the model's own context (SmolLM2's 8192); -b is said to change
+    nothing; the guide's -ub 2048 is kept (the batch the self-check proves)."""
+    from tests.conftest import free_port, running
+
+    with running(tmp_path, *line(GPT_OSS_GUIDE, model_path, free_port())[:-2],
+                 timeout_s=600) as srv:
+        props = srv.get_json("/props")
+        assert (props["n_ctx"], props["ubatch_size"]) == (8192, 2048)
+        assert [n.split(":")[0] for n in props["llama_server_notes"]] == ["--jinja", "-b"]
