@@ -11,8 +11,8 @@ from policies.prefix import CPU_BATCH, GPU_BATCH
 HELP = {
     "host": "listen address", "port": "listen port", "model": "GGUF model path",
     "hf_repo": "a Hugging Face repository's GGUF instead of --model: user/model[:quant] "
-               "(default quant Q4_K_M), through the Hugging Face cache (HF_HUB_OFFLINE=1: "
-               "only the cache)",
+               "(no quant: Q4_K_M, else Q8_0, else the first model file; every part of a split "
+               "model), through the Hugging Face cache (HF_HUB_OFFLINE=1: only the cache)",
     "hf_file": "the GGUF file in the --hf-repo repository (default: picked by the quant)",
     "chat_template_file": "a Jinja chat template file used instead of the model's own",
     "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
