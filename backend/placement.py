@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import pathlib
+import sys
 from typing import Any
 
 import llama_cpp
@@ -49,11 +51,32 @@ class _Override(ctypes.Structure):  # struct llama_model_tensor_buft_override
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+# ggml's shared library by platform, in the order llama-cpp-python tries its own
+# (llama_cpp._ctypes_extensions.load_shared_library)
+GGML_NAMES = {"darwin": ("libggml.so", "libggml.dylib"), "win32": ("ggml.dll", "libggml.dll")}
+
+
+def ggml_library(base: pathlib.Path | None = None, platform: str = sys.platform
+                 ) -> pathlib.Path:
+    """ggml's shared library, found where and as llama-cpp-python finds libllama beside it: in
+    LLAMA_CPP_LIB_PATH, else llama_cpp's lib directory; libggml.so (Linux, FreeBSD),
+    libggml.so or libggml.dylib (macOS), ggml.dll or libggml.dll (Windows)."""
+    if base is None:
+        override = os.environ.get("LLAMA_CPP_LIB_PATH")
+        base = pathlib.Path(override) if override else \
+            pathlib.Path(llama_cpp.__file__).parent / "lib"
+    names = GGML_NAMES.get(platform, ("libggml.so",))
+    for name in names:
+        if (base / name).exists():
+            return base / name
+    raise FileNotFoundError(f"ggml's shared library ({' or '.join(names)}) is not in {base}, "
+                            "where llama-cpp-python keeps its libraries: reinstall it")
+
+
 @functools.cache
 def _ggml() -> ctypes.CDLL:
     """ggml's device API (loaded and declared once)."""
-    lib = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml.so"
-    ggml = ctypes.CDLL(str(lib) if lib.exists() else "libggml.so")
+    ggml = ctypes.CDLL(str(ggml_library()))
     ptr, size, name = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p
     for fn, restype, argtypes in (
             ("ggml_backend_dev_count", ctypes.c_size_t, []),
