@@ -104,11 +104,10 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def worker(argv: list[str]) -> None:
-    """`prefixgate worker`: one llama.cpp context behind the worker API, configured from the
-    same Config (flags and PREFIXGATE_* variables) as the proxy."""
-    from backend.worker import serve
-
+def worker_config(argv: list[str], environ: dict[str, str] | None = None
+                  ) -> tuple[Config, argparse.Namespace]:
+    """The Config of `prefixgate worker ARGV`, and its own flags (--listen, --socket, --worker-id)
+    as parsed."""
     p = argparse.ArgumentParser(
         prog="prefixgate worker", allow_abbrev=False,
         description="One llama.cpp context behind the worker API. The proxy spawns these itself "
@@ -126,7 +125,15 @@ def worker(argv: list[str]) -> None:
     ns = p.parse_args(argv)
     if not ns.listen and not ns.socket:
         p.error("give --listen HOST:PORT (or --socket PATH)")
-    cfg = from_args(ns)
+    return from_args(ns, environ), ns
+
+
+def worker(argv: list[str]) -> None:
+    """`prefixgate worker`: one llama.cpp context behind the worker API, configured from the
+    same Config (flags and PREFIXGATE_* variables) as the proxy."""
+    from backend.worker import serve
+
+    cfg, ns = worker_config(argv)
     _check_model(cfg.model_path)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")

@@ -1,7 +1,7 @@
 """One frozen Config, built from CLI flags and PREFIXGATE_* environment variables.
 
 A flag wins over its variable; the variable wins over the default. The variable of `--n-ctx` is
-`PREFIXGATE_N_CTX`, and so on for every flag.
+`PREFIXGATE_N_CTX`, and so on for every flag; a variable set to "" is not set.
 """
 
 from __future__ import annotations
@@ -343,10 +343,10 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if f.name in NOT_FLAGS:
             continue
         v = getattr(ns, f.name, None)
-        if v is None:
-            v = environ.get("PREFIXGATE_" + f.name.upper())
+        if v is None:  # a variable set empty is not set (compose passes `${NAME:-}` on)
+            v = environ.get("PREFIXGATE_" + f.name.upper()) or None
         if v is None and f.name in LLAMA_SERVER and LLAMA_SERVER[f.name][1]:
-            v = environ.get(LLAMA_SERVER[f.name][1])
+            v = environ.get(LLAMA_SERVER[f.name][1]) or None
         if v is not None:
             try:
                 values[f.name] = _coerce(f.name, v)
