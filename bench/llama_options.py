@@ -3,6 +3,7 @@
 
     python -m bench.llama_options --arg-cpp PATH/common/arg.cpp   # writes the table
     python -m bench.llama_options --sdist llama_cpp_python-0.3.36.tar.gz
+    python -m bench.llama_options --docs    # docs/llama-server.md's tables of the classes
 
 The source is the llama.cpp that llama-cpp-python vendors (its sdist's `vendor/llama.cpp`), the
 same llama.cpp the workers run. Each `add_opt(common_arg(...))` of `common_params_parser_init`
@@ -181,13 +182,50 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "[\n" + lines + "\n]\n"
 
 
+DOCS = TABLE.parent.parent / "docs" / "llama-server.md"
+BEGIN = "<!-- the classes: python -m bench.llama_options --docs -->"
+END = "<!-- end of the classes -->"
+
+
+def docs_section() -> str:
+    """docs/llama-server.md's tables: each llama-server spelling's class, and why."""
+    from proxy.llama_cli import describe, options
+
+    d = describe()
+    lines = [BEGIN, "", f"### Works ({len(d['works'])} spellings)", "",
+             " ".join(f"`{s}`" for s in sorted(d["works"], key=str.lower)), ""]
+    for kind, title in (("ignored", "Accepted, no effect here"), ("refused", "Refused")):
+        by_why: dict[str, list[str]] = {}
+        for s, why in d[kind].items():
+            by_why.setdefault(why, []).append(s)
+        lines += [f"### {title} ({len(d[kind])} spellings)", "", "| spellings | why |",
+                  "|---|---|"]
+        lines += [f"| {' '.join(f'`{s}`' for s in group)} | {why} |"
+                  for why, group in sorted(by_why.items(), key=lambda kv: kv[1][0].lower())]
+        lines.append("")
+    others = sum(len(o.args) + len(o.negs) for o in options() if not o.server)
+    lines += [f"The {others} spellings of llama.cpp's other programs (llama-cli's `-p`, ...) "
+              "are refused as not llama-server's.", "", END]
+    return "\n".join(lines)
+
+
+def write_docs(path: Path = DOCS) -> None:
+    text = path.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.write_text(head + docs_section() + tail)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--arg-cpp", type=Path, help="llama.cpp's common/arg.cpp")
     src.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist (.tar.gz)")
+    src.add_argument("--docs", action="store_true", help=f"rewrite {DOCS.name}'s tables")
     p.add_argument("--out", type=Path, default=TABLE)
     a = p.parse_args(argv)
+    if a.docs:
+        return write_docs()
     text = a.arg_cpp.read_text() if a.arg_cpp else read_arg_cpp(a.sdist)
     a.out.write_text(render(parse(text)))
 

@@ -266,3 +266,9 @@ def test_the_gpt_oss_guide_line_starts_with_the_models_trained_context(tmp_path:
         props = srv.get_json("/props")
         assert (props["n_ctx"], props["ubatch_size"]) == (8192, 2048)
         assert [n.split(":")[0] for n in props["llama_server_notes"]] == ["--jinja", "-b"]
+
+
+def test_docs_list_each_spelling_with_its_class_and_why() -> None:
+    from bench.llama_options import DOCS, docs_section
+
+    assert docs_section() in DOCS.read_text(), "python -m bench.llama_options --docs"
