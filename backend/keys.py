@@ -6,13 +6,13 @@ Rules:
   prompt under one salt; an entry stored under it holds KV for exactly n tokens (the exactness
   invariant, enforced where entries are written).
 - The salt fingerprints everything that makes a saved state incompatible with the running one:
-  the model file's identity (its size and the xxh3_128 of all its bytes: any changed weight
-  changes it; not its name, path or mtime, so a copied, renamed or re-downloaded identical file
-  still hits), n_ctx, the K and V cache types, flash attention (on/off/auto), a full-size or
-  real sliding window, the llama-cpp-python version, the devices that compute the KV (their
-  kind and model, and the CPU's kernel features where it computes layers: another GPU or CPU
-  computes other bits, so its state is not what a cold run here computes), and the tenant
-  when isolation is on.
+  the model file's identity (its size and the xxh3_128 of all its bytes, of every part of a
+  split model: any changed weight changes it; not its name, path or mtime, so a copied, renamed
+  or re-downloaded identical file still hits), n_ctx, the K and V cache types, flash attention
+  (on/off/auto), a full-size or real sliding window, the llama-cpp-python version, the devices
+  that compute the KV (their kind and model, and the CPU's kernel features where it computes
+  layers: another GPU or CPU computes other bits, so its state is not what a cold run here
+  computes), and the tenant when isolation is on.
   Changing any of them makes every key different: a clean miss,
   never a bad load.
 - The whole file is hashed once (measured 2.4-3.9 GB/s: the 98 MB default model in 26-41 ms,
@@ -37,6 +37,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -71,10 +72,30 @@ _hashed: dict[str, str] = {}  # file stamp -> digest, this process's memory of t
 _hashing = threading.Lock()
 
 
+_SPLIT_NAME = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})\.gguf$")  # llama.cpp's split names
+
+
+def model_files(model_path: str | os.PathLike[str]) -> list[Path]:
+    """The files a model is: every part of a split GGUF (``NAME-0000I-of-0000N.gguf``, as
+    llama.cpp names them and loads the others from beside the first), else the file alone."""
+    path = Path(model_path)
+    m = _SPLIT_NAME.match(path.name)
+    if m is None or int(m.group(3)) <= 1:
+        return [path]
+    n = int(m.group(3))
+    return [path.with_name(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+
 def model_identity(model_path: str | os.PathLike[str]) -> dict[str, object]:
-    """Size and xxh3_128 of every byte of the model file (not its name, path or mtime)."""
-    st = Path(model_path).stat()
-    return {"size_bytes": st.st_size, "xxh3_128": file_digest(model_path)}
+    """Size and xxh3_128 of every byte of the model file (not its name, path or mtime); of a
+    split model, of every part, in order (a missing part is a FileNotFoundError)."""
+    files = model_files(model_path)
+    if len(files) == 1:
+        st = files[0].stat()
+        return {"size_bytes": st.st_size, "xxh3_128": file_digest(model_path)}
+    return {"size_bytes": sum(f.stat().st_size for f in files),
+            "parts": [{"size_bytes": f.stat().st_size, "xxh3_128": file_digest(f)}
+                      for f in files]}
 
 
 def file_digest(path: str | os.PathLike[str], hashes_dir: Path | None = None) -> str:

@@ -8,8 +8,9 @@
 - ``override_tensor`` (``-ot``): "PATTERN=BUFFER,..."; a tensor whose name matches a regex
   PATTERN goes to the named buffer type ("CPU", "CUDA0", ... as `ggml_backend_buft_name` names
   them); ``n_cpu_moe`` (``--n-cpu-moe``): the MoE experts of the first N layers stay on the CPU
-  (llama.cpp's own patterns, ``blk\\.I\\.ffn_(up|down|gate|gate_up)_(ch|)exps``). Together they
-  let a 30B MoE model run on a 24 GB card.
+  (llama.cpp's own patterns, ``blk\\.I\\.ffn_(up|down|gate|gate_up)_(ch|)exps``); -1 keeps every
+  layer's there (llama-server's ``-cmoe``). Together they let a 30B MoE model run on a 24 GB
+  card.
 - ``load_mode`` (llama-server's ``-lm``): how the weights are read, ``auto`` (map the file,
   unless a device cannot), ``none`` (read it), ``mmap``, ``mlock`` (read and lock in RAM),
   ``mmap+mlock`` or ``dio`` (direct I/O where there is). The older ``--mlock`` and ``--no-mmap``
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import pathlib
+import sys
 from typing import Any
 
 import llama_cpp
@@ -54,11 +57,32 @@ class _Override(ctypes.Structure):  # struct llama_model_tensor_buft_override
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+# ggml's shared library by platform, in the order llama-cpp-python tries its own
+# (llama_cpp._ctypes_extensions.load_shared_library)
+GGML_NAMES = {"darwin": ("libggml.so", "libggml.dylib"), "win32": ("ggml.dll", "libggml.dll")}
+
+
+def ggml_library(base: pathlib.Path | None = None, platform: str = sys.platform
+                 ) -> pathlib.Path:
+    """ggml's shared library, found where and as llama-cpp-python finds libllama beside it: in
+    LLAMA_CPP_LIB_PATH, else llama_cpp's lib directory; libggml.so (Linux, FreeBSD),
+    libggml.so or libggml.dylib (macOS), ggml.dll or libggml.dll (Windows)."""
+    if base is None:
+        override = os.environ.get("LLAMA_CPP_LIB_PATH")
+        base = pathlib.Path(override) if override else \
+            pathlib.Path(llama_cpp.__file__).parent / "lib"
+    names = GGML_NAMES.get(platform, ("libggml.so",))
+    for name in names:
+        if (base / name).exists():
+            return base / name
+    raise FileNotFoundError(f"ggml's shared library ({' or '.join(names)}) is not in {base}, "
+                            "where llama-cpp-python keeps its libraries: reinstall it")
+
+
 @functools.cache
 def _ggml() -> ctypes.CDLL:
     """ggml's device API (loaded and declared once)."""
-    lib = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml.so"
-    ggml = ctypes.CDLL(str(lib) if lib.exists() else "libggml.so")
+    ggml = ctypes.CDLL(str(ggml_library()))
     ptr, size, name = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p
     for fn, restype, argtypes in (
             ("ggml_backend_dev_count", ctypes.c_size_t, []),
@@ -92,8 +116,8 @@ def overrides(override_tensor: str, n_cpu_moe: int) -> list[tuple[str, str]]:
         if not sep or not pattern or not buft:
             raise ValueError(f"--override-tensor wants PATTERN=BUFFER, got {item!r}")
         pairs.append((pattern, buft))
-    if n_cpu_moe < 0:
-        raise ValueError("--n-cpu-moe takes a number of layers, 0 or more")
+    if n_cpu_moe < 0:  # llama-server's -cmoe: every layer's experts, as its one pattern
+        return [*pairs, (FFN_EXPERTS, "CPU")]
     pairs += [(rf"blk\.{i}{FFN_EXPERTS}", "CPU") for i in range(n_cpu_moe)]
     return pairs
 

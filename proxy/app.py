@@ -157,7 +157,9 @@ async def props(request: web.Request) -> web.Response:
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
                   for w in request.app[POOL].workers},
-        "default_generation_settings": {"n_ctx": cfg.slot_ctx},
+        "default_generation_settings": {"n_ctx": cfg.slot_ctx, **gw.defaults.props()},
+        # llama-server's flags and variables accepted with no effect here (proxy/llama_cli.py)
+        "llama_server_notes": list(cfg.llama_notes),
         "cache_ram": {"mib": cfg.cache_ram,
                       "workers": {str(k): v["cache_ram"] for k, v in stats.items()}},
         "shared_tier": {"on": bool(cfg.shared_tier),

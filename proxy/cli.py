@@ -8,12 +8,14 @@ import errno
 import gc
 import importlib.metadata
 import logging
+import os
 import socket
 import sys
 from typing import TYPE_CHECKING
 
 from proxy import limits
 from proxy.config import WORKER_FIELDS, Config, add_arguments, cache_identity, from_args
+from proxy.flags import LLAMA_SERVER
 
 if TYPE_CHECKING:
     from backend.worker import WorkerSpec
@@ -49,18 +51,13 @@ def serve(cfg: Config) -> None:
 
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for note in cfg.llama_notes:  # llama-server's flags and variables that do nothing here
+        logging.getLogger("prefixgate").warning("%s", note)
     try:
         limits.with_overrides(cfg.limits)
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
     _check_model(cfg.model_path)
-    if not cfg.worker_url:  # remote workers have GPUs of their own
-        from backend.placement import check_gpu_layers
-
-        try:
-            check_gpu_layers(cfg.n_gpu_layers)
-        except ValueError as e:
-            raise SystemExit(f"prefixgate: {e}") from None
     if cfg.api_keys:
         from proxy.app import read_key_file
 
@@ -107,11 +104,10 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def worker(argv: list[str]) -> None:
-    """`prefixgate worker`: one llama.cpp context behind the worker API, configured from the
-    same Config (flags and PREFIXGATE_* variables) as the proxy."""
-    from backend.worker import serve
-
+def worker_config(argv: list[str], environ: dict[str, str] | None = None
+                  ) -> tuple[Config, argparse.Namespace]:
+    """The Config of `prefixgate worker ARGV`, and its own flags (--listen, --socket, --worker-id)
+    as parsed."""
     p = argparse.ArgumentParser(
         prog="prefixgate worker", allow_abbrev=False,
         description="One llama.cpp context behind the worker API. The proxy spawns these itself "
@@ -129,7 +125,15 @@ def worker(argv: list[str]) -> None:
     ns = p.parse_args(argv)
     if not ns.listen and not ns.socket:
         p.error("give --listen HOST:PORT (or --socket PATH)")
-    cfg = from_args(ns)
+    return from_args(ns, environ), ns
+
+
+def worker(argv: list[str]) -> None:
+    """`prefixgate worker`: one llama.cpp context behind the worker API, configured from the
+    same Config (flags and PREFIXGATE_* variables) as the proxy."""
+    from backend.worker import serve
+
+    cfg, ns = worker_config(argv)
     _check_model(cfg.model_path)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
@@ -215,22 +219,42 @@ def doctor(argv: list[str]) -> None:
 
 
 def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Config:
-    """`prefixgate [serve] FLAGS`: prefixgate's flags and llama-server's (its names, short
-    forms and LLAMA_ARG_* variables), never abbreviated; an unknown flag is one line that names
-    it and shows no value (a value may be a key)."""
+    """`prefixgate [serve] FLAGS`: prefixgate's flags and llama-server's, read as llama-server
+    reads them (proxy/llama_cli.py: its spellings exactly, never abbreviated nor glued, its
+    LLAMA_ARG_* variables); what stops the start is one line per flag that names it and shows
+    no value (a value may be a key)."""
+    from proxy.llama_cli import scan, scan_env
+
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     p = argparse.ArgumentParser(prog="prefixgate serve", allow_abbrev=False,
                                 description="Prompt-cache proxy for local LLM agents. "
                                 "Commands: serve (default), worker, cache, simulate, doctor. "
-                                "llama-server's flags and LLAMA_ARG_* variables work too.")
+                                "llama-server's flags and LLAMA_ARG_* variables work too "
+                                "(docs/llama-server.md).")
     add_arguments(p)
-    ns, unknown = p.parse_known_args(argv)
-    if unknown:
-        flags = [u.split("=")[0] for u in unknown if u.startswith("-")] or ["a stray value"]
-        raise SystemExit(f"prefixgate: not supported: {' '.join(flags)} (`prefixgate --help` "
-                         "lists the flags, llama-server's among them)")
-    return from_args(ns, environ)
+    p.add_argument("--version", action="version",
+                   version=f"prefixgate {importlib.metadata.version('prefixgate')}, llama-cpp-"
+                   f"python {importlib.metadata.version('llama-cpp-python')}")
+    read = scan(argv, p)
+    if read.errors:
+        raise SystemExit("\n".join(f"prefixgate: {e}" for e in read.errors))
+    reads = {env for _, env in LLAMA_SERVER.values() if env} | {"LLAMA_ARG_MMAP",
+                                                                "LLAMA_ARG_MLOCK"}
+    environ, env_notes = scan_env(dict(os.environ) if environ is None else environ, reads)
+    ns = p.parse_args(read.argv)
+    cfg = from_args(ns, environ)
+    notes = read.notes + env_notes
+    if cfg.n_gpu_layers and not cfg.worker_url:  # remote workers have GPUs of their own
+        from backend.placement import offload_devices
+
+        if not offload_devices():  # as llama-server runs it, on the CPU, but said
+            notes.append(f"-ngl {'all' if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers}: this "
+                         "llama-cpp-python has no GPU backend (a CPU-only build), so every "
+                         "layer runs on the CPU; for GPU layers install the CUDA build (`make "
+                         "serve GPU=cuda`, or deploy/Dockerfile)")
+            cfg = dataclasses.replace(cfg, n_gpu_layers=0)
+    return dataclasses.replace(cfg, llama_notes=tuple(notes))
 
 
 def main(argv: list[str] | None = None) -> None:

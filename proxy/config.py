@@ -1,7 +1,7 @@
 """One frozen Config, built from CLI flags and PREFIXGATE_* environment variables.
 
 A flag wins over its variable; the variable wins over the default. The variable of `--n-ctx` is
-`PREFIXGATE_N_CTX`, and so on for every flag.
+`PREFIXGATE_N_CTX`, and so on for every flag; a variable set to "" is not set.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
 from policies.schedule import DETERMINISTIC
+from proxy.flags import HELP, LLAMA_SERVER
 
 MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
 MIN_SLOT_CTX = 512  # tokens of context a slot needs at the least
@@ -69,9 +70,9 @@ class Config:
     # repeatable flag, the variable comma-separated; () = spawn local workers
     worker_url: tuple[str, ...] = ()
     # context tokens per worker, shared among its slots as llama-server's -c is (each slot gets
-    # n_ctx / parallel; Hermes refuses models under 64K)
+    # n_ctx / parallel; Hermes refuses models under 64K); 0 = the model's trained context
     n_ctx: int = 65536
-    threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default
+    threads: int = 0  # CPU threads per worker; 0 = llama.cpp's default, -1 = every core
     threads_batch: int = 0  # CPU threads per worker for prefill; 0 = all cores
     # layers offloaded to the GPU (-1 or "all" = all; "auto" = all on a GPU). `serve`, `worker`
     # and `doctor` default to "auto", as llama-server does; a Config built in code to 0
@@ -102,7 +103,7 @@ class Config:
     swa_full: bool = True
     # tokens per prefill batch (llama.cpp's physical batch, -ub), and so the granularity of every
     # reuse and snapshot (a hit replays the cold run's batches, backend/engine.py); 0 = 512 with
-    # GPU layers, else 64
+    # GPU layers, else 128 (policies.prefix.default_batch)
     ubatch_size: int = 0
     # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
     # off: trust it unchecked
@@ -150,6 +151,27 @@ class Config:
     limits: tuple[str, ...] = ()
     debug_trace: bool = False  # log the first mismatching token of a miss
     log_level: str = "INFO"
+    # server-wide request defaults, llama-server's (proxy/defaults.py): a request's own value
+    # wins, then these, then the model's general.sampling.* keys, then llama.cpp's built-in
+    # ones; None = not set here
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int = -1  # -1 = a random seed per request
+    n_predict: int = -1  # tokens generated when a request sets no maximum; -1 = no limit
+    chat_template_kwargs: str = ""  # a JSON object of template variables, under a request's
+    reasoning_format: str = "auto"  # auto | deepseek | deepseek-legacy | none
+    reasoning: str = "auto"  # on | off | auto (the template's default): enable_thinking
+    reasoning_budget: int = -1  # thinking tokens: -1 no limit, 0 thinking off
+    reasoning_effort: str = ""  # the template variable reasoning_effort (gpt-oss: low/medium/high)
+    reasoning_preserve: str = ""  # on | off: preserve_reasoning; "" = the template's default
+    # what prefixgate does instead of what llama-server's command line asked (proxy/llama_cli.py):
+    # one warning line each at start and in /props; not a flag
+    llama_notes: tuple[str, ...] = ()
 
     @property
     def model_path(self) -> str:
@@ -170,102 +192,6 @@ class Config:
         return Path(os.path.expanduser(self.cache_dir))
 
 
-_HELP = {
-    "host": "listen address", "port": "listen port", "model": "GGUF model path",
-    "hf_repo": "a Hugging Face repository's GGUF instead of --model: user/model[:quant] "
-               "(default quant Q4_K_M), through the Hugging Face cache (HF_HUB_OFFLINE=1: "
-               "only the cache)",
-    "hf_file": "the GGUF file in the --hf-repo repository (default: picked by the quant)",
-    "chat_template_file": "a Jinja chat template file used instead of the model's own",
-    "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
-                    "mistral | hermes (default: found from the chat template)",
-    "workers": "worker processes",
-    "n_ctx": "context tokens per worker, shared among its --parallel slots",
-    "threads": "CPU threads per worker (0 = default)",
-    "n_gpu_layers": "layers on the GPU: N, all, or auto (the default: all where this build "
-                    "can offload, CUDA or Metal; none on a CPU-only build)",
-    "flash_attn": "flash attention: on | off | auto",
-    "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
-    "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
-    "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
-    "ubatch_size": "tokens per prefill batch and the reuse granularity (0 = 512 on a GPU, else 64)",
-    "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",
-    "disk_prefix_cache": "off | full | auto | auto:N | N",
-    "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
-    "volatile_blocks": "regex of a volatile system-prompt block to move behind the stable part "
-                       "(repeatable)",
-    "stable_layout": "tools before system text, volatile blocks moved behind the stable part",
-    "limits": "a request bound NAME=VALUE, e.g. max_messages=50000 (repeatable; env: one per "
-              "line)",
-    "worker_url": "URL of a remote worker instead of --workers (repeatable; env comma-separated)",
-    "api_key": "an accepted API key (repeatable or comma-separated; with --api-keys FILE too)",
-    "api_keys": "file of accepted API keys, one per line",
-    "alias": "the model id in responses and /v1/models",
-    "threads_batch": "CPU threads per worker for prefill (0 = all cores)",
-    "split_mode": "how to split the model across GPUs: layer | row | none",
-    "tensor_split": "proportions of the model per GPU, e.g. 3,1",
-    "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
-    "n_cpu_moe": "keep the MoE experts of the first N layers on the CPU",
-    "load_mode": "how the weights are read: auto (mapped) | none (read) | mmap | mlock (read "
-                 "and locked in RAM) | mmap+mlock | dio (direct I/O); --mlock and --no-mmap "
-                 "are older spellings",
-    "lazy_mode": "read the rows of tensors the architecture marks (per-layer embeddings) from "
-                 "the mapped file on demand: on | auto (tensors over 4 GiB) | off",
-    "parallel": "slots per worker: sessions served at once from one model copy, sharing "
-                "-c (llama-server's -np)",
-    "repack": "repack the weights for the CPU's kernels (llama.cpp's extra buffer types); by "
-              "default on, but off on a CPU with AMX, whose llama.cpp kernels crash on some "
-              "machines",
-    "deterministic": "auto | on | off: on keeps each slot's answer what it is alone whatever "
-                     "other sessions generate, at a cost; off batches their decode steps as "
-                     "llama-server does; auto: independent where the start-up check proves it "
-                     "cheap, else batched (a cache hit is exact in every mode)",
-    "shared_tier": "redis://HOST:PORT of a Redis or Valkey shared by several prefixgate hosts: "
-                   "snapshots are published there and pulled by a host that misses locally "
-                   "(bound it with Redis's maxmemory and an LRU policy)",
-    "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
-                 "(-1 no limit, 0 off)",
-}
-
-
-# llama-server's names for the same settings, so its command line works unchanged: its short
-# and long flags beside prefixgate's own, and its LLAMA_ARG_* variable (read after prefixgate's
-# PREFIXGATE_* one).
-LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
-    "host": ((), "LLAMA_ARG_HOST"),
-    "port": ((), "LLAMA_ARG_PORT"),
-    "model": (("-m",), "LLAMA_ARG_MODEL"),
-    "hf_repo": (("-hf", "-hfr"), "LLAMA_ARG_HF_REPO"),
-    "hf_file": (("-hff",), "LLAMA_ARG_HF_FILE"),
-    "alias": (("-a",), "LLAMA_ARG_ALIAS"),
-    "chat_template_file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
-    "n_ctx": (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE"),
-    "threads": (("-t",), "LLAMA_ARG_THREADS"),
-    "threads_batch": (("-tb",), "LLAMA_ARG_THREADS_BATCH"),
-    "n_gpu_layers": (("-ngl", "--gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
-    "split_mode": (("-sm",), "LLAMA_ARG_SPLIT_MODE"),
-    "tensor_split": (("-ts",), "LLAMA_ARG_TENSOR_SPLIT"),
-    "override_tensor": (("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR"),
-    "n_cpu_moe": (("-ncmoe",), "LLAMA_ARG_N_CPU_MOE"),
-    "flash_attn": (("-fa",), "LLAMA_ARG_FLASH_ATTN"),
-    "cache_type_k": (("-ctk",), "LLAMA_ARG_CACHE_TYPE_K"),
-    "cache_type_v": (("-ctv",), "LLAMA_ARG_CACHE_TYPE_V"),
-    "ubatch_size": (("-ub",), "LLAMA_ARG_UBATCH"),
-    "parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
-    "cache_ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
-    "load_mode": (("-lm",), "LLAMA_ARG_LOAD_MODE"),
-    "lazy_mode": (("-lzm",), "LLAMA_ARG_LAZY_MODE"),
-    "repack": ((), "LLAMA_ARG_REPACK"),
-    "api_key": ((), "LLAMA_API_KEY"),
-    "api_keys": (("--api-key-file",), "LLAMA_ARG_API_KEY_FILE"),
-}
-# llama-server flags that change nothing here, accepted so its command line runs: prefixgate
-# always renders the model's Jinja template and always serves /metrics; its logical batch (-b)
-# is the physical one (-ub) split into llama_decode calls, the same computation.
-ACCEPTED = {("--jinja",): 0, ("--metrics",): 0, ("-b", "--batch-size"): 1,
-            ("--cont-batching", "-cb"): 0}
-
-
 def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
     """A flag per Config field (`only`: just these fields), with llama-server's names beside
     prefixgate's own."""
@@ -276,9 +202,11 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         aliases, llama_env = LLAMA_SERVER.get(f.name, ((), ""))
         flags = [a for a in aliases if a.startswith("--")]
         shorts = [a for a in aliases if not a.startswith("--")]
+        if f.name in NOT_FLAGS:
+            continue
         env = "PREFIXGATE_" + f.name.upper() + (f" or {llama_env}" if llama_env else "")
-        shown = "" if f.name == "api_key" else f", default {f.default}"
-        help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (env {env}{shown})"
+        shown = "" if f.name == "api_key" else f", default {SHOWN_DEFAULTS.get(f.name, f.default)}"
+        help_ = f"{HELP.get(f.name, f.name.replace('_', ' '))} (env {env}{shown})"
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name in ("volatile_patterns", "volatile_blocks"):
@@ -288,11 +216,6 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         elif f.name == "limits":
             p.add_argument("--limit", dest=f.name, action="append", default=None,
                            metavar="NAME=VALUE", help=help_)
-        elif f.name == "repack":  # llama-server's pair: --repack, -nr/--no-repack
-            p.add_argument(flag, dest=f.name, action="store_const", const="on", default=None,
-                           help=help_)
-            p.add_argument("-nr", "--no-repack", dest=f.name, action="store_const", const="off",
-                           default=None, help="--repack off")
         elif f.name in ("worker_url", "api_key"):
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help_,
                            metavar="KEY" if f.name == "api_key" else None)
@@ -305,23 +228,27 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         p.add_argument("--mmap", dest="old_mmap", action=argparse.BooleanOptionalAction,
                        default=None, help="--no-mmap, an older spelling: --load-mode none "
                        "(env PREFIXGATE_MMAP or LLAMA_ARG_MMAP)")
-    if not only:
-        for names, n_args in ACCEPTED.items():
-            dest = "accepted_" + names[0].strip("-").replace("-", "_")
-            help_ = "accepted for llama-server's command line; no effect here"
-            if n_args:
-                p.add_argument(*names, dest=dest, metavar="N", help=help_)
-            else:
-                p.add_argument(*names, dest=dest, action="store_true", help=help_)
 
 
+NOT_FLAGS = ("llama_notes",)  # fields no flag or variable sets
+# what --help says of a default the Config resolves at start, in a flag's own words
+SHOWN_DEFAULTS = {"n_gpu_layers": "auto", "temperature": "unset", "top_k": "unset",
+                  "top_p": "unset", "min_p": "unset", "repeat_penalty": "unset",
+                  "presence_penalty": "unset", "frequency_penalty": "unset"}
 _CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect", "split_mode",
-                  "load_mode", "lazy_mode", "deterministic", "repack")
+                  "load_mode", "lazy_mode", "reasoning_format", "reasoning", "reasoning_preserve",
+                  "deterministic", "repack")
 SPLIT_MODES = ("none", "layer", "row")  # llama.cpp's enum llama_split_mode, in order
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # backend.placement's
 LAZY_MODES = ("on", "auto", "off")  # likewise
+REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")  # llama.cpp's names
 _WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES,
-          "deterministic": DETERMINISTIC, "repack": ("auto", "on", "off")}
+          "reasoning_format": REASONING_FORMATS, "reasoning": ("on", "off", "auto"),
+          "reasoning_preserve": ("on", "off", ""), "deterministic": DETERMINISTIC,
+          "repack": ("auto", "on", "off")}
+# llama.cpp's words for on, off and auto (common_arg_utils::is_truthy, is_falsey, is_autoy)
+_LLAMA_WORDS = {"enabled": "on", "true": "on", "1": "on", "disabled": "off", "false": "off",
+                "0": "off", "-1": "auto"}
 # the older spellings of --load-mode, (mmap, mlock) as --no-mmap and --mlock give them: llama-server
 # took these before -lm, and its LLAMA_ARG_MMAP / LLAMA_ARG_MLOCK variables as well
 _OLD_LOAD_MODES = {(True, False): "auto", (False, False): "none", (True, True): "mmap+mlock",
@@ -343,11 +270,23 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())
     if name in _WORDS:
         choices = _WORDS[name]
-        if name == "repack":  # LLAMA_ARG_REPACK is a boolean
-            value = _ON_OFF.get(str(value).strip().lower(), value)
-        if str(value).strip().lower() not in choices:
-            raise ValueError(f"one of {', '.join(choices)}")
-        return str(value).strip().lower()
+        v = str(value).strip().lower()
+        v = _LLAMA_WORDS.get(v, v) if name in ("reasoning", "reasoning_preserve", "repack") \
+            else v
+        if v not in choices:
+            raise ValueError(f"one of {', '.join(c for c in choices if c)}")
+        return v
+    if name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                "frequency_penalty"):
+        return None if value is None else float(value)
+    if name == "top_k":
+        return None if value is None else int(value)
+    if name == "chat_template_kwargs":
+        import json
+
+        if str(value).strip() and not isinstance(json.loads(value), dict):
+            raise ValueError("a JSON object")
+        return str(value).strip()
     if name in _CHOICE_FIELDS:  # what the worker's engine accepts
         from backend.context import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
 
@@ -394,9 +333,7 @@ def worker_argv(cfg: Config) -> list[str]:
             continue
         value = getattr(cfg, "model_path" if name == "model" else name)
         flag = "--" + name.replace("_", "-")
-        if name == "repack":  # a pair of flags, as llama-server's
-            argv += {"on": ["--repack"], "off": ["--no-repack"]}.get(value, [])
-        elif isinstance(value, bool):
+        if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]
@@ -414,16 +351,18 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
     for f in fields(Config):
+        if f.name in NOT_FLAGS:
+            continue
         v = getattr(ns, f.name, None)
-        if v is None:
-            v = environ.get("PREFIXGATE_" + f.name.upper())
+        if v is None:  # a variable set empty is not set (compose passes `${NAME:-}` on)
+            v = environ.get("PREFIXGATE_" + f.name.upper()) or None
         if v is None and f.name in LLAMA_SERVER and LLAMA_SERVER[f.name][1]:
-            v = environ.get(LLAMA_SERVER[f.name][1])
+            v = environ.get(LLAMA_SERVER[f.name][1]) or None
         if v is not None:
             try:
                 values[f.name] = _coerce(f.name, v)
             except ValueError as e:
-                why = f" ({e})" if f.name in _CHOICE_FIELDS else ""
+                why = f" ({e})" if f.name in (*_CHOICE_FIELDS, "chat_template_kwargs") else ""
                 shown = "(not shown)" if f.name == "api_key" else repr(v)
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
@@ -445,6 +384,16 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             cfg = dataclasses.replace(cfg, model=resolve(cfg.hf_repo, cfg.hf_file))
         except ValueError as e:
             raise SystemExit(f"prefixgate: {e}") from None
+    if cfg.n_ctx == 0:  # llama-server's -c 0: the context the model was trained with
+        cfg = dataclasses.replace(cfg, n_ctx=trained_ctx(cfg.model_path))
+    if cfg.threads < 0 or cfg.threads_batch < 0:  # llama-server's -t -1: every core
+        cores = os.cpu_count() or 1
+        cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
+                                  threads_batch=cores if cfg.threads_batch < 0
+                                  else cfg.threads_batch)
+    if cfg.reasoning_budget not in (-1, 0):
+        raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
+                         "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")
     if not 1 <= cfg.parallel <= MAX_PARALLEL:
         raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: give 1 to {MAX_PARALLEL} "
                          "slots per worker")
@@ -454,3 +403,20 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                          f"slot at least {MIN_SLOT_CTX} (-c is shared among the slots, as in "
                          "llama-server)")
     return cfg
+
+
+def trained_ctx(path: str) -> int:
+    """The context a GGUF model was trained with (`{arch}.context_length`, llama.cpp's
+    n_ctx_train), for -c 0; a file that does not say is one line."""
+    from proxy.gguf import GGUFError, read_metadata
+
+    try:
+        meta = read_metadata(path)
+    except (OSError, GGUFError) as e:
+        raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} "
+                         f"cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    n = meta.get(f"{meta.get('general.architecture')}.context_length")
+    if not isinstance(n, int) or n <= 0:
+        raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} does "
+                         "not say it; give -c N")
+    return n

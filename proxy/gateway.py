@@ -32,6 +32,7 @@ from policies.scope import Scope, parse_scope
 from proxy.cache import DiskCache
 from proxy.chat import ChatRequest
 from proxy.config import Config
+from proxy.defaults import Defaults
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared, PromptBuilder
 from proxy.run import Run, RunDeps
@@ -81,6 +82,15 @@ class Gateway:
         self._render = ThreadPoolExecutor(1, thread_name_prefix="render")
         self.deps = RunDeps(pool, cache, metrics, self.spawn, cfg.request_timeout_s)
         self.shared: SharedTier | None = None  # the shared snapshot tier (--shared-tier)
+        # llama-server's server-wide request defaults: the command line's, the model's
+        self.defaults = Defaults.of(cfg, prompts.model_keys)
+        if self.defaults.sampling:
+            log.info("request defaults: %s", ", ".join(
+                f"{k} {v} ({self.defaults.source[k]})" for k, v in self.defaults.sampling.items()))
+        if self.defaults.unused:
+            log.warning("the model's %s not used: prefixgate has no such sampler",
+                        ", ".join(self.defaults.unused) + (" is" if len(self.defaults.unused)
+                                                            == 1 else " are"))
 
     async def open(self) -> None:
         """The ring survives restarts, so `auto` does too."""
@@ -134,8 +144,8 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self._render, fn, *args)
 
     async def prepare(self, req: ChatRequest) -> Prepared:
-        return await self.offload(self.prompts.prepare, req, self.cfg.slot_ctx,
-                                  self.default_scope)
+        return await self.offload(self.prompts.prepare, self.defaults.apply(req),
+                                  self.cfg.slot_ctx, self.default_scope)
 
     async def start(self, prep: Prepared) -> Run:
         ids = prep.rendered.ids

@@ -1,67 +1,124 @@
 """`-hf user/model[:quant]` (llama-server's `--hf-repo`): a GGUF from a Hugging Face repository,
 through `huggingface_hub` and its cache (`HF_HOME`, `HF_HUB_CACHE`; `HF_TOKEN` for a gated
-repository). Online, the repository's file list picks the file and only that file is
-downloaded (once: the cache keeps it). With `HF_HUB_OFFLINE=1` the cached snapshot is used, and
-nothing is fetched.
+repository). Online, the repository's file list picks the file and only its files are
+downloaded (once: the cache keeps them). With `HF_HUB_OFFLINE=1` the cached snapshot is used,
+and nothing is fetched.
 
-Which file (`pick`), as llama-server picks it: `--hf-file` names it; otherwise the GGUF whose
-name holds the quant (case-insensitive), Q4_K_M when none is given, else the first GGUF. Vision
-projectors (mmproj) are never the model; of a split model the first part is taken (llama.cpp
-loads the others from beside it).
+Which file, as llama.cpp's `common/download.cpp` picks it (`pick`):
+- `user/model:TAG` splits at the last colon; `--hf-file` names the file exactly instead;
+- a model file is a `.gguf` whose name holds none of mmproj, imatrix, `mtp-`, `eagle3-`,
+  `dflash-`, `dspark-` (projectors, importance matrices, draft heads);
+- the first model file, in the repository's order, whose path holds the tag followed by `.` or
+  `-` (case-insensitive: `:q4_k_m` finds `x-Q4_K_M.gguf` and `Q4_K_M/x-Q4_K_M-00001-of-00003.gguf`,
+  but `:Q4_K` does not find `x-Q4_K_M.gguf`); of a split model only its first part is a
+  candidate. No tag: Q4_K_M, else Q8_0, else the first model file. A tag that finds nothing is
+  an error that lists the files there are (no fallback);
+- a split model (`NAME-00001-of-0000N.gguf`) brings every part with the same name and count
+  (`parts`), downloaded beside each other, and the first part's path is the model's (llama.cpp
+  loads the others from beside it; backend/keys.py hashes them all).
+A repository with a `preset.ini` at its root is a llama-server preset (router mode): refused.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
-DEFAULT_QUANT = "Q4_K_M"  # llama-server's
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-
-
-def _model_file(path: str) -> bool:
-    name = os.path.basename(path).lower()
-    if not name.endswith(".gguf") or "mmproj" in name:
-        return False
-    split = _SPLIT.search(name)
-    return split is None or split.group(1) == "00001"
+DEFAULT_TAGS = ("Q4_K_M", "Q8_0")  # llama.cpp's find_best_model, when no tag is given
+NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+_SPLIT = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})$", re.IGNORECASE)
 
 
-def pick(files: list[str], quant: str) -> str:
-    """The model file among a repository's `files` for `quant` ("" = the default)."""
-    ggufs = sorted(f for f in files if _model_file(f))
-    if not ggufs:
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A GGUF path as llama.cpp reads its name: the prefix (the tag included), part, parts."""
+
+    prefix: str
+    index: int = 1
+    count: int = 1
+
+
+def split_of(path: str) -> Split | None:
+    """None for a path that is not a .gguf."""
+    if not path.endswith(".gguf"):
+        return None
+    prefix = path[: -len(".gguf")]
+    m = _SPLIT.match(prefix)
+    return Split(m.group(1), int(m.group(2)), int(m.group(3))) if m else Split(prefix)
+
+
+def split_tag(spec: str) -> tuple[str, str]:
+    """user/model[:tag] -> (user/model, tag), as llama.cpp splits it."""
+    words = spec.split(":")
+    repo, tag = words[0], words[-1] if len(words) > 1 else ""
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise ValueError(f"-hf wants user/model[:quant], got {spec!r}")
+    return repo, tag
+
+
+def is_model(path: str) -> bool:
+    name = os.path.basename(path)
+    return path.endswith(".gguf") and not any(word in name for word in NOT_MODELS)
+
+
+def pick(files: list[str], tag: str) -> str:
+    """The model file among a repository's `files` (in its order) for `tag` ("" = none)."""
+    for t in (tag,) if tag else DEFAULT_TAGS:
+        pattern = re.compile(re.escape(t) + "[.-]", re.IGNORECASE)
+        for f in files:
+            split = split_of(f)
+            if is_model(f) and pattern.search(f) and split is not None and split.index == 1:
+                return f
+    if not tag:
+        for f in files:
+            split = split_of(f)
+            if is_model(f) and split is not None and split.index == 1:
+                return f
+    ggufs = [os.path.basename(f) for f in files if f.endswith(".gguf")]
+    if not any(is_model(f) for f in files):
         raise ValueError("it holds no GGUF model file")
-    if quant:
-        hits = [f for f in ggufs if quant.lower() in os.path.basename(f).lower()]
-        if not hits:
-            raise ValueError(f"no GGUF file of quant {quant} in it (there are: "
-                             f"{', '.join(os.path.basename(f) for f in ggufs)})")
-        return hits[0]
-    hits = [f for f in ggufs if DEFAULT_QUANT.lower() in os.path.basename(f).lower()]
-    return (hits or ggufs)[0]
+    raise ValueError(f"no GGUF file of quant {tag} in it (there are: {', '.join(ggufs)})")
+
+
+def parts(files: list[str], primary: str) -> list[str]:
+    """Every file of the model `primary` is (its split parts in order; itself alone if it is
+    not split)."""
+    split = split_of(primary)
+    if split is None or split.count <= 1:
+        return [primary]
+    same = [(s.index, f) for f in files if (s := split_of(f)) is not None
+            and s.prefix == split.prefix and s.count == split.count]
+    found = [f for _, f in sorted(same)]
+    if len(found) != split.count:
+        raise ValueError(f"{os.path.basename(primary)} is part of {split.count} files, and "
+                         f"{len(found)} of them are in the repository")
+    return found
 
 
 def resolve(spec: str, filename: str = "") -> str:
-    """user/model[:quant] (and --hf-file) -> the local path of its GGUF in the Hugging Face
-    cache, downloaded there first when it is missing and downloads are allowed. A ValueError
-    says in one line what went wrong."""
+    """user/model[:quant] (and --hf-file) -> the local path of its GGUF (the first part of a
+    split model) in the Hugging Face cache, every file of it downloaded there first when
+    missing and downloads are allowed. A ValueError says in one line what went wrong."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    repo, _, quant = spec.partition(":")
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise ValueError(f"-hf wants user/model[:quant], got {spec!r}")
+    repo, tag = split_tag(spec)
     try:
-        if not filename:
-            try:
-                files = HfApi().list_repo_files(repo)
-            except (OSError, HfHubHTTPError):  # offline, or no network: the cached snapshot
-                folder = snapshot_download(repo, local_files_only=True)
-                files = [os.path.relpath(os.path.join(d, f), folder)
-                         for d, _, names in os.walk(folder) for f in names]
-            filename = pick(files, quant)
-        return str(hf_hub_download(repo, filename))
+        try:
+            files = HfApi().list_repo_files(repo)
+        except (OSError, HfHubHTTPError):  # offline, or no network: the cached snapshot
+            folder = snapshot_download(repo, local_files_only=True)
+            files = sorted(os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/")
+                           for d, _, names in os.walk(folder) for f in names)
+        if "preset.ini" in files:
+            raise ValueError("it is a llama-server preset (preset.ini): serving several models "
+                             "is not supported")
+        if filename and filename not in files:
+            raise ValueError(f"no file {filename} in it")
+        primary = filename or pick(files, tag)
+        paths = [str(hf_hub_download(repo, f)) for f in parts(files, primary)]
+        return paths[0]
     except LocalEntryNotFoundError:
         raise ValueError(f"-hf {repo}: not in the Hugging Face cache "
                          f"({os.environ.get('HF_HUB_CACHE') or 'HF_HOME'}) and downloads are "

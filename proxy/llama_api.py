@@ -134,8 +134,10 @@ def _final(request: web.Request, req: ChatRequest, run: Run, content: str) -> di
             "tokens_cached": u.cached_tokens, "prompt": req.prompt, "truncated": False,
             "has_new_line": "\n" in content, "stop_type": stop_type,
             "stopping_word": run.state.stop or "",
-            "generation_settings": {"n_ctx": cfg.slot_ctx, "n_predict": req.max_tokens or -1,
-                                    "stop": list(req.stop), **req.sampling},
+            # what the run used: the request's settings over the server's defaults
+            "generation_settings": {"n_ctx": cfg.slot_ctx,
+                                    "n_predict": run.prep.req.max_tokens or -1,
+                                    "stop": list(req.stop), **run.prep.req.sampling},
             "timings": timings_json(run)}
 
 

@@ -25,6 +25,7 @@ from proxy.chat import (
     parse_sampling,
     parse_stop,
 )
+from proxy.defaults import inline_reasoning
 from proxy.dialects import (
     ArgsDelta,
     CallDone,
@@ -301,7 +302,7 @@ class Responder:
     in `reasoning_content` (llama-server's and vLLM's field), in messages and in deltas."""
 
     def __init__(self, req: ChatRequest, run: Run, model_id: str, chat: bool,
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[[list[int]], str], reasoning_format: str = "auto") -> None:
         self.req, self.run, self.model, self.chat = req, run, model_id, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -309,6 +310,7 @@ class Responder:
         self.n_calls = 0
         self.reasoned = False  # a ReasoningDelta came: usage counts its tokens
         self.decode = decode
+        self.reasoning_format = reasoning_format  # --reasoning-format (proxy/defaults.py)
 
     def _usage(self) -> dict[str, Any]:
         n = 0
@@ -319,7 +321,10 @@ class Responder:
         return usage_json(self.run.usage, n)
 
     def _events(self) -> AsyncIterator[Event]:
-        return events(self.run.pieces(), self.run.prep.stream() if self.chat else None)
+        dialect = self.run.prep.dialect
+        return inline_reasoning(
+            events(self.run.pieces(), self.run.prep.stream() if self.chat else None),
+            self.reasoning_format, dialect.think if dialect is not None else None)
 
     def _finish(self) -> str:
         # a call that max_tokens cut is still a call (with the arguments that completed), and
@@ -430,8 +435,9 @@ class Responder:
 def _respond(chat: bool) -> Callable[[web.Request, ChatRequest, Run],
                                     Awaitable[web.StreamResponse]]:
     async def respond(request: web.Request, req: ChatRequest, run: Run) -> web.StreamResponse:
-        r = Responder(req, run, request.app[MODEL_ID], chat,
-                      request.app[GATEWAY].prompts.tok.decode)
+        gw = request.app[GATEWAY]
+        r = Responder(req, run, request.app[MODEL_ID], chat, gw.prompts.tok.decode,
+                      gw.defaults.reasoning_format)
         return await (r.stream(request, req.include_usage, request.app[CONFIG].ping_interval_s)
                       if req.stream else r.json(request))
 

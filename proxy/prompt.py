@@ -167,6 +167,7 @@ class PromptBuilder:
         self.normalizer = Normalizer(volatile_patterns)
         self.layout = Layout(volatile_blocks if stable_layout else ())
         self.stable_layout = stable_layout
+        self.model_keys: dict[str, Any] = {}  # the GGUF's general.sampling.* (proxy/defaults.py)
 
     @classmethod
     def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = (),
@@ -182,8 +183,10 @@ class PromptBuilder:
         template = ChatTemplate(source,
                                 tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                                 tok.decode([tok.eos_id]) if tok.eos_id is not None else "")
-        return cls(template, tok, volatile_patterns, volatile_blocks, stable_layout,
-                   tool_dialect)
+        builder = cls(template, tok, volatile_patterns, volatile_blocks, stable_layout,
+                      tool_dialect)
+        builder.model_keys = {k: v for k, v in meta.items() if k.startswith("general.sampling.")}
+        return builder
 
     def messages(self, req: ChatRequest
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:

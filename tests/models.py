@@ -61,3 +61,35 @@ def model_file(name: str) -> str:
     if not path.exists():
         pytest.fail(f"{path} is missing: `make fixtures` installs it (make test does)")
     return str(path)
+
+
+def write_split(src: str | Path, first: Path, n_parts: int) -> list[Path]:
+    """`src` rewritten as a split GGUF of `n_parts` files (`first` names part 1, NAME-00001-of-
+    0000N.gguf), as llama.cpp's gguf-split writes one (split.no / split.count /
+    split.tensors.count in every part, the tensors shared among them), by llama.cpp's own gguf
+    package: the same metadata and tensor bytes. Returns the parts in order."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    per_part = -(-len(reader.tensors) // n_parts)
+    stem = first.name.removesuffix(f"-00001-of-{n_parts:05d}.gguf")
+    assert stem != first.name, "name part 1 NAME-00001-of-0000N.gguf"
+    arch = str(reader.fields["general.architecture"].contents())
+    first.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(first.with_name(stem + ".gguf"), arch, split_max_tensors=per_part)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = [first.with_name(f"{stem}-{i:05d}-of-{n_parts:05d}.gguf")
+             for i in range(1, n_parts + 1)]
+    assert all(p.is_file() for p in parts), sorted(first.parent.iterdir())
+    return parts

@@ -133,3 +133,26 @@ def test_a_malformed_sidecar_is_ignored_and_rewritten(hashes_dir: Path) -> None:
         assert file_digest(model) == xxhash.xxh3_128_hexdigest(model.read_bytes())
         files = json.loads(sidecar.read_text())["files"]
         assert list(files) == [keys._stamp(model)], junk
+
+
+def test_a_split_models_identity_is_every_part(tmp_path: Path) -> None:
+    """A real split of the default model (as llama.cpp's gguf-split lays one out): its
+    identity hashes every part, so a changed byte in the last part changes the salt (it hashed
+    the first part alone), and a part gone is an error, never a key of half a model."""
+    from tests.models import write_split
+
+    parts = write_split(default_model(), tmp_path / "m" / "smol-00001-of-00003.gguf", 3)
+    assert keys.model_files(parts[0]) == parts and keys.model_files(default_model()) == [
+        Path(default_model())]
+    identity = model_identity(parts[0])
+    assert identity == {
+        "size_bytes": sum(p.stat().st_size for p in parts),
+        "parts": [{"size_bytes": p.stat().st_size,
+                   "xxh3_128": xxhash.xxh3_128_hexdigest(p.read_bytes())} for p in parts]}
+    salt = make_salt(str(parts[0]), **SETTINGS)
+    flip_byte(parts[2], parts[2].stat().st_size // 2)
+    assert model_identity(parts[0]) != identity
+    assert make_salt(str(parts[0]), **SETTINGS) != salt
+    parts[1].unlink()
+    with pytest.raises(FileNotFoundError):
+        model_identity(parts[0])

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from proxy.cli import serve_config
-from proxy.hub import pick
+from proxy.hub import parts, pick, split_tag
 from tests.conftest import ROOT, running
-from tests.models import model_file
+from tests.models import model_file, write_split
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "pg-test/SmolLM2-135M-Instruct-GGUF"
@@ -39,16 +39,51 @@ def hub_cache(tmp: Path, files: dict[str, Path | None]) -> Path:
     return cache
 
 
+# llama.cpp's common/download.cpp (find_best_model), case by case; files in the repository's order
 @pytest.mark.parametrize(("files", "quant", "expected"), [
-    (["a-Q8_0.gguf", "a-Q4_K_M.gguf", "a-F16.gguf"], "", "a-Q4_K_M.gguf"),  # the default quant
-    (["a-Q8_0.gguf", "a-F16.gguf"], "", "a-F16.gguf"),  # else the first
+    (["a-Q8_0.gguf", "a-Q4_K_M.gguf", "a-F16.gguf"], "", "a-Q4_K_M.gguf"),  # no tag: Q4_K_M,
+    (["a-F16.gguf", "a-Q8_0.gguf"], "", "a-Q8_0.gguf"),  # then Q8_0,
+    (["a-F16.gguf", "a-BF16.gguf"], "", "a-F16.gguf"),  # then the first model file
+    (["b-Q4_K_M.gguf", "a-Q4_K_M.gguf"], "", "b-Q4_K_M.gguf"),  # the repository's order
     (["a-Q8_0.gguf", "a-q4_k_m.gguf"], "q8_0", "a-Q8_0.gguf"),  # case-insensitive
-    (["mmproj-a-Q8_0.gguf", "a-Q8_0.gguf", "README.md"], "Q8_0", "a-Q8_0.gguf"),
+    (["a-Q4_K_M.gguf", "a-Q4_K_S.gguf", "a-Q4_K.gguf"], "Q4_K", "a-Q4_K.gguf"),  # then . or -
+    (["x-UD-Q4_K_XL.gguf", "x-Q4_K_XL.gguf"], "UD-Q4_K_XL", "x-UD-Q4_K_XL.gguf"),
+    (["mmproj-a-Q8_0.gguf", "a-Q8_0.gguf", "README.md"], "Q8_0", "a-Q8_0.gguf"),  # no projector,
+    (["a-Q8_0.imatrix.gguf", "a-Q8_0.gguf"], "", "a-Q8_0.gguf"),  # importance matrix,
+    (["mtp-a-Q8_0.gguf", "eagle3-a.gguf", "a-Q8_0.gguf"], "Q8_0", "a-Q8_0.gguf"),  # draft head
     (["Q4_K_M/a-Q4_K_M-00002-of-00002.gguf", "Q4_K_M/a-Q4_K_M-00001-of-00002.gguf"], "",
      "Q4_K_M/a-Q4_K_M-00001-of-00002.gguf"),  # a split model: its first part
+    (["Q4_K_M-GGUF/model.gguf"], "Q4_K_M", "Q4_K_M-GGUF/model.gguf"),  # the path, not the name
 ])
 def test_the_quant_picks_the_file(files: list[str], quant: str, expected: str) -> None:
     assert pick(files, quant) == expected
+
+
+@pytest.mark.parametrize(("files", "quant", "said"), [
+    (["a-Q4_K_M.gguf"], "Q4_K", "no GGUF file of quant Q4_K in it (there are: a-Q4_K_M.gguf)"),
+    (["a-Q8_0.gguf"], "Q4_K_M", "no GGUF file of quant Q4_K_M"),  # a tag never falls back
+    (["mmproj-a.gguf", "README.md"], "", "it holds no GGUF model file"),
+    (["README.md"], "Q8_0", "it holds no GGUF model file"),
+])
+def test_a_tag_that_finds_nothing_says_what_there_is(files: list[str], quant: str,
+                                                     said: str) -> None:
+    with pytest.raises(ValueError) as e:
+        pick(files, quant)
+    assert str(e.value).startswith(said)
+
+
+def test_a_split_model_is_every_part_of_it() -> None:
+    files = ["Q8_0/a-Q8_0-00003-of-00003.gguf", "Q8_0/a-Q8_0-00001-of-00003.gguf",
+             "Q8_0/a-Q8_0-00002-of-00003.gguf", "Q4_K_M/a-Q4_K_M-00001-of-00002.gguf",
+             "a-Q8_0-00001-of-00002.gguf", "mmproj-F16.gguf"]
+    assert parts(files, pick(files, "Q8_0")) == [
+        "Q8_0/a-Q8_0-00001-of-00003.gguf", "Q8_0/a-Q8_0-00002-of-00003.gguf",
+        "Q8_0/a-Q8_0-00003-of-00003.gguf"]
+    assert parts(files, "mmproj-F16.gguf") == ["mmproj-F16.gguf"]
+    with pytest.raises(ValueError, match="part of 2 files, and 1 of them"):
+        parts(files, "Q4_K_M/a-Q4_K_M-00001-of-00002.gguf")
+    assert split_tag("unsloth/Qwen3-GGUF:UD-Q4_K_XL") == ("unsloth/Qwen3-GGUF", "UD-Q4_K_XL")
+    assert split_tag("u/m") == ("u/m", "")
 
 
 def test_hf_resolves_from_the_cache_offline(tmp_path: Path) -> None:
@@ -90,3 +125,37 @@ def test_serve_dash_hf_offline_serves_the_cached_model(tmp_path: Path) -> None:
                              timeout=60, env={**env, "PATH": "/usr/bin:/bin"})
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "no GGUF file of quant Q2_K" in missing.stderr
+
+
+def test_hf_of_a_split_model_takes_every_part(tmp_path: Path) -> None:
+    names = [f"m-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    cache = hub_cache(tmp_path, {**{n: None for n in names}, "m-Q8_0.gguf": None})
+    snap = cache / ("models--" + REPO.replace("/", "--")) / "snapshots" / COMMIT
+    with pytest.MonkeyPatch.context() as mp:
+        import huggingface_hub.constants as hf  # read from the environment once, at import
+
+        mp.setattr(hf, "HF_HUB_CACHE", str(cache))
+        mp.setattr(hf, "HF_HUB_OFFLINE", True)
+        assert serve_config(["-hf", REPO]).model_path == str(snap / names[0])
+        (snap / names[2]).unlink()  # a part missing from the cache: said, not loaded half
+        with pytest.raises(SystemExit) as e:
+            serve_config(["-hf", REPO])
+        assert "is part of 3 files, and 2 of them are in the repository" in str(e.value)
+
+
+@pytest.mark.model
+def test_a_split_model_loads_through_the_worker_from_the_cache(tmp_path: Path) -> None:
+    """A real split of the default model (written as llama.cpp's gguf-split lays one out),
+    in the Hugging Face cache: -hf picks its first part, llama.cpp loads the rest from beside
+    it in the worker, and it answers."""
+    real = Path(model_file("smollm2"))
+    split = write_split(real, tmp_path / "split" / "SmolLM2-Q4_1-00001-of-00003.gguf", 3)
+    cache = hub_cache(tmp_path, {p.name: p for p in split})
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    with running(tmp_path, "-hf", REPO + ":Q4_1", "--disk-prefix-cache", "off",
+                 env=env) as srv:
+        assert srv.get_json("/props")["model_path"].endswith(split[0].name)
+        c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="m", max_tokens=3, temperature=0,
+                                      messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content is not None

@@ -40,8 +40,11 @@ def test_a_llama_server_command_line_maps_onto_the_config() -> None:
     long = serve_config(["serve", "--ctx-size", "4096", "--gpu-layers", "all", "--flash-attn",
                          "on", "--cache-type-k", "q4_0", "--alias", "x", "--api-key", "a,b",
                          "--api-key", "c", "--ubatch-size", "32", "--n-ctx", "2048"], environ={})
+    # all layers where this build has a GPU to offload to; on the CPU with a note otherwise
+    gpu = -1 if placement.offload_devices() else 0
     assert (long.n_ctx, long.n_gpu_layers, long.flash_attn, long.cache_type_k) == \
-        (2048, -1, "on", "q4_0"), "the last of two flags for one setting wins"
+        (2048, gpu, "on", "q4_0"), "the last of two flags for one setting wins"
+    assert gpu or long.llama_notes[-1].startswith("-ngl all: ")
     assert long.api_key == ("a", "b", "c") and long.ubatch_size == 32
 
 
@@ -59,7 +62,6 @@ def test_llama_arg_variables_under_prefixgate_ones_under_flags() -> None:
 @pytest.mark.parametrize("argv", [
     ["--api-k", SECRET],  # an abbreviation is not taken for --api-key or --api-keys
     ["--api-keys-typo", SECRET],
-    ["--numa", "distribute", "--api-key", SECRET, "--lora", SECRET],
     [SECRET],
 ])
 def test_an_unknown_flag_is_one_line_that_shows_no_value(argv: list[str],
@@ -70,7 +72,17 @@ def test_an_unknown_flag_is_one_line_that_shows_no_value(argv: list[str],
     message = str(e.value)
     assert message.startswith("prefixgate: not supported: ") and "\n" not in message
     assert SECRET not in message + capsys.readouterr().err
-    assert ("--numa --lora" in message) if "--numa" in argv else True
+
+
+def test_each_refused_llama_flag_is_its_own_line_that_shows_no_value(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        serve_config(["--numa", "distribute", "--api-key", SECRET, "--lora", SECRET],
+                     environ={})
+    lines = str(e.value).splitlines()
+    assert [line.split(":")[:2] for line in lines] == [["prefixgate", " --numa"],
+                                                       ["prefixgate", " --lora"]]
+    assert SECRET not in str(e.value) + capsys.readouterr().err
 
 
 def test_slots_share_the_context_as_in_llama_server(capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,6 +112,8 @@ def test_placement_flags_become_model_parameters() -> None:
         (r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU"),
         (r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU")]
     assert placement.overrides(r"exps=CPU, attn_q=CPU", 0) == [("exps", "CPU"), ("attn_q", "CPU")]
+    # -cmoe: every layer's experts, llama.cpp's one pattern
+    assert placement.overrides("", -1) == [(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU")]
     with pytest.raises(ValueError, match="PATTERN=BUFFER"):
         placement.overrides("exps", 0)
     assert "CPU" in placement.buffer_types()

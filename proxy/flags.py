@@ -1,0 +1,140 @@
+"""The words of each Config flag: its help line, and llama-server's names for the same setting
+(its short and long flags beside prefixgate's own, and its LLAMA_ARG_* variable, read after
+prefixgate's PREFIXGATE_* one). A default stated in a help line is the one the Config resolves
+(tests/proxy/test_llama_options.py checks each).
+"""
+
+from __future__ import annotations
+
+from policies.prefix import CPU_BATCH, GPU_BATCH
+
+HELP = {
+    "host": "listen address", "port": "listen port", "model": "GGUF model path",
+    "hf_repo": "a Hugging Face repository's GGUF instead of --model: user/model[:quant] "
+               "(no quant: Q4_K_M, else Q8_0, else the first model file; every part of a split "
+               "model), through the Hugging Face cache (HF_HUB_OFFLINE=1: only the cache)",
+    "hf_file": "the GGUF file in the --hf-repo repository (default: picked by the quant)",
+    "chat_template_file": "a Jinja chat template file used instead of the model's own",
+    "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
+                    "mistral | hermes (default: found from the chat template)",
+    "workers": "worker processes",
+    "n_ctx": "context tokens per worker, shared among its --parallel slots (0 = the model's "
+             "trained context)",
+    "threads": "CPU threads per worker (0 = half the cores, -1 = every core)",
+    "n_gpu_layers": "layers on the GPU: N, all, or auto (the default: all where this build "
+                    "can offload, CUDA or Metal; none on a CPU-only build)",
+    "flash_attn": "flash attention: on | off | auto",
+    "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
+    "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
+    "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
+    "ubatch_size": f"tokens per prefill batch and the reuse granularity (0 = {GPU_BATCH} on a "
+                   f"GPU, else {CPU_BATCH})",
+    "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",
+    "disk_prefix_cache": "off | full | auto | auto:N | N",
+    "volatile_patterns": "regex of volatile bytes to strip (repeatable)",
+    "volatile_blocks": "regex of a volatile system-prompt block to move behind the stable part "
+                       "(repeatable)",
+    "stable_layout": "tools before system text, volatile blocks moved behind the stable part",
+    "limits": "a request bound NAME=VALUE, e.g. max_messages=50000 (repeatable; env: one per "
+              "line)",
+    "worker_url": "URL of a remote worker instead of --workers (repeatable; env comma-separated)",
+    "api_key": "an accepted API key (repeatable or comma-separated; with --api-keys FILE too)",
+    "api_keys": "file of accepted API keys, one per line",
+    "alias": "the model id in responses and /v1/models",
+    "threads_batch": "CPU threads per worker for prefill (0 = all cores)",
+    "split_mode": "how to split the model across GPUs: layer | row | none",
+    "tensor_split": "proportions of the model per GPU, e.g. 3,1",
+    "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
+    "n_cpu_moe": "keep the MoE experts of the first N layers on the CPU (-1: every layer, "
+                 "llama-server's -cmoe)",
+    "load_mode": "how the weights are read: auto (mapped) | none (read) | mmap | mlock (read "
+                 "and locked in RAM) | mmap+mlock | dio (direct I/O); --mlock and --no-mmap "
+                 "are older spellings",
+    "lazy_mode": "read the rows of tensors the architecture marks (per-layer embeddings) from "
+                 "the mapped file on demand: on | auto (tensors over 4 GiB) | off",
+    "parallel": "slots per worker: sessions served at once from one model copy, sharing "
+                "-c (llama-server's -np)",
+    "shared_tier": "redis://HOST:PORT of a Redis or Valkey shared by several prefixgate hosts: "
+                   "snapshots are published there and pulled by a host that misses locally "
+                   "(bound it with Redis's maxmemory and an LRU policy)",
+    "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
+                 "(-1 no limit, 0 off)",
+    "repack": "weights repacked for the CPU's kernels (llama.cpp's extra buffer types): "
+              "--repack, -nr/--no-repack as llama-server spells them; by default on, except "
+              "on a CPU with AMX, whose llama.cpp kernels crash on some machines (auto)",
+    "deterministic": "auto | on | off: on keeps each slot's answer what it is alone whatever "
+                     "other sessions generate, at a cost; off batches their decode steps as "
+                     "llama-server does; auto: independent where the start-up check proves it "
+                     "cheap, else batched (a cache hit is exact in every mode)",
+    "temperature": "default temperature of a request that sets none (unset: the model's "
+                   "general.sampling.temp, else 0.8)",
+    "top_k": "default top-k (unset: the model's general.sampling.top_k, else 40)",
+    "top_p": "default top-p (unset: the model's general.sampling.top_p, else 0.95)",
+    "min_p": "default min-p (unset: the model's general.sampling.min_p, else 0.05)",
+    "repeat_penalty": "default repetition penalty (unset: the model's "
+                      "general.sampling.penalty_repeat, else 1.0, off)",
+    "presence_penalty": "default presence penalty (unset: 0.0, off)",
+    "frequency_penalty": "default frequency penalty (unset: 0.0, off)",
+    "seed": "default seed of a request that sets none (-1: random)",
+    "n_predict": "tokens generated at most when a request sets no maximum (-1: to the "
+                 "context's end)",
+    "chat_template_kwargs": "a JSON object of chat template variables, under a request's own "
+                            "chat_template_kwargs",
+    "reasoning_format": "where reasoning goes in OpenAI answers: auto | deepseek (in "
+                        "reasoning_content) | deepseek-legacy (also in the content, in <think> "
+                        "tags) | none (in the content)",
+    "reasoning": "thinking of templates that have the switch: on | off | auto (the template's "
+                 "default); a request's own setting wins",
+    "reasoning_budget": "thinking tokens: -1 no limit, 0 thinking off",
+    "reasoning_effort": "default reasoning_effort template variable (gpt-oss: low | medium | "
+                        "high)",
+    "reasoning_preserve": "the preserve_reasoning template variable: on | off (unset: the "
+                          "template's default)",
+}
+
+
+# llama-server's names for the same settings, so its command line works unchanged: its short
+# and long flags beside prefixgate's own, and its LLAMA_ARG_* variable (read after prefixgate's
+# PREFIXGATE_* one).
+LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
+    "host": ((), "LLAMA_ARG_HOST"),
+    "port": ((), "LLAMA_ARG_PORT"),
+    "model": (("-m",), "LLAMA_ARG_MODEL"),
+    "hf_repo": (("-hf", "-hfr"), "LLAMA_ARG_HF_REPO"),
+    "hf_file": (("-hff",), "LLAMA_ARG_HF_FILE"),
+    "alias": (("-a",), "LLAMA_ARG_ALIAS"),
+    "chat_template_file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    "n_ctx": (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE"),
+    "threads": (("-t",), "LLAMA_ARG_THREADS"),
+    "threads_batch": (("-tb",), "LLAMA_ARG_THREADS_BATCH"),
+    "n_gpu_layers": (("-ngl", "--gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
+    "split_mode": (("-sm",), "LLAMA_ARG_SPLIT_MODE"),
+    "tensor_split": (("-ts",), "LLAMA_ARG_TENSOR_SPLIT"),
+    "override_tensor": (("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR"),
+    "n_cpu_moe": (("-ncmoe",), "LLAMA_ARG_N_CPU_MOE"),
+    "flash_attn": (("-fa",), "LLAMA_ARG_FLASH_ATTN"),
+    "cache_type_k": (("-ctk",), "LLAMA_ARG_CACHE_TYPE_K"),
+    "cache_type_v": (("-ctv",), "LLAMA_ARG_CACHE_TYPE_V"),
+    "ubatch_size": (("-ub",), "LLAMA_ARG_UBATCH"),
+    "parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
+    "cache_ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
+    "load_mode": (("-lm",), "LLAMA_ARG_LOAD_MODE"),
+    "lazy_mode": (("-lzm",), "LLAMA_ARG_LAZY_MODE"),
+    "api_key": ((), "LLAMA_API_KEY"),
+    "api_keys": (("--api-key-file",), "LLAMA_ARG_API_KEY_FILE"),
+    "temperature": (("--temp",), "LLAMA_ARG_TEMPERATURE"),
+    "top_k": ((), "LLAMA_ARG_TOP_K"),
+    "top_p": ((), "LLAMA_ARG_TOP_P"),
+    "min_p": ((), "LLAMA_ARG_MIN_P"),
+    "repeat_penalty": ((), "LLAMA_ARG_REPEAT_PENALTY"),
+    "presence_penalty": ((), "LLAMA_ARG_PRESENCE_PENALTY"),
+    "frequency_penalty": ((), "LLAMA_ARG_FREQUENCY_PENALTY"),
+    "seed": (("-s",), ""),
+    "n_predict": (("-n", "--predict"), "LLAMA_ARG_N_PREDICT"),
+    "chat_template_kwargs": ((), "LLAMA_ARG_CHAT_TEMPLATE_KWARGS"),
+    "reasoning_format": ((), "LLAMA_ARG_THINK"),
+    "reasoning": (("-rea",), "LLAMA_ARG_REASONING"),
+    "reasoning_budget": ((), "LLAMA_ARG_THINK_BUDGET"),
+    "reasoning_effort": ((), "LLAMA_ARG_REASONING_EFFORT"),
+    "ping_interval_s": (("--sse-ping-interval",), "LLAMA_ARG_SSE_PING_INTERVAL"),
+}
