@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from backend.redact import redact_url
+
 SHARED_PREFIX = "shared:"  # a plan's restore entry in the shared tier: "shared:<key hex>"
 # what a worker reports of its shared tier (its /health "shared"; proxy metrics per stat)
 STATS = ("published_bytes", "publish_failures", "pulls", "pulled_bytes", "pull_s",
@@ -43,11 +45,9 @@ TIMEOUT_S = 5.0
 
 
 def redacted(url: str) -> str:
-    """The URL without its user and password (redis://:secret@host:6379 -> redis://host:6379)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "(not a URL)"
-    return f"{scheme}://{rest.rpartition('@')[2]}"
+    """The URL without its secrets, in any form redis-py takes them (redis://:secret@host:6379
+    -> redis://host:6379; ?password=secret -> ?password=***): `backend.redact`."""
+    return redact_url(url)
 
 
 class SharedFault(Exception):

@@ -13,7 +13,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from proxy import limits
-from proxy.config import WORKER_FIELDS, Config, add_arguments, cache_identity, from_args
+from proxy.config import (
+    WORKER_FIELDS,
+    Config,
+    add_arguments,
+    cache_identity,
+    from_args,
+    share_secrets,
+)
 
 if TYPE_CHECKING:
     from backend.worker import WorkerSpec
@@ -65,10 +72,15 @@ def serve(cfg: Config) -> None:
         from proxy.app import read_key_file
 
         try:
-            read_key_file(cfg.api_keys)
+            keys = read_key_file(cfg.api_keys)
         except (OSError, UnicodeDecodeError) as e:  # the path is not shown: it may be a key
             raise SystemExit(f"prefixgate: cannot read the --api-keys file: "
                              f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        if not keys:  # auth never fails open
+            raise SystemExit("prefixgate: the --api-keys file holds no API key (only blank "
+                             "lines and # comments); put one key per line, or leave it out "
+                             "to serve without auth")
+    share_secrets(cfg)
     sock = _listen(cfg.host, cfg.port)
     # the render thread parses and renders big requests; let it hand the GIL to the event
     # loop every millisecond (5 by default), so other clients' latency stays low meanwhile
@@ -131,6 +143,7 @@ def worker(argv: list[str]) -> None:
         p.error("give --listen HOST:PORT (or --socket PATH)")
     cfg = from_args(ns)
     _check_model(cfg.model_path)
+    share_secrets(cfg)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     try:

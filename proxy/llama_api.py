@@ -44,6 +44,7 @@ from proxy.edge import (
     with_pings,
 )
 from proxy.errors import ApiError, BadRequest, openai_response
+from proxy.gateway import tenant_id
 from proxy.limits import load as load_json
 from proxy.openai_api import parse_chat, raw_prompt, timings_json
 from proxy.prompt import PromptBuilder
@@ -92,15 +93,23 @@ def _handler(fn: Any) -> Any:
 
 
 async def slots(request: web.Request) -> web.Response:
-    check_auth(request)
+    """Every slot, as llama-server lists them (tools count and index them by id). With
+    --tenant-isolation a caller sees the details of the slots that hold its own tenant's KV
+    (or nothing); another tenant's slot shows only whether it is busy, which any client can
+    tell from its own waiting anyway: no token count, no tenant."""
+    key = check_auth(request)
     cfg = request.app[CONFIG]
-    return web.json_response([
-        {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
-         "is_processing": s.busy, "ready": s.ready, "live_tokens": len(s.live_ids),
-         "exact": s.worker.exact,
-         "tenant": hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12]
-         if s.live_tenant else ""}
-        for i, s in enumerate(request.app[POOL].slots)])
+    mine = tenant_id(key) if cfg.tenant_isolation else None
+    out = []
+    for i, s in enumerate(request.app[POOL].slots):
+        slot = {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
+                "is_processing": s.busy, "ready": s.ready, "exact": s.worker.exact}
+        if mine is None or s.live_tenant in ("", mine):
+            slot["live_tokens"] = len(s.live_ids)
+            slot["tenant"] = hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12] \
+                if s.live_tenant else ""
+        out.append(slot)
+    return web.json_response(out)
 
 
 def parse_native(body: Any, tenant: str) -> ChatRequest:

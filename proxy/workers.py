@@ -50,6 +50,7 @@ import aiohttp
 from backend import volume
 from backend.keys import CacheIdentity
 from backend.protocol import Event, Job, parse_event, placement_note
+from backend.redact import redact_url
 from policies.costs import Costs
 from policies.prefix import Batching, common_prefix_len, live_reuse
 from policies.router import SlotView, choose_slot
@@ -232,7 +233,8 @@ class Worker:
 
     @property
     def name(self) -> str:
-        return f"worker {self.worker_id}" + (f" at {self.base_url}" if self.remote else "")
+        return f"worker {self.worker_id}" + (f" at {redact_url(self.base_url)}" if self.remote
+                                             else "")
 
     def new_session(self) -> aiohttp.ClientSession:
         if self.socket_path is not None:
@@ -486,8 +488,9 @@ class Pool:
     async def _start_remote(self) -> None:
         for i, url in enumerate(self.cfg.worker_url):
             if not url.startswith(("http://", "https://")):
-                raise StartupError(f"--worker-url {url!r} is not an http:// URL; give it as "
-                                   "http://HOST:PORT of a `prefixgate worker --listen HOST:PORT`")
+                raise StartupError(f"--worker-url {redact_url(url)} is not an http:// URL; give "
+                                   "it as http://HOST:PORT of a `prefixgate worker --listen "
+                                   "HOST:PORT`")
             w = Worker(i, url.rstrip("/"))
             w.session = w.new_session()
             self.workers.append(w)
