@@ -93,7 +93,9 @@ def test_cache_commands_list_and_prune_the_shared_tier(tmp_path: Path,
 
     path, _size, checksum = store.write_state_file(tmp_path, CacheKey(b"k" * 16), b"f" * 16,
                                                    [1, 2, 3], memoryview(b"x" * 1000))
-    SharedTier(redis_server.url, b"f" * 16).publish(b"k" * 16, "", 3, checksum, path)
+    tier = SharedTier(redis_server.url, b"f" * 16)
+    tier.publish(b"k" * 16, "", 3, checksum, path)
+    assert tier.flush()  # published on the tier's own thread
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "proxy.cli", "cache", *args,
@@ -123,6 +125,7 @@ def test_a_publish_or_pull_cut_short_is_a_miss(tmp_path: Path, redis_server: Red
     path, _size, checksum = store.write_state_file(tmp_path / "src", CacheKey(key), b"f" * 16,
                                                    [1, 2, 3], memoryview(b"x" * 1000))
     tier.publish(key, "t", 3, checksum, path)
+    assert tier.flush()
     entry = redis_server.client.scan_iter("pg:*:e:*").__next__()
     fields = redis_server.client.hgetall(entry)
     redis_server.client.delete(entry)  # a publish killed before its entry was written
