@@ -66,6 +66,7 @@ from proxy.errors import (
     openai_response,
 )
 from proxy.gateway import Gateway, knobs_of
+from proxy.gguf import GGUFError
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.workers import Pool, StartupError, loading_note
@@ -231,6 +232,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
                                           cfg.volatile_patterns, cfg.volatile_blocks,
                                           cfg.stable_layout, cfg.chat_template_file,
                                           cfg.tool_dialect)
+    except GGUFError as e:  # the model changed under us since proxy.cli checked it
+        raise StartupError(f"the model {e}") from None
     except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
         where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
         line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""

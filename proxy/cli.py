@@ -101,14 +101,18 @@ def serve(cfg: Config) -> None:
 
 
 def _check_model(path: str) -> None:
-    """A model path that is not a readable GGUF file is said at once, not as a traceback."""
+    """A model path that is not a readable, whole GGUF file (a FIFO, a file cut short, damaged
+    metadata) is said at once in one line naming it, before anything loads it
+    (proxy.gguf.check_file), not as a traceback or a hang."""
+    from proxy.gguf import GGUFError, check_file
+
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        check_file(path)
     except OSError as e:
-        raise SystemExit(f"prefixgate: cannot read the model {path}: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise SystemExit(f"prefixgate: {path} is not a GGUF model file")
+        raise SystemExit(f"prefixgate: cannot read the model {path}: "
+                         f"{e.strerror or type(e).__name__}") from None
+    except GGUFError as e:
+        raise SystemExit(f"prefixgate: the model {e}") from None
 
 
 def parse_listen(value: str) -> tuple[str, int]:
