@@ -18,7 +18,10 @@ with them (issue 21):
 
 The ids are prefixgate's own, the ones the cache keys on (equal to llama.cpp's: the tokenizer
 parity tests). Each needs an API key where the APIs do; errors are OpenAI-shaped. Tokenizing and
-rendering run on the gateway's render thread, never on the event loop.
+rendering run on the gateway's render thread, never on the event loop. Every body meets the
+bounds the chat APIs' bodies meet (proxy/limits.py: size, nesting, strings, arrays, messages,
+tools), and text that cannot fit one slot's context whatever its tokens is refused before it is
+tokenized or rendered (`PromptBuilder.check_text`), as a chat request's is.
 """
 
 from __future__ import annotations
@@ -45,17 +48,19 @@ from proxy.edge import (
 )
 from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.gateway import tenant_id
+from proxy.limits import Limits, check_request
 from proxy.limits import load as load_json
 from proxy.openai_api import parse_chat, raw_prompt, timings_json
 from proxy.prompt import PromptBuilder
 from proxy.run import Run
 
 
-def tokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
+def tokenize(builder: PromptBuilder, body: Any, n_ctx: int) -> dict[str, Any]:
     body = expect_dict(body)
     content = body.get("content")
     if not isinstance(content, str):
         raise BadRequest("'content' must be a string", param="content")
+    builder.check_text(len(content), n_ctx, "content")
     tok = builder.tok
     ids = tok.encode(content)
     if body.get("add_special") is True and tok.add_bos and tok.bos_id is not None:
@@ -65,7 +70,7 @@ def tokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
     return {"tokens": ids}
 
 
-def detokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
+def detokenize(builder: PromptBuilder, body: Any, n_ctx: int) -> dict[str, Any]:
     tokens = expect_dict(body).get("tokens")
     if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
@@ -77,9 +82,16 @@ def detokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
                          param="tokens") from None
 
 
-def apply_template(builder: PromptBuilder, body: Any) -> dict[str, Any]:
-    rendered, _ = builder.render(parse_chat(body, ""))
+def apply_template(builder: PromptBuilder, body: Any, n_ctx: int) -> dict[str, Any]:
+    rendered, _ = builder.render(parse_chat(body, ""), n_ctx)
     return {"prompt": rendered.text}
+
+
+def _load(raw: bytes, bounds: Limits) -> Any:
+    """The JSON body within the bounds every API's body meets (proxy.edge.parse_body's)."""
+    body = load_json(raw, bounds)
+    check_request(body, bounds)
+    return body
 
 
 def _handler(fn: Any) -> Any:
@@ -87,8 +99,9 @@ def _handler(fn: Any) -> Any:
         check_auth(request)
         gw = request.app[GATEWAY]
         raw = await read_body(request)
-        body = await gw.offload(load_json, raw, request.app[LIMITS])
-        return web.json_response(await gw.offload(fn, gw.prompts, body))
+        body = await gw.offload(_load, raw, request.app[LIMITS])
+        return web.json_response(await gw.offload(fn, gw.prompts, body,
+                                                  request.app[CONFIG].slot_ctx))
     return handle
 
 
