@@ -3,15 +3,19 @@ prefixgate on another host finds and pulls them. Redis is a trust boundary (issu
 
     SharedTier(url, fingerprint, secret=None)  (None: PREFIXGATE_SHARED_TIER_SECRET)
       .publish(key, tenant, n_tokens, checksum, path) -> int   queued, never waits on Redis
-      .pull(key, tenant, dest) -> int        its chunks into a verified local state file
+      .pull(key, tenant, dest) -> int        its parts into a verified local state file
       .longest(candidates, tenant) -> (n, key, size) | None    which keys the tier holds
       .stats() -> {STATS name: value}        what it did (a worker reports it in /health)
 
 Layout, under a namespace of the model and configuration (`pg:{fingerprint}`), so two models
-never meet: `…:c:{name}:{i}` the file's chunks (`CHUNK_BYTES` each), then `…:e:{name}` its
-entry (a hash: n_tokens, size, chunks, tenant tag, checksum, published_s, mac). The entry is
-written last: an entry whose chunks are not all there is a publish that did not finish, or
-chunks Redis evicted (`maxmemory` with an LRU policy bounds the tier), and pulling it is a miss.
+never meet: `…:p:{digest}` the file's parts, each named by a (keyed) hash of its bytes and
+stored once however many files hold it, then `…:e:{name}` its entry (a hash: n_tokens, size,
+chunks (how many parts), parts (their digests, in order), tenant tag, checksum, published_s,
+mac). A file is cut where the snapshots of one prompt share their bytes
+(`backend.shared_parts`: per layer, every 256 tokens), so a prompt's continued snapshots send
+only what the last one did not hold. The entry is written last: an entry whose parts are not
+all there is a publish that did not finish, or parts Redis evicted (`maxmemory` with an LRU
+policy bounds the tier; a publish touches the parts it reuses), and pulling it is a miss.
 
 What Redis sees and what it is trusted with:
 - Redis holds every published prompt's token ids in clear (in each state file's header) and
@@ -56,14 +60,16 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from backend import store
+from backend import shared_parts, store
 from backend.breaker import Breaker
 from backend.redact import redact_url, scrub, url_secrets
 
@@ -73,14 +79,16 @@ SHARED_PREFIX = "shared:"  # a plan's restore entry in the shared tier: "shared:
 # what a worker reports of its shared tier (its /health "shared"; proxy metrics per stat)
 STATS = ("published_bytes", "publish_failures", "pulls", "pulled_bytes", "pull_s",
          "verify_failures", "publish_queued", "publish_dropped", "publish_refused", "skipped",
-         "malformed")
-CHUNK_BYTES = 8 << 20  # Redis strings stay far below their 512 MB limit
+         "malformed", "reused_bytes")
+PULL_BATCH = 8  # parts fetched per round trip (each at most shared_parts.MAX_PART_BYTES)
+SEND_BATCH_BYTES = 32 << 20  # bytes of parts sent per round trip
 TIMEOUT_S = 5.0  # a chunk's round trip, at most
 LOOKUP_TIMEOUT_S = 1.0  # a lookup's round trip (on a request's path), at most
 BACKOFF_S = 30.0  # how long a tier that failed is skipped
 PUBLISH_QUEUE_MAX = 64  # files waiting to be published
 SECRET_ENV = "PREFIXGATE_SHARED_TIER_SECRET"
-_FIELDS = ("n_tokens", "size", "chunks", "tenant", "checksum", "published_s")
+_HEX = frozenset("0123456789abcdef")
+_FIELDS = ("n_tokens", "size", "chunks", "parts", "tenant", "checksum", "published_s")
 
 
 def redacted(url: str) -> str:
@@ -146,8 +154,11 @@ class SharedTier:
     def _entry(self, key: bytes) -> str:
         return f"{self.ns}:e:{self._name(key)}"
 
-    def _chunk(self, key: bytes, i: int) -> str:
-        return f"{self.ns}:c:{self._name(key)}:{i}"
+    def _part(self, digest: str) -> str:
+        return f"{self.ns}:p:{digest}"
+
+    def _digest(self, data: bytes) -> str:
+        return hashlib.blake2b(data, key=self._name_key, digest_size=16).hexdigest()
 
     def tag(self, tenant: str) -> str:
         """The tenant as Redis sees it: keyed with the secret (unkeyed without one)."""
@@ -199,6 +210,10 @@ class SharedTier:
             for f in ("n_tokens", "size", "chunks", "checksum"):
                 if int(entry[f]) < 0:
                     raise ValueError(f"{f} is negative")
+            parts = entry["parts"].split(",")
+            if len(parts) != int(entry["chunks"]) or not all(
+                    len(p) == 32 and set(p) <= _HEX for p in parts):
+                raise ValueError("its parts are not its chunks' digests")
         except (ValueError, AttributeError) as e:  # UnicodeDecodeError is a ValueError
             raise self._malformed(name, f"{type(e).__name__}: {e}") from None
         return entry
@@ -253,7 +268,7 @@ class SharedTier:
         entry = self._parse(name, raw)
         if entry["tenant"] != self.tag(tenant):
             raise SharedFault("the entry is another tenant's")
-        chunks, size = int(entry["chunks"]), int(entry["size"])
+        parts, size = entry["parts"].split(","), int(entry["size"])
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp_name = tempfile.mkstemp(prefix=".tmp-shared-", dir=dest.parent)
@@ -263,17 +278,18 @@ class SharedTier:
         try:
             digest = hashlib.blake2b(digest_size=32)
             with os.fdopen(fd, "wb") as f:
-                for i in range(chunks):
+                for i in range(0, len(parts), PULL_BATCH):
                     try:
-                        data = self._redis.get(self._chunk(key, i))
+                        got = self._redis.mget([self._part(p) for p in parts[i:i + PULL_BATCH]])
                     except self._errors as e:
                         raise self._fault("pull from", e) from None
-                    if data is None:
-                        raise SharedFault(f"chunk {i} of {chunks} is gone")
-                    if f.tell() + len(data) > size:
-                        raise self._refused(f"chunks past the entry's {size} bytes")
-                    digest.update(data)
-                    f.write(data)
+                    for j, data in enumerate(got, i):
+                        if data is None:
+                            raise SharedFault(f"chunk {j} of {len(parts)} is gone")
+                        if f.tell() + len(data) > size:
+                            raise self._refused(f"parts past the entry's {size} bytes")
+                        digest.update(data)
+                        f.write(data)
                 if f.tell() != size:
                     raise SharedFault(f"pulled {f.tell()} bytes, the entry says {size}")
                 f.flush()
@@ -373,36 +389,54 @@ class SharedTier:
                     self._cond.notify_all()
 
     def _send(self, key: bytes, tenant: str, n_tokens: int, checksum: int, path: Path) -> int:
-        """The file's bytes in chunks, then its entry (with its MAC); the bytes published."""
+        """The file's parts Redis lacks, then its entry (with its MAC); the bytes sent."""
         import redis
 
         self._allow("publish")
-        digest = hashlib.blake2b(digest_size=32)
-        i = 0
+        written: list[str] = []
         try:
-            with open(path, "rb") as f:
-                while chunk := f.read(CHUNK_BYTES):
-                    digest.update(chunk)
-                    self._redis.set(self._chunk(key, i), chunk)
-                    i += 1
-                size = f.tell()
-            fields = {"n_tokens": str(n_tokens), "size": str(size), "chunks": str(i),
-                      "tenant": self.tag(tenant), "checksum": str(checksum),
-                      "published_s": str(int(time.time()))}
+            with open(path, "rb") as f, _mapped(f) as m:
+                offsets = shared_parts.cuts(m)
+                spans = list(zip(offsets, [*offsets[1:], len(m)], strict=True))
+                names = [self._digest(m[a:b]) for a, b in spans]
+                pipe = self._redis.pipeline(transaction=False)
+                unique = list(dict.fromkeys(names))
+                for n in unique:  # TOUCH: which it has, and keep those fresh for its LRU
+                    pipe.touch(self._part(n))
+                have = {n for n, held in zip(unique, pipe.execute(), strict=True) if held}
+                sent, batch = 0, 0
+                for (a, b), n in zip(spans, names, strict=True):
+                    if n in have:
+                        self._stats["reused_bytes"] += b - a
+                        continue
+                    pipe.set(self._part(n), m[a:b])
+                    have.add(n)
+                    written.append(n)
+                    batch += b - a
+                    if batch >= SEND_BATCH_BYTES:
+                        pipe.execute()
+                        sent, batch = sent + batch, 0
+                pipe.execute()
+                size, file_digest = len(m), hashlib.blake2b(m, digest_size=32).digest()
+            fields = {"n_tokens": str(n_tokens), "size": str(size), "chunks": str(len(names)),
+                      "parts": ",".join(names), "tenant": self.tag(tenant),
+                      "checksum": str(checksum), "published_s": str(int(time.time()))}
             self._redis.hset(self._entry(key), mapping={
-                **fields, "mac": self._mac(key, fields, digest.digest())})
-        except OSError as e:  # evicted locally before its turn, most likely
+                **fields, "mac": self._mac(key, fields, file_digest)})
+        except (OSError, ValueError) as e:  # evicted locally before its turn, most likely
             raise SharedFault(f"the file cannot be read: {e}") from None
         except redis.ResponseError as e:  # refused: OOM under maxmemory, most likely
-            self._on_refused(key, i, e)
+            self._on_refused(written, e)
             raise self._fault("publish to", e) from None
         except self._errors as e:
             raise self._fault("publish to", e) from None
         self._breaker.succeeded()
         self._refusing = False
-        return size
+        return sent + batch + len(",".join(names))
 
-    def _on_refused(self, key: bytes, written: int, e: BaseException) -> None:
+    def _on_refused(self, written: list[str], e: BaseException) -> None:
+        """Said once until a publish succeeds again; the parts this publish added go (those
+        it shares with other entries stay)."""
         self._stats["publish_refused"] += 1
         if not self._refusing:
             self._refusing = True
@@ -412,7 +446,7 @@ class SharedTier:
                         scrub(f"{type(e).__name__}: {e}", self._secrets).splitlines()[0][:200])
         with contextlib.suppress(*self._errors):
             if written:
-                self._redis.delete(*(self._chunk(key, j) for j in range(written + 1)))
+                self._redis.delete(*(self._part(n) for n in written))
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -428,55 +462,13 @@ class SharedTier:
                 client.close()
 
 
-def entries(url: str) -> list[dict[str, Any]]:
-    """Every entry of the tier, all models (`prefixgate cache shared-ls`): its namespace (the
-    model and configuration), name, tokens, size, chunks and age; malformed ones left out."""
-    import redis
 
-    r = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+@contextlib.contextmanager
+def _mapped(f: Any) -> Iterator[mmap.mmap]:
+    """The file mapped for reading; closed after (or, while a view of it lives, when it goes)."""
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        out = []
-        for name in r.scan_iter("pg:*:e:*", count=1000):
-            try:
-                ns, _, key = name.decode().rpartition(":e:")
-                fields = {k.decode(): v.decode() for k, v in r.hgetall(name).items()}
-                for f in ("n_tokens", "size", "chunks"):
-                    fields[f] = str(int(fields[f]))
-            except (KeyError, ValueError):
-                continue
-            out.append({"namespace": ns, "key": key, **fields})
-        return out
-    except (redis.RedisError, OSError) as e:
-        raise SharedFault(f"{redacted(url)}: {type(e).__name__}: "
-                          f"{scrub(str(e), url_secrets(url))}") from None
+        yield m
     finally:
-        r.close()
-
-
-def prune(url: str, older_than_s: float = 0.0, namespace: str = "") -> tuple[int, int]:
-    """Delete entries published more than `older_than_s` ago (0: all), of one namespace or all,
-    with their chunks (`prefixgate cache shared-prune`); (entries, chunks) deleted."""
-    import redis
-
-    r = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
-    now, n_entries, n_chunks = time.time(), 0, 0
-    try:
-        for e in entries(url):
-            if namespace and e["namespace"] != namespace:
-                continue
-            try:
-                published = float(e.get("published_s", now))
-            except ValueError:
-                published = 0.0
-            if older_than_s and now - published < older_than_s:
-                continue
-            r.delete(f"{e['namespace']}:e:{e['key']}")  # the entry first: no half-pull after
-            chunks = [f"{e['namespace']}:c:{e['key']}:{i}" for i in range(int(e["chunks"]))]
-            n_chunks += int(r.delete(*chunks)) if chunks else 0
-            n_entries += 1
-        return n_entries, n_chunks
-    except (redis.RedisError, OSError) as e:
-        raise SharedFault(f"{redacted(url)}: {type(e).__name__}: "
-                          f"{scrub(str(e), url_secrets(url))}") from None
-    finally:
-        r.close()
+        with contextlib.suppress(BufferError):
+            m.close()

@@ -60,7 +60,7 @@ def test_a_corrupted_chunk_a_lost_redis_and_another_tenant_are_misses(
         ask(a, msgs, key="alice")
         ask(a, other, key="alice")
         redis_server.wait_entries(2)
-    for chunk in redis_server.client.scan_iter("pg:*:c:*"):  # flip a byte in every chunk
+    for chunk in redis_server.client.scan_iter("pg:*:p:*"):  # flip a byte in every part
         data = bytearray(redis_server.client.get(chunk) or b"")
         data[len(data) // 2] ^= 0xFF
         redis_server.client.set(chunk, bytes(data))
@@ -134,7 +134,7 @@ def test_a_publish_or_pull_cut_short_is_a_miss(tmp_path: Path, redis_server: Red
     assert tier.longest({3: key}, "t") == (3, key, path.stat().st_size)
     assert tier.longest({3: key}, "another tenant") is None
     dest = tmp_path / "dst" / "kv" / "a.kv"
-    for chunk in redis_server.client.scan_iter("pg:*:c:*"):
+    for chunk in redis_server.client.scan_iter("pg:*:p:*"):
         redis_server.client.delete(chunk)  # evicted, or the pull's Redis went away
     with pytest.raises(SharedFault, match="chunk 0 of 1 is gone"):
         tier.pull(key, "t", dest)
