@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.model,
 
 def test_a_session_moves_to_another_host_with_its_cache(tmp_path: Path,
                                                         redis_server: Redis) -> None:
-    shared = ("--workers", "1", "--shared-tier", redis_server.url)
+    # the team's secret by its flag: the proxy and its workers key and verify with it
+    shared = ("--workers", "1", "--shared-tier", redis_server.url, "--shared-tier-secret",
+              "team-secret")
     turn1, turn2, turn3 = (convo("Which rule is about files?", history=h) for h in (0, 1, 2))
     with running(tmp_path / "a", *shared) as a:
         ask(a, turn1)
@@ -46,7 +48,8 @@ def test_a_session_moves_to_another_host_with_its_cache(tmp_path: Path,
         metrics = b.get("/metrics")[1]
         assert 'prefixgate_shared_lookups_total{result="hit"} 1.0' in metrics
         assert 'prefixgate_shared_worker{stat="pulls",worker="0"} 1.0' in metrics
-        assert PASSWORD not in a.log() + b.log()
+        assert PASSWORD not in a.log() + b.log() and "team-secret" not in a.log() + b.log()
+        assert "without a secret" not in a.log() + b.log()
     with running(tmp_path / "cold", "--workers", "1", "--disk-prefix-cache", "off") as cold:
         assert ask(cold, turn3)["text"] == moved["text"]
 
