@@ -102,6 +102,16 @@ class StateHeader:
     file_size_bytes: int  # size of the file on disk; state_offset + state_len when complete
 
 
+def header_bytes(n_tokens: int) -> int:
+    """The size of a header of `n_tokens` ids: where the state starts."""
+    return _FIXED.size + 4 * n_tokens + _STATE_LEN.size + _CHECKSUM.size
+
+
+def tokens_in_header(head: bytes | memoryview) -> int:
+    """The token count a file's first bytes state (struct.error when too short)."""
+    return int(_FIXED.unpack_from(head)[4])
+
+
 def state_path(cache_dir: Path, key: CacheKey) -> Path:
     """Where the state of ``key`` lives: ``cache_dir/kv/<hex[:2]>/<hex>.kv``."""
     hex_key = key.hex()

@@ -66,6 +66,7 @@ from proxy.errors import (
     openai_response,
 )
 from proxy.gateway import Gateway, knobs_of
+from proxy.gguf import GGUFError
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.workers import Pool, StartupError, loading_note
@@ -85,10 +86,14 @@ def error_response(request: web.Request, e: ApiError) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     boot, pool = request.app[BOOT], request.app.get(POOL)
+    # with --tenant-isolation, nothing tenant-specific to anyone (it takes no key): no slot's
+    # live tokens or busy state (an authenticated /slots shows a tenant its own)
+    isolated = request.app[CONFIG].tenant_isolation
     workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy, "exact": w.exact,
-                "live_tokens": sum(len(s.live_ids) for s in w.slots),
-                "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
-                          for s in w.slots],
+                **({} if isolated else {
+                    "live_tokens": sum(len(s.live_ids) for s in w.slots),
+                    "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
+                              for s in w.slots]}),
                 **({} if w.ready else {"loading": loading_note(w.loading), "progress":
                                        w.loading.progress if w.loading is not None else 0.0})}
                for w in (pool.workers if pool is not None else [])]
@@ -239,6 +244,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
                                           cfg.volatile_patterns, cfg.volatile_blocks,
                                           cfg.stable_layout, cfg.chat_template_file,
                                           cfg.tool_dialect)
+    except GGUFError as e:  # the model changed under us since proxy.cli checked it
+        raise StartupError(f"the model {e}") from None
     except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
         where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
         line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
@@ -286,9 +293,13 @@ async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None
     decode = pool.workers[0].decode if pool.workers else None
     if decode is not None and cfg.parallel > 1:
         placement = f"{decode.note}; {placement}" if placement else decode.note
-    log.info("prefixgate ready on http://%s:%d: model %s, %d worker(s) x %d slot(s) of "
+    keys = app.get(ALLOWED_KEYS)
+    log.info("prefixgate ready on http://%s:%d: %s; model %s, %d worker(s) x %d slot(s) of "
              "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s%s (%.1f s)",
-             cfg.host, cfg.port, app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,
+             cfg.host, cfg.port,
+             f"auth on ({len(keys)} API key{'s' if len(keys) > 1 else ''})" if keys else
+             "auth OFF (no --api-key: any client is served)",
+             app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,
              "off" if cfg.cache_ram == 0 else "unbounded" if cfg.cache_ram < 0
              else f"{cfg.cache_ram} MiB/worker", cfg.disk_prefix_cache,
              prompts.tok.kind, prompts.dialect.name,

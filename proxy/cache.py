@@ -34,7 +34,7 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -52,6 +52,8 @@ log = logging.getLogger("prefixgate")
 
 T = TypeVar("T")
 
+SALTS_KEPT = 1024  # tenants whose cache salt is remembered (least recently used forgotten)
+
 
 class DiskCache:
     def __init__(self, index: Index, identity: keys.CacheIdentity, knobs: CacheKnobs,
@@ -61,7 +63,10 @@ class DiskCache:
         self.knobs = knobs
         self.budget_bytes = budget_bytes
         self.metrics = metrics
-        self._salts: dict[str, bytes] = {}  # tenant -> salt (reads the model file once)
+        # tenant -> salt, the most recently used last: bounded (a client may send a new random
+        # key with every request); a salt is cheap to make again once the model file was hashed
+        self._salts: OrderedDict[str, bytes] = OrderedDict()
+        self._salts_lock = threading.Lock()  # `salt` runs on any thread
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmdb-writer")
         self._entries: dict[bytes, Entry] = {}  # the mirror (see the module rules)
         self._extended: Counter[bytes] = Counter()  # key -> entries whose prefix_of it is
@@ -128,9 +133,17 @@ class DiskCache:
         return keys.fingerprint(self.salt(""))
 
     def salt(self, tenant: str) -> bytes:
-        if tenant not in self._salts:
-            self._salts[tenant] = self.identity.salt(tenant)
-        return self._salts[tenant]
+        with self._salts_lock:
+            salt = self._salts.get(tenant)
+            if salt is not None:
+                self._salts.move_to_end(tenant)
+                return salt
+        salt = self.identity.salt(tenant)
+        with self._salts_lock:
+            self._salts[tenant] = salt
+            while len(self._salts) > SALTS_KEPT:
+                self._salts.popitem(last=False)
+        return salt
 
     def lookup(self, facts: Facts, tenant: str) -> Stored:
         with self._lock:

@@ -107,7 +107,8 @@ def main(argv: list[str]) -> None:
 
 
 def shared(action: str, url: str, older_than_s: float) -> None:
-    from backend.shared import SharedFault, entries, prune
+    from backend.shared import SharedFault
+    from backend.shared_admin import entries, prune
 
     if not url:
         raise SystemExit("give --shared-tier redis://HOST:PORT/DB (or PREFIXGATE_SHARED_TIER)")

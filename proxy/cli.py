@@ -14,7 +14,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from proxy import limits
-from proxy.config import WORKER_FIELDS, Config, add_arguments, cache_identity, from_args
+from proxy.config import (
+    WORKER_FIELDS,
+    Config,
+    add_arguments,
+    cache_identity,
+    from_args,
+    share_secrets,
+)
 from proxy.flags import LLAMA_SERVER
 
 if TYPE_CHECKING:
@@ -62,10 +69,15 @@ def serve(cfg: Config) -> None:
         from proxy.app import read_key_file
 
         try:
-            read_key_file(cfg.api_keys)
+            keys = read_key_file(cfg.api_keys)
         except (OSError, UnicodeDecodeError) as e:  # the path is not shown: it may be a key
             raise SystemExit(f"prefixgate: cannot read the --api-keys file: "
                              f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        if not keys:  # auth never fails open
+            raise SystemExit("prefixgate: the --api-keys file holds no API key (only blank "
+                             "lines and # comments); put one key per line, or leave it out "
+                             "to serve without auth")
+    share_secrets(cfg)
     sock = _listen(cfg.host, cfg.port)
     # the render thread parses and renders big requests; let it hand the GIL to the event
     # loop every millisecond (5 by default), so other clients' latency stays low meanwhile
@@ -86,14 +98,18 @@ def serve(cfg: Config) -> None:
 
 
 def _check_model(path: str) -> None:
-    """A model path that is not a readable GGUF file is said at once, not as a traceback."""
+    """A model path that is not a readable, whole GGUF file (a FIFO, a file cut short, damaged
+    metadata) is said at once in one line naming it, before anything loads it
+    (proxy.gguf.check_file), not as a traceback or a hang."""
+    from proxy.gguf import GGUFError, check_file
+
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        check_file(path)
     except OSError as e:
-        raise SystemExit(f"prefixgate: cannot read the model {path}: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise SystemExit(f"prefixgate: {path} is not a GGUF model file")
+        raise SystemExit(f"prefixgate: cannot read the model {path}: "
+                         f"{e.strerror or type(e).__name__}") from None
+    except GGUFError as e:
+        raise SystemExit(f"prefixgate: the model {e}") from None
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -135,6 +151,7 @@ def worker(argv: list[str]) -> None:
 
     cfg, ns = worker_config(argv)
     _check_model(cfg.model_path)
+    share_secrets(cfg)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     try:

@@ -68,7 +68,7 @@ class Config:
     workers: int = 1  # worker processes, one llama context each
     # remote workers (`prefixgate worker --listen`) used instead of spawning --workers;
     # repeatable flag, the variable comma-separated; () = spawn local workers
-    worker_url: tuple[str, ...] = ()
+    worker_url: tuple[str, ...] = field(default=(), repr=False)  # may hold a password
     # context tokens per worker, shared among its slots as llama-server's -c is (each slot gets
     # n_ctx / parallel; Hermes refuses models under 64K); 0 = the model's trained context
     n_ctx: int = 65536
@@ -134,7 +134,11 @@ class Config:
     cache_ram: int = 8192
     # the shared snapshot tier behind the local one (backend/shared.py): redis://HOST:PORT/DB
     # of a Redis or Valkey the team's prefixgate hosts share; "" = none
-    shared_tier: str = ""
+    shared_tier: str = field(default="", repr=False)  # may hold a password
+    # the team's secret that authenticates what a host pulls from the shared tier and keys the
+    # tenant tags stored there (backend/shared.py); "" = none (said in one log line). A secret:
+    # never logged, and passed to local workers by their environment, never their argv
+    shared_tier_secret: str = field(default="", repr=False)
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
     # streams: an Anthropic ping, an OpenAI SSE comment after this many silent seconds
@@ -205,7 +209,8 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         if f.name in NOT_FLAGS:
             continue
         env = "PREFIXGATE_" + f.name.upper() + (f" or {llama_env}" if llama_env else "")
-        shown = "" if f.name == "api_key" else f", default {SHOWN_DEFAULTS.get(f.name, f.default)}"
+        shown = "" if f.name in SECRETS else \
+            f", default {SHOWN_DEFAULTS.get(f.name, f.default)}"
         help_ = f"{HELP.get(f.name, f.name.replace('_', ' '))} (env {env}{shown})"
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
@@ -316,20 +321,24 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
+# fields whose values are secrets: never shown in help, errors or logs
+SECRETS = ("api_key", "shared_tier_secret", "shared_tier", "worker_url")
+
+
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
-                 "deterministic", "repack")
+                 "shared_tier_secret", "deterministic", "repack")
 
 
 def worker_argv(cfg: Config) -> list[str]:
     """The flags that give a worker this Config's worker fields."""
     argv: list[str] = []
     for name in WORKER_FIELDS:
-        if name == "shared_tier":  # its URL may hold a password: by environment, never argv
+        if name in SECRETS:  # by environment, never argv (`share_secrets`)
             continue
         value = getattr(cfg, "model_path" if name == "model" else name)
         flag = "--" + name.replace("_", "-")
@@ -340,6 +349,13 @@ def worker_argv(cfg: Config) -> list[str]:
     return argv
 
 
+def share_secrets(cfg: Config) -> None:
+    """The shared tier's secret into this process's environment, where the workers it spawns
+    and `backend.shared.SharedTier` read it (a flag's value would show in their argv)."""
+    if cfg.shared_tier_secret:
+        os.environ["PREFIXGATE_SHARED_TIER_SECRET"] = cfg.shared_tier_secret
+
+
 def cache_identity(cfg: Config) -> CacheIdentity:
     """The one cache identity of this configuration: the proxy and every worker key with it."""
     return CacheIdentity(cfg.model_path, cfg.slot_ctx, cfg.cache_type_k, cfg.cache_type_v,
@@ -347,25 +363,44 @@ def cache_identity(cfg: Config) -> CacheIdentity:
                          cfg.swa_full, cfg.batch)
 
 
+def _check_key_options(values: dict[str, Any], given: dict[str, str]) -> None:
+    """Auth never fails open: a key option that is given but yields no key (an unset shell
+    variable, only commas) stops the start in one line naming it. The --api-keys file's
+    content is checked where it is read (proxy.app.read_key_file)."""
+    if values.get("api_key") == ():
+        raise SystemExit(f"prefixgate: {given['api_key']} is given but holds no API key (empty "
+                         "or only commas); give a key, or leave it out to serve without auth")
+    if "api_keys" in values and not str(values["api_keys"]).strip():
+        raise SystemExit(f"prefixgate: {given['api_keys']} is given but names no file; give "
+                         "the file of API keys, or leave it out to serve without auth")
+
+
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # field -> where its value came from, for messages
     for f in fields(Config):
         if f.name in NOT_FLAGS:
             continue
-        v = getattr(ns, f.name, None)
-        if v is None:  # a variable set empty is not set (compose passes `${NAME:-}` on)
-            v = environ.get("PREFIXGATE_" + f.name.upper()) or None
+        # a variable set empty is not set (compose passes `${NAME:-}` on); a key variable of
+        # only blanks or commas is given, and yields no key (`_check_key_options`)
+        v, given[f.name] = getattr(ns, f.name, None), "--" + f.name.replace("_", "-")
+        if v is None:
+            v, given[f.name] = environ.get("PREFIXGATE_" + f.name.upper()) or None, \
+                "PREFIXGATE_" + f.name.upper()
         if v is None and f.name in LLAMA_SERVER and LLAMA_SERVER[f.name][1]:
-            v = environ.get(LLAMA_SERVER[f.name][1]) or None
+            v, given[f.name] = environ.get(LLAMA_SERVER[f.name][1]) or None, \
+                LLAMA_SERVER[f.name][1]
         if v is not None:
             try:
                 values[f.name] = _coerce(f.name, v)
             except ValueError as e:
                 why = f" ({e})" if f.name in (*_CHOICE_FIELDS, "chat_template_kwargs") else ""
-                shown = "(not shown)" if f.name == "api_key" else repr(v)
+                shown = "(not shown)" if f.name in SECRETS else repr(v)
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
+    if hasattr(ns, "api_key"):  # serve's options (a worker's have no keys)
+        _check_key_options(values, given)
     if "load_mode" not in values:  # --mlock, --no-mmap (or their variables) where no -lm is
         old = [getattr(ns, "old_" + k, None) for k in ("mmap", "mlock")]
         for i, k in enumerate(("MMAP", "MLOCK")):

@@ -3,6 +3,7 @@
     ApiError (500, api_error)                        internal_error(exc): a bug, not the client's
     ├── BadRequest (400, invalid_request_error)      the message says what to fix
     │   ├── ContextOverflow (400, context_length_exceeded)
+    │   │   └── TextTooLong                          refused before it was tokenized
     │   └── TooLarge (413; Anthropic: request_too_large)   the body is over max_body_bytes
     ├── Unauthorized (401, authentication_error)
     ├── NotFound (404, not_found_error)
@@ -50,6 +51,25 @@ class ContextOverflow(BadRequest):
             param="messages",
         )
         self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+
+
+class TextTooLong(ContextOverflow):
+    """A text that cannot fit the context whatever its tokens: more characters than `n_ctx`
+    of the vocabulary's longest token cover. Refused before it is tokenized; `n_prompt` is a
+    lower bound of its tokens."""
+
+    def __init__(self, n_chars: int, n_ctx: int, max_token_chars: int, param: str) -> None:
+        at_least = -(-n_chars // max_token_chars)
+        BadRequest.__init__(
+            self,
+            f"This model's maximum context length is {n_ctx} tokens, but the text is "
+            f"{n_chars} characters, at least {at_least} tokens (no token of this model is "
+            f"longer than {max_token_chars} characters): prompt is too long: {at_least} tokens "
+            f"> {n_ctx} maximum. Send less text, or start prefixgate with a larger --n-ctx.",
+            param=param,
+        )
+        self.n_prompt = at_least
         self.n_ctx = n_ctx
 
 

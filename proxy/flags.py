@@ -59,6 +59,9 @@ HELP = {
                    "(bound it with Redis's maxmemory and an LRU policy)",
     "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
                  "(-1 no limit, 0 off)",
+    "shared_tier_secret": "a secret the team's hosts share: what a host pulls from the shared "
+                          "tier is authenticated with it (give it by the variable: a flag "
+                          "shows in ps)",
     "repack": "weights repacked for the CPU's kernels (llama.cpp's extra buffer types): "
               "--repack, -nr/--no-repack as llama-server spells them; by default on, except "
               "on a CPU with AMX, whose llama.cpp kernels crash on some machines (auto)",

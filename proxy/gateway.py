@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from backend.keys import prefix_keys
-from backend.shared import SharedFault, SharedTier
+from backend.shared import LOOKUP_TIMEOUT_S, SharedFault, SharedSkipped, SharedTier
 from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs, MessageStart
 from policies.prefix import common_prefix_len
@@ -50,6 +50,9 @@ OFF = Scope("off")
 # share their system prompt and tools).
 REQUEUED_LOOKUP_S = 0.05
 SHARED_CANDIDATES = 2048  # batch edges asked of the shared tier per lookup (at least 16K tokens)
+# the longest a request waits for the shared tier's lookup (its own timeout is shorter; this
+# bounds the wait for one of its threads as well)
+SHARED_LOOKUP_S = 2 * LOOKUP_TIMEOUT_S
 
 
 def tenant_id(api_key: str) -> str:
@@ -80,6 +83,7 @@ class Gateway:
         self.ring = Ring(RING_CAPACITY)
         self._background: set[asyncio.Task[None]] = set()
         self._render = ThreadPoolExecutor(1, thread_name_prefix="render")
+        self._shared_lookups = ThreadPoolExecutor(2, thread_name_prefix="shared-lookup")
         self.deps = RunDeps(pool, cache, metrics, self.spawn, cfg.request_timeout_s)
         self.shared: SharedTier | None = None  # the shared snapshot tier (--shared-tier)
         # llama-server's server-wide request defaults: the command line's, the model's
@@ -98,7 +102,14 @@ class Gateway:
             for tenant, ids in await self.cache.read(self.cache.ring_load):
                 self.ring.push(tenant, ids)
             if self.cfg.shared_tier:
-                self.shared = SharedTier(self.cfg.shared_tier, self.pool.fingerprint)
+                self.shared = SharedTier(self.cfg.shared_tier, self.pool.fingerprint,
+                                         self.cfg.shared_tier_secret)
+                if not self.shared.authenticated:
+                    log.warning("shared tier %s runs without a secret (--shared-tier-secret "
+                                "or PREFIXGATE_SHARED_TIER_SECRET): whoever can write to it "
+                                "can plant states this host loads, and whoever reads it can "
+                                "test API key guesses against its tenant tags",
+                                self.shared.url)
 
     async def _lookup(self, facts: Facts, tenant: str) -> Stored:
         """The stored prefixes of this prompt (local, then the shared tier's); none without a
@@ -124,11 +135,16 @@ class Gateway:
         salt = await self.cache.read(self.cache.salt, tenant)
         candidates = {n: bytes(k) for n, k in prefix_keys(salt, facts.ids, positions).items()}
         shared = self.shared
-        try:
-            found = await asyncio.to_thread(shared.longest, candidates, tenant)
-        except SharedFault as e:
+        try:  # on its own threads: a hung Redis never holds up the local index's lookups
+            found = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                self._shared_lookups, shared.longest, candidates, tenant), SHARED_LOOKUP_S)
+        except SharedSkipped:
+            self.metrics.shared_lookups.labels("skipped").inc()
+            return stored
+        except (SharedFault, asyncio.TimeoutError) as e:
             self.metrics.shared_lookups.labels("error").inc()
-            log.warning("shared tier lookup failed (a miss): %s", e)
+            log.warning("shared tier lookup failed (a miss): %s",
+                        e if isinstance(e, SharedFault) else "no answer in time")
             return stored
         self.metrics.shared_lookups.labels("hit" if found else "miss").inc()
         if found is None:
@@ -216,3 +232,4 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         self._render.shutdown(wait=False, cancel_futures=True)
+        self._shared_lookups.shutdown(wait=False, cancel_futures=True)

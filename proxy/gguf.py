@@ -3,7 +3,11 @@
 Layout (GGUF v2/v3; v1 used 32-bit counts): magic ``GGUF``, version u32, tensor count, kv count,
 then kv pairs ``key: string, type: u32, value``. A string is a length (u64) and UTF-8 bytes; an
 array is an element type (u32), a count (u64) and the elements. Tensor infos follow the kv
-section; this reader stops before them and never touches tensor data.
+section (name, dimension count u32, dimensions u64 each, ggml type u32, offset u64), then the
+tensor data, aligned to ``general.alignment`` (32 by default). ``read_metadata`` stops before the
+tensor infos; ``check_file`` reads them too and checks that every tensor's data lies inside the
+file, so a file cut short anywhere is refused in one line before llama.cpp is given it. Neither
+touches tensor data.
 
 Rules:
 - The file is memory-mapped and parsed with ``struct.unpack_from``; numeric arrays are unpacked
@@ -12,16 +16,23 @@ Rules:
 - Arrays come back as lists, strings as ``str`` (invalid UTF-8 replaced, which GGUF writers do
   not produce), booleans as ``bool``.
 - Byte order follows the file: a big-endian GGUF is detected from its version field.
-- A malformed file raises ``GGUFError`` naming the path and the offset.
+- A malformed file raises ``GGUFError`` naming the path, what is wrong and the offset; never
+  another exception, and never an allocation the file cannot back: a count (of pairs, tensors,
+  array items) is checked against the bytes left in the file before anything is made for it
+  (a string array claiming 2^26 entries in a small file is refused, not allocated).
+- Only a regular file is opened (without blocking, then checked): a FIFO, a device or a
+  directory given as a model is refused at once, never waited on.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import stat
 import struct
 from typing import Any
 
-__all__ = ["GGUFError", "read_metadata"]
+__all__ = ["GGUFError", "check_file", "read_metadata"]
 
 _MAGIC = b"GGUF"
 
@@ -39,6 +50,21 @@ _SCALAR_FORMATS: dict[int, str] = {
     12: "d",  # float64
 }
 _BOOL, _STRING, _ARRAY = 7, 8, 9
+# the fewest bytes a value of each type takes (an array: its element type and count)
+_MIN_VALUE_BYTES = {_BOOL: 1, _STRING: 8, _ARRAY: 12}
+
+# ggml type -> (elements per block, bytes per block): gguf-py's GGML_QUANT_SIZES (a test checks
+# that they agree); a type not listed is one llama.cpp may know: its size is not checked
+GGML_TYPE_SIZES: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    9: (32, 40), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
+    14: (256, 210), 15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98),
+    19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1),
+    25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54),
+    35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
+}
+MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
 
 
 class GGUFError(ValueError):
@@ -66,12 +92,18 @@ class _Reader:
         self.off += struct.calcsize(fmt)
         return values
 
-    def count(self) -> int:
+    def count(self, what: str = "", min_bytes: int = 0) -> int:
+        """A count; with `min_bytes`, refused when that many `what`s of at least `min_bytes`
+        each cannot fit in what is left of the file (before anything is made for them)."""
         try:
             (n,) = struct.unpack_from(self.count_fmt, self.buf, self.off)
         except struct.error:
             raise self.fail("truncated metadata") from None
         self.off += self.count_size
+        left = len(self.buf) - self.off
+        if min_bytes and n * min_bytes > left:
+            raise self.fail(f"{n} {what} claimed, more than the {left} bytes left in the file "
+                            "can hold (a damaged or truncated file)")
         return int(n)
 
     def string(self) -> str:
@@ -97,8 +129,9 @@ class _Reader:
 
     def array(self) -> list[Any]:
         (etype,) = self.unpack("I")
-        n = self.count()
         fmt = _SCALAR_FORMATS.get(etype)
+        size = struct.calcsize(fmt) if fmt is not None else _MIN_VALUE_BYTES.get(etype, 1)
+        n = self.count("array items", size)
         if fmt is not None:
             return list(self.unpack(f"{n}{fmt}"))
         if etype == _BOOL:
@@ -128,22 +161,83 @@ class _Reader:
         return out
 
 
+def _map(path: str) -> mmap.mmap:
+    """The file mapped for reading, if it is a non-empty regular file (opened without
+    blocking: a FIFO would wait for a writer forever). OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) \
+                else "a device or socket"
+            raise GGUFError(f"{path}: not a regular file ({kind}); give the model's .gguf file")
+        if os.fstat(fd).st_size < 8:
+            raise GGUFError(f"{path} is not a GGUF model file ({os.fstat(fd).st_size} bytes)")
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """Return the GGUF key/value metadata of ``path`` (tensor infos and data are not read)."""
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as exc:  # empty file
-            raise GGUFError(f"{path}: not a GGUF file ({exc})") from None
+    buf = _map(path)
     try:
-        return _read(buf, path)
+        return _read(buf, path)[0]
     finally:
         buf.close()
 
 
-def _read(buf: mmap.mmap, path: str) -> dict[str, Any]:
+def check_file(path: str) -> dict[str, Any]:
+    """The metadata of a GGUF file whose layout llama.cpp can load: its key/value pairs and
+    tensor infos parse, and every tensor's data lies inside the file. Raises GGUFError (one
+    line: the path and what is wrong), or OSError when it cannot be opened."""
+    buf = _map(path)
+    try:
+        metadata, reader, n_tensors = _read(buf, path)
+        _check_tensors(reader, metadata, n_tensors)
+        return metadata
+    finally:
+        buf.close()
+
+
+def _check_tensors(reader: _Reader, metadata: dict[str, Any], n_tensors: int) -> None:
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise reader.fail(f"general.alignment {alignment!r} is not a power of two")
+    ends: list[tuple[int, str]] = []
+    for _ in range(n_tensors):
+        name = reader.string()
+        (n_dims,) = reader.unpack("I")
+        if not 0 < n_dims <= MAX_DIMS:
+            raise reader.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
+        dims = reader.unpack(f"{n_dims}Q")
+        (ggml_type,) = reader.unpack("I")
+        (offset,) = reader.unpack("Q")
+        if offset % alignment:
+            raise reader.fail(f"tensor {name!r} starts at {offset}, not a multiple of the "
+                              f"alignment {alignment}")
+        elements = 1
+        for d in dims:
+            elements *= d
+        block, block_bytes = GGML_TYPE_SIZES.get(ggml_type, (1, 0))
+        if elements % block:
+            raise reader.fail(f"tensor {name!r} of {elements} elements is not whole blocks of "
+                              f"{block} (type {ggml_type})")
+        ends.append((offset + elements // block * block_bytes, name))
+    if not ends:  # no tensors (a vocabulary-only file): no data section, no padding
+        return
+    data_start = -(-reader.off // alignment) * alignment
+    end, name = max(ends)
+    if data_start + end > len(reader.buf):
+        raise GGUFError(f"{reader.path}: truncated: tensor {name!r} ends at byte "
+                        f"{data_start + end}, the file has {len(reader.buf)} bytes (cut short: "
+                        "copy or download it again)")
+
+
+def _read(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], _Reader, int]:
+    """(the metadata, the reader at the tensor infos, the tensor count)"""
     if len(buf) < 8 or buf[:4] != _MAGIC:
-        raise GGUFError(f"{path}: not a GGUF file (bad magic)")
+        raise GGUFError(f"{path} is not a GGUF model file (bad magic)")
     (version,) = struct.unpack_from("<I", buf, 4)
     order = "<"
     if version & 0xFFFF == 0:  # a small version read with the wrong byte order
@@ -153,11 +247,13 @@ def _read(buf: mmap.mmap, path: str) -> dict[str, Any]:
         raise GGUFError(f"{path}: unsupported GGUF version {version}")
     reader = _Reader(buf, path, order, "I" if version == 1 else "Q")
     reader.off = 8
-    reader.count()  # tensor count, unused
-    n_kv = reader.count()
+    # a tensor info takes at least a name, a dimension count, a type and an offset; a pair a
+    # key, a type and a one-byte value
+    n_tensors = reader.count("tensors", 24)
+    n_kv = reader.count("key/value pairs", 13)
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = reader.string()
         (vtype,) = reader.unpack("I")
         metadata[key] = reader.value(vtype)
-    return metadata
+    return metadata, reader, n_tensors

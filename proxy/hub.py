@@ -17,6 +17,10 @@ Which file, as llama.cpp's `common/download.cpp` picks it (`pick`):
   (`parts`), downloaded beside each other, and the first part's path is the model's (llama.cpp
   loads the others from beside it; backend/keys.py hashes them all).
 A repository with a `preset.ini` at its root is a llama-server preset (router mode): refused.
+
+A hub that cannot be reached (no network, a firewall, a wrong HF_ENDPOINT) is found with one
+probe of `PROBE_TIMEOUT_S`, not the client's minute of retries; the cache is used then, as
+offline. Whatever goes wrong is a ValueError of one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")  # llama.cpp's find_best_model, when no tag is given
 NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 _SPLIT = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})$", re.IGNORECASE)
+PROBE_TIMEOUT_S = 5.0  # how long the hub has to answer one request before it counts as down
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,20 @@ def parts(files: list[str], primary: str) -> list[str]:
     return found
 
 
+def unreachable() -> str:
+    """Why the hub does not answer ("" when it does, or downloads are off): one request."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return ""
+    try:
+        get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+    except Exception as e:  # any transport error of the hub's HTTP client
+        return f"{constants.ENDPOINT}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return ""
+
+
 def resolve(spec: str, filename: str = "") -> str:
     """user/model[:quant] (and --hf-file) -> the local path of its GGUF (the first part of a
     split model) in the Hugging Face cache, every file of it downloaded there first when
@@ -104,8 +123,12 @@ def resolve(spec: str, filename: str = "") -> str:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo, tag = split_tag(spec)
+    down = unreachable()
+    local = bool(down)  # the cache only, as offline
     try:
         try:
+            if local:
+                raise OSError(down)
             files = HfApi().list_repo_files(repo)
         except (OSError, HfHubHTTPError):  # offline, or no network: the cached snapshot
             folder = snapshot_download(repo, local_files_only=True)
@@ -117,13 +140,18 @@ def resolve(spec: str, filename: str = "") -> str:
         if filename and filename not in files:
             raise ValueError(f"no file {filename} in it")
         primary = filename or pick(files, tag)
-        paths = [str(hf_hub_download(repo, f)) for f in parts(files, primary)]
+        paths = [str(hf_hub_download(repo, f, local_files_only=local))
+                 for f in parts(files, primary)]
         return paths[0]
     except LocalEntryNotFoundError:
+        why = f"the hub is unreachable ({down})" if down else \
+            "downloads are off (HF_HUB_OFFLINE) or the hub is unreachable"
         raise ValueError(f"-hf {repo}: not in the Hugging Face cache "
-                         f"({os.environ.get('HF_HUB_CACHE') or 'HF_HOME'}) and downloads are "
-                         "off (HF_HUB_OFFLINE) or the hub is unreachable") from None
+                         f"({os.environ.get('HF_HUB_CACHE') or 'HF_HOME'}) and {why}") from None
     except HfHubHTTPError as e:  # not found, gated (HF_TOKEN), ...: the hub's reason
         raise ValueError(f"-hf {repo}: {str(e).splitlines()[0]}") from None
     except ValueError as e:
         raise ValueError(f"-hf {spec}: {e}") from None
+    except Exception as e:  # the hub's client failing another way (a dropped connection)
+        raise ValueError(f"-hf {repo}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}") from None

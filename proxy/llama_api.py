@@ -18,7 +18,10 @@ with them (issue 21):
 
 The ids are prefixgate's own, the ones the cache keys on (equal to llama.cpp's: the tokenizer
 parity tests). Each needs an API key where the APIs do; errors are OpenAI-shaped. Tokenizing and
-rendering run on the gateway's render thread, never on the event loop.
+rendering run on the gateway's render thread, never on the event loop. Every body meets the
+bounds the chat APIs' bodies meet (proxy/limits.py: size, nesting, strings, arrays, messages,
+tools), and text that cannot fit one slot's context whatever its tokens is refused before it is
+tokenized or rendered (`PromptBuilder.check_text`), as a chat request's is.
 """
 
 from __future__ import annotations
@@ -44,17 +47,20 @@ from proxy.edge import (
     with_pings,
 )
 from proxy.errors import ApiError, BadRequest, openai_response
+from proxy.gateway import tenant_id
+from proxy.limits import Limits, check_request
 from proxy.limits import load as load_json
 from proxy.openai_api import parse_chat, raw_prompt, timings_json
 from proxy.prompt import PromptBuilder
 from proxy.run import Run
 
 
-def tokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
+def tokenize(builder: PromptBuilder, body: Any, n_ctx: int) -> dict[str, Any]:
     body = expect_dict(body)
     content = body.get("content")
     if not isinstance(content, str):
         raise BadRequest("'content' must be a string", param="content")
+    builder.check_text(len(content), n_ctx, "content")
     tok = builder.tok
     ids = tok.encode(content)
     if body.get("add_special") is True and tok.add_bos and tok.bos_id is not None:
@@ -64,7 +70,7 @@ def tokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
     return {"tokens": ids}
 
 
-def detokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
+def detokenize(builder: PromptBuilder, body: Any, n_ctx: int) -> dict[str, Any]:
     tokens = expect_dict(body).get("tokens")
     if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
@@ -76,9 +82,16 @@ def detokenize(builder: PromptBuilder, body: Any) -> dict[str, Any]:
                          param="tokens") from None
 
 
-def apply_template(builder: PromptBuilder, body: Any) -> dict[str, Any]:
-    rendered, _ = builder.render(parse_chat(body, ""))
+def apply_template(builder: PromptBuilder, body: Any, n_ctx: int) -> dict[str, Any]:
+    rendered, _ = builder.render(parse_chat(body, ""), n_ctx)
     return {"prompt": rendered.text}
+
+
+def _load(raw: bytes, bounds: Limits) -> Any:
+    """The JSON body within the bounds every API's body meets (proxy.edge.parse_body's)."""
+    body = load_json(raw, bounds)
+    check_request(body, bounds)
+    return body
 
 
 def _handler(fn: Any) -> Any:
@@ -86,21 +99,30 @@ def _handler(fn: Any) -> Any:
         check_auth(request)
         gw = request.app[GATEWAY]
         raw = await read_body(request)
-        body = await gw.offload(load_json, raw, request.app[LIMITS])
-        return web.json_response(await gw.offload(fn, gw.prompts, body))
+        body = await gw.offload(_load, raw, request.app[LIMITS])
+        return web.json_response(await gw.offload(fn, gw.prompts, body,
+                                                  request.app[CONFIG].slot_ctx))
     return handle
 
 
 async def slots(request: web.Request) -> web.Response:
-    check_auth(request)
+    """Every slot, as llama-server lists them (tools count and index them by id). With
+    --tenant-isolation a caller sees the details of the slots that hold its own tenant's KV
+    (or nothing); another tenant's slot shows only whether it is busy, which any client can
+    tell from its own waiting anyway: no token count, no tenant."""
+    key = check_auth(request)
     cfg = request.app[CONFIG]
-    return web.json_response([
-        {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
-         "is_processing": s.busy, "ready": s.ready, "live_tokens": len(s.live_ids),
-         "exact": s.worker.exact,
-         "tenant": hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12]
-         if s.live_tenant else ""}
-        for i, s in enumerate(request.app[POOL].slots)])
+    mine = tenant_id(key) if cfg.tenant_isolation else None
+    out = []
+    for i, s in enumerate(request.app[POOL].slots):
+        slot = {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
+                "is_processing": s.busy, "ready": s.ready, "exact": s.worker.exact}
+        if mine is None or s.live_tenant in ("", mine):
+            slot["live_tokens"] = len(s.live_ids)
+            slot["tenant"] = hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12] \
+                if s.live_tenant else ""
+        out.append(slot)
+    return web.json_response(out)
 
 
 def parse_native(body: Any, tenant: str) -> ChatRequest:

@@ -46,17 +46,17 @@ class Metrics:
                                      "Bytes of evicted state files", registry=r)
         self.shared_lookups = Counter(
             "prefixgate_shared_lookups_total",
-            "Shared tier lookups of prompts the local tier did not cover: hit, miss, error",
-            ["result"], registry=r)
+            "Shared tier lookups of prompts the local tier did not cover: hit, miss, error, "
+            "skipped (the tier failed moments ago: not asked)", ["result"], registry=r)
         # every series from the start (zero until used): dashboards show 0, not "no data"
-        for result in ("hit", "miss", "error"):
+        for result in ("hit", "miss", "error", "skipped"):
             self.shared_lookups.labels(result)
         for source in ("live", "ram", "disk", "shared"):
             self.cached_tokens.labels(source)
         self.shared = Gauge("prefixgate_shared_worker", "What each worker did with the shared "
-                            "tier: published_bytes, publish_failures, pulls, pulled_bytes, "
-                            "pull_s, verify_failures (since it started)", ["worker", "stat"],
-                            registry=r)
+                            "tier since it started (backend.shared.STATS: published_bytes, "
+                            "publish_failures, pulls, ..., publish_queued now)",
+                            ["worker", "stat"], registry=r)
         self.restores_skipped = Counter(
             "prefixgate_restores_skipped_total",
             "Stored entries not restored because the worker prefills them faster", registry=r)

@@ -22,6 +22,11 @@ Rules:
   system, messages.
 - A prompt of zero tokens, or of at least n_ctx tokens, is a 400 (`ContextOverflow` for the
   latter, in the shape clients compact on). A template that raises is a 400 that quotes it.
+- Text that cannot fit the context whatever its tokens is refused before it is rendered or
+  tokenized (`TextTooLong`, a ContextOverflow): more characters of message content (or raw
+  prompt), after normalization, than n_ctx tokens of the vocabulary's longest could cover. No
+  token covers more characters than its own text has, and every template renders each
+  message's content, so this never refuses a prompt that fits.
 - `max_tokens` is what the request asked for, capped at the room left in the context.
 """
 
@@ -42,7 +47,7 @@ from policies.scope import Scope, format_scope, parse_scope
 from proxy.chat import ChatRequest
 from proxy.dialects import Dialect, Stream, for_template
 from proxy.dialects.grammar import clean_schema, grammar_error
-from proxy.errors import BadRequest, ContextOverflow
+from proxy.errors import BadRequest, ContextOverflow, TextTooLong
 from proxy.gguf import read_metadata
 from proxy.memo import IdMemo, TextMemo
 from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
@@ -160,9 +165,13 @@ class Layout:
 class PromptBuilder:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer,
                  volatile_patterns: tuple[str, ...] = (), volatile_blocks: tuple[str, ...] = (),
-                 stable_layout: bool = False, tool_dialect: str = "") -> None:
+                 stable_layout: bool = False, tool_dialect: str = "",
+                 max_token_chars: int = 0) -> None:
         self.template = template
         self.tok = tokenizer
+        # the longest token's text, in characters (0: unknown, no bound): no token covers more
+        # characters of a text than that
+        self.max_token_chars = max_token_chars
         self.dialect, self.section = _dialect_of(template, tool_dialect)
         self.normalizer = Normalizer(volatile_patterns)
         self.layout = Layout(volatile_blocks if stable_layout else ())
@@ -183,8 +192,11 @@ class PromptBuilder:
         template = ChatTemplate(source,
                                 tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                                 tok.decode([tok.eos_id]) if tok.eos_id is not None else "")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        longest = max((len(t) for t in tokens if isinstance(t, str)), default=0) \
+            if isinstance(tokens, list) else 0
         builder = cls(template, tok, volatile_patterns, volatile_blocks, stable_layout,
-                      tool_dialect)
+                      tool_dialect, max(longest, 1) if longest else 0)
         builder.model_keys = {k: v for k, v in meta.items() if k.startswith("general.sampling.")}
         return builder
 
@@ -199,14 +211,23 @@ class PromptBuilder:
             self.stable_layout, self.section)
         return self.dialect.messages(messages), tools
 
-    def render(self, req: ChatRequest) -> tuple[Rendered, str | None]:
-        """(the rendered, tokenized prompt, the forced-call grammar or None)."""
+    def check_text(self, n_chars: int, n_ctx: int, param: str = "messages") -> None:
+        """`TextTooLong` when this much text cannot fit `n_ctx` tokens (0: no bound)."""
+        if n_ctx and self.max_token_chars and n_chars > (n_ctx - 1) * self.max_token_chars:
+            raise TextTooLong(n_chars, n_ctx, self.max_token_chars, param)
+
+    def render(self, req: ChatRequest, n_ctx: int = 0) -> tuple[Rendered, str | None]:
+        """(the rendered, tokenized prompt, the forced-call grammar or None); with `n_ctx`, a
+        text that cannot fit it is refused before it is rendered (`check_text`)."""
         if req.prompt is not None:
-            ids = tuple(self.tok.encode(self.normalizer.text(req.prompt)))
+            text = self.normalizer.text(req.prompt)
+            self.check_text(len(text), n_ctx, "prompt")
+            ids = tuple(self.tok.encode(text))
             if self.tok.add_bos and self.tok.bos_id is not None:
                 ids = (self.tok.bos_id, *ids)
             return Rendered(req.prompt, ids, (len(ids),), ()), None
         messages, tools = self.messages(req)
+        self.check_text(content_chars(messages), n_ctx)
         try:
             rendered = render_prompt(self.template.bound(req.template_kwargs), self.tok,
                                      messages, tools, req.continue_final)
@@ -234,7 +255,7 @@ class PromptBuilder:
             scope = parse_scope(req.scope or format_scope(default_scope), req.window)
         except ValueError as e:
             raise BadRequest(str(e), param="prefix_cache") from None
-        rendered, grammar = self.render(req)
+        rendered, grammar = self.render(req, n_ctx)
         n = len(rendered.ids)
         if n == 0:
             raise BadRequest("the prompt renders to zero tokens; send some text",
@@ -245,6 +266,19 @@ class PromptBuilder:
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         return Prepared(req, rendered, scope, max_tokens, t0, grammar,
                         self.dialect if req.prompt is None else None)
+
+
+def content_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the messages' content (a string, or parts with text)."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
 
 
 def json_grammar(schema: Any) -> str:

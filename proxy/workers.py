@@ -59,6 +59,7 @@ from backend.protocol import (
     parse_event,
     placement_note,
 )
+from backend.redact import redact_url
 from policies.costs import Costs
 from policies.prefix import Batching, common_prefix_len, live_reuse
 from policies.router import SlotView, choose_slot
@@ -247,7 +248,8 @@ class Worker:
 
     @property
     def name(self) -> str:
-        return f"worker {self.worker_id}" + (f" at {self.base_url}" if self.remote else "")
+        return f"worker {self.worker_id}" + (f" at {redact_url(self.base_url)}" if self.remote
+                                             else "")
 
     def new_session(self) -> aiohttp.ClientSession:
         if self.socket_path is not None:
@@ -550,8 +552,9 @@ class Pool:
     async def _start_remote(self) -> None:
         for i, url in enumerate(self.cfg.worker_url):
             if not url.startswith(("http://", "https://")):
-                raise StartupError(f"--worker-url {url!r} is not an http:// URL; give it as "
-                                   "http://HOST:PORT of a `prefixgate worker --listen HOST:PORT`")
+                raise StartupError(f"--worker-url {redact_url(url)} is not an http:// URL; give "
+                                   "it as http://HOST:PORT of a `prefixgate worker --listen "
+                                   "HOST:PORT`")
             w = Worker(i, url.rstrip("/"))
             w.session = w.new_session()
             self.workers.append(w)

@@ -161,14 +161,14 @@ PASSWORD = "redis-pw-never-logged"
 class Redis:
     """A real redis-server on loopback, with a password (a secret no log may show)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"  # a secret, never logged
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--requirepass", PASSWORD,
              "--appendonly", "no", "--dir", str(tmp), "--maxmemory", "512mb",
-             "--maxmemory-policy", "allkeys-lru"],
+             "--maxmemory-policy", "allkeys-lru", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 

@@ -223,4 +223,5 @@ class Tiers:
 
     def stats(self) -> dict[str, Any]:
         return {"ram": self.ram.stats(), "writes": dict(self.writes),
-                "shared": dict(self.shared_stats) if self.shared is not None else None}
+                "shared": {**self.shared_stats, **self.shared.stats()}
+                if self.shared is not None else None}

@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.model,
 
 def test_a_session_moves_to_another_host_with_its_cache(tmp_path: Path,
                                                         redis_server: Redis) -> None:
-    shared = ("--workers", "1", "--shared-tier", redis_server.url)
+    # the team's secret by its flag: the proxy and its workers key and verify with it
+    shared = ("--workers", "1", "--shared-tier", redis_server.url, "--shared-tier-secret",
+              "team-secret")
     turn1, turn2, turn3 = (convo("Which rule is about files?", history=h) for h in (0, 1, 2))
     with running(tmp_path / "a", *shared) as a:
         ask(a, turn1)
@@ -46,7 +48,8 @@ def test_a_session_moves_to_another_host_with_its_cache(tmp_path: Path,
         metrics = b.get("/metrics")[1]
         assert 'prefixgate_shared_lookups_total{result="hit"} 1.0' in metrics
         assert 'prefixgate_shared_worker{stat="pulls",worker="0"} 1.0' in metrics
-        assert PASSWORD not in a.log() + b.log()
+        assert PASSWORD not in a.log() + b.log() and "team-secret" not in a.log() + b.log()
+        assert "without a secret" not in a.log() + b.log()
     with running(tmp_path / "cold", "--workers", "1", "--disk-prefix-cache", "off") as cold:
         assert ask(cold, turn3)["text"] == moved["text"]
 
@@ -60,7 +63,7 @@ def test_a_corrupted_chunk_a_lost_redis_and_another_tenant_are_misses(
         ask(a, msgs, key="alice")
         ask(a, other, key="alice")
         redis_server.wait_entries(2)
-    for chunk in redis_server.client.scan_iter("pg:*:c:*"):  # flip a byte in every chunk
+    for chunk in redis_server.client.scan_iter("pg:*:p:*"):  # flip a byte in every part
         data = bytearray(redis_server.client.get(chunk) or b"")
         data[len(data) // 2] ^= 0xFF
         redis_server.client.set(chunk, bytes(data))
@@ -93,7 +96,9 @@ def test_cache_commands_list_and_prune_the_shared_tier(tmp_path: Path,
 
     path, _size, checksum = store.write_state_file(tmp_path, CacheKey(b"k" * 16), b"f" * 16,
                                                    [1, 2, 3], memoryview(b"x" * 1000))
-    SharedTier(redis_server.url, b"f" * 16).publish(b"k" * 16, "", 3, checksum, path)
+    tier = SharedTier(redis_server.url, b"f" * 16)
+    tier.publish(b"k" * 16, "", 3, checksum, path)
+    assert tier.flush()  # published on the tier's own thread
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "proxy.cli", "cache", *args,
@@ -123,6 +128,7 @@ def test_a_publish_or_pull_cut_short_is_a_miss(tmp_path: Path, redis_server: Red
     path, _size, checksum = store.write_state_file(tmp_path / "src", CacheKey(key), b"f" * 16,
                                                    [1, 2, 3], memoryview(b"x" * 1000))
     tier.publish(key, "t", 3, checksum, path)
+    assert tier.flush()
     entry = redis_server.client.scan_iter("pg:*:e:*").__next__()
     fields = redis_server.client.hgetall(entry)
     redis_server.client.delete(entry)  # a publish killed before its entry was written
@@ -131,7 +137,7 @@ def test_a_publish_or_pull_cut_short_is_a_miss(tmp_path: Path, redis_server: Red
     assert tier.longest({3: key}, "t") == (3, key, path.stat().st_size)
     assert tier.longest({3: key}, "another tenant") is None
     dest = tmp_path / "dst" / "kv" / "a.kv"
-    for chunk in redis_server.client.scan_iter("pg:*:c:*"):
+    for chunk in redis_server.client.scan_iter("pg:*:p:*"):
         redis_server.client.delete(chunk)  # evicted, or the pull's Redis went away
     with pytest.raises(SharedFault, match="chunk 0 of 1 is gone"):
         tier.pull(key, "t", dest)
