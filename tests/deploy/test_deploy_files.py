@@ -104,8 +104,9 @@ def test_prometheus_reads_its_api_key_where_compose_mounts_it() -> None:
     proxy = services["proxy"]
     proxy_mounts = {target: source for source, target, *_ in
                     (v.split(":") for v in proxy["volumes"])}
-    assert proxy_mounts[proxy["environment"]["PREFIXGATE_API_KEYS"]] == str(
-        DEPLOY / "secrets/api_keys")
+    # auth is on where .env names the mounted file (a key file with no key stops the start)
+    assert proxy["environment"]["PREFIXGATE_API_KEYS"] == ""
+    assert proxy_mounts["/run/secrets/api_keys"] == str(DEPLOY / "secrets/api_keys")
     for default in ("prometheus_api_key", "api_keys"):
         assert (DEPLOY / "secrets" / default).read_text() == "", "the defaults hold no key"
 
