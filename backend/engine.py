@@ -53,11 +53,9 @@ Rules this module keeps:
 - Logits: llama.cpp keeps the last llama_decode's only, whichever sequences it held, so a slot
   samples right after the decode that held it, before any other; a sample of a slot the last
   decode did not hold is refused (RuntimeError), never drawn from another's logits.
-- A grammar llama.cpp cannot parse is a ValueError before the first sample
-  (`backend.sampling.Sampler`), never a crash of the worker.
-- Only llama.cpp's C API (the `llama_cpp` bindings) is used: model and context parameters set
-  directly (the KV cache types, flash attention on/off/auto, `swa_full`, the batch size),
-  our own batch, memory calls and sampler chain.
+- Only llama.cpp's C API (the `llama_cpp` bindings) is used (backend.context makes the
+  context): our own batch, memory calls and sampler chain (backend.sampling: a grammar that
+  does not parse is a ValueError before the first sample, never a crash).
 """
 
 from __future__ import annotations
@@ -456,11 +454,10 @@ class Engine:
                 on_stop: Callable[[int], None] | None = None,
                 on_batch: Callable[[int], None] | None = None, cancel: Cancel | None = None,
                 edges: Edges | None = None) -> float:
-        """Evaluate ids[n_live:] in the cold run's batches (module rules: `edges`, the ids'
-        batch edges, computed here when not given), stopping at each batch edge of `stops_at`
-        to call on_stop(position) (a snapshot point); on_batch(n_live) after each batch. A live
-        state that does not end at a batch edge is first cut back to one (where the memory
-        refuses, to none). Returns the seconds spent in llama_decode."""
+        """Evaluate ids[n_live:] in the cold run's batches (`edges`, computed when not given),
+        calling on_stop(p) at each batch edge p of `stops_at` and on_batch(n_live) after each
+        batch; a live state off an edge is cut back to one first (or to none where the memory
+        refuses). Returns the seconds spent in llama_decode."""
         edges = edges or self.batching.edges(ids)
         q = self.seqs[slot]
         if q.n_live != edges.floor(q.n_live) or q.exact_n < q.n_live:

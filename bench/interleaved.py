@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.synth import CHARS_PER_TOKEN, TOOL_NAMES, _hex, paragraphs, tool_schema, words
+from bench.synth import CHARS_PER_TOKEN, TOOL_NAMES, hex_digits, paragraphs, tool_schema, words
 
 DEFAULT_OUT = "bench/traces/interleaved-gitstatus.jsonl"
 N_TOOLS = 6
@@ -63,7 +63,7 @@ class Knobs:
 def _session_rows(rng: random.Random, sid: int, k: Knobs, system: str,
                   tools: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """One session's requests in order: its whole history re-sent every turn."""
-    status = f"gitStatus: main @ {_hex(rng)}, clean"
+    status = f"gitStatus: main @ {hex_digits(rng)}, clean"
     change_at = k.turns // 2 + 1 if sid < k.changed else 0
     tail = int(k.tail_tokens * CHARS_PER_TOKEN)
     messages: list[dict[str, Any]] = [
@@ -81,7 +81,7 @@ def _session_rows(rng: random.Random, sid: int, k: Knobs, system: str,
                  "content": words(rng, tail // 2)},
                 {"type": "text", "text": words(rng, tail // 10)}]})
         if turn == change_at:
-            status = f"gitStatus: main @ {_hex(rng)}, 1 file changed"
+            status = f"gitStatus: main @ {hex_digits(rng)}, 1 file changed"
         yield {"model": "synthetic", "system": f"{system}\n\n{status}",
                "messages": json.loads(json.dumps(messages)),  # a snapshot, not a view
                "tools": tools, "max_tokens": k.max_tokens, "temperature": 0.0,

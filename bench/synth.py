@@ -97,7 +97,7 @@ def tool_schema(rng: random.Random, name: str) -> dict[str, Any]:
                              "required": [next(iter(props))]}}
 
 
-def _hex(rng: random.Random, n: int = 7) -> str:
+def hex_digits(rng: random.Random, n: int = 7) -> str:
     return "".join(rng.choice("0123456789abcdef") for _ in range(n))
 
 
@@ -105,7 +105,7 @@ def _git_status(rng: random.Random) -> str:
     """Claude Code's block, as it ends its system prompt: one per session."""
     files = "\n".join(f"M src/{rng.choice(_WORDS)}_{rng.choice(_WORDS)}.py"
                       for _ in range(rng.randrange(1, 5)))
-    commits = "\n".join(f"{_hex(rng)} {words(rng, 40)}" for _ in range(5))
+    commits = "\n".join(f"{hex_digits(rng)} {words(rng, 40)}" for _ in range(5))
     return ("gitStatus: This is the git status at the start of the conversation. Note that this "
             "status is a snapshot in time, and will not update during the conversation.\n"
             f"Current branch: main\n\nMain branch (you will usually use this for PRs): main\n\n"
@@ -159,7 +159,7 @@ def make_base(rng: random.Random, k: Knobs) -> Base:
     notes_chars = max(0, int((k.prefix_tokens - tool_tokens) * CHARS_PER_TOKEN)
                       - len(header) - 200)
     return Base(header, "# AGENTS.md\n\n" + paragraphs(rng, notes_chars), tools,
-                "2026-03-14", f"branch main, clean, HEAD {_hex(rng)}")
+                "2026-03-14", f"branch main, clean, HEAD {hex_digits(rng)}")
 
 
 @dataclass
@@ -187,7 +187,7 @@ class Session:
             return  # set when the session starts, as the clients do
         if self.rewrite == "git" and self.turn % self.k.rewrite_every == 0:
             self.git = f"branch main, {self.rng.randrange(1, 9)} files changed, HEAD " \
-                       f"{_hex(self.rng)}"
+                       f"{hex_digits(self.rng)}"
         if self.rewrite == "date" and self.turn == max(1, self.k.turns // 2):
             self.date = "2026-03-15"
 

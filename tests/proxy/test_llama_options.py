@@ -16,7 +16,15 @@ import pytest
 
 from bench.llama_options import parse, render
 from proxy.cli import serve_config
-from proxy.config import NOT_FLAGS, SHOWN_DEFAULTS, Config, _coerce, add_arguments, from_args
+from proxy.config import (
+    NOT_FLAGS,
+    SECRETS,
+    SHOWN_DEFAULTS,
+    Config,
+    _coerce,
+    add_arguments,
+    from_args,
+)
 from proxy.flags import LLAMA_SERVER
 from proxy.llama_cli import TABLE, WORKS, classify, options, spellings
 from tests.conftest import ROOT
@@ -174,7 +182,7 @@ def test_each_default_help_states_is_the_one_the_config_resolves() -> None:
     resolved = from_args(p.parse_args([]), environ={})
     shown = {a.dest: a.help for a in p._actions if a.help}
     for name, field in Config.__dataclass_fields__.items():
-        if name in NOT_FLAGS or name == "api_key":
+        if name in NOT_FLAGS or name in SECRETS:
             continue
         m = re.search(r", default (.*)\)$", shown[name] or "")
         assert m, name
