@@ -12,10 +12,14 @@
 #   server  llama-server from the same build tree (in the background, for `team`)
 #   models  random-weight models: one of each memory (plain attention, a 512-token sliding
 #           window, the Qwen3.5 hybrid) and TinyLlama 1.1B's shape in f16 and Q4_K_M
-#   doctor  `prefixgate doctor --parallel 3` on each model (flash attention auto; off too on the
-#           1.1B Q4_K_M): exact reuse, and whether decode steps of 3 slots batch exactly
-#   decode  bench.decode_batch: batched versus alone decode steps, bit for bit and ms per step
+#   doctor  `prefixgate doctor --parallel 3` on the 1.1B Q4_K_M and each memory's model: exact
+#           reuse, what decode steps of 3 slots do (batched as they come, the fixed shape and
+#           its cost, apart), and what each --deterministic takes
+#   rate    bench.decode_rate on the 1.1B Q4_K_M: 3 slots generating at once, tokens/s of
+#           prefixgate --deterministic auto, on and off against llama-server -np 3 (issue 41:
+#           auto at least 0.9x)
 #   team    bench.team on the 1.1B Q4_K_M model: 1 worker with 3 slots against llama-server -np 3
+#   decode  bench.decode_batch: batched versus alone decode steps, bit for bit and ms per step
 #   tests   the exactness suite (engines and servers, slots included) on all three families
 #
 # Each stage is bounded by the time left of BUDGET (from the start) and skipped when too little
@@ -25,7 +29,7 @@
 set -uo pipefail
 self=$(realpath "$0")
 export carry=$(realpath "$1") out=$(realpath -m "${2:-$1/out}")
-stages=${3:-build,server,models,doctor,decode,team,tests}
+stages=${3:-build,server,models,doctor,rate,team,decode,tests}
 export build=${BUILD:-/tmp/prefixgate-gpu-build}
 export site=${SITE:-/tmp/site}  # where the carried wheels and the built library go
 export models=$build/models PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
@@ -84,7 +88,7 @@ models() {
 
 doctor() {
   local rc=0
-  for m in llama gemma3 qwen35 tiny tiny-q4_k_m tiny-q4_k_m/off; do
+  for m in tiny-q4_k_m llama gemma3 qwen35 tiny-q4_k_m/off; do
     local fa=auto
     [[ $m == */off ]] && { m=${m%/off}; fa=off; }
     {
@@ -102,6 +106,21 @@ decode() {
       --models smollm2 --out /tmp/decode-q4 &&
     PREFIXGATE_TEST_MODEL_SMOLLM2=$models/tiny.gguf python3 -m bench.decode_batch \
       --models smollm2 --out /tmp/decode-f16
+}
+
+wait_server() {
+  while [ ! -s "$build/llama-server.path" ]; do
+    kill -0 "$(cat "$build/server.pid" 2>/dev/null)" 2>/dev/null \
+      || { echo "llama-server was not built: $build/server.log"; return 1; }
+    sleep 2
+  done
+}
+
+rate() {
+  wait_server || return 1
+  python3 -m bench.decode_rate --llama-server "$(cat "$build/llama-server.path")" \
+    --model "$models/tiny-q4_k_m.gguf" -ngl 99 --slots 3 --tokens 256 --modes auto,on,off \
+    --out /tmp/rate
 }
 
 team() {
@@ -154,8 +173,9 @@ if [[ ",$stages," == *",server,"* ]] && [ -f "$build/done/build" ] \
 fi
 stage models 30
 stage doctor 30
-stage decode 30
+stage rate 60
 stage team 60
+stage decode 30
 stage tests 60
 cp "$build/server.log" "$out/server.txt" 2>/dev/null || true
 say "done"
