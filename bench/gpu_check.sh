@@ -124,11 +124,7 @@ rate() {
 }
 
 team() {
-  while [ ! -s "$build/llama-server.path" ]; do
-    kill -0 "$(cat "$build/server.pid" 2>/dev/null)" 2>/dev/null \
-      || { echo "llama-server was not built: $build/server.log"; return 1; }
-    sleep 2
-  done
+  wait_server || return 1
   python3 -m bench.team --llama-server "$(cat "$build/llama-server.path")" \
     --model "$models/tiny-q4_k_m.gguf" --arms slots,llama-server --flash-attn auto \
     --peer-defaults --threads 8 --rounds 1 --keep-logs --out /tmp/team
