@@ -67,6 +67,7 @@ from proxy.errors import (
 )
 from proxy.gateway import Gateway, knobs_of
 from proxy.gguf import GGUFError
+from proxy.kv_events import KvEvents, open_kv_events, publish_disk
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.workers import Pool, StartupError, loading_note
@@ -236,6 +237,9 @@ ONE_LINE_REFUSALS = OneLineRefusals()
 # --- lifecycle ---------------------------------------------------------------------------
 
 
+KV_EVENTS = web.AppKey("kv_events", KvEvents)
+
+
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     t0 = time.perf_counter()
@@ -268,6 +272,9 @@ async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None
         boot["phase"] = "loading the model"
         pool = Pool(cfg, identity)  # every worker must match
         app[POOL] = pool
+        events = open_kv_events(cfg, pool)
+        if events is not None:
+            app[KV_EVENTS] = events
         await pool.start()  # the workers say what computes: the identity is complete now
         if cfg.disk_prefix_cache != "off":
             boot["phase"] = "reading the cache index"
@@ -277,6 +284,8 @@ async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None
                               cfg.cache_max_bytes, app[METRICS])
             app[CACHE] = cache
             await asyncio.to_thread(cache.load)
+            if events is not None:
+                await asyncio.to_thread(publish_disk, events, cache)
         gw = Gateway(cfg, prompts, pool, app.get(CACHE), app[METRICS])
         app[GATEWAY] = gw
         await gw.open()
@@ -316,6 +325,8 @@ async def _close(app: web.Application) -> None:
     if cache is not None:
         cache.close()
         cache.index.close()
+    if KV_EVENTS in app:
+        app[KV_EVENTS].close()
 
 
 def _version(dist: str) -> str:

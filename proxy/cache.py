@@ -74,6 +74,9 @@ class DiskCache:
         self._forest = Forest()  # this fingerprint's entries, by tenant and token ids
         # held while the forest and the mirror change (the writer) and while a lookup reads them
         self._lock = threading.RLock()
+        # an entry of this model committed ("stored", its ids) or deleted ("removed"): the
+        # host's KV events (proxy/kv_events.py); called on the writer thread, under the lock
+        self.on_event: Callable[[str, bytes, Sequence[int]], None] | None = None
 
     # --- running blocking work off the loop ------------------------------------------------
 
@@ -165,6 +168,8 @@ class DiskCache:
         self._delete(key, unlink=False)  # the same key again: the file was just rewritten
         tree = self._forest.tree(tenant)
         tree.insert(ids[: saved.n_tokens], key)
+        if self.on_event is not None:
+            self.on_event("stored", key, ids[: saved.n_tokens])
         self._remember(key, Entry(n_tokens=saved.n_tokens, file=saved.file,
                                   size_bytes=saved.size_bytes, checksum=saved.checksum,
                                   reason=saved.reason, created_s=now, last_used_s=now, hits=0,
@@ -209,6 +214,12 @@ class DiskCache:
                     self.metrics.evicted_bytes.inc(gone.size_bytes)
         self._set_gauges()
 
+    def held(self) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Every entry of this model as (key, ids): what the disk holds."""
+        with self._lock:
+            return [(k, tuple(self._forest.tree(e.tenant).ids_of(k)))
+                    for k, e in self._entries.items() if self._tree_of(k) is not None]
+
     # --- the trees, the index and the mirror in step ------------------------------------
 
     def _tree_of(self, key: bytes) -> RadixTree | None:
@@ -241,6 +252,8 @@ class DiskCache:
         children = tree.children_of(key) if tree is not None else []
         if tree is not None:
             tree.delete(key)
+            if self.on_event is not None:
+                self.on_event("removed", key, ())
         gone = self.index.delete(keys.CacheKey(key)) if unlink else None
         self._forget(key)
         for _, child in children:

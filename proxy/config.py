@@ -139,6 +139,10 @@ class Config:
     # tenant tags stored there (backend/shared.py); "" = none (said in one log line). A secret:
     # never logged, and passed to local workers by their environment, never their argv
     shared_tier_secret: str = field(default="", repr=False)
+    # the host's KV events in vLLM's shape (proxy/kv_events.py): tcp://HOST:PORT a ZMQ PUB
+    # socket is bound at, where Dynamo's relay or llm-d subscribe; "" = none
+    kv_events: str = ""
+    kv_block_size: int = 16  # tokens per published KV block (the router must use the same)
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
     # streams: an Anthropic ping, an OpenAI SSE comment after this many silent seconds
@@ -429,6 +433,12 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if cfg.reasoning_budget not in (-1, 0):
         raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
                          "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")
+    if cfg.kv_block_size < 1:
+        raise SystemExit(f"prefixgate: --kv-block-size {cfg.kv_block_size}: give the tokens of "
+                         "one block (16, or the router's --router-block-size)")
+    if cfg.kv_events and not cfg.kv_events.startswith(("tcp://", "ipc://")):
+        raise SystemExit(f"prefixgate: --kv-events {cfg.kv_events}: give the ZMQ address to bind, "
+                         "tcp://HOST:PORT (or ipc://PATH)")
     if not 1 <= cfg.parallel <= MAX_PARALLEL:
         raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: give 1 to {MAX_PARALLEL} "
                          "slots per worker")

@@ -57,6 +57,9 @@ HELP = {
     "shared_tier": "redis://HOST:PORT of a Redis or Valkey shared by several prefixgate hosts: "
                    "snapshots are published there and pulled by a host that misses locally "
                    "(bound it with Redis's maxmemory and an LRU policy)",
+    "kv_events": "tcp://HOST:PORT: publish this host's KV events there (ZMQ, vLLM's shape) "
+                 "for a KV-aware router: NVIDIA Dynamo's, llm-d's",
+    "kv_block_size": "tokens per block in the KV events (the router's block size)",
     "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
                  "(-1 no limit, 0 off)",
     "shared_tier_secret": "a secret the team's hosts share: what a host pulls from the shared "

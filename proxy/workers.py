@@ -40,7 +40,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,6 +398,9 @@ class Pool:
         self._tasks: list[asyncio.Task[None]] = []
         self._rechecks: set[asyncio.Task[None]] = set()
         self._closing = False
+        # every worker's tier events as they come, and None when its stream ended (its states
+        # are unknown then): the host's KV events (proxy/kv_events.py)
+        self.on_tier: Callable[[str, TierEvent | None], None] | None = None
 
     @property
     def batching(self) -> Batching:
@@ -519,6 +522,8 @@ class Pool:
                     w.ram = {}
                     while line := await r.content.readline():
                         ev = parse_event(line)
+                        if isinstance(ev, TierEvent) and self.on_tier is not None:
+                            self.on_tier(w.name, ev)
                         if isinstance(ev, TierEvent) and ev.tier == "ram":
                             if ev.kind == "stored":
                                 w.ram[ev.ref] = (ev.tenant, ev.ids)
@@ -529,6 +534,8 @@ class Pool:
             except (*_UNREACHABLE, ValueError) as e:
                 log.debug("%s: its tier events stopped (%s)", w.name, e)
             w.ram = {}
+            if self.on_tier is not None:
+                self.on_tier(w.name, None)
             await asyncio.sleep(EVENTS_RETRY_S)
 
     async def _supervise(self, w: Worker) -> None:

@@ -25,6 +25,7 @@ from backend.engine import Engine
 from backend.protocol import Fault, Job
 from backend.sampling import Sampler, Sampling
 from backend.worker.core import Core
+from backend.worker.live import live_event
 from backend.worker.messages import (
     Cut,
     Effect,
@@ -60,6 +61,7 @@ class Runner:
         eng = self.engine
         if isinstance(e, Cut):
             eng.truncate(e.slot, e.n)
+            self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
         elif isinstance(e, GiveWay):
             if eng.truncate(e.slot, e.n) == e.n:
                 q = eng.seqs[e.slot]
@@ -81,6 +83,7 @@ class Runner:
             sampler = self.samplers.pop(e.slot, None)
             if sampler is not None:
                 sampler.close()
+            self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
         return None
 
     def _load(self, e: Load) -> Loaded:

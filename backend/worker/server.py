@@ -5,7 +5,8 @@ backend/protocol.py over the compute loop.
     POST /run     -> a Job in, its NDJSON event stream out (a malformed job is a 400, a job for
                      a slot that is running one a 409)
     POST /cancel  -> {"run_id"}: stop that run at once (its stream reports `Cancelled`)
-    GET  /events  -> NDJSON of TierEvent: the RAM tier's entries as they are, then every change
+    GET  /events  -> NDJSON of TierEvent: the RAM tier's entries and each slot's live KV as they
+                     are, then every change
 
 `Done` comes as soon as generation ends (the slot is free then); `Saved` events follow once
 each file is durable, and the stream ends after the last one. The client closing the stream
@@ -198,6 +199,8 @@ class Worker:
                 await resp.write(encode_event(TierEvent("stored", "ram", k, e.salt.hex(),
                                                         e.tenant, len(e.ids),
                                                         tuple(int(t) for t in e.ids))))
+            for ev in list(self.tiers.live.values()):  # each slot's live KV
+                await resp.write(encode_event(ev))
             while True:
                 await resp.write(encode_event(await q.get()))
         except (ConnectionError, RuntimeError):

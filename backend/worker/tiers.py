@@ -82,6 +82,7 @@ class Tiers:
     writes: dict[str, float] = field(default_factory=lambda: {
         "queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0})
     queued: dict[bytes, _Queued] = field(default_factory=dict)  # key -> a state awaiting its file
+    live: dict[int, TierEvent] = field(default_factory=dict)  # slot -> what it said last
     lock: threading.Lock = field(default_factory=threading.Lock)
     _next_ref: int = 0
 
@@ -110,6 +111,12 @@ class Tiers:
             self.ram.take_entry(h.ref)
             self.on_event(TierEvent("removed", "ram", h.ref, h.salt.hex(), h.tenant,
                                     len(h.ids)))
+
+    def said_live(self, ev: TierEvent) -> None:
+        """A slot's live KV as it is now (`backend.worker.live`), said where it changed."""
+        if self.live.get(ev.ref) != ev:
+            self.live[ev.ref] = ev
+            self.on_event(ev)
 
     def give_way(self, salt: bytes, tenant: str, ids: Ids, state: memoryview) -> None:
         """A live state that gave way enters the RAM tier (what it drops leaves it)."""
@@ -204,6 +211,8 @@ class Tiers:
             try:
                 self.shared_stats["published_bytes"] += self.shared.publish(
                     key, tenant, len(ids), checksum, path)
+                self.on_event(TierEvent("stored", "shared", int.from_bytes(bytes(key)[:8], "big"),
+                                        "", tenant, len(ids), tuple(int(t) for t in ids)))
             except SharedFault as e:
                 self.shared_stats["publish_failures"] += 1
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
