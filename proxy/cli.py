@@ -1,4 +1,4 @@
-"""The `prefixgate` command: serve, worker, cache, simulate, doctor."""
+"""The `prefixgate` command: serve, worker, cache, simulate, doctor, front, dynamo-worker."""
 
 from __future__ import annotations
 
@@ -284,6 +284,14 @@ def main(argv: list[str] | None = None) -> None:
         from proxy.cache_cli import main as cache_main
 
         return cache_main(argv[1:])
+    if argv[:1] == ["front"]:
+        from proxy.front import main as front_main
+
+        return front_main(argv[1:])
+    if argv[:1] == ["dynamo-worker"]:
+        from proxy.dynamo import worker_main
+
+        return worker_main(argv[1:])
     if argv[:1] == ["simulate"]:
         from bench.simulate import main as simulate_main
 
