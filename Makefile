@@ -115,6 +115,7 @@ deploy-check: $(STAMP)
 	cd deploy && docker-compose --env-file .env.example config -q
 	cd deploy && docker-compose --env-file .env.example --profile two-gpus config -q
 	cd deploy && docker-compose --env-file .env.example --profile team config -q
+	cd deploy && docker-compose --env-file .env.example --profile dynamo config -q
 	PG_LISTEN=:8080 PG_HOST1=127.0.0.1:8081 PG_HOST2=127.0.0.1:8082 PG_CHECK_INTERVAL=2s \
 		haproxy -c -q -f deploy/haproxy.cfg
 	promtool check config deploy/prometheus.yml

@@ -114,7 +114,8 @@ class Tiers:
 
     def said_live(self, ev: TierEvent) -> None:
         """A slot's live KV as it is now (`backend.worker.live`), said where it changed."""
-        if self.live.get(ev.ref) != ev:
+        said = self.live.get(ev.ref)
+        if said != ev and not (said is None and ev.kind == "removed"):
             self.live[ev.ref] = ev
             self.on_event(ev)
 

@@ -79,6 +79,32 @@ def test_compose_two_gpus_profile_adds_a_second_worker() -> None:
     assert services["worker-1"]["volumes"] == services["worker-0"]["volumes"]
 
 
+def test_compose_dynamo_profile_registers_the_host_and_fronts_the_team() -> None:
+    services = compose_config("--profile", "dynamo")["services"]
+    assert {"etcd", "nats", "dynamo-worker", "front"} <= set(services)
+    proxy, worker, front = services["proxy"], services["dynamo-worker"], services["front"]
+    # the host's registration reads the events where the proxy publishes them
+    cmd = worker["command"]
+    assert cmd[:3] == ["dynamo-worker", "--host-url", "http://proxy:8080"]
+    assert cmd[cmd.index("--kv-events") + 1] == "tcp://proxy:5557"
+    assert cmd[cmd.index("--kv-block-size") + 1] == "16"
+    # the front renders prompts as the hosts do: their model and prompt settings
+    for key in ("PREFIXGATE_MODEL", "PREFIXGATE_N_CTX", "PREFIXGATE_KV_BLOCK_SIZE",
+                "PREFIXGATE_CHAT_TEMPLATE_FILE", "PREFIXGATE_STABLE_LAYOUT",
+                "PREFIXGATE_VOLATILE_BLOCKS", "PREFIXGATE_REASONING"):
+        assert front["environment"][key] == proxy["environment"][key], key
+    assert "front" in front["command"] and any(v.endswith(":/models:ro")
+                                               for v in front["volumes"])
+    # both meet in Dynamo's etcd and NATS, in an image that carries Dynamo's runtime
+    for s in (worker, front):
+        env = s["environment"]
+        assert (env["DYN_DISCOVERY_BACKEND"], env["ETCD_ENDPOINTS"], env["NATS_SERVER"]) == (
+            "etcd", "http://etcd:2379", "nats://nats:4222")
+        assert s["build"]["args"]["EXTRAS"] == "dynamo"
+    assert 'pip install -c deploy/constraints.txt ".${EXTRAS:+[$EXTRAS]}"' in (
+        DEPLOY / "Dockerfile.cpu").read_text()
+
+
 def test_prometheus_config_and_rules_pass_promtool() -> None:
     promtool = need("promtool", "prometheus")
     run(promtool, "check", "config", "prometheus.yml")

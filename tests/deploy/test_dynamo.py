@@ -90,11 +90,12 @@ def route(front: str, messages: list[dict]) -> dict:
         return dict(json.loads(r.read()))
 
 
-def blocks_on(r: dict, url: str) -> int:
-    """The blocks Dynamo's router finds of the prompt on the host at `url`, on any tier."""
+def blocks_on(r: dict, url: str, tier: str = "disk_blocks") -> int:
+    """The blocks Dynamo's router finds of the prompt on the host at `url`: on its device
+    ("device_blocks": a slot's live KV), or on any tier ("disk_blocks": Dynamo's columns are
+    cumulative)."""
     ids = [int(k) for k, v in r["hosts"].items() if v == url]
-    return max((w["disk_blocks"] for w in r["dynamo"]["workers"] if w["worker_id"] in ids),
-               default=0)
+    return max((w[tier] for w in r["dynamo"]["workers"] if w["worker_id"] in ids), default=0)
 
 
 def wait_for(what: str, check, timeout_s: float = 30, logs: tuple[Path, ...] = (),
@@ -141,6 +142,7 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
                  logs=logs)
         r = route(front, follow)
         assert r["best"]["url"] == b and blocks_on(r, a) == 0, r
+        assert blocks_on(r, b, "device_blocks") > 10, r  # B's slot holds it live
 
         # the follow-up, with no session header, through the front: placed on B, from its cache
         placed = ask(front, follow)

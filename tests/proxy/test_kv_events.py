@@ -178,3 +178,16 @@ def test_a_snapshot_stores_each_block_once_per_medium() -> None:
         BlockStored(tuple(H[:2]), None, tuple(P[:8]), B, "CPU_PINNED"),
         BlockStored(tuple(H[2:]), H[1], tuple(P[8:16]), B, "CPU_PINNED"),
         BlockStored(tuple(H[:3]), None, tuple(P[:12]), B, "GPU")]
+
+
+def test_the_shared_tier_is_a_recent_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Redis evicts without telling: the newest SHARED_KEPT shared states are kept, and an older
+    # one's removal is published
+    monkeypatch.setattr("proxy.kv_events.SHARED_KEPT", 2)
+    held = Held(B)
+    q, r = [7, *P[1:8]], [8, *P[1:8]]
+    held.store(("shared", "shared", 1), "shared", P[:8])
+    held.store(("shared", "shared", 2), "shared", q)
+    assert held.store(("shared", "shared", 3), "shared", r) == [
+        BlockStored(tuple(block_hashes(r, B)), None, tuple(r), B, "EXTERNAL"),
+        BlockRemoved(tuple(reversed(H[:2])), "EXTERNAL")]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.protocol import Done, Job, Start
+from backend.protocol import Done, Job, Start, TierEvent
 from policies.decide import Plan
 from policies.prefix import keep_max
 from proxy.config import Config
@@ -78,5 +78,26 @@ async def test_the_pools_view_of_the_ram_tier_follows_the_workers_events(
         assert (start.keep, start.ram) == (3 * BATCH, 3 * BATCH), "restored from RAM"
         # A's entry was taken whole (the slot holds it); B's state gave way in its place
         await _until(lambda: [h for _, h in w.ram.values()] == [B[: 2 * BATCH]])
+    finally:
+        await pool.close()
+
+
+async def test_a_slots_live_kv_is_said_when_a_job_ends_and_when_the_next_replaces_it(
+        worker: WorkerProcess, tmp_path: Path) -> None:
+    # what a KV-aware router is told of a slot (proxy/kv_events.py): the prompt's tokens the
+    # slot holds exactly, cut back to a batch edge, never the generated ones
+    cfg = dataclasses.replace(Config(), worker_url=(worker.url,), n_ctx=N_CTX,
+                              cache_dir=str(tmp_path / "cache"), disk_prefix_cache="off")
+    pool = Pool(cfg)
+    live: list[TierEvent] = []
+    pool.on_tier = lambda source, ev: live.append(ev) if ev and ev.tier == "live" else None
+    await pool.start()
+    try:
+        await _run(pool, A)
+        await _until(lambda: len(live) == 1)
+        await _run(pool, B)  # A's KV is cut back to nothing kept, then holds B's prompt
+        await _until(lambda: len(live) == 3)
+        assert [(e.kind, e.ref, e.ids) for e in live] == [
+            ("stored", 0, A[: 3 * BATCH]), ("removed", 0, ()), ("stored", 0, B[: 2 * BATCH])]
     finally:
         await pool.close()
