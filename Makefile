@@ -196,10 +196,14 @@ bench-slots: $(STAMP) fixtures
 # issue 21's break-even table: prefill vs restore from RAM and from a cold disk at 1K-32K
 # tokens, and what decide chooses from the costs a worker learns (about 10 minutes on 2 cores)
 # issue 22: sessions over 2 hosts behind HAProxy, one killed halfway, with and without the
-# shared tier (needs Debian's haproxy and redis-server; about 10 minutes on 2 cores)
+# shared tier (needs Debian's haproxy and redis-server; about 10 minutes on 2 cores); issue 44:
+# requests without session headers placed by HAProxy's hash or by NVIDIA Dynamo's KV router
+# (bench/hosts_placement.py; the dynamo extra). make bench-hosts [HOSTS=kill|placement]
+HOSTS ?=
 .PHONY: bench-hosts
 bench-hosts: $(STAMP)
-	$(BIN)/python -m bench.hosts
+	$(if $(filter placement,$(HOSTS)),,$(BIN)/python -m bench.hosts)
+	$(if $(filter kill,$(HOSTS)),,$(BIN)/python -m bench.hosts --placement)
 
 .PHONY: bench-breakeven
 bench-breakeven: $(STAMP)

@@ -1,7 +1,10 @@
 """Beyond one host (issue 22): an agent team's sessions over 2 prefixgate hosts behind HAProxy,
-one host killed halfway, with and without the shared tier, beside one host alone.
+one host killed halfway, with and without the shared tier, beside one host alone; and (issue
+44, `--placement`) where each request goes when most carry no session header: HAProxy's hash
+beside NVIDIA Dynamo's KV router.
 
     python -m bench.hosts [--turns 6] [--main-tokens 2000] [--out bench/results/issue22]
+    python -m bench.hosts --placement [--arms ...] [--out bench/results/issue44]
 
 The trace is `bench.team`'s (a main session and two subagents, each its own system prompt and
 the same tools, ~300 new tokens a turn), its sessions' turns sent interleaved as clients send
@@ -14,7 +17,16 @@ them, each with its session header (X-Claude-Code-Session-Id). Arms, in one run:
 
 Per arm: fresh prefill tokens (prompt minus reused), time to first token p50/p95, both for all
 requests and for the moved sessions' turns after the kill, and where the reuse came from.
-Needs Debian's haproxy and redis-server. Nothing else runs meanwhile: run it on a quiet machine.
+
+`--placement` (bench/hosts_placement.py): the team's system prompt and tools shared by a main
+session (with its header), subagents and new sessions (without), nothing killed; arms `one
+host`, `2 hosts` (HAProxy's hash), `2 hosts + shared tier`, `2 hosts + dynamo` (Dynamo's KV
+router through `prefixgate front`, the hosts' events relayed by `prefixgate dynamo-worker`,
+with the shared tier). The target: the Dynamo arm's fresh prefill tokens within 1.1x one
+host's.
+
+Needs Debian's haproxy and redis-server (and ai-dynamo-runtime for the Dynamo arm). Nothing
+else runs meanwhile: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -75,13 +87,14 @@ def serve(work: Path, name: str, threads: int, *extra: str) -> tuple[Proc, int]:
     return proc, port
 
 
-def send(port: int, session: str, body: dict[str, Any]) -> dict[str, Any]:
+def send(port: int, session: str, body: dict[str, Any], header: bool = True) -> dict[str, Any]:
+    """One streamed request; with its session header unless `header` is False."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
                  headers={"Content-Type": "application/json",
-                          "X-Claude-Code-Session-Id": session})
+                          **({"X-Claude-Code-Session-Id": session} if header else {})})
     resp = conn.getresponse()
     if resp.status != 200:
         raise SystemExit(f"HTTP {resp.status}: {resp.read()[:500]!r}")
@@ -100,7 +113,8 @@ def send(port: int, session: str, body: dict[str, Any]) -> dict[str, Any]:
     cached = int(headers.get("x-prefixgate-cached-tokens", "0"))
     return {"session": session, "prompt": prompt, "cached": cached, "fresh": prompt - cached,
             "source": headers.get("x-prefixgate-cache-source", ""),
-            "host": headers.get("x-prefixgate-host", "host1"),
+            "host": headers.get("x-prefixgate-host")
+            or headers.get("x-prefixgate-upstream", "host1"),
             "ttft_s": ttft if ttft is not None else time.perf_counter() - t0}
 
 
@@ -203,8 +217,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--main-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue22"))
+    p.add_argument("--out", default="")
+    p.add_argument("--placement", action="store_true",
+                   help="issue 44: requests without session headers, HAProxy vs Dynamo")
+    p.add_argument("--arms", default="", help="--placement: a comma-separated subset")
+    p.add_argument("--new-sessions", type=int, default=2, help="--placement: sessions "
+                   "that start later, sharing the system prompt and tools, no header")
     a = p.parse_args(argv)
+    if a.placement:
+        from bench.hosts_placement import run
+
+        return run(a, Path(a.out or ROOT / "bench" / "results" / "issue44"))
+    a.out = a.out or str(ROOT / "bench" / "results" / "issue22")
     trace = make_trace(Knobs(main_tokens=a.main_tokens, sub_tokens=a.main_tokens * 3 // 4,
                              turns=a.turns, sub_turns=a.turns, tail_tokens=300, max_tokens=8))
     with tempfile.TemporaryDirectory(prefix="prefixgate-hosts-") as tmp:
