@@ -140,8 +140,10 @@ class Config:
     # never logged, and passed to local workers by their environment, never their argv
     shared_tier_secret: str = field(default="", repr=False)
     # the host's KV events in vLLM's shape (proxy/kv_events.py): tcp://HOST:PORT a ZMQ PUB
-    # socket is bound at, where Dynamo's relay or llm-d subscribe; "" = none
+    # socket is bound at, where Dynamo's relay subscribes (>tcp://HOST:PORT: connected to a
+    # subscriber that binds, llm-d's); "" = none
     kv_events: str = ""
+    kv_events_topic: str = ""  # the events' ZMQ topic ("" for Dynamo; llm-d: kv@POD@MODEL)
     kv_block_size: int = 16  # tokens per published KV block (the router must use the same)
     max_queue: int = 16  # requests waiting for a worker before 429
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
@@ -436,9 +438,9 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if cfg.kv_block_size < 1:
         raise SystemExit(f"prefixgate: --kv-block-size {cfg.kv_block_size}: give the tokens of "
                          "one block (16, or the router's --router-block-size)")
-    if cfg.kv_events and not cfg.kv_events.startswith(("tcp://", "ipc://")):
+    if cfg.kv_events and not cfg.kv_events.lstrip(">@").startswith(("tcp://", "ipc://")):
         raise SystemExit(f"prefixgate: --kv-events {cfg.kv_events}: give the ZMQ address to bind, "
-                         "tcp://HOST:PORT (or ipc://PATH)")
+                         "tcp://HOST:PORT (or ipc://PATH), or >tcp://HOST:PORT to connect to")
     if not 1 <= cfg.parallel <= MAX_PARALLEL:
         raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: give 1 to {MAX_PARALLEL} "
                          "slots per worker")

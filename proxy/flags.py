@@ -58,7 +58,9 @@ HELP = {
                    "snapshots are published there and pulled by a host that misses locally "
                    "(bound it with Redis's maxmemory and an LRU policy)",
     "kv_events": "tcp://HOST:PORT: publish this host's KV events there (ZMQ, vLLM's shape) "
-                 "for a KV-aware router: NVIDIA Dynamo's, llm-d's",
+                 "for a KV-aware router, NVIDIA Dynamo's (>tcp://HOST:PORT: connect to a "
+                 "subscriber, llm-d's)",
+    "kv_events_topic": "the KV events' ZMQ topic (llm-d: kv@POD@MODEL)",
     "kv_block_size": "tokens per block in the KV events (the router's block size)",
     "cache_ram": "MiB of host RAM for live states that gave way, restored before the disk "
                  "(-1 no limit, 0 off)",

@@ -2,14 +2,16 @@
 Dynamo's KV router (through its ZMQ relay, `KvEventPublisher(zmq_endpoint=...)`) and llm-d's
 precise prefix scheduler consume to place each request on the host that holds its prefix.
 
-    KvEvents(endpoint, block_size)   the publisher: an XPUB socket bound at `endpoint`
+    KvEvents(endpoint, block_size, topic)   the publisher: an XPUB socket bound at `endpoint`
+                                     (`>tcp://...`: connected there, ZMQ's own spelling)
       .tier_event(source, event)     a worker's `TierEvent` (live, ram, shared)
       .disk(kind, key, ids)          the proxy's disk index: an entry committed or deleted
       .forget(source)                a worker's events stream ended: its states are gone
     Held(block_size)                 the bookkeeping, without I/O: states in, events out
     encode(events) -> bytes          one `KVEventBatch`, msgpack
 
-The wire is vLLM's `ZmqEventPublisher`: three frames, the topic (b""), the batch's sequence
+The wire is vLLM's `ZmqEventPublisher`: three frames, the topic (--kv-events-topic, "" by
+default; llm-d reads `kv@POD@MODEL`), the batch's sequence
 number (8 bytes, big-endian) and the batch, msgpack-encoded as vLLM's `KVEventBatch` with
 msgspec's `array_like` (the form Dynamo's relay decodes; a batch as a map is refused there):
 
@@ -223,22 +225,29 @@ class KvEvents:
 
     POLL_S = 0.1
 
-    def __init__(self, endpoint: str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, endpoint: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                 topic: str = "") -> None:
         import zmq
 
         self.endpoint, self.held = endpoint, Held(block_size)
+        self._topic = topic.encode()
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[list[KvEvent] | None] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's join, not the first
+        connect = endpoint.startswith(">")  # a subscriber that binds (llm-d's indexer)
         try:
-            self._sock.bind(endpoint)
+            if connect:
+                self._sock.connect(endpoint[1:])
+            else:
+                self._sock.bind(endpoint.removeprefix("@"))
         except zmq.ZMQError as e:
             self._sock.close(0)
             self._ctx.term()
-            raise ValueError(f"--kv-events {endpoint}: cannot bind it: {e}") from None
+            raise ValueError(f"--kv-events {endpoint}: cannot {'connect' if connect else 'bind'}"
+                             f" it: {e}") from None
         self._seq = 0
         self.sent = 0  # batches sent
         self._thread = threading.Thread(target=self._send_loop, name="kv-events", daemon=True)
@@ -302,7 +311,7 @@ class KvEvents:
         import zmq
 
         try:
-            self._sock.send_multipart([b"", self._seq.to_bytes(8, "big"),
+            self._sock.send_multipart([self._topic, self._seq.to_bytes(8, "big"),
                                        encode(events, time.time())])
             self._seq += 1
             self.sent += 1
@@ -317,7 +326,7 @@ def open_kv_events(cfg: Config, pool: Pool) -> KvEvents | None:
     """The host's publisher where --kv-events asks for one, fed by every worker's tier events."""
     if not cfg.kv_events:
         return None
-    events = KvEvents(cfg.kv_events, cfg.kv_block_size)
+    events = KvEvents(cfg.kv_events, cfg.kv_block_size, cfg.kv_events_topic)
 
     def on_tier(source: str, ev: TierEvent | None) -> None:
         if ev is None:

@@ -191,3 +191,25 @@ def test_the_shared_tier_is_a_recent_window(monkeypatch: pytest.MonkeyPatch) -> 
     assert held.store(("shared", "shared", 3), "shared", r) == [
         BlockStored(tuple(block_hashes(r, B)), None, tuple(r), B, "EXTERNAL"),
         BlockRemoved(tuple(reversed(H[:2])), "EXTERNAL")]
+
+
+def test_it_connects_to_a_subscriber_that_binds_with_its_topic() -> None:
+    # llm-d's indexer binds one SUB socket and each pod connects to it, under kv@POD@MODEL
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    pub = KvEvents(f">tcp://127.0.0.1:{port}", B, "kv@10.0.0.7@smollm2")
+    try:
+        pub.disk("stored", b"key", P)
+        while True:
+            topic, _, payload = sub.recv_multipart()
+            events = DECODE.decode(payload).events
+            if any(isinstance(e, VllmBlockStored) for e in events):
+                break
+        assert topic == b"kv@10.0.0.7@smollm2"
+        assert [e.medium for e in events if isinstance(e, VllmBlockStored)] == ["DISK"]
+    finally:
+        pub.close()
+        sub.close(0)
