@@ -24,7 +24,9 @@ and a body that does not parse or render (the host answers it in its API's own e
 goes to the hosts in turn. A host that cannot be reached is skipped for the next, once; with
 none left the answer is a 503 in the API's error shape. `POST /front/route?path=/v1/...` with a
 request's body tells where it would go and why (Dynamo's overlap per host and tier), placing
-nothing.
+nothing; it takes one of the API keys the front is given (--api-key, --api-keys; the hosts
+check every other request themselves): how much of a prompt some host holds is not for anyone
+to probe. Nor does any answer say it: `X-Prefixgate-Route` names the way, not the overlap.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import Config, add_arguments, from_args
-from proxy.errors import ApiError, WorkerFailed, anthropic_response, openai_response
+from proxy.errors import (
+    ApiError,
+    Unauthorized,
+    WorkerFailed,
+    anthropic_response,
+    openai_response,
+)
 
 log = logging.getLogger("prefixgate.front")
 
@@ -73,6 +81,7 @@ class Front:
         self.runtime: Any = None
         self.session: aiohttp.ClientSession | None = None
         self.urls: dict[int, str] = {}  # Dynamo worker id -> the host's URL
+        self.keys: set[str] = set(cfg.api_key)  # what /front/route takes (none: open)
         self._turn = itertools.count()
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -80,11 +89,14 @@ class Front:
     async def open(self, app: web.Application) -> AsyncIterator[None]:
         from dynamo.llm import KvRouter, KvRouterConfig
 
+        from proxy.app import read_key_file
         from proxy.defaults import Defaults
         from proxy.dynamo import open_runtime
         from proxy.prompt import PromptBuilder
 
         cfg = self.cfg
+        if cfg.api_keys:
+            self.keys |= read_key_file(cfg.api_keys)
         self.builder = await asyncio.to_thread(
             PromptBuilder.load, cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
             cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect)
@@ -142,8 +154,9 @@ class Front:
                 worker, _, overlap = await self.router.best_worker(ids, request_id=rid)
                 url = await self.url_of(worker)
                 if url is not None:
-                    blocks = len(ids) // self.cfg.kv_block_size
-                    return worker, url, f"dynamo-kv; {overlap} of {blocks} blocks held"
+                    log.debug("placed on %s: %d of %d blocks held", url, overlap,
+                              len(ids) // self.cfg.kv_block_size)
+                    return worker, url, "dynamo-kv"
                 skip.add(worker)
                 await self.router.free(rid)
             except Exception as e:  # no host registered yet, or the router refused
@@ -165,6 +178,10 @@ class Front:
 
     async def route(self, request: web.Request) -> web.Response:
         """Where a request would go and why, placing nothing."""
+        from proxy.edge import api_key_of
+
+        if self.keys and api_key_of(request) not in self.keys:
+            return openai_response(Unauthorized("give one of the front's API keys"))
         path = request.query.get("path", "/v1/chat/completions")
         ids = await asyncio.to_thread(self.prompt_ids, path, await request.read())
         if ids is None:
@@ -181,7 +198,7 @@ class Front:
         body = await request.read()
         ids = await asyncio.to_thread(self.prompt_ids, request.path, body) \
             if request.method == "POST" else None
-        rid, skip = uuid.uuid4().hex, set()
+        rid, skip = uuid.uuid4().hex, set[int]()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         assert self.session is not None
         for _ in range(2):  # a host that cannot be reached: the next one, once

@@ -40,8 +40,10 @@ Rules:
   The states of one prompt share their first blocks, and a block held covers its prefix, so
   what is new is always a chain's tail, and what leaves too.
 - The shared tier's removals are not seen (Redis evicts by LRU without telling): the newest
-  `SHARED_KEPT` shared states are kept and an older one's removal is published, a recent
-  window as Redis keeps one.
+  shared states, `SHARED_TOKENS_KEPT` tokens of them, are kept and an older one's removal is
+  published, a recent window as Redis keeps one.
+- Memory: a state keeps its tokens packed (4 bytes each) and its hashes; the disk's tokens are
+  bounded by its budget (a token's KV is kilobytes), the shared window by its own bound.
 - A block is stored once per medium, never again while held: Dynamo's index counts a second
   store as a second holder, which one removal would not clear.
 - A subscriber that joins (the relay starting, or coming back) gets everything held
@@ -78,7 +80,7 @@ log = logging.getLogger("prefixgate")
 
 DEFAULT_BLOCK_SIZE = 16
 HASH_SEED = 1337  # Dynamo's block hash seed
-SHARED_KEPT = 4096  # shared-tier states remembered (their removal is not seen)
+SHARED_TOKENS_KEPT = 2_000_000  # shared-tier tokens remembered (their removal is not seen)
 MEDIUM = {"live": "GPU", "ram": "CPU_PINNED", "disk": "DISK", "shared": "EXTERNAL"}
 
 
@@ -143,8 +145,12 @@ StateKey = tuple[str, str, Hashable]  # (source, tier, the tier's ref)
 @dataclass(slots=True)
 class _State:
     medium: str
-    ids: tuple[int, ...]  # the tokens of its blocks
+    packed: bytes  # the tokens of its blocks, u32 little-endian
     hashes: tuple[int, ...]
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(np.frombuffer(self.packed, dtype="<u4").tolist())
 
 
 @dataclass(slots=True)
@@ -154,18 +160,19 @@ class Held:
     block_size: int = DEFAULT_BLOCK_SIZE
     states: dict[StateKey, _State] = field(default_factory=dict)
     counts: Counter[tuple[str, int]] = field(default_factory=Counter)
-    shared: OrderedDict[StateKey, None] = field(default_factory=OrderedDict)
+    shared: OrderedDict[StateKey, int] = field(default_factory=OrderedDict)  # -> its tokens
 
     def store(self, key: StateKey, tier: str, ids: Sequence[int]) -> list[KvEvent]:
         """A state of `ids` is held (it replaces what `key` held before)."""
         medium = MEDIUM[tier]
         n = len(ids) // self.block_size * self.block_size
         kept = tuple(int(t) for t in ids[:n])
+        packed = np.asarray(kept, dtype="<u4").tobytes()
         old = self.states.get(key)
-        if old is not None and old.ids == kept and old.medium == medium:
+        if old is not None and old.packed == packed and old.medium == medium:
             return []
         hashes = tuple(block_hashes(kept, self.block_size))
-        self.states[key] = _State(medium, kept, hashes)
+        self.states[key] = _State(medium, packed, hashes)
         out: list[KvEvent] = []
         new = [i for i, h in enumerate(hashes) if self.counts[(medium, h)] == 0]
         for h in hashes:
@@ -177,9 +184,9 @@ class Held:
         if old is not None:
             out += self._release(old)
         if tier == "shared":
-            self.shared[key] = None
+            self.shared[key] = n
             self.shared.move_to_end(key)
-            while len(self.shared) > SHARED_KEPT:
+            while sum(self.shared.values()) > SHARED_TOKENS_KEPT and len(self.shared) > 1:
                 out += self.remove(next(iter(self.shared)))
         return out
 

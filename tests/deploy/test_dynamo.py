@@ -16,15 +16,17 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 
 from proxy.workers import child_env
-from tests.conftest import N_CTX, ROOT, Server, free_port, http_get, running
+from tests.conftest import N_CTX, ROOT, Server, free_port, http_get, start_server
 from tests.proxy.test_disk_cache import entries
 
 pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime (the test extra)")
@@ -82,12 +84,20 @@ def process(argv: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
                 p.wait()
 
 
-def route(front: str, messages: list[dict]) -> dict:
+FRONT_KEY = "front-key-never-logged"
+
+
+def route(front: str, messages: list[dict], key: str = FRONT_KEY) -> dict:
+    """Where the front would place it and Dynamo's overlap per host (its API key needed)."""
     req = urllib.request.Request(front + "/front/route?path=/v1/chat/completions",
                                  data=json.dumps({"messages": messages}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return dict(json.loads(r.read()))
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return dict(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        return {"status": e.code}
 
 
 def blocks_on(r: dict, url: str, tier: str = "disk_blocks") -> int:
@@ -115,11 +125,15 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
     budget = ("--cache-max-bytes", str(12 << 20))
     ports = {h: free_port() for h in "ab"}
     hosts: dict[str, Server] = {}
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as starting:
+        started = {h: starting.submit(
+            start_server, tmp_path / h, "--workers", "1", "--kv-events",
+            f"tcp://127.0.0.1:{ports[h]}", "--kv-block-size", str(BS), *budget) for h in "ab"}
+        for f in started.values():  # both load at once; each stopped at the end
+            with contextlib.suppress(Exception):
+                stack.callback(f.result().stop)
         for h in "ab":
-            hosts[h] = stack.enter_context(running(
-                tmp_path / h, "--workers", "1", "--kv-events", f"tcp://127.0.0.1:{ports[h]}",
-                "--kv-block-size", str(BS), *budget))
+            hosts[h] = started[h].result()
             stack.enter_context(process(
                 ["dynamo-worker", "--host-url", hosts[h].url,
                  "--kv-events", f"tcp://127.0.0.1:{ports[h]}", "--kv-block-size", str(BS)],
@@ -127,7 +141,8 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
         fport = free_port()
         front = f"http://127.0.0.1:{fport}"
         stack.enter_context(process(
-            ["front", "--port", str(fport), "--n-ctx", str(N_CTX), "--kv-block-size", str(BS)],
+            ["front", "--port", str(fport), "--n-ctx", str(N_CTX), "--kv-block-size", str(BS),
+             "--api-key", FRONT_KEY],
             tmp_path / "front.log", env))
         logs = (tmp_path / "front.log", tmp_path / "dyn-a.log", tmp_path / "dyn-b.log")
         wait_for("the front with both hosts", lambda: '"hosts": 2' in http_get(
@@ -142,11 +157,12 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
                  logs=logs)
         r = route(front, follow)
         assert r["best"]["url"] == b and blocks_on(r, a) == 0, r
+        assert route(front, follow, key="guess") == {"status": 401}  # no probing without a key
         assert blocks_on(r, b, "device_blocks") > 10, r  # B's slot holds it live
 
         # the follow-up, with no session header, through the front: placed on B, from its cache
         placed = ask(front, follow)
-        assert placed["upstream"] == b and placed["route"].startswith("dynamo-kv"), placed
+        assert (placed["upstream"], placed["route"]) == (b, "dynamo-kv"), placed
         assert placed["source"] in ("live", "ram", "disk"), placed
         assert placed["cached"] >= first["prompt"] - 2 * 128, (placed, first)
 
@@ -166,6 +182,7 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
         assert placed["text"] == cold["text"]
     for h in "ab":
         assert "Traceback" not in hosts[h].log()
+    assert FRONT_KEY not in (tmp_path / "front.log").read_text()
 
 
 @pytest.fixture(autouse=True)

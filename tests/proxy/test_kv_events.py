@@ -181,9 +181,9 @@ def test_a_snapshot_stores_each_block_once_per_medium() -> None:
 
 
 def test_the_shared_tier_is_a_recent_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Redis evicts without telling: the newest SHARED_KEPT shared states are kept, and an older
-    # one's removal is published
-    monkeypatch.setattr("proxy.kv_events.SHARED_KEPT", 2)
+    # Redis evicts without telling: the newest shared states, SHARED_TOKENS_KEPT tokens of them,
+    # are kept, and an older one's removal is published
+    monkeypatch.setattr("proxy.kv_events.SHARED_TOKENS_KEPT", 16)
     held = Held(B)
     q, r = [7, *P[1:8]], [8, *P[1:8]]
     held.store(("shared", "shared", 1), "shared", P[:8])
