@@ -516,7 +516,8 @@ class Pool:
                 continue
             boot_id = w.boot_id
             try:
-                async with w.session.get(w.base_url + "/events",
+                async with w.session.get(w.base_url + ("/events?all=1" if self.on_tier
+                                                       else "/events"),
                                          timeout=aiohttp.ClientTimeout(total=None)) as r:
                     r.raise_for_status()
                     w.ram = {}

@@ -61,7 +61,8 @@ class Runner:
         eng = self.engine
         if isinstance(e, Cut):
             eng.truncate(e.slot, e.n)
-            self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
+            if self.tiers.every:
+                self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
         elif isinstance(e, GiveWay):
             if eng.truncate(e.slot, e.n) == e.n:
                 q = eng.seqs[e.slot]
@@ -83,7 +84,8 @@ class Runner:
             sampler = self.samplers.pop(e.slot, None)
             if sampler is not None:
                 sampler.close()
-            self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
+            if self.tiers.every:
+                self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
         return None
 
     def _load(self, e: Load) -> Loaded:

@@ -5,8 +5,9 @@ backend/protocol.py over the compute loop.
     POST /run     -> a Job in, its NDJSON event stream out (a malformed job is a 400, a job for
                      a slot that is running one a 409)
     POST /cancel  -> {"run_id"}: stop that run at once (its stream reports `Cancelled`)
-    GET  /events  -> NDJSON of TierEvent: the RAM tier's entries and each slot's live KV as they
-                     are, then every change
+    GET  /events  -> NDJSON of TierEvent: the RAM tier's entries as they are, then every change;
+                     `?all=1`: every tier's (each slot's live KV, the shared tier's publishes too:
+                     a KV-aware router's feed, computed only while someone asks for it)
 
 `Done` comes as soon as generation ends (the slot is free then); `Saved` events follow once
 each file is durable, and the stream ends after the last one. The client closing the stream
@@ -67,7 +68,7 @@ class Worker:
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.runs: dict[str, _Run] = {}  # streaming runs
         self.active: dict[int, str] = {}  # slot -> the run it serves, until it ends
-        self.listeners: set[asyncio.Queue[TierEvent]] = set()
+        self.listeners: dict[asyncio.Queue[TierEvent], bool] = {}  # -> wants every tier
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.loop: Loop | None = None
 
@@ -98,8 +99,9 @@ class Worker:
         self.aloop.call_soon_threadsafe(self._broadcast, event)
 
     def _broadcast(self, event: TierEvent) -> None:
-        for q in self.listeners:
-            q.put_nowait(event)
+        for q, every in self.listeners.items():
+            if every or event.tier == "ram":
+                q.put_nowait(event)
 
     # --- HTTP --------------------------------------------------------------------------------
 
@@ -191,7 +193,9 @@ class Worker:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """The RAM tier's entries as they are, then every tier event, until the client goes."""
         q: asyncio.Queue[TierEvent] = asyncio.Queue()
-        self.listeners.add(q)
+        every = request.query.get("all") == "1"
+        self.listeners[q] = every
+        self.tiers.every = any(self.listeners.values())
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
@@ -199,14 +203,15 @@ class Worker:
                 await resp.write(encode_event(TierEvent("stored", "ram", k, e.salt.hex(),
                                                         e.tenant, len(e.ids),
                                                         tuple(int(t) for t in e.ids))))
-            for ev in list(self.tiers.live.values()):  # each slot's live KV
+            for ev in list(self.tiers.live.values()) if every else []:  # each slot's live KV
                 await resp.write(encode_event(ev))
             while True:
                 await resp.write(encode_event(await q.get()))
         except (ConnectionError, RuntimeError):
             return resp
         finally:
-            self.listeners.discard(q)
+            self.listeners.pop(q, None)
+            self.tiers.every = any(self.listeners.values())
 
     async def _watch(self, request: web.Request, run_id: str) -> None:
         while run_id in self.runs:

@@ -83,6 +83,7 @@ class Tiers:
         "queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0})
     queued: dict[bytes, _Queued] = field(default_factory=dict)  # key -> a state awaiting its file
     live: dict[int, TierEvent] = field(default_factory=dict)  # slot -> what it said last
+    every: bool = False  # someone reads every tier's events (live, shared): GET /events?all=1
     lock: threading.Lock = field(default_factory=threading.Lock)
     _next_ref: int = 0
 
@@ -212,8 +213,10 @@ class Tiers:
             try:
                 self.shared_stats["published_bytes"] += self.shared.publish(
                     key, tenant, len(ids), checksum, path)
-                self.on_event(TierEvent("stored", "shared", int.from_bytes(bytes(key)[:8], "big"),
-                                        "", tenant, len(ids), tuple(int(t) for t in ids)))
+                if self.every:
+                    self.on_event(TierEvent("stored", "shared",
+                                            int.from_bytes(bytes(key)[:8], "big"), "", tenant,
+                                            len(ids), tuple(int(t) for t in ids)))
             except SharedFault as e:
                 self.shared_stats["publish_failures"] += 1
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
