@@ -203,7 +203,7 @@ HOSTS ?=
 .PHONY: bench-hosts
 bench-hosts: $(STAMP)
 	$(if $(filter placement,$(HOSTS)),,$(BIN)/python -m bench.hosts)
-	$(if $(filter kill,$(HOSTS)),,$(BIN)/python -m bench.hosts --placement)
+	$(if $(filter kill,$(HOSTS)),,$(BIN)/python -m bench.hosts_placement)
 
 .PHONY: bench-breakeven
 bench-breakeven: $(STAMP)

@@ -1,10 +1,9 @@
 """Beyond one host (issue 22): an agent team's sessions over 2 prefixgate hosts behind HAProxy,
-one host killed halfway, with and without the shared tier, beside one host alone; and (issue
-44, `--placement`) where each request goes when most carry no session header: HAProxy's hash
-beside NVIDIA Dynamo's KV router.
+one host killed halfway, with and without the shared tier, beside one host alone. Where each
+request goes when most carry no session header, HAProxy's hash beside NVIDIA Dynamo's KV router
+(issue 44), is bench/hosts_placement.py; `make bench-hosts` runs both.
 
     python -m bench.hosts [--turns 6] [--main-tokens 2000] [--out bench/results/issue22]
-    python -m bench.hosts --placement [--arms ...] [--out bench/results/issue44]
 
 The trace is `bench.team`'s (a main session and two subagents, each its own system prompt and
 the same tools, ~300 new tokens a turn), its sessions' turns sent interleaved as clients send
@@ -18,15 +17,7 @@ them, each with its session header (X-Claude-Code-Session-Id). Arms, in one run:
 Per arm: fresh prefill tokens (prompt minus reused), time to first token p50/p95, both for all
 requests and for the moved sessions' turns after the kill, and where the reuse came from.
 
-`--placement` (bench/hosts_placement.py): the team's system prompt and tools shared by a main
-session (with its header), subagents and new sessions (without), nothing killed; arms `one
-host`, `2 hosts` (HAProxy's hash), `2 hosts + shared tier`, `2 hosts + dynamo` (Dynamo's KV
-router through `prefixgate front`, the hosts' events relayed by `prefixgate dynamo-worker`,
-with the shared tier). The target: the Dynamo arm's fresh prefill tokens within 1.1x one
-host's.
-
-Needs Debian's haproxy and redis-server (and ai-dynamo-runtime for the Dynamo arm). Nothing
-else runs meanwhile: run it on a quiet machine.
+Needs Debian's haproxy and redis-server. Nothing else runs meanwhile: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -217,18 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--main-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="")
-    p.add_argument("--placement", action="store_true",
-                   help="issue 44: requests without session headers, HAProxy vs Dynamo")
-    p.add_argument("--arms", default="", help="--placement: a comma-separated subset")
-    p.add_argument("--new-sessions", type=int, default=2, help="--placement: sessions "
-                   "that start later, sharing the system prompt and tools, no header")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue22"))
     a = p.parse_args(argv)
-    if a.placement:
-        from bench.hosts_placement import run
-
-        return run(a, Path(a.out or ROOT / "bench" / "results" / "issue44"))
-    a.out = a.out or str(ROOT / "bench" / "results" / "issue22")
     trace = make_trace(Knobs(main_tokens=a.main_tokens, sub_tokens=a.main_tokens * 3 // 4,
                              turns=a.turns, sub_turns=a.turns, tail_tokens=300, max_tokens=8))
     with tempfile.TemporaryDirectory(prefix="prefixgate-hosts-") as tmp:

@@ -1,6 +1,7 @@
-"""Where each request goes when most carry no session header (issue 44): `python -m bench.hosts
---placement`. An agent team's requests over 2 prefixgate hosts, placed by HAProxy's hash of the
-session header, or by NVIDIA Dynamo's KV router from the hosts' KV events, beside one host.
+"""Where each request goes when most carry no session header (issue 44): `python -m
+bench.hosts_placement` (`make bench-hosts`). An agent team's requests over 2 prefixgate hosts,
+placed by HAProxy's hash of the session header, or by NVIDIA Dynamo's KV router from the hosts'
+KV events, beside one host.
 
 The trace: the team's system prompt and tools (bench.team's generator), shared by a main
 session (its header sent), subagents and new sessions (no header: a subagent's own requests,
@@ -35,11 +36,32 @@ from typing import Any
 
 from bench.hosts import Proc, pct, send, serve
 from bench.replay import ROOT, free_port, http_get
-from bench.synth import TOOL_NAMES, paragraphs, tool_schema
-from bench.team import SYSTEM_CHARS_PER_TOKEN, Knobs, Request, _session
+from bench.synth import TOOL_NAMES, paragraphs, tool_schema, words
+from bench.team import SYSTEM_CHARS_PER_TOKEN, Knobs, Request
 
 ARMS = ("one host", "2 hosts", "2 hosts + shared tier", "2 hosts + dynamo")
 BLOCK = 16
+
+
+def conversation(rng: random.Random, system: str, tools: list[dict[str, Any]], turns: int,
+                 k: Knobs, name: str) -> list[Request]:
+    """One session's requests, each the last plus a tool call, its result and a question (as
+    bench.team's sessions)."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                  {"role": "user", "content": words(rng, 300).capitalize()}]
+    out = []
+    for t in range(turns):
+        out.append(Request("main", f"{name}#{t}", {
+            "model": "m", "messages": [dict(m) for m in msgs], "tools": tools,
+            "tool_choice": "none", "temperature": 0, "max_tokens": k.max_tokens}))
+        call = {"id": f"call_{name}_{t}", "type": "function", "function": {
+            "name": rng.choice(tools)["function"]["name"],
+            "arguments": json.dumps({"target": f"src/{rng.choice(TOOL_NAMES)}.py"})}}
+        msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": paragraphs(
+                     rng, int(k.tail_tokens * SYSTEM_CHARS_PER_TOKEN * 0.8))},
+                 {"role": "user", "content": words(rng, 120).capitalize() + "?"}]
+    return out
 
 
 def make_trace(k: Knobs, new_sessions: int) -> list[tuple[str, bool, int, Request]]:
@@ -51,15 +73,13 @@ def make_trace(k: Knobs, new_sessions: int) -> list[tuple[str, bool, int, Reques
     chars = int(max(k.main_tokens - len(json.dumps(tools)) // 3, 200) * SYSTEM_CHARS_PER_TOKEN)
     system = "You are Claude Code, a coding agent.\n\n" + paragraphs(rng, chars)
     sessions: dict[str, tuple[bool, int, list[Request]]] = {
-        "main": (True, 0, _session(rng, system, tools, k.turns, k.tail_tokens, k.max_tokens,
-                                   "main", "main"))}
+        "main": (True, 0, conversation(rng, system, tools, k.turns, k, "main"))}
     for i in (1, 2):  # subagents: the team's prompt and tools, their own task, no header
-        sessions[f"sub{i}"] = (False, 0, _session(rng, system, tools, k.sub_turns,
-                                                  k.tail_tokens, k.max_tokens, "subagent",
-                                                  f"sub{i}"))
+        sessions[f"sub{i}"] = (False, 0, conversation(rng, system, tools, k.sub_turns, k,
+                                                      f"sub{i}"))
     for i in range(new_sessions):  # new conversations halfway, no header
-        sessions[f"new{i}"] = (False, k.turns // 2, _session(
-            rng, system, tools, k.sub_turns, k.tail_tokens, k.max_tokens, "main", f"new{i}"))
+        sessions[f"new{i}"] = (False, k.turns // 2, conversation(
+            rng, system, tools, k.sub_turns, k, f"new{i}"))
     order = []
     for t in range(k.turns + k.sub_turns):
         for name, (header, start, reqs) in sessions.items():
@@ -175,11 +195,21 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(a: argparse.Namespace, out: Path) -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.hosts_placement")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--main-tokens", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--new-sessions", type=int, default=2,
+                   help="sessions that start halfway, the team's prompt and tools, no header")
+    p.add_argument("--arms", default="", help=f"a comma-separated subset of: {', '.join(ARMS)}")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue44"))
+    a = p.parse_args(argv)
+    out = Path(a.out)
     arms = [x.strip() for x in a.arms.split(",") if x.strip()] or list(ARMS)
     unknown = set(arms) - set(ARMS)
     if unknown:
-        raise SystemExit(f"bench.hosts --placement: unknown arms {sorted(unknown)}; give some "
+        raise SystemExit(f"bench.hosts_placement: unknown arms {sorted(unknown)}; give some "
                          f"of {', '.join(ARMS)}")
     k = Knobs(main_tokens=a.main_tokens, sub_tokens=a.main_tokens, turns=a.turns,
               sub_turns=max(a.turns // 2, 1), tail_tokens=300, max_tokens=8)
@@ -194,3 +224,7 @@ def run(a: argparse.Namespace, out: Path) -> None:
     (out / "placement.json").write_text(json.dumps(res, indent=1))
     (out / "placement.md").write_text(markdown(res))
     print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()

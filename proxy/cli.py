@@ -246,7 +246,8 @@ def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Conf
         argv = argv[1:]
     p = argparse.ArgumentParser(prog="prefixgate serve", allow_abbrev=False,
                                 description="Prompt-cache proxy for local LLM agents. "
-                                "Commands: serve (default), worker, cache, simulate, doctor. "
+                                "Commands: serve (default), worker, cache, simulate, doctor, "
+                                "front, dynamo-worker. "
                                 "llama-server's flags and LLAMA_ARG_* variables work too "
                                 "(docs/llama-server.md).")
     add_arguments(p)

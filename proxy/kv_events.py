@@ -65,7 +65,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgpack
 import numpy as np
 import xxhash
 
@@ -136,6 +135,8 @@ def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
 
 def encode(events: Sequence[KvEvent], ts: float, dp_rank: int = 0) -> bytes:
     """One vLLM `KVEventBatch` (array_like), msgpack."""
+    import msgpack  # only where --kv-events is on, as zmq
+
     return bytes(msgpack.packb([ts, [e.wire() for e in events], dp_rank], use_bin_type=True))
 
 
