@@ -170,6 +170,8 @@ async def props(request: web.Request) -> web.Response:
                       "workers": {str(k): v["cache_ram"] for k, v in stats.items()}},
         "shared_tier": {"on": bool(cfg.shared_tier),
                         "workers": {str(k): v["shared"] for k, v in stats.items()}},
+        # the host's KV events for a KV-aware router (proxy/kv_events.py, docs/routing.md)
+        "kv_events": request.app[KV_EVENTS].props() if KV_EVENTS in request.app else None,
         "cache": {
             "policy": cfg.disk_prefix_cache, "dir": str(cfg.cache_path),
             "min_tokens": cfg.kv_cache_min_tokens,

@@ -284,6 +284,15 @@ class KvEvents:
         with self._lock:
             self._publish(self.held.forget(source))
 
+    def props(self) -> dict[str, object]:
+        """What /props shows: where it publishes, and what it holds per medium."""
+        with self._lock:
+            blocks = Counter(medium for medium, _ in self.held.counts)
+            states = len(self.held.states)
+        return {"endpoint": self.endpoint, "block_size": self.held.block_size,
+                "topic": self._topic.decode(), "batches_sent": self.sent, "states": states,
+                "blocks": dict(blocks)}
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)

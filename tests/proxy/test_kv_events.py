@@ -151,6 +151,10 @@ def test_a_subscriber_that_joins_late_gets_what_the_host_holds() -> None:
         assert events == [VllmBlockRemoved(list(reversed(H)), "CPU_PINNED")]
         pub.disk("removed", b"key", ())
         assert events_of(sub)[1] == [VllmBlockRemoved(list(reversed(H[:2])), "DISK")]
+        props = pub.props()
+        assert props.pop("batches_sent") >= seq2 + 1  # (counted just after each is sent)
+        assert props == {"endpoint": f"tcp://127.0.0.1:{port}", "block_size": B, "topic": "",
+                         "states": 0, "blocks": {}}
         sub.close(0)
     finally:
         pub.close()
