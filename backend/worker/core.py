@@ -291,7 +291,7 @@ class Core:
         effects: list[Effect] = [
             Cut(slot, j.keep),
             Emit(run, Start(j.keep, j.restored, world.now_s - j.started_s, tuple(j.faults),
-                            j.from_memory)),
+                            j.from_memory, j.source if j.keep else "live")),
             *(Emit(run, e) for e in j.pulled)]
         j.pending += len(j.pulled)
         effects += [Snapshot(slot, run, p, j.saves[p], behind=p < j.keep)

@@ -120,6 +120,11 @@ class Tiers:
             self.on_event(TierEvent("stored", "ram", key, salt.hex(), tenant, len(ids),
                                     tuple(int(t) for t in ids)))
 
+    def on_disk(self, key: keys.CacheKey) -> bool:
+        """Its file is written already (a plan made before the proxy's index had it): the same
+        key is the same bits, so it is not written again."""
+        return store.state_path(self.cache_dir, key).exists()
+
     def queue(self, key: keys.CacheKey, salt: bytes, tenant: str, ids: Ids,
               state: memoryview) -> bool:
         """A snapshot waits for its file (restorable meanwhile); False where the same state
