@@ -207,8 +207,7 @@ class Tiers:
                                 time.perf_counter() - t0))
         if self.shared is not None:  # after the local commit: the shared tier is the extra
             try:
-                self.shared_stats["published_bytes"] += self.shared.publish(
-                    key, tenant, len(ids), checksum, path)
+                self.shared.publish(key, tenant, len(ids), checksum, path)  # queued: its own
             except SharedFault as e:
                 self.shared_stats["publish_failures"] += 1
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
@@ -227,6 +226,8 @@ class Tiers:
             self.writes["rest_waited_s"] += time.monotonic() - t
 
     def stats(self) -> dict[str, Any]:
-        return {"ram": self.ram.stats(), "writes": dict(self.writes),
-                "shared": {**self.shared_stats, **self.shared.stats()}
-                if self.shared is not None else None}
+        shared = None
+        if self.shared is not None:  # the pulls are counted here, publishing by the tier
+            tier = self.shared.stats()
+            shared = {k: tier.get(k, 0) + self.shared_stats.get(k, 0) for k in {*tier, *STATS}}
+        return {"ram": self.ram.stats(), "writes": dict(self.writes), "shared": shared}
