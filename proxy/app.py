@@ -40,6 +40,7 @@ from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
 from proxy import anthropic_api, limits, llama_api, openai_api
 from proxy.cache import DiskCache
+from proxy.chat import MEDIA_MODE, placeholder
 from proxy.config import Config, cache_identity
 from proxy.edge import (
     ALLOWED_KEYS,
@@ -162,6 +163,8 @@ async def props(request: web.Request) -> web.Response:
             "bytes": cache.total_bytes if cache is not None else 0,
             "lifetime_hit_ratio": cached / prompt if prompt else 0.0,
         },
+        # what a text-only model does with an image, audio, a file or a document
+        "media": {"mode": MEDIA_MODE, "placeholder": placeholder("image")},
         "volatile_patterns": list(gw.prompts.normalizer.patterns),
         "stable_layout": cfg.stable_layout,
         "volatile_blocks": list(gw.prompts.layout.patterns),

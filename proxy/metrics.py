@@ -14,6 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.plan import REASON_RANK
+from proxy.chat import MEDIA_KINDS
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -57,6 +58,12 @@ class Metrics:
                             "tier: published_bytes, publish_failures, pulls, pulled_bytes, "
                             "pull_s, verify_failures (since it started)", ["worker", "stat"],
                             registry=r)
+        self.media_placeholders = Counter(
+            "prefixgate_media_placeholders_total",
+            "Media blocks (image, audio, file, document) a text-only model got as a text "
+            "placeholder, by kind", ["kind"], registry=r)
+        for kind in MEDIA_KINDS:
+            self.media_placeholders.labels(kind)
         self.restores_skipped = Counter(
             "prefixgate_restores_skipped_total",
             "Stored entries not restored because the worker prefills them faster", registry=r)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from proxy import anthropic_api, openai_api
+from proxy.chat import placeholder
 from proxy.errors import (
     ApiError,
     BadRequest,
@@ -77,8 +78,8 @@ OPENAI_BAD: dict[str, tuple[Any, str | None]] = {
     "no messages": ({}, "messages"),
     "empty messages": ({"messages": []}, "messages"),
     "unknown role": ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    "an image": ({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    "an unknown part": ({"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "x"}}]}]}, "messages[0].content"),
     "temperature out of range": ({"messages": [USER], "temperature": 3}, "temperature"),
     "max_tokens zero": ({"messages": [USER], "max_tokens": 0}, "max_tokens"),
     "stop not strings": ({"messages": [USER], "stop": [1]}, "stop"),
@@ -164,8 +165,9 @@ def test_anthropic_parse(body: dict[str, Any], messages: tuple[dict[str, Any], .
 ANTHROPIC_BAD: dict[str, tuple[dict[str, Any], str | None]] = {
     "no max_tokens": ({"messages": [USER]}, "max_tokens"),
     "no messages": ({"max_tokens": 4}, "messages"),
-    "an image": ({"max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+    "an image in an assistant turn": ({"max_tokens": 4, "messages": [
+        USER, {"role": "assistant", "content": [{"type": "image", "source": {}}]}]},
+        "messages[1].content[0]"),
     "trailing whitespace in a prefill": (
         {"max_tokens": 4, "messages": [USER, {"role": "assistant", "content": "So "}]},
         "messages.1.content"),
@@ -181,6 +183,72 @@ def test_anthropic_rejects(body: dict[str, Any], param: str | None) -> None:
     with pytest.raises(BadRequest) as e:
         anthropic_api.parse_request(body, "")
     assert e.value.param == param
+
+
+# --- media: a text-only model gets a placeholder in place of each block, never a 400 ----------
+
+IMAGE, AUDIO, FILE = (placeholder(k) for k in ("image", "audio", "file"))
+PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+
+# content parts -> (the message's text, the media kinds replaced)
+OPENAI_MEDIA: dict[str, tuple[list[dict[str, Any]], str, tuple[str, ...]]] = {
+    # an image between text parts: the placeholder on a line of its own, the text glued as ever
+    "image between text": ([{"type": "text", "text": "What is "}, {"type": "text", "text": "this?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
+                            {"type": "text", "text": "Be brief."}],
+                           f"What is this?\n{IMAGE}\nBe brief.", ("image",)),
+    # an image alone: just the placeholder
+    "image alone": ([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], IMAGE,
+                    ("image",)),
+    # audio and a file, one after the other
+    "audio and file": ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                        {"type": "file", "file": {"file_id": "f"}}], f"{AUDIO}\n{FILE}",
+                       ("audio", "file")),
+}
+
+
+@pytest.mark.parametrize("parts,text,media", OPENAI_MEDIA.values(), ids=OPENAI_MEDIA.keys())
+def test_openai_media_becomes_a_placeholder(parts: list[dict[str, Any]], text: str,
+                                            media: tuple[str, ...]) -> None:
+    raw = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": parts}]
+    req = openai_api.parse_chat({"messages": raw}, "")
+    assert req.messages[1] == {"role": "user", "content": text}
+    assert req.media == media
+    # the same message objects again (a later turn): parsed from memory, counted again
+    again = openai_api.parse_chat({"messages": [*raw, {"role": "assistant", "content": "ok"},
+                                                USER]}, "")
+    assert again.messages[1] is req.messages[1] and again.media == media
+
+
+def test_anthropic_media_becomes_a_placeholder() -> None:
+    """An image in a user turn and in a tool result (Claude Code's Read of a PNG), a document
+    with a plain-text source (its text) and a PDF (a placeholder)."""
+    raw = [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                     {"type": "image", "source": PNG}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.png"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1",
+             "content": [{"type": "image", "source": PNG}]},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                            "data": "notes"}},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                            "data": "JVBERi0="}}]}]
+    req = anthropic_api.parse_request({"max_tokens": 4, "messages": raw}, "")
+    assert req.messages[0] == {"role": "user", "content": f"Look:\n\n{IMAGE}"}
+    assert req.messages[2] == {"role": "tool", "tool_call_id": "t1", "content": IMAGE,
+                               "name": "Read"}
+    assert req.messages[3] == {"role": "user",
+                               "content": f"notes\n\n{placeholder('document')}"}
+    assert req.media == ("image", "image", "document")
+    # the next turn resumes this body's parse after its messages (the same objects): the media
+    # before are still counted, the new ones too
+    more = [*raw, {"role": "assistant", "content": "An image."},
+            {"role": "user", "content": [{"type": "image", "source": PNG}]}]
+    again = anthropic_api.parse_request({"max_tokens": 4, "messages": more}, "")
+    assert again.messages[:3] == req.messages[:3]
+    assert again.media == ("image", "image", "document", "image")
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:
