@@ -3,9 +3,10 @@
 Routes match on the path alone (Claude Code adds `?beta=true`). Unknown headers and body fields
 are ignored (`anthropic-beta`, `metadata`, `context_management`, `output_config`,
 `cache_control` on any block, `$schema` in tool schemas). `thinking` ({"type": "enabled"} or
-"adaptive" / "disabled") becomes the template variable `enable_thinking`; `chat_template_kwargs`
-is taken as on the OpenAI API. Errors use Anthropic's shape
-`{"type": "error", "error": {"type", "message"}}` (proxy.errors.anthropic_body).
+"adaptive" / "disabled") becomes the template variable `enable_thinking`; without `thinking` it
+is false, as on Anthropic's API; `chat_template_kwargs` is taken as on the OpenAI API. Errors
+use Anthropic's shape `{"type": "error", "error": {"type", "message"}}`
+(proxy.errors.anthropic_body).
 
 Parsing into the internal, OpenAI-shaped messages:
 - `system`: a string or a list of text blocks, joined by blank lines; it becomes the first
@@ -386,11 +387,14 @@ def parse_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> Any:
 
 
 def parse_thinking(body: dict[str, Any]) -> dict[str, Any]:
-    """Template variables: `thinking` as `enable_thinking`, plus `chat_template_kwargs`."""
+    """Template variables: `thinking` as `enable_thinking`, plus `chat_template_kwargs` (which
+    win). A request without `thinking` has it off, as Anthropic's API treats it: templates with
+    the switch (Qwen3, Qwen3.5/3.6, GLM, DeepSeek V3.1) render it off, the others never read it
+    (proxy.template.ChatTemplate.bound)."""
     kwargs = parse_template_kwargs({"chat_template_kwargs": body.get("chat_template_kwargs")})
     raw = body.get("thinking")
     if raw is None:
-        return kwargs
+        return {"enable_thinking": False, **kwargs}
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise BadRequest('\'thinking\' must be {"type": "enabled", "budget_tokens": N}, '
                          '{"type": "adaptive"} or {"type": "disabled"}', param="thinking")
