@@ -1,7 +1,7 @@
 """The aiohttp application: the lifecycle of everything requests share, the operations routes
 (/health, /metrics, /props), and the error middleware. The API routes are the edges' own
-(openai_api.py, anthropic_api.py, llama_api.py for llama-server's native endpoints, on the
-shared proxy/edge.py).
+(openai_api.py, responses_api.py, anthropic_api.py, llama_api.py for llama-server's native
+endpoints, on the shared proxy/edge.py).
 
 `make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
 tokenizer: a template that cannot be used stops the start at once), then listens, and opens in
@@ -38,7 +38,7 @@ from prometheus_client import generate_latest
 from backend.index import Index
 from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
-from proxy import anthropic_api, limits, llama_api, openai_api
+from proxy import anthropic_api, limits, llama_api, openai_api, responses_api
 from proxy.cache import DiskCache
 from proxy.chat import MEDIA_MODE, placeholder
 from proxy.config import Config, cache_identity
@@ -326,6 +326,7 @@ def make_app(cfg: Config) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     openai_api.add_routes(app)
     anthropic_api.add_routes(app)
+    responses_api.add_routes(app)
     llama_api.add_routes(app, health, openai_api.models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy import anthropic_api, openai_api
+from proxy import anthropic_api, openai_api, responses_api
 from proxy.chat import placeholder
 from proxy.errors import (
     ApiError,
@@ -337,3 +337,97 @@ def test_anthropic_parse_resumed_from_an_earlier_body_equals_a_fresh_parse() -> 
         for (before, _), (after, _) in zip(earlier, earlier[1:], strict=False):
             # the messages before the last one of a turn come out again as the same objects
             assert all(a is b for a, b in zip(before[:-1], after, strict=False))
+
+
+# --- the Responses API (Codex CLI) -------------------------------------------------------------
+
+FN = {"type": "function", "name": "shell", "description": "Run.",
+      "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+RESPONSES: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str, Any]]] = {
+    # a string input is one user message; instructions are the system message, first
+    "string input": ({"input": "Hi", "instructions": "Be brief.", "max_output_tokens": 9},
+                     ({"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Hi"}), {"max_tokens": 9, "stream": False}),
+    # a Codex turn: developer text, user parts, a reasoning item that belongs to the call that
+    # follows, the call (arguments parsed), its output named after it, the assistant's answer
+    "codex turn": (
+        {"input": [
+            {"type": "message", "role": "developer", "content": "Sandbox: none."},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "list "},
+                         {"type": "input_text", "text": "files"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [
+                {"type": "summary_text", "text": "Use the shell."}], "encrypted_content": "x"},
+            {"type": "function_call", "call_id": "call_1", "name": "shell",
+             "arguments": "{\"cmd\": \"ls\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "One file."}]},
+            {"role": "user", "content": "thanks"}],
+         "tools": [FN, {"type": "web_search"}], "tool_choice": "auto", "stream": True,
+         "reasoning": {"effort": "low"}, "temperature": 0.5, "store": False,
+         "include": ["reasoning.encrypted_content"], "parallel_tool_calls": False,
+         "prompt_cache_key": "k"},
+        ({"role": "system", "content": "Sandbox: none."},
+         {"role": "user", "content": "list files"},
+         {"role": "assistant", "content": "", "reasoning_content": "Use the shell.",
+          "tool_calls": [{"id": "call_1", "type": "function",
+                          "function": {"name": "shell", "arguments": {"cmd": "ls"}}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "a.py", "name": "shell"},
+         {"role": "assistant", "content": "One file."},
+         {"role": "user", "content": "thanks"}),
+        {"tools": ({"type": "function", "function": {
+            "name": "shell", "parameters": FN["parameters"], "description": "Run."}},),
+         "stream": True, "sampling": {"temperature": 0.5},
+         "template_kwargs": {"reasoning_effort": "low"}}),
+    # two calls of one turn after its text: one assistant message; a named forced call
+    "two calls": (
+        {"input": [{"role": "user", "content": "go"},
+                   {"role": "assistant", "content": "Running."},
+                   {"type": "function_call", "call_id": "a", "name": "shell", "arguments": "{}"},
+                   {"type": "function_call", "call_id": "b", "name": "shell", "arguments": "{}"}],
+         "tools": [FN], "tool_choice": {"type": "function", "name": "shell"}},
+        ({"role": "user", "content": "go"},
+         {"role": "assistant", "content": "Running.", "tool_calls": [
+             {"id": "a", "type": "function", "function": {"name": "shell", "arguments": {}}},
+             {"id": "b", "type": "function", "function": {"name": "shell", "arguments": {}}}]}),
+        {"tool_choice": {"name": "shell"}}),
+    # an image part is a placeholder; text.format json_object is a grammar
+    "image and json": (
+        {"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is it?"},
+            {"type": "input_image", "image_url": "data:image/png;base64,x"}]}],
+         "text": {"format": {"type": "json_object"}}},
+        ({"role": "user", "content": f"What is it?\n{IMAGE}"},),
+        {"media": ("image",), "json_schema": {"type": "object"}}),
+}
+
+
+@pytest.mark.parametrize("body,messages,fields", RESPONSES.values(), ids=RESPONSES.keys())
+def test_responses_parse(body: dict[str, Any], messages: tuple[dict[str, Any], ...],
+                         fields: dict[str, Any]) -> None:
+    req = responses_api.parse_request(body, "key-1")
+    assert (req.api, req.tenant, req.messages) == ("responses", "key-1", messages)
+    assert {k: getattr(req, k) for k in fields} == fields
+
+
+RESPONSES_BAD: dict[str, tuple[Any, str | None]] = {
+    "no input": ({}, "input"),
+    "stored conversation": ({"input": "Hi", "previous_response_id": "resp_1"},
+                            "previous_response_id"),
+    "unknown item": ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, "input[0]"),
+    "call without an id": ({"input": [{"type": "function_call", "name": "shell",
+                                       "arguments": "{}"}]}, "input[0]"),
+    "unknown role": ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    "bad tool_choice": ({"input": "Hi", "tools": [FN], "tool_choice": {"type": "x"}},
+                        "tool_choice"),
+    "forced call, no tools": ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
+    "max_output_tokens zero": ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+}
+
+
+@pytest.mark.parametrize("body,param", RESPONSES_BAD.values(), ids=RESPONSES_BAD.keys())
+def test_responses_rejects(body: Any, param: str | None) -> None:
+    with pytest.raises(BadRequest) as e:
+        responses_api.parse_request(body, "")
+    assert e.value.param == param
