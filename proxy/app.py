@@ -29,6 +29,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from aiohttp import web
@@ -38,7 +39,7 @@ from prometheus_client import generate_latest
 from backend.index import Index
 from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
-from proxy import anthropic_api, limits, llama_api, openai_api, responses_api
+from proxy import anthropic_api, limits, llama_api, openai_api, responses_api, status
 from proxy.cache import DiskCache
 from proxy.chat import MEDIA_MODE, placeholder
 from proxy.config import Config, cache_identity
@@ -85,7 +86,13 @@ def error_response(request: web.Request, e: ApiError) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    boot, pool = request.app[BOOT], request.app.get(POOL)
+    ok, body = health_json(request.app)
+    return web.json_response(body, status=200 if ok else 503)
+
+
+def health_json(app: web.Application) -> tuple[bool, dict[str, Any]]:
+    """(every worker ready, /health's body)."""
+    boot, pool = app[BOOT], app.get(POOL)
     workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy, "exact": w.exact,
                 "live_tokens": sum(len(s.live_ids) for s in w.slots),
                 "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
@@ -94,13 +101,13 @@ async def health(request: web.Request) -> web.Response:
                                        "progress": float(w.loading.get("progress", 0))})}
                for w in (pool.workers if pool is not None else [])]
     if boot["ready"] and pool is not None and pool.all_ready:
-        return web.json_response({"status": "ok", "workers": workers})
+        return True, {"status": "ok", "workers": workers}
     loading = [w["progress"] for w in workers if "progress" in w]
-    return web.json_response({
+    return False, {
         "status": "loading",
         "phase": boot["phase"] if not boot["ready"] else "a worker is (re)starting",
         "progress": round(sum(loading) / len(loading), 3) if loading else 0.0,
-        "workers": workers}, status=503)
+        "workers": workers}
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -126,28 +133,36 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     check_auth(request)
-    cfg, gw, m = request.app[CONFIG], request.app[GATEWAY], request.app[METRICS]
-    cache = request.app.get(CACHE)
+    return web.json_response(await props_json(request.app))
+
+
+async def props_json(app: web.Application) -> dict[str, Any]:
+    """/props's body (the server must be ready)."""
+    cfg, gw, m = app[CONFIG], app[GATEWAY], app[METRICS]
+    cache, pool = app.get(CACHE), app[POOL]
     prompt = m.prompt_tokens._value.get()
     cached = sum(c._value.get() for c in m.cached_tokens._metrics.values())
-    stats = await request.app[POOL].worker_stats()
-    return web.json_response({
+    stats = await pool.worker_stats()
+    return {
         "server": "prefixgate",
-        "model": request.app[MODEL_ID], "model_path": cfg.model_path,
-        "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
+        "model": app[MODEL_ID], "model_path": cfg.model_path,
+        "n_ctx": cfg.n_ctx, "workers": len(pool.workers),
         # llama-server's fields: the slots, the template in use, the build
-        "total_slots": len(request.app[POOL].slots),
+        "total_slots": len(pool.slots),
         "chat_template": gw.prompts.template.source,
         "build_info": f"prefixgate {_version('prefixgate')}, llama-cpp-python "
                       f"{_version('llama-cpp-python')}",
         "ubatch_size": cfg.batch,
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure,
                    "batch_decode": w.decode != "apart", "decode": w.decode}
-                  for w in request.app[POOL].workers],
+                  for w in pool.workers],
+        # where each worker's model went (devices, weights, KV) and what its memory allows
+        "placement": {str(w.worker_id): placement_note(w.placement) for w in pool.workers},
+        "memory": {str(w.worker_id): w.memory for w in pool.workers},
         # what each worker measured prefill and restores to cost: decide restores only what
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
-                  for w in request.app[POOL].workers},
+                  for w in pool.workers},
         "default_generation_settings": {"n_ctx": cfg.slot_ctx},
         "cache_ram": {"mib": cfg.cache_ram,
                       "workers": {str(k): v["cache_ram"] for k, v in stats.items()}},
@@ -168,10 +183,10 @@ async def props(request: web.Request) -> web.Response:
         "volatile_patterns": list(gw.prompts.normalizer.patterns),
         "stable_layout": cfg.stable_layout,
         "volatile_blocks": list(gw.prompts.layout.patterns),
-    })
+    }
 
 
-OPEN_WHILE_LOADING = ("/health", "/v1/health")
+OPEN_WHILE_LOADING = ("/health", "/v1/health", "/")  # the status page says how far it got
 
 
 @web.middleware
@@ -331,4 +346,5 @@ def make_app(cfg: Config) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/props", props)
+    status.add_routes(app, props_json, health_json, llama_api.slots_json)
     return app

@@ -93,14 +93,19 @@ def _handler(fn: Any) -> Any:
 
 async def slots(request: web.Request) -> web.Response:
     check_auth(request)
-    cfg = request.app[CONFIG]
-    return web.json_response([
+    return web.json_response(slots_json(request.app))
+
+
+def slots_json(app: web.Application) -> list[dict[str, Any]]:
+    """/slots's body."""
+    cfg = app[CONFIG]
+    return [
         {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
          "is_processing": s.busy, "ready": s.ready, "live_tokens": len(s.live_ids),
          "exact": s.worker.exact,
          "tenant": hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12]
          if s.live_tenant else ""}
-        for i, s in enumerate(request.app[POOL].slots)])
+        for i, s in enumerate(app[POOL].slots)]
 
 
 def parse_native(body: Any, tenant: str) -> ChatRequest:
