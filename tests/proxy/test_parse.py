@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given as generated
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from proxy import anthropic_api, openai_api, responses_api
 from proxy.chat import placeholder
@@ -431,3 +434,43 @@ def test_responses_rejects(body: Any, param: str | None) -> None:
     with pytest.raises(BadRequest) as e:
         responses_api.parse_request(body, "")
     assert e.value.param == param
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                     | st.text(max_size=6),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
+                                                                          max_size=3),
+                     max_leaves=8)
+_part = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["input_text", "output_text", "refusal", "input_image", "input_file",
+                             "text", "audio"]) | _json,
+    "text": st.text(max_size=6) | _json, "refusal": _json, "image_url": _json})
+_item = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                             "item_reference"]) | _json,
+    "role": st.sampled_from(list(responses_api.ROLES)) | _json,
+    "content": st.text(max_size=6) | st.lists(_part, max_size=3) | _json,
+    "call_id": st.text(max_size=4) | _json, "name": st.text(max_size=4) | _json,
+    "arguments": st.sampled_from(["{}", "{", '{"a": 1}', "[" * 50, "1e999"]) | _json,
+    "output": st.text(max_size=6) | st.lists(_part, max_size=2) | _json,
+    "summary": st.lists(_part, max_size=2) | _json})
+_body = st.fixed_dictionaries({}, optional={
+    "input": st.text(max_size=6) | st.lists(_item, max_size=4) | _json,
+    "instructions": st.text(max_size=6) | _json,
+    "tools": st.lists(st.just(FN) | st.fixed_dictionaries({}, optional={
+        "type": st.just("function") | _json, "name": _json, "parameters": _json}),
+        max_size=2) | _json,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | _json,
+    "max_output_tokens": _json, "temperature": _json, "stream": _json, "reasoning": _json,
+    "text": _json, "previous_response_id": st.none() | _json, "prefix_cache": _json})
+
+
+@generated(_body)
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+def test_hostile_responses_bodies_are_a_400_at_worst(body: dict[str, Any]) -> None:
+    """Generated Responses bodies: a request or a BadRequest, never another exception (a
+    500)."""
+    try:
+        responses_api.parse_request(body, "")
+    except BadRequest:
+        pass
