@@ -36,7 +36,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -342,7 +342,8 @@ def _part(kind: str, text: str) -> dict[str, Any]:
 class Responder:
     """Renders one run as a Responses `response`, JSON or SSE."""
 
-    def __init__(self, req: ChatRequest, run: Run, model_id: str, decode: Any) -> None:
+    def __init__(self, req: ChatRequest, run: Run, model_id: str,
+                 decode: Callable[[list[int]], str]) -> None:
         self.req, self.run, self.model, self.decode = req, run, model_id, decode
         self.id = _id("resp_")
         self.created = int(time.time())
