@@ -138,18 +138,9 @@ class Core:
                 out.append(Task(slot, waits=True))
         return out
 
-    def prefill_end(self, slot: int, world: World) -> int:
-        """Where the slot's next prefill batch ends (one of the cold run's edges)."""
-        j = self.jobs[slot]
-        return min(j.edges.next(world.slots[slot].n_live), len(j.ids))
-
     def waiting(self, slot: int) -> int:
         """The token the slot's decode evaluates."""
         return self.jobs[slot].token
-
-    def run_of(self, slot: int) -> str:
-        j = self.jobs.get(slot)
-        return j.job.run_id if j is not None else ""
 
     # --- inputs -----------------------------------------------------------------------------
 
