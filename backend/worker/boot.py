@@ -158,7 +158,7 @@ class Boot:
             engine.decode_shape = shapes.decode
             ram = RamTier.from_mib(spec.cache_ram)
             tiers = Tiers(spec.cache_dir, fingerprint, ram, engine.prepare, lambda r, e: None,
-                          at_rest=None, fault=engine.fault)
+                          at_rest=None, fault=engine.fault, spare=engine.spare_bytes)
             if spec.shared_tier:
                 tiers.shared = SharedTier(spec.shared_tier, fingerprint)
             core = Core(len(engine.seqs), engine.batching, engine.memory.kind == "plain",
