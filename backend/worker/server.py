@@ -69,6 +69,7 @@ class Worker:
         self.runs: dict[str, _Run] = {}  # streaming runs
         self.active: dict[int, str] = {}  # slot -> the run it serves, until it ends
         self.listeners: dict[asyncio.Queue[TierEvent], bool] = {}  # -> wants every tier
+        self.closing = False  # the server stops: event streams end
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.loop: Loop | None = None
 
@@ -205,13 +206,19 @@ class Worker:
                                                         tuple(int(t) for t in e.ids))))
             for ev in list(self.tiers.live.values()) if every else []:  # each slot's live KV
                 await resp.write(encode_event(ev))
-            while True:
-                await resp.write(encode_event(await q.get()))
+            while request.transport is not None and not request.transport.is_closing() \
+                    and not self.closing:
+                try:  # a client that is gone is noticed without an event to write
+                    event = await asyncio.wait_for(q.get(), WATCH_S * 20)
+                except asyncio.TimeoutError:
+                    continue
+                await resp.write(encode_event(event))
         except (ConnectionError, RuntimeError):
-            return resp
+            pass
         finally:
             self.listeners.pop(q, None)
             self.tiers.every = any(self.listeners.values())
+        return resp
 
     async def _watch(self, request: web.Request, run_id: str) -> None:
         while run_id in self.runs:
