@@ -363,6 +363,25 @@ def read_key_file(path: str) -> set[str]:
     return {k.strip() for k in lines if k.strip() and not k.strip().startswith("#")}
 
 
+def api_keys_of(cfg: Config) -> set[str]:
+    """The keys a server (serve, front) accepts: --api-key and the --api-keys file. A file that
+    cannot be read or holds no key stops the start in one line that shows neither its path nor
+    a key (auth never fails open)."""
+    keys = set(cfg.api_key)
+    if cfg.api_keys:
+        try:
+            found = read_key_file(cfg.api_keys)
+        except (OSError, UnicodeDecodeError) as e:  # the path is not shown: it may be a key
+            raise SystemExit(f"prefixgate: cannot read the --api-keys file: "
+                             f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        if not found:
+            raise SystemExit("prefixgate: the --api-keys file holds no API key (only blank "
+                             "lines and # comments); put one key per line, or leave it out "
+                             "to serve without auth")
+        keys |= found
+    return keys
+
+
 def make_app(cfg: Config) -> web.Application:
     bounds = limits.with_overrides(cfg.limits)
     app = web.Application(client_max_size=bounds.max_body_bytes, middlewares=[error_middleware])

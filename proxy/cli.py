@@ -65,18 +65,10 @@ def serve(cfg: Config) -> None:
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
     _check_model(cfg.model_path)
-    if cfg.api_keys:
-        from proxy.app import read_key_file
+    if cfg.api_keys:  # auth never fails open: a file that yields no key stops the start
+        from proxy.app import api_keys_of
 
-        try:
-            keys = read_key_file(cfg.api_keys)
-        except (OSError, UnicodeDecodeError) as e:  # the path is not shown: it may be a key
-            raise SystemExit(f"prefixgate: cannot read the --api-keys file: "
-                             f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
-        if not keys:  # auth never fails open
-            raise SystemExit("prefixgate: the --api-keys file holds no API key (only blank "
-                             "lines and # comments); put one key per line, or leave it out "
-                             "to serve without auth")
+        api_keys_of(cfg)
     share_secrets(cfg)
     sock = _listen(cfg.host, cfg.port)
     # the render thread parses and renders big requests; let it hand the GIL to the event

@@ -438,6 +438,10 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if cfg.kv_block_size < 1:
         raise SystemExit(f"prefixgate: --kv-block-size {cfg.kv_block_size}: give the tokens of "
                          "one block (16, or the router's --router-block-size)")
+    if cfg.kv_events and cfg.tenant_isolation:
+        raise SystemExit("prefixgate: --kv-events with --tenant-isolation: a KV router matches "
+                         "token ids alone, so it would place one tenant's prompt by another's "
+                         "states and tell where a tenant's prefix is held; run one of them")
     if cfg.kv_events and not cfg.kv_events.lstrip(">@").startswith(("tcp://", "ipc://")):
         raise SystemExit(f"prefixgate: --kv-events {cfg.kv_events}: give the ZMQ address to bind, "
                          "tcp://HOST:PORT (or ipc://PATH), or >tcp://HOST:PORT to connect to")

@@ -39,6 +39,8 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
+from backend.redact import redact_url
+
 log = logging.getLogger("prefixgate.dynamo")
 
 HEALTH_EVERY_S = 2.0
@@ -127,25 +129,26 @@ async def watch(endpoint: Any, host_url: str) -> None:
             await endpoint.unregister_endpoint_instance()
             listed = False
             log.warning("host %s is down (%d failed health checks): withdrawn from Dynamo's "
-                        "router", host_url, failed)
+                        "router", redact_url(host_url), failed)
         elif not listed and ok:
             await endpoint.register_endpoint_instance()
             listed = True
-            log.info("host %s is back: registered with Dynamo's router again", host_url)
+            log.info("host %s is back: registered with Dynamo's router again",
+                     redact_url(host_url))
 
 
 async def run_worker(a: argparse.Namespace) -> None:
     waited = False
     while not await asyncio.to_thread(healthy, a.host_url):
         if not waited:
-            log.info("waiting for the host %s to be ready", a.host_url)
+            log.info("waiting for the host %s to be ready", redact_url(a.host_url))
             waited = True
         await asyncio.sleep(0.5)
     runtime = await open_runtime()
     path = endpoint_path(a.namespace, a.component)
     endpoint, relay = await register(runtime, path, a.host_url, a.kv_events, a.kv_block_size)
     log.info("host %s registered with Dynamo on %s as worker %d: its KV events relayed from "
-             "%s in blocks of %d tokens", a.host_url, path, endpoint.connection_id(),
+             "%s in blocks of %d tokens", redact_url(a.host_url), path, endpoint.connection_id(),
              a.kv_events, a.kv_block_size)
     watcher = asyncio.create_task(watch(endpoint, a.host_url))
     try:
@@ -174,7 +177,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     if not a.host_url.startswith(("http://", "https://")):
-        raise SystemExit(f"prefixgate dynamo-worker: --host-url {a.host_url}: give "
+        raise SystemExit(f"prefixgate dynamo-worker: --host-url {redact_url(a.host_url)}: give "
                          "http://HOST:PORT")
     need_dynamo("dynamo-worker")
     quiet_dynamo()

@@ -24,9 +24,13 @@ and a body that does not parse or render (the host answers it in its API's own e
 goes to the hosts in turn. A host that cannot be reached is skipped for the next, once; with
 none left the answer is a 503 in the API's error shape. `POST /front/route?path=/v1/...` with a
 request's body tells where it would go and why (Dynamo's overlap per host and tier), placing
-nothing; it takes one of the API keys the front is given (--api-key, --api-keys; the hosts
-check every other request themselves): how much of a prompt some host holds is not for anyone
-to probe. Nor does any answer say it: `X-Prefixgate-Route` names the way, not the overlap.
+nothing: how much of a prompt some host holds is for a key holder to see, and no other answer
+says it (`X-Prefixgate-Route` names the way, not the overlap).
+
+Auth is the server's (docs/security.md): with --api-key or --api-keys every path but `/health`
+takes one of the keys at the front, before anything is rendered or placed (a 401 in the API's
+shape), and the hosts check it again; a key option that yields no key stops the start; the
+start line says `auth on` or `auth OFF`. A key is never logged, nor a host URL's password.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from backend.redact import redact_url
 from proxy.config import Config, add_arguments, from_args
+from proxy.edge import ALLOWED_KEYS, check_auth
 from proxy.errors import (
     ApiError,
     Unauthorized,
@@ -71,7 +77,8 @@ def _parsers() -> dict[str, Callable[[Any, str], Any]]:
 
 
 class Front:
-    def __init__(self, cfg: Config, namespace: str, component: str) -> None:
+    def __init__(self, cfg: Config, namespace: str, component: str,
+                 keys: frozenset[str] = frozenset()) -> None:
         self.cfg, self.path = cfg, f"{namespace}.{component}.generate"
         self.parsers = _parsers()
         self.builder: Any = None  # proxy.prompt.PromptBuilder, loaded at start
@@ -81,7 +88,7 @@ class Front:
         self.runtime: Any = None
         self.session: aiohttp.ClientSession | None = None
         self.urls: dict[int, str] = {}  # Dynamo worker id -> the host's URL
-        self.keys: set[str] = set(cfg.api_key)  # what /front/route takes (none: open)
+        self.keys = keys  # the accepted API keys (none: auth OFF)
         self._turn = itertools.count()
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -89,14 +96,11 @@ class Front:
     async def open(self, app: web.Application) -> AsyncIterator[None]:
         from dynamo.llm import KvRouter, KvRouterConfig
 
-        from proxy.app import read_key_file
         from proxy.defaults import Defaults
         from proxy.dynamo import open_runtime
         from proxy.prompt import PromptBuilder
 
         cfg = self.cfg
-        if cfg.api_keys:
-            self.keys |= read_key_file(cfg.api_keys)
         self.builder = await asyncio.to_thread(
             PromptBuilder.load, cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
             cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect)
@@ -109,8 +113,11 @@ class Front:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S, sock_connect=10),
             auto_decompress=False)
+        n = len(self.keys)
         log.info("prefixgate front on http://%s:%d: hosts of %s placed by Dynamo's KV router "
-                 "(blocks of %d tokens)", cfg.host, cfg.port, self.path, cfg.kv_block_size)
+                 "(blocks of %d tokens), %s", cfg.host, cfg.port, self.path, cfg.kv_block_size,
+                 f"auth on ({n} API key{'s' if n > 1 else ''})" if n else
+                 "auth OFF (no --api-key: any client is served)")
         yield
         await self.session.close()
         self.runtime.shutdown()
@@ -140,7 +147,8 @@ class Front:
                     url = str(data["host_url"]).rstrip("/")
                     break
             except Exception as e:  # gone meanwhile: the next host
-                log.warning("Dynamo worker %d did not say its address: %s", worker_id, e)
+                log.warning("Dynamo worker %d did not say its address: %s", worker_id,
+                            type(e).__name__)
                 return None
             if url is not None:
                 self.urls[worker_id] = url
@@ -154,7 +162,7 @@ class Front:
                 worker, _, overlap = await self.router.best_worker(ids, request_id=rid)
                 url = await self.url_of(worker)
                 if url is not None:
-                    log.debug("placed on %s: %d of %d blocks held", url, overlap,
+                    log.debug("placed on %s: %d of %d blocks held", redact_url(url), overlap,
                               len(ids) // self.cfg.kv_block_size)
                     return worker, url, "dynamo-kv"
                 skip.add(worker)
@@ -178,10 +186,10 @@ class Front:
 
     async def route(self, request: web.Request) -> web.Response:
         """Where a request would go and why, placing nothing."""
-        from proxy.edge import api_key_of
-
-        if self.keys and api_key_of(request) not in self.keys:
-            return openai_response(Unauthorized("give one of the front's API keys"))
+        try:
+            check_auth(request)
+        except Unauthorized as e:
+            return openai_response(e)
         path = request.query.get("path", "/v1/chat/completions")
         ids = await asyncio.to_thread(self.prompt_ids, path, await request.read())
         if ids is None:
@@ -191,10 +199,16 @@ class Front:
         for w in self.client.instance_ids():
             await self.url_of(w)
         return web.json_response({"tokens": len(ids), "best": {
-            "worker_id": worker, "url": self.urls.get(worker), "overlap_blocks": overlap},
-            "hosts": {str(k): v for k, v in self.urls.items()}, "dynamo": scores})
+            "worker_id": worker, "url": redact_url(self.urls.get(worker) or ""),
+            "overlap_blocks": overlap},
+            "hosts": {str(k): redact_url(v) for k, v in self.urls.items()}, "dynamo": scores})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        try:  # before anything is read, rendered or placed
+            check_auth(request)
+        except Unauthorized as e:
+            return anthropic_response(e) if request.path.startswith("/v1/messages") \
+                else openai_response(e)
         body = await request.read()
         ids = await asyncio.to_thread(self.prompt_ids, request.path, body) \
             if request.method == "POST" else None
@@ -210,7 +224,8 @@ class Front:
                 upstream = await self.session.request(request.method, url + request.path_qs,
                                                       headers=headers, data=body)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                log.warning("host %s unreachable (%s): the next", url, e)
+                log.warning("host %s unreachable (%s): the next", redact_url(url),
+                            type(e).__name__)
                 skip.add(worker)
                 if ids:
                     await self.router.free(rid)
@@ -225,7 +240,7 @@ class Front:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             resp.headers.update({k: v for k, v in upstream.headers.items()
                                  if k.lower() not in HOP})
-            resp.headers["X-Prefixgate-Upstream"] = url
+            resp.headers["X-Prefixgate-Upstream"] = redact_url(url)
             resp.headers["X-Prefixgate-Route"] = why
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
@@ -252,6 +267,8 @@ class Front:
 
 def make_app(front: Front) -> web.Application:
     app = web.Application(client_max_size=256 << 20)
+    if front.keys:
+        app[ALLOWED_KEYS] = front.keys
     app.cleanup_ctx.append(front.open)
     app.router.add_get("/health", front.health)
     app.router.add_post("/front/route", front.route)
@@ -274,9 +291,12 @@ def main(argv: list[str]) -> None:
     namespace, component = ns.namespace, ns.component
     del ns.namespace, ns.component
     cfg = from_args(ns)
+    from proxy.app import api_keys_of
+
+    keys = frozenset(api_keys_of(cfg))  # auth never fails open: said before anything starts
     need_dynamo("front")
     quiet_dynamo()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    web.run_app(make_app(Front(cfg, namespace, component)), host=cfg.host, port=cfg.port,
+    web.run_app(make_app(Front(cfg, namespace, component, keys)), host=cfg.host, port=cfg.port,
                 print=None, access_log=None)
