@@ -29,7 +29,8 @@ from proxy.workers import child_env
 from tests.conftest import N_CTX, ROOT, Server, free_port, http_get, start_server
 from tests.proxy.test_disk_cache import entries
 
-pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime (the test extra)")
+pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime (the test extra: "
+                    "Linux x86_64 and aarch64 wheels only)")
 pytestmark = pytest.mark.model
 
 BS = 16

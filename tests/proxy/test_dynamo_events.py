@@ -18,7 +18,8 @@ from proxy.kv_events import KvEvents
 from tests.conftest import free_port
 
 os.environ.setdefault("DYN_LOG", "warn")  # Dynamo logs every step at INFO
-llm = pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime (the test extra)")
+llm = pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime (the test extra: "
+                          "Linux x86_64 and aarch64 wheels only)")
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 5 * BS + 7))  # 5 whole blocks and 7 tokens
