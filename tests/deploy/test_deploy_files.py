@@ -95,6 +95,12 @@ def test_compose_dynamo_profile_registers_the_host_and_fronts_the_team() -> None
         assert front["environment"][key] == proxy["environment"][key], key
     assert "front" in front["command"] and any(v.endswith(":/models:ro")
                                                for v in front["volumes"])
+    # and takes the proxy's keys (auth at the front as at the host: docs/security.md)
+    for key in ("PREFIXGATE_API_KEYS", "PREFIXGATE_API_KEY"):
+        assert key in front["environment"], key
+        assert front["environment"][key] == proxy["environment"][key], key
+    assert [v for v in front["volumes"] if "/run/secrets/api_keys" in str(v)] == [
+        v for v in proxy["volumes"] if "/run/secrets/api_keys" in str(v)]
     # both meet in Dynamo's etcd and NATS, in an image that carries Dynamo's runtime
     for s in (worker, front):
         env = s["environment"]
