@@ -8,7 +8,8 @@ Dynamo's own frontend run), fed by the hosts' KV events (`prefixgate dynamo-work
 
 A request's way:
 1. A generation request (`/v1/chat/completions`, `/v1/completions`, `/v1/messages`,
-   `/completion`, with or without `/v1`) is rendered and tokenized here exactly as a host
+   `/v1/responses`, `/completion`, with or without `/v1`), bounded as a host bounds it
+   (proxy/limits.py), is rendered and tokenized here exactly as a host
    renders it (the same `PromptBuilder`, server defaults and flags: give the front the hosts'
    model and prompt flags), off the event loop.
 2. Dynamo's router picks the host: `best_worker(ids, request_id)`, its overlap with each
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -48,8 +48,9 @@ import aiohttp
 from aiohttp import web
 
 from backend.redact import redact_url
+from proxy import limits
 from proxy.config import Config, add_arguments, from_args
-from proxy.edge import ALLOWED_KEYS, check_auth
+from proxy.edge import ALLOWED_KEYS, check_auth, parse_body
 from proxy.errors import (
     ApiError,
     Unauthorized,
@@ -66,13 +67,15 @@ UPSTREAM_TIMEOUT_S = 3600.0
 
 
 def _parsers() -> dict[str, Callable[[Any, str], Any]]:
-    from proxy import anthropic_api, llama_api, openai_api
+    from proxy import anthropic_api, llama_api, openai_api, responses_api
 
     return {"/v1/chat/completions": openai_api.parse_chat,
             "/chat/completions": openai_api.parse_chat,
             "/v1/completions": openai_api.parse_completion,
             "/completions": openai_api.parse_completion,
             "/v1/messages": anthropic_api.parse_request,
+            "/v1/responses": responses_api.parse_request,
+            "/responses": responses_api.parse_request,
             "/completion": llama_api.parse_native}
 
 
@@ -81,6 +84,7 @@ class Front:
                  keys: frozenset[str] = frozenset()) -> None:
         self.cfg, self.path = cfg, f"{namespace}.{component}.generate"
         self.parsers = _parsers()
+        self.bounds = limits.with_overrides(cfg.limits)  # a body is bounded as a host's is
         self.builder: Any = None  # proxy.prompt.PromptBuilder, loaded at start
         self.defaults: Any = None  # proxy.defaults.Defaults
         self.router: Any = None  # dynamo.llm.KvRouter
@@ -130,7 +134,7 @@ class Front:
         if parse is None:
             return None
         try:
-            req = self.defaults.apply(parse(json.loads(body), ""))
+            req = self.defaults.apply(parse_body(body, "", parse, self.bounds))
             rendered, _ = self.builder.render(req, self.cfg.slot_ctx)
         except (ApiError, ValueError, TypeError):  # the host says what is wrong, its own way
             return None
@@ -266,7 +270,7 @@ class Front:
 
 
 def make_app(front: Front) -> web.Application:
-    app = web.Application(client_max_size=256 << 20)
+    app = web.Application(client_max_size=front.bounds.max_body_bytes)
     if front.keys:
         app[ALLOWED_KEYS] = front.keys
     app.cleanup_ctx.append(front.open)
@@ -294,6 +298,10 @@ def main(argv: list[str]) -> None:
     from proxy.app import api_keys_of
 
     keys = frozenset(api_keys_of(cfg))  # auth never fails open: said before anything starts
+    try:
+        limits.with_overrides(cfg.limits)
+    except ValueError as e:
+        raise SystemExit(f"prefixgate front: {e}") from None
     need_dynamo("front")
     quiet_dynamo()
     logging.basicConfig(level=cfg.log_level.upper(),

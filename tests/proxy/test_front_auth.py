@@ -68,6 +68,18 @@ def test_a_key_option_that_yields_no_key_stops_the_front(tmp_path: Path) -> None
     assert "cannot read the --api-keys file" in str(e.value) and KEY not in str(e.value)
 
 
+def test_the_front_places_every_api_a_host_serves_and_bounds_it_as_a_host_does() -> None:
+    from proxy import responses_api
+
+    front = Front(parse(["--limit", "max_messages=2"]), "prefixgate", "host")
+    assert front.parsers["/v1/responses"] is front.parsers["/responses"] \
+        is responses_api.parse_request  # Codex CLI's API
+    assert front.bounds.max_messages == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--limit", "no_such_bound=1"])
+    assert "no_such_bound" in str(e.value)
+
+
 def test_kv_events_never_run_beside_tenant_isolation() -> None:
     assert parse(["--kv-events", "tcp://127.0.0.1:5557"]).kv_events
     with pytest.raises(SystemExit) as e:
