@@ -34,6 +34,7 @@ pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime (the test extr
 pytestmark = pytest.mark.model
 
 BS = 16
+KEY = "team-key-never-logged"  # the hosts' and the front's (docs/routing.md: auth)
 # two system prompts that part in their first block: no block of one is a block of the other
 SYSTEM_P = " ".join(f"Project Alpha rule {i}: read the file, quote one line, answer in five "
                     "words." for i in range(1, 21))
@@ -50,8 +51,8 @@ def chat(system: str, *turns: str) -> list[dict]:
     return msgs
 
 
-def ask(url: str, messages: list[dict]) -> dict:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
+def ask(url: str, messages: list[dict], key: str = "") -> dict:
+    c = openai.OpenAI(base_url=url + "/v1", api_key=key or KEY, max_retries=0, timeout=120)
     raw = c.chat.completions.with_raw_response.create(model="m", messages=messages,
                                                       max_tokens=12, temperature=0)
     r = raw.parse()
@@ -85,11 +86,9 @@ def process(argv: list[str], log: Path, env: dict[str, str]) -> Iterator[subproc
                 p.wait()
 
 
-FRONT_KEY = "front-key-never-logged"
-
-
-def route(front: str, messages: list[dict], key: str = FRONT_KEY) -> dict:
+def route(front: str, messages: list[dict], key: str = "") -> dict:
     """Where the front would place it and Dynamo's overlap per host (its API key needed)."""
+    key = key or KEY
     req = urllib.request.Request(front + "/front/route?path=/v1/chat/completions",
                                  data=json.dumps({"messages": messages}).encode(),
                                  headers={"Content-Type": "application/json",
@@ -129,7 +128,8 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as starting:
         started = {h: starting.submit(
             start_server, tmp_path / h, "--workers", "1", "--kv-events",
-            f"tcp://127.0.0.1:{ports[h]}", "--kv-block-size", str(BS), *budget) for h in "ab"}
+            f"tcp://127.0.0.1:{ports[h]}", "--kv-block-size", str(BS), "--api-key", KEY,
+            *budget) for h in "ab"}
         for f in started.values():  # both load at once; each stopped at the end
             with contextlib.suppress(Exception):
                 stack.callback(f.result().stop)
@@ -143,7 +143,7 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
         front = f"http://127.0.0.1:{fport}"
         stack.enter_context(process(
             ["front", "--port", str(fport), "--n-ctx", str(N_CTX), "--kv-block-size", str(BS),
-             "--api-key", FRONT_KEY],
+             "--api-key", KEY],
             tmp_path / "front.log", env))
         logs = (tmp_path / "front.log", tmp_path / "dyn-a.log", tmp_path / "dyn-b.log")
         wait_for("the front with both hosts", lambda: '"hosts": 2' in http_get(
@@ -162,6 +162,9 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
         assert blocks_on(r, b, "device_blocks") > 10, r  # B's slot holds it live
 
         # the follow-up, with no session header, through the front: placed on B, from its cache
+        # (the team's key: without it the front answers 401 before placing anything)
+        with pytest.raises(openai.AuthenticationError):
+            ask(front, follow, key="guess")
         placed = ask(front, follow)
         assert (placed["upstream"], placed["route"]) == (b, "dynamo-kv"), placed
         assert placed["source"] in ("live", "ram", "disk"), placed
@@ -182,8 +185,8 @@ def test_dynamos_router_places_a_prefix_on_the_host_that_holds_it(tmp_path: Path
         assert cold["cached"] == 0 and cold["source"] == "none", cold
         assert placed["text"] == cold["text"]
     for h in "ab":
-        assert "Traceback" not in hosts[h].log()
-    assert FRONT_KEY not in (tmp_path / "front.log").read_text()
+        assert "Traceback" not in hosts[h].log() and KEY not in hosts[h].log()
+    assert KEY not in (tmp_path / "front.log").read_text()
 
 
 @pytest.fixture(autouse=True)
