@@ -27,11 +27,12 @@ from backend.placement import uses_repack
 from bench.replay import free_port, http_get
 from bench.team import Server
 
-PROMPTS = ["Count slowly from one to one thousand, one number per line.",
-           "Write the alphabet backwards, then forwards, many times over.",
-           "List every prime number you know, separated by commas.",
-           "Repeat the word token on every line, numbering each line.",
-           "Describe a long walk through a city, street by street."]
+# distinct prompts whose greedy answers run to 192 tokens and more on the default model (checked
+# on llama-server: an answer that ends early leaves no window where all N generate)
+PROMPTS = ["List every prime number you know, separated by commas.",
+           "List every even number up to five hundred, separated by commas.",
+           "List every odd number up to five hundred, separated by commas.",
+           "Count from one to three hundred in digits, separated by commas."]
 
 
 def _stream(port: int, body: dict[str, Any], times: list[float]) -> None:
