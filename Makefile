@@ -102,7 +102,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check proxy backend policies tests
 	$(BIN)/mypy --strict policies
 	$(BIN)/mypy --strict --follow-imports=silent backend/worker/core.py \
-		backend/worker/messages.py backend/stops.py
+		backend/worker/messages.py backend/stops.py backend/worker/drafts.py
 
 # cold prefill vs live reuse, cold vs after-restart disk hit, restore vs read (ratios)
 bench-quick: $(STAMP)

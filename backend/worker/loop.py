@@ -106,7 +106,7 @@ class Loop:
                 pass
             world = self._world()
             self.clock = track(self.clock, list(self.core.jobs), tasks, world.now_s)
-            step = next_step(tasks, self.clock, self.shapes)
+            step = next_step(tasks, self.clock, self.shapes, self.engine.n_batch)
             if step is None:
                 continue
             results = self.runner.step(step, self.core)
