@@ -69,6 +69,7 @@ from proxy.gateway import Gateway, knobs_of
 from proxy.gguf import GGUFError
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
+from proxy.speculation import speculative_settings
 from proxy.workers import Pool, StartupError, loading_note
 
 log = logging.getLogger("prefixgate")
@@ -162,7 +163,12 @@ async def props(request: web.Request) -> web.Response:
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
                   for w in request.app[POOL].workers},
-        "default_generation_settings": {"n_ctx": cfg.slot_ctx, **gw.defaults.props()},
+        "default_generation_settings": speculative_settings(
+            {"n_ctx": cfg.slot_ctx, **gw.defaults.props()}, cfg),
+        # speculative decoding (proxy/speculation.py): as asked, and each worker's own: whether
+        # it drafts, why not, its verify cost, the drafted and accepted tokens per source
+        "speculation": {"type": cfg.spec_type, "stop": cfg.spec_stop, "workers": {
+            str(k): v.get("speculation", {}) for k, v in stats.items()}},
         # llama-server's flags and variables accepted with no effect here (proxy/llama_cli.py)
         "llama_server_notes": list(cfg.llama_notes),
         "cache_ram": {"mib": cfg.cache_ram,

@@ -166,6 +166,7 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
     from pathlib import Path
 
     from backend.worker import WorkerSpec
+    from proxy.speculation import spec_config
 
     placement = {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
                  "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
@@ -175,7 +176,7 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
                       cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
                       socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
-                      cfg.cache_ram, cfg.shared_tier, cfg.deterministic)
+                      cfg.cache_ram, cfg.shared_tier, cfg.deterministic, spec_config(cfg))
 
 
 def doctor(argv: list[str]) -> None:
