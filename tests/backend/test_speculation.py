@@ -36,6 +36,7 @@ BATCH = default_batch(GPU_LAYERS)
 N_CTX = 8 * BATCH
 GEN = 24
 COLD = Plan((), (), 0, False, "off", None, None)
+APART = Shapes("apart", True, "")
 # ngram-mod with a short match so that a short answer drafts often, every draft verified
 SPEC = SpecConfig(("ngram-simple", "ngram-mod"),
                   NgramParams(simple_size_n=4, simple_size_m=8, mod_n_match=3, mod_n_min=1,
@@ -59,7 +60,8 @@ def _engine(name: str) -> Engine:
 class Worker:
     """The worker's compute loop over `eng` in this process, speculation as `spec` says."""
 
-    def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None) -> None:
+    def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None,
+                 shapes: Shapes = APART) -> None:
         self.eng, self.events = eng, []  # type: list[tuple[str, Event]]
         self.ended, self.finished = threading.Condition(), set()  # type: ignore[var-annotated]
         tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
@@ -67,7 +69,16 @@ class Worker:
         self.spec = resolve(spec, eng, "", 0) if spec.on else None
         core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
                     eng.n_ctx, spec=self.spec)
-        self.loop = Loop(eng, core, tiers, Shapes("apart", True, ""), self._emit)
+        eng.decode_shape = shapes.decode
+        self.steps: list[tuple[str, tuple[int, ...]]] = []  # (kind, slots) of each step
+        self.loop = Loop(eng, core, tiers, shapes, self._emit)
+        runner_step = self.loop.runner.step
+
+        def step(st: object, c: Core) -> list[object]:
+            self.steps.append((type(st).__name__, tuple(getattr(st, "slots", ()))))
+            return runner_step(st, c)  # type: ignore[arg-type]
+
+        self.loop.runner.step = step  # type: ignore[method-assign]
         self.loop.start()
 
     def _emit(self, run: str, event: Event) -> None:
@@ -77,10 +88,16 @@ class Worker:
                 self.finished.add(run)
                 self.ended.notify_all()
 
-    def run(self, run: str, ids: list[int], plan: Plan = COLD,
-            sampling: dict[str, object] | None = None) -> tuple[list[int], Done, Start]:
+    def submit(self, run: str, ids: list[int], plan: Plan = COLD,
+               sampling: dict[str, object] | None = None, slot: int = 0) -> None:
         self.loop.arrive(Job(run, tuple(ids), b"", "", plan, sampling or {"temperature": 0.0},
-                             GEN, (), None, 0))
+                             GEN, (), None, slot))
+
+    def run(self, run: str, ids: list[int], plan: Plan = COLD,
+            sampling: dict[str, object] | None = None, slot: int = 0,
+            submit: bool = True) -> tuple[list[int], Done, Start]:
+        if submit:
+            self.submit(run, ids, plan, sampling, slot)
         with self.ended:
             assert self.ended.wait_for(lambda: run in self.finished, 600), run
         of = [e for r, e in self.events if r == run]
@@ -184,3 +201,25 @@ def test_the_stop_rule_drafts_nothing_where_a_verify_cannot_pay() -> None:
     finally:
         eng.close()
     assert got == want and done.draft == {}
+
+
+def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
+    """`--deterministic off` (decode steps batched as they come): two slots drafting at once
+    verify in one llama_decode, each slot's rows sampled as its own, and each slot's KV holds
+    exactly its prompt and answer after."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+                 flash_attn=FLASH_ATTN, n_seq=2)
+    try:
+        w = Worker(eng, SPEC, shapes=Shapes("batched", False, ""))
+        w.submit("a", ids, slot=0)
+        w.submit("b", ids[:-3], slot=1)
+        a, done_a, _ = w.run("a", ids, submit=False)
+        b, done_b, _ = w.run("b", ids, submit=False)
+        w.stop()
+        assert eng.live_ids(0) == ids + a[:-1] and eng.live_ids(1) == ids[:-3] + b[:-1]
+    finally:
+        eng.close()
+    assert ("Verify", (0, 1)) in w.steps, "no verify held both slots"
+    assert done_a.draft and done_b.draft
