@@ -3,7 +3,7 @@ and llama-server side by side, with and without drafts.
 
     python -m bench.spec [--llama-server PATH] [--spec-types ngram-simple,ngram-mod]
         [--workloads edit,patch,log] [--n-predict 256] [--threads 2] [--model GGUF]
-        [--arms ...] [--out DIR]
+        [--draft-model GGUF] [--arms ...] [--out DIR]
 
 Workloads (built here, the same text every time), each an agent's answer that repeats what it
 was given, greedy: `edit` (a 42-line file in the prompt, "rewrite it renaming one function":
@@ -21,6 +21,7 @@ same for both):
   drafts as llama-server's;
 - `llama-server`, `llama-server:TYPE`: llama.cpp's server built from the same llama.cpp
   (`--no-repack` on a CPU with AMX, as prefixgate lays the weights out there).
+The type `draft-simple` drafts with `--draft-model` (`-md`; the model itself by default).
 
 Reported per arm and workload: decode tokens/s (`timings.predicted_per_second`, the same
 measure on both), drafted and accepted tokens (`draft_n`, `draft_n_accepted`), the verify cost
@@ -126,13 +127,14 @@ def render(args: argparse.Namespace, work: Path) -> dict[str, str]:
 def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[str]:
     server, _, rest = arm.partition(":")
     kind, _, every = rest.partition(":")
+    model = ["-md", args.draft_model] if kind == "draft-simple" else []
     if server == "llama-server":
-        spec = ["--spec-type", kind] if kind else []
+        spec = ["--spec-type", kind, *model] if kind else []
         repack = [] if uses_repack("auto") else ["--no-repack"]
         return [args.llama_server, "-m", args.model, "-c", str(args.ctx), "-np", "1",
                 "-t", str(args.threads), *spec, *repack, "--host", "127.0.0.1", "--port",
                 str(port)]
-    spec = ["--spec-type", kind or "none"] + (["--spec-stop", "off"] if every else [])
+    spec = ["--spec-type", kind or "none", *model] + (["--spec-stop", "off"] if every else [])
     return [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, "--host",
             "127.0.0.1", "--port", str(port), "-c", str(args.ctx), "--threads",
             str(args.threads), *spec, "--cache-dir", str(work / f"cache-{arm}"),
@@ -209,9 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--model", default="")
+    p.add_argument("--draft-model", default="", help="a draft model of the model's vocabulary "
+                   "(for the type draft-simple; default: the model itself)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.model = args.model or default_model()
+    args.draft_model = args.draft_model or args.model
     types = [t for t in args.spec_types.split(",") if t]
     arms = args.arms.split(",") if args.arms else [
         "prefixgate", *(f"prefixgate:{t}" for t in types),

@@ -12,7 +12,9 @@ and whether a slot drafts at all (the stop rule).
 
 **Drafts** depend only on the tokens: the slot's context (prompt and generated so far) and the
 sampled token that waits for its step (policies.ngram: llama.cpp's n-gram drafters, each
-request's own). Types chain in llama.cpp's order; the first that drafts wins. A draft is cut to
+request's own; ``draft-simple``: a draft model's greedy tokens, up to `draft_n_max`, made by the
+worker when the step runs). Types chain in llama.cpp's order (the n-gram types, then
+draft-simple); the first that drafts wins. A draft is cut to
 the room left (`room`: the tokens the answer may still generate less one, the slot's context
 less two, the batch less one, as llama-server's `get_n_draft_max`).
 
@@ -28,7 +30,8 @@ is exactly the standard speculative-sampling rule (min(1, p/q) with q a point ma
 seeded draws are the ones a run without drafts makes.
 
 **The stop rule** (`draft_len`): a verify of k drafts costs `VerifyCost.ratio(1 + k)` steps and
-yields on average `E(a, k) = 1 + a + ... + a^k` tokens at per-token acceptance `a`. A slot
+yields on average `E(a, k) = 1 + a + ... + a^k` tokens at per-token acceptance `a` (a draft
+model's k tokens cost k of its own steps more). A slot
 verifies the k that yields the most tokens per step, and none where that is not
 `1 + MARGIN` tokens a step. `a` is the slot's own, decayed by DECAY per verify from a prior of
 PRIOR_A worth PRIOR_TRIALS trials. Where even a draft that is always accepted cannot pay (a tiny
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from policies.ngram import NGRAM_TYPES, Drafter, NgramParams, Tokens, make, n_max
 
@@ -56,7 +60,6 @@ DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash"
                      "draft-dspark")
 ALL_TYPES = ("none", *DRAFT_MODEL_TYPES, *NGRAM_TYPES, "ngram-cache")
 NOT_BUILT = {
-    "draft-simple": "a draft model is not supported yet (the n-gram types are)",
     "draft-eagle3": "EAGLE-3 draft heads are not supported (the n-gram types are)",
     "draft-mtp": "multi-token prediction heads are not supported (the n-gram types are)",
     "draft-dflash": "DFlash draft models are not supported (the n-gram types are)",
@@ -83,14 +86,19 @@ def parse_types(value: str) -> tuple[str, ...]:
     refused = [n for n in names if n in NOT_BUILT]
     if refused:
         raise ValueError(f"{refused[0]}: {NOT_BUILT[refused[0]]}")
-    return tuple(t for t in NGRAM_TYPES if t in names)
+    return tuple(t for t in (*NGRAM_TYPES, "draft-simple") if t in names)
 
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    types: tuple[str, ...] = ()  # n-gram types in chain order; () = off
+    types: tuple[str, ...] = ()  # in chain order: n-gram types, then draft-simple; () = off
     ngram: NgramParams = field(default_factory=NgramParams)
     always: bool = False  # verify every draft (llama-server's way) instead of the stop rule
+    # a draft model (draft-simple, llama.cpp's defaults): the most and least tokens of a draft,
+    # and the least probability of a drafted token
+    draft_n_max: int = 3
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
 
     @property
     def on(self) -> bool:
@@ -98,17 +106,41 @@ class SpecConfig:
 
     @property
     def n_max(self) -> int:
-        return max((n_max(t, self.ngram) for t in self.types), default=0)
+        return max((self.draft_n_max if t == MODEL else n_max(t, self.ngram)
+                    for t in self.types), default=0)
 
     def name(self) -> str:
         return ",".join(self.types) or "none"
+
+
+MODEL = "draft-simple"
+MODEL_TOKEN = -1  # a place held in a draft for a token the draft model drafts
+
+
+@dataclass(slots=True)
+class ModelDraft:
+    """A draft model's turn in the chain: the places of up to n_max tokens, which the worker's
+    draft model fills when the slot's step runs (backend.worker.draft_model)."""
+
+    n_max: int
+    name: str = MODEL
+
+    def begin(self, prompt: Tokens) -> None:
+        pass
+
+    def draft(self, context: Tokens, last: int) -> list[int]:
+        return [MODEL_TOKEN] * self.n_max
+
+    def accept(self, n_accepted: int) -> None:
+        pass
 
 
 class Chain:
     """One request's drafters, tried in order (common_speculative_draft)."""
 
     def __init__(self, config: SpecConfig) -> None:
-        self.drafters: list[Drafter] = [make(t, config.ngram) for t in config.types]
+        self.drafters: list[Drafter] = [ModelDraft(config.draft_n_max) if t == MODEL
+                                        else make(t, config.ngram) for t in config.types]
         self.last: Drafter | None = None  # the one whose draft was verified last
 
     def begin(self, prompt: Tokens) -> None:
@@ -152,6 +184,7 @@ class VerifyCost:
 
     rows: tuple[int, ...] = (1,)
     ratios: tuple[float, ...] = (1.0,)
+    draft_step: float = 0.0  # a draft model's step over one of the model's (0: none)
 
     def ratio(self, r: int) -> float:
         pts = list(zip(self.rows, self.ratios, strict=True))
@@ -165,13 +198,20 @@ class VerifyCost:
         (r0, t0), (r1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) * (r - r1) / (r1 - r0)
 
-    def can_pay(self, n_max: int) -> bool:
+    def can_pay(self, n_max: int, per_draft: float = 0.0) -> bool:
         """Whether some verify of at most n_max drafts, every one accepted, beats single
-        steps by MARGIN."""
-        return any((1 + k) / self.ratio(1 + k) > 1 + MARGIN for k in range(1, n_max + 1))
+        steps by MARGIN (`per_draft`: each drafted token's own cost, in steps)."""
+        return any((1 + k) / (self.ratio(1 + k) + k * per_draft) > 1 + MARGIN
+                   for k in range(1, n_max + 1))
 
-    def to_wire(self) -> dict[str, list[float]]:
-        return {"rows": list(self.rows), "ratios": [round(x, 4) for x in self.ratios]}
+    def pays_for(self, config: SpecConfig, n_max: int) -> bool:
+        """`can_pay` for these types: a draft model's steps count where it alone drafts (an
+        n-gram's draft is free, so a chain with one can pay where a verify can)."""
+        return self.can_pay(n_max, self.draft_step if config.types == (MODEL,) else 0.0)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rows": list(self.rows), "ratios": [round(x, 4) for x in self.ratios],
+                "draft_step": round(self.draft_step, 4)}
 
     @classmethod
     def from_wire(cls, d: object) -> VerifyCost:
@@ -182,7 +222,7 @@ class VerifyCost:
         rows = tuple(int(r) for r in d["rows"])
         if list(rows) != sorted(set(rows)) or rows[0] < 1:
             raise ValueError(f"malformed verify cost {d!r}")
-        return cls(rows, tuple(float(x) for x in d["ratios"]))
+        return cls(rows, tuple(float(x) for x in d["ratios"]), float(d.get("draft_step", 0.0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,21 +245,22 @@ def expected(a: float, k: int) -> float:
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen: int
-              ) -> tuple[int, Stats]:
+def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen: int,
+              per_draft: float = 0.0) -> tuple[int, Stats]:
     """How many of a draft of n tokens to verify (module rules; 0: one plain step), and the
-    slot's record after the choice (a draft turned down pauses it)."""
+    slot's record after the choice (a draft turned down pauses it). `per_draft`: what making
+    each drafted token costs, in steps (a draft model's step; 0 for an n-gram's)."""
     if always or n <= 0:
         return max(n, 0), stats
     if n_gen < stats.pause_until:
         return 0, stats
     if cost is None:
         return n, stats
-    best, k = max((expected(stats.acceptance, k) / cost.ratio(1 + k), k)
+    best, k = max((expected(stats.acceptance, k) / (cost.ratio(1 + k) + k * per_draft), k)
                   for k in range(1, n + 1))
     if best > 1 + MARGIN:
         return k, stats
-    return 0, (paused(stats, n_gen) if cost.can_pay(n) else stats)
+    return 0, (paused(stats, n_gen) if cost.can_pay(n, per_draft) else stats)
 
 
 def paused(stats: Stats, n_gen: int) -> Stats:

@@ -131,6 +131,14 @@ class Config:
     spec_ngram_mod_n_match: int = 24
     spec_ngram_mod_n_min: int = 48
     spec_ngram_mod_n_max: int = 64
+    # a draft model (--spec-type draft-simple, which -md implies): its GGUF, its GPU layers
+    # (auto: as --n-gpu-layers, all, or N), and its drafts' most and least tokens and least
+    # probability (llama.cpp's defaults)
+    spec_draft_model: str = ""
+    spec_draft_ngl: str = "auto"
+    spec_draft_n_max: int = 3
+    spec_draft_n_min: int = 0
+    spec_draft_p_min: float = 0.0
     cache_dir: str = "~/.cache/prefixgate"  # state files and the LMDB index
     disk_prefix_cache: str = "auto:30"  # off | full | auto | auto:N | N
     kv_cache_min_tokens: int = 256  # smallest scope worth a snapshot, tokens
@@ -303,6 +311,9 @@ def _coerce(name: str, value: Any) -> Any:
         return None if value is None else float(value)
     if name == "top_k":
         return None if value is None else int(value)
+    if name == "spec_draft_ngl":
+        v = str(value).strip().lower()
+        return v if v in ("auto", "all") else str(int(v))
     if name == "spec_type":
         from policies.speculate import parse_types
 
@@ -450,9 +461,9 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
                                   threads_batch=cores if cfg.threads_batch < 0
                                   else cfg.threads_batch)
-    from proxy.speculation import check_sizes
+    from proxy.speculation import resolve
 
-    check_sizes(cfg)
+    cfg = resolve(cfg)
     if cfg.reasoning_budget not in (-1, 0):
         raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
                          "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")

@@ -79,6 +79,12 @@ HELP = {
         "size_n": "n-gram size N looked up", "size_m": "m-gram size M drafted",
         "min_hits": "least hits of a key before its m-grams are drafted"}[k]
        for t in ("simple", "map_k", "map_k4v") for k in ("size_n", "size_m", "min_hits")},
+    "spec_draft_model": "a draft model's GGUF, of the model's vocabulary: --spec-type "
+                        "draft-simple (-md alone means it)",
+    "spec_draft_ngl": "the draft model's layers on the GPU: N, all, or auto (as -ngl)",
+    "spec_draft_n_max": "draft-simple: most tokens of a draft",
+    "spec_draft_n_min": "draft-simple: least tokens of a draft",
+    "spec_draft_p_min": "draft-simple: least probability of a drafted token (0: greedy)",
     "spec_ngram_mod_n_match": "ngram-mod: lookup length",
     "spec_ngram_mod_n_min": "ngram-mod: least tokens of a draft",
     "spec_ngram_mod_n_max": "ngram-mod: most tokens of a draft",
@@ -154,4 +160,10 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "reasoning_effort": ((), "LLAMA_ARG_REASONING_EFFORT"),
     "ping_interval_s": (("--sse-ping-interval",), "LLAMA_ARG_SSE_PING_INTERVAL"),
     "spec_type": ((), "LLAMA_ARG_SPEC_TYPE"),
+    "spec_draft_model": (("-md", "--model-draft"), "LLAMA_ARG_SPEC_DRAFT_MODEL"),
+    "spec_draft_ngl": (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
+                       "LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+    "spec_draft_n_max": ((), "LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+    "spec_draft_n_min": ((), "LLAMA_ARG_SPEC_DRAFT_N_MIN"),
+    "spec_draft_p_min": (("--draft-p-min",), "LLAMA_ARG_SPEC_DRAFT_P_MIN"),
 }

@@ -98,7 +98,9 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--reasoning-preserve": ("reasoning_preserve", "on", "off"),
     "--repack": ("repack", "on", "off"),
     # speculative decoding (proxy/speculation.py)
-    "--spec-type": "spec_type",
+    "--spec-type": "spec_type", "--spec-draft-model": "spec_draft_model",
+    "--spec-draft-ngl": "spec_draft_ngl", "--spec-draft-n-max": "spec_draft_n_max",
+    "--spec-draft-n-min": "spec_draft_n_min", "--spec-draft-p-min": "spec_draft_p_min",
     **{f"--spec-ngram-{t}-{k}": f"spec_ngram_{t.replace('-', '_')}_{k.replace('-', '_')}"
        for t in ("simple", "map-k", "map-k4v") for k in ("size-n", "size-m", "min-hits")},
     **{f"--spec-ngram-mod-{k}": f"spec_ngram_mod_{k.replace('-', '_')}"
@@ -109,7 +111,6 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
 _NO_UI = "prefixgate has no web UI (/ is a status page)"
 _NO_PROJECTOR = "no vision projector is loaded: images are not supported yet"
 _OWN_CACHE = "prefixgate keeps and restores each prompt's states itself, exactly"
-_DRAFT_MODEL = "draft models are not supported yet (prompt-lookup n-gram drafts are)"
 _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
     "prefixgate always renders the model's Jinja chat template": ("--jinja", "--no-jinja"),
     "prefixgate always serves this endpoint": ("--metrics", "--props", "--slots", "--no-slots"),
@@ -177,19 +178,20 @@ IGNORED_OPTIONS: dict[str, str] = dict.fromkeys((
     "--spec-draft-poll", "--spec-draft-cpu-mask-batch", "--spec-draft-cpu-strict-batch",
     "--spec-draft-prio-batch", "--spec-draft-poll-batch", "--spec-draft-type-k",
     "--spec-draft-type-v", "--spec-draft-override-tensor", "--spec-draft-cpu-moe",
-    "--spec-draft-n-cpu-moe", "--spec-draft-n-max", "--spec-draft-n-min",
-    "--spec-draft-p-split", "--spec-draft-p-min", "--spec-draft-backend-sampling",
-    "--spec-draft-device", "--spec-draft-ngl"),
-    "it sets up a draft model, and draft models are not supported yet (prompt-lookup n-gram "
-    "drafts are, with sizes of their own)")
+    "--spec-draft-n-cpu-moe", "--spec-draft-p-split", "--spec-draft-backend-sampling",
+    "--spec-draft-device"),
+    "the draft model runs with the model's own threads, placement and KV types, and drafts "
+    "greedily")
 
 # refused: llama.cpp's option (its first spelling, or one spelling of it) -> why the start stops
 _SPEC = "this speculative decoding option is not supported (prompt-lookup n-gram drafts are)"
 _SAMPLER = "this sampler is not supported yet (temperature, top-k, top-p, min-p and the " \
            "repetition penalties are)"
 _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    _DRAFT_MODEL: ("--spec-draft-model", "--spec-draft-hf", "--spec-default",
-                   "--fim-qwen-7b-spec", "--fim-qwen-14b-spec"),
+    "a draft model from Hugging Face is not supported yet (a draft model file is)":
+        ("--spec-draft-hf",),
+    "the built-in model presets are not supported: give the model and draft model files": (
+        "--spec-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec"),
     "the ngram-cache type's lookup files are not supported": ("-lcs", "-lcd"),
     "synthetic acceptance (a benchmarking aid) is not supported": ("--spec-synth-len",
                                                                    "--spec-synth-rates"),

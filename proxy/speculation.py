@@ -3,10 +3,13 @@
 log line, metrics and `timings` say of its drafts.
 
 What works as in llama-server: `--spec-type` (LLAMA_ARG_SPEC_TYPE) with llama.cpp's n-gram
-types, alone or comma-separated, and each type's `--spec-ngram-*` sizes with llama.cpp's
-defaults; `timings.draft_n` and `timings.draft_n_accepted` in an answer that drafted. Its draft
-model options are refused or ignored (proxy/llama_cli.py); this llama.cpp takes no speculative
-fields in a request (its server schema has them disabled), nor does prefixgate. `--spec-stop
+types and `draft-simple`, alone or comma-separated, and each type's `--spec-ngram-*` sizes with
+llama.cpp's defaults; a draft model (`-md`, `-ngld`, `--spec-draft-n-max`, `--spec-draft-n-min`,
+`--spec-draft-p-min`; `-md` alone means draft-simple, which llama.cpp of this version would
+load and not draft with); `timings.draft_n` and `timings.draft_n_accepted` in an answer that
+drafted. The draft model's own placement and threads options are ignored (proxy/llama_cli.py);
+this llama.cpp takes no speculative fields in a request (its server schema has them disabled),
+nor does prefixgate. `--spec-stop
 auto|off` is prefixgate's own: auto verifies a slot's drafts only where they pay (the worker's
 measured verify cost, the slot's acceptance: policies.speculate), off verifies every draft, as
 llama-server does.
@@ -14,6 +17,7 @@ llama-server does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from policies.ngram import NgramParams
@@ -35,19 +39,42 @@ BOUNDS: dict[str, tuple[int, int, str]] = {
 }
 
 
-def check_sizes(cfg: Config) -> None:
-    """A size out of llama.cpp's bounds stops the start in one line, as llama-server does."""
+def resolve(cfg: Config) -> Config:
+    """The Config's speculation as it runs: a size out of llama.cpp's bounds stops the start in
+    one line, as llama-server does; a draft model drafts (draft-simple), and draft-simple needs
+    one."""
     for name, (lo, hi, why) in BOUNDS.items():
         if not lo <= getattr(cfg, name) <= hi:
             raise SystemExit(f"prefixgate: --{name.replace('_', '-')} {getattr(cfg, name)}: "
                              f"{why}")
+    if cfg.spec_draft_n_max < 0 or not 0 <= cfg.spec_draft_p_min <= 1:
+        raise SystemExit("prefixgate: --spec-draft-n-max is at least 0, --spec-draft-p-min "
+                         "between 0 and 1")
+    types = parse_types(cfg.spec_type)
+    if cfg.spec_draft_model and "draft-simple" not in types:
+        # llama.cpp of this version loads the model and drafts nothing with it: a user who
+        # gives one means it to draft
+        return dataclasses.replace(cfg, spec_type=",".join((*types, "draft-simple")))
+    if "draft-simple" in types and not cfg.spec_draft_model:
+        raise SystemExit("prefixgate: --spec-type draft-simple drafts with a draft model: give "
+                         "its GGUF with -md")
+    return cfg
+
+
+def draft_gpu_layers(cfg: Config) -> int:
+    """--spec-draft-ngl: auto follows --n-gpu-layers, all is every layer, else N."""
+    value = str(cfg.spec_draft_ngl).strip().lower()
+    if value == "auto":
+        return int(cfg.n_gpu_layers)
+    return -1 if value == "all" else int(value)
 
 
 def spec_config(cfg: Config) -> SpecConfig:
     """The workers' speculation settings of this Config."""
     sizes = {name.removeprefix("spec_ngram_"): getattr(cfg, name) for name in BOUNDS}
     return SpecConfig(parse_types(cfg.spec_type), NgramParams(**sizes),
-                      always=cfg.spec_stop == "off")
+                      always=cfg.spec_stop == "off", draft_n_max=cfg.spec_draft_n_max,
+                      draft_n_min=cfg.spec_draft_n_min, draft_p_min=cfg.spec_draft_p_min)
 
 
 def totals(draft: dict[str, Any]) -> tuple[int, int]:

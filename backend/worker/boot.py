@@ -31,6 +31,7 @@ from backend.protocol import DecodeInfo, Loading, placement_note
 from backend.ramtier import RamTier
 from backend.shared import SharedTier
 from backend.worker.core import Core
+from backend.worker.draft_model import DraftModel
 from backend.worker.server import Worker
 from backend.worker.tiers import Tiers
 from backend.worker.verify import cost_key, resolve
@@ -70,6 +71,17 @@ class WorkerSpec:
     shared_tier: str = ""  # redis://... of the shared snapshot tier ("" none)
     deterministic: Deterministic = "auto"  # policies.schedule.choose_decode
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-type)
+    spec_draft_model: str = ""  # a draft model's GGUF (draft-simple)
+    spec_draft_ngl: int = 0  # its layers on the GPU
+
+
+def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
+    """The draft model of draft-simple, loaded beside the model (a ValueError in one line
+    where it cannot draft for it)."""
+    if "draft-simple" not in spec.spec.types:
+        return None
+    return DraftModel.load(spec.spec_draft_model, engine, spec.spec_draft_ngl,
+                           spec.threads or None)
 
 
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
@@ -166,8 +178,9 @@ class Boot:
                 tiers.shared = SharedTier(spec.shared_tier, fingerprint)
             core = Core(len(engine.seqs), engine.batching, engine.memory.kind == "plain",
                         ram.budget, bool(checked["ok"]), engine.n_ctx,
-                        spec=resolve(spec.spec, engine, cost_key(key, spec.spec),
-                                     spec.worker_id))
+                        spec=resolve(spec.spec, engine, cost_key(key, spec.spec,
+                                                                 spec.spec_draft_model),
+                                     spec.worker_id, draft_model(spec, engine)))
             worker = Worker(engine, core, tiers,
                             DecodeInfo(shapes.decode, shapes.independent, spec.deterministic,
                                        shapes.note),

@@ -366,7 +366,7 @@ class Core:
     def _verified(self, slot: int, j: _Job, v: Verified, world: World) -> list[Effect]:
         """A verify's samples, in order, as single ones, until the answer ends."""
         assert j.drafts is not None and v.samples
-        j.drafts.verified(len(v.samples) - 1, j.n_gen + len(v.samples))
+        j.drafts.verified(len(v.draft), len(v.samples) - 1, j.n_gen + len(v.samples))
         j.phase = "generate"
         effects: list[Effect] = []
         n_live = world.slots[slot].n_live

@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.worker.messages import Ids
-from policies.speculate import Chain, SpecConfig, Stats, VerifyCost, after, draft_len, room
+from policies.speculate import (
+    MODEL,
+    Chain,
+    SpecConfig,
+    Stats,
+    VerifyCost,
+    after,
+    draft_len,
+    room,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +35,15 @@ class Speculation:
     n_batch: int  # rows a llama_decode holds
     drafts: bool  # this memory drafts (a recurrent state cannot be cut back: it does not)
     note: str  # in one sentence, for the ready line and /props
+    model: Any = None  # the draft model of draft-simple (backend.worker.draft_model)
 
     @property
     def on(self) -> bool:
-        return self.config.on and self.drafts
+        """Whether a slot drafts at all: not where even drafts that are always accepted
+        cannot pay for their verify (policies.speculate)."""
+        n_max = min(self.config.n_max, self.n_batch - 1)
+        return self.config.on and self.drafts and (
+            self.config.always or self.cost is None or self.cost.pays_for(self.config, n_max))
 
 
 @dataclass(slots=True)
@@ -52,18 +66,22 @@ class SlotDrafts:
         """The draft to verify beside `last` (the sampled token waiting for its step): `live`
         is every token the slot evaluated, `left` the tokens the answer may still generate."""
         self.source, self.draft = "", []
+        if not self.spec.config.always and n_gen < self.stats.pause_until:
+            return self.draft  # paused: the drafters are not asked
         n_room = room(len(live), n_ctx or len(live) + self.spec.n_batch + 2, left,
                       self.spec.n_batch)
         source, draft = self.chain.draft(live, last, n_room)
-        k, self.stats = draft_len(self.stats, len(draft), self.spec.cost,
-                                  self.spec.config.always, n_gen)
+        cost = self.spec.cost
+        k, self.stats = draft_len(self.stats, len(draft), cost, self.spec.config.always, n_gen,
+                                  cost.draft_step if cost is not None and source == MODEL
+                                  else 0.0)
         if k > 0:
             self.source, self.draft = source, draft[:k]
         return self.draft
 
-    def verified(self, m: int, n_gen: int) -> None:
-        """The waiting draft was verified and m of its tokens accepted."""
-        k = len(self.draft)
+    def verified(self, k: int, m: int, n_gen: int) -> None:
+        """The waiting draft was verified, k tokens of it (a draft model's: as many as it
+        made), and m accepted."""
         self.chain.accept(m)
         self.stats = after(self.stats, k, m, n_gen)
         t = self.totals.setdefault(self.source, [0, 0, 0])

@@ -120,6 +120,7 @@ class Verified:
     slot: int
     seconds: float
     samples: tuple[Sampled, ...]
+    draft: tuple[int, ...]  # the tokens verified after the waiting one
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,11 @@ import xxhash
 from backend.engine import Engine
 from backend.sampling import Sampler
 from backend.worker.core import Core
+from backend.worker.draft_model import DraftModel
 from backend.worker.drafts import Speculation
 from backend.worker.messages import Failed, Input, Sampled, Stepped, Verified
 from policies.schedule import Verify
-from policies.speculate import SpecConfig, VerifyCost
+from policies.speculate import MODEL_TOKEN, SpecConfig, VerifyCost
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -57,10 +59,23 @@ COMPARED = " Greedy answers can differ from --spec-type none's (a verify compute
            "than one-token steps); a cache hit answers as its cold run."
 
 
+def _model_draft(eng: Engine, core: Core, slot: int, places: int) -> list[int]:
+    """A draft model's tokens for a draft of `places` (backend.worker.draft_model)."""
+    spec = core.spec
+    assert spec is not None and spec.model is not None
+    j, q = core.jobs[slot], eng.seqs[slot]
+    got: list[int] = spec.model.draft(slot, j.job.run_id, j.job.ids, q.ids[: q.n_live],
+                                      core.waiting(slot), places, spec.config.draft_p_min)
+    return got if len(got) >= spec.config.draft_n_min else []
+
+
 def verify(eng: Engine, samplers: Mapping[int, Sampler], step: Verify, core: Core
            ) -> list[Input]:
     t = time.perf_counter()
     drafts = {s: core.draft(s) for s in step.slots}
+    for s, d in drafts.items():
+        if d and d[0] == MODEL_TOKEN:
+            drafts[s] = _model_draft(eng, core, s, len(d))
     before = {s: eng.seqs[s].n_live for s in step.slots}
     try:
         eng.evaluate([(s, [core.waiting(s), *drafts[s]]) for s in step.slots],
@@ -85,7 +100,7 @@ def verify(eng: Engine, samplers: Mapping[int, Sampler], step: Verify, core: Cor
         if eng.truncate(s, keep) != keep:
             out.append(Failed(s, "the rejected drafts could not be cut back"))
             continue
-        out.append(Verified(s, dt, tuple(samples)))
+        out.append(Verified(s, dt, tuple(samples), tuple(draft)))
     return out
 
 
@@ -148,13 +163,15 @@ def _ratio_at(cost: VerifyCost, k: int) -> str:
     return f"a verify of {k} drafts costs {cost.ratio(1 + k):.2f}x a step"
 
 
-def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int) -> Speculation:
+def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int,
+            model: DraftModel | None = None) -> Speculation:
     """The worker's speculation: off where its memory cannot draft, else the verify cost
     (remembered under `key`, else measured), in one log line."""
     why = ""
     if not config.on:
         return Speculation(config, None, eng.n_batch, False, "speculation off (--spec-type "
                            "none)")
+    with_model = f" with the draft model {os.path.basename(model.path)}" if model else ""
     if eng.memory.kind == "recurrent":
         why = ("a recurrent state cannot be cut back to the accepted drafts (backend."
                "worker.verify)")
@@ -163,36 +180,41 @@ def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int) -> Specul
     if why:
         note = f"speculation off on this model: {why}; --spec-type {config.name()} does nothing"
         log.info("worker %d: %s", worker_id, note)
-        return Speculation(config, None, eng.n_batch, False, note)
+        return Speculation(config, None, eng.n_batch, False, note, model)
     n_max = min(config.n_max, eng.n_batch - 1)
     if config.always:
-        note = (f"speculation {config.name()}: every draft verified, up to {n_max} tokens "
-                f"(--spec-stop off, as llama-server does).{COMPARED}")
+        note = (f"speculation {config.name()}{with_model}: every draft verified, up to {n_max} "
+                f"tokens (--spec-stop off, as llama-server does).{COMPARED}")
         log.info("worker %d: %s", worker_id, note)
-        return Speculation(config, None, eng.n_batch, True, note)
+        return Speculation(config, None, eng.n_batch, True, note, model)
     cost = _recall(key) if key else None
     where = "remembered"
     if cost is None or cost.rows[-1] < min(n_max + 1, eng.n_batch):
         cost, where = measure(eng, n_max), "measured at start"
+        if model is not None:
+            cost = replace(cost, draft_step=model.measure(eng))
         if key:
             _remember(key, cost)
     k = min(8, n_max)
-    if cost.can_pay(n_max):
-        note = (f"speculation {config.name()}: {_ratio_at(cost, k)} ({where}): each slot "
-                f"verifies the drafts its acceptance pays for.{COMPARED}")
+    step = f", a draft model's step {cost.draft_step:.2f}x" if model is not None else ""
+    if cost.pays_for(config, n_max):
+        note = (f"speculation {config.name()}{with_model}: {_ratio_at(cost, k)}{step} "
+                f"({where}): each slot verifies the drafts its acceptance pays for.{COMPARED}")
     else:
-        note = (f"speculation {config.name()} does not pay here: {_ratio_at(cost, k)} "
+        note = (f"speculation {config.name()} does not pay here: {_ratio_at(cost, k)}{step} "
                 f"({where}), so no slot drafts (--spec-stop off verifies every draft)")
     log.info("worker %d: %s", worker_id, note)
-    return Speculation(config, cost, eng.n_batch, True, note)
+    return Speculation(config, cost, eng.n_batch, True, note, model)
 
 
-def cost_key(verdict_key: str, config: SpecConfig) -> str:
+def cost_key(verdict_key: str, config: SpecConfig, draft_model: str = "") -> str:
     """The name of a remembered verify cost: the self-check's verdict key (model, settings,
-    build, machine) and the longest draft."""
+    build, machine), the longest draft, and the draft model's file (its path, size, time)."""
     if not verdict_key:
         return ""
-    return xxhash.xxh3_128_hexdigest(f"{verdict_key}:{config.n_max}".encode())
+    st = os.stat(draft_model) if draft_model else None
+    model = f"{draft_model}:{st.st_size}:{st.st_mtime_ns}" if st is not None else ""
+    return xxhash.xxh3_128_hexdigest(f"{verdict_key}:{config.n_max}:{model}".encode())
 
 
 def report(spec: Speculation | None, core: Core, running: Any) -> dict[str, Any]:
@@ -204,10 +226,10 @@ def report(spec: Speculation | None, core: Core, running: Any) -> dict[str, Any]
     fixed, per_row = running.solve() if running.n else (0.0, 0.0)
     one = fixed + per_row
     return {"type": spec.config.name(), "stop": "off" if spec.config.always else "auto",
-            "drafts": spec.on, "note": spec.note,
+            "drafts": spec.on, "memory_drafts": spec.drafts, "note": spec.note,
             "cost_at_start": spec.cost.to_wire() if spec.cost is not None else None,
             "cost_running": {str(r): round((fixed + per_row * r) / one, 3)
                              for r in (1, 2, 4, 8, 16, 32, 64)} if one > 0 else None,
             "steps_measured": running.n,
             "sources": {s: {"drafted": d, "accepted": a, "verifies": v}
-                        for s, (d, a, v) in sorted(core.drafted.items())}}
+                        for s, (d, a, v) in sorted(dict(core.drafted).items())}}

@@ -312,7 +312,8 @@ def test_a_draft_is_verified_and_its_samples_taken_in_order() -> None:
     # 101 and 102 accepted, 7 sampled where 103 was drafted: the KV holds 100 101 102
     samples = (Sampled(0, 101, b"b", False), Sampled(0, 102, b"c", False),
                Sampled(0, 7, b"d", False))
-    fx = c.apply(Verified(0, 0.2, samples), world(holding(REPEATS + (100, 101, 102)), EMPTY))
+    fx = c.apply(Verified(0, 0.2, samples, (101, 102, 103)),
+                 world(holding(REPEATS + (100, 101, 102)), EMPTY))
     assert fx == [Emit("r", Token(101, "b")), Emit("r", Token(102, "c")),
                   Emit("r", Token(7, "d"))]
     # "102 7" came nowhere before: 7 waits for a plain step
@@ -330,8 +331,8 @@ def test_a_verify_ends_the_answer_where_a_stop_string_matches() -> None:
     c = drafting(stop=("bc",))
     samples = (Sampled(0, 101, b"b", False), Sampled(0, 102, b"c", False),
                Sampled(0, 103, b"x", False), Sampled(0, 104, b"y", False))
-    fx = c.apply(Verified(0, 0.2, samples), world(holding(REPEATS + (100, 101, 102, 103)),
-                                                  EMPTY))
+    fx = c.apply(Verified(0, 0.2, samples, (101, 102, 103)),
+                 world(holding(REPEATS + (100, 101, 102, 103)), EMPTY))
     assert [e.event.text for e in fx if isinstance(e, Emit) and isinstance(e.event, Token)] \
         == ["", ""]
     done = next(e.event for e in fx if isinstance(e, Emit) and isinstance(e.event, Done))

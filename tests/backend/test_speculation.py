@@ -19,6 +19,7 @@ from backend.engine import Engine
 from backend.protocol import Done, Event, Job, Start, Token
 from backend.ramtier import RamTier
 from backend.worker.core import Core
+from backend.worker.draft_model import DraftModel
 from backend.worker.drafts import Speculation
 from backend.worker.loop import Loop
 from backend.worker.tiers import Tiers
@@ -61,24 +62,25 @@ class Worker:
     """The worker's compute loop over `eng` in this process, speculation as `spec` says."""
 
     def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None,
-                 shapes: Shapes = APART) -> None:
+                 shapes: Shapes = APART, model: DraftModel | None = None) -> None:
         self.eng, self.events = eng, []  # type: list[tuple[str, Event]]
         self.ended, self.finished = threading.Condition(), set()  # type: ignore[var-annotated]
         tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
                       self._emit)
-        self.spec = resolve(spec, eng, "", 0) if spec.on else None
+        self.spec = resolve(spec, eng, "", 0, model) if spec.on else None
         core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
                     eng.n_ctx, spec=self.spec)
         eng.decode_shape = shapes.decode
-        self.steps: list[tuple[str, tuple[int, ...]]] = []  # (kind, slots) of each step
+        # the rows of each llama_decode: (slot, tokens) per row, and the slots of every row's logits
+        self.decodes: list[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = []
+        evaluate = eng.evaluate
+
+        def recorded(rows, pads=(), every=()):  # type: ignore[no-untyped-def]
+            self.decodes.append((tuple((s, len(t)) for s, t in rows), tuple(every)))
+            return evaluate(rows, pads, every)
+
+        eng.evaluate = recorded  # type: ignore[method-assign]
         self.loop = Loop(eng, core, tiers, shapes, self._emit)
-        runner_step = self.loop.runner.step
-
-        def step(st: object, c: Core) -> list[object]:
-            self.steps.append((type(st).__name__, tuple(getattr(st, "slots", ()))))
-            return runner_step(st, c)  # type: ignore[arg-type]
-
-        self.loop.runner.step = step  # type: ignore[method-assign]
         self.loop.start()
 
     def _emit(self, run: str, event: Event) -> None:
@@ -108,6 +110,7 @@ class Worker:
 
     def stop(self) -> None:
         self.loop.stop()
+        del self.eng.evaluate  # the engine's own method again
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -204,9 +207,9 @@ def test_the_stop_rule_drafts_nothing_where_a_verify_cannot_pay() -> None:
 
 
 def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
-    """`--deterministic off` (decode steps batched as they come): two slots drafting at once
-    verify in one llama_decode, each slot's rows sampled as its own, and each slot's KV holds
-    exactly its prompt and answer after."""
+    """`--deterministic off` (decode steps batched as they come): a slot's verify and the other
+    slot's step share one llama_decode, each slot's rows sampled as its own, and each slot's KV
+    holds exactly its prompt and answer after."""
     name = "smollm2"
     ids = edit_ids(name)
     eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
@@ -221,5 +224,66 @@ def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
         assert eng.live_ids(0) == ids + a[:-1] and eng.live_ids(1) == ids[:-3] + b[:-1]
     finally:
         eng.close()
-    assert ("Verify", (0, 1)) in w.steps, "no verify held both slots"
+    assert any({s for s, _ in rows} == {0, 1} and every for rows, every in w.decodes), \
+        "no verify held both slots' rows"
     assert done_a.draft and done_b.draft
+
+
+# --- a draft model (draft-simple) -------------------------------------------------------------
+
+MODEL_SPEC = SpecConfig(("draft-simple",), always=True, draft_n_max=4)
+
+
+def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(tmp_path: Path) -> None:
+    """The default model drafting for itself: its own KV per slot, prefilled with the prompt as a
+    cold run does (again after the target's hit), its greedy tokens verified; the answers and
+    the drafts of a cold run, a live hit and a restored hit are the same."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    edge = (len(ids) - 1) // BATCH * BATCH
+    ref = _engine(name)
+    model = DraftModel.load(model_file(name), ref, GPU_LAYERS, 2)
+    try:
+        w = Worker(ref, MODEL_SPEC, model=model)
+        want, cold, _ = w.run("cold", ids)
+        w.stop()
+    finally:
+        model.close()
+        ref.close()
+    eng = _engine(name)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        eng.prefill(0, ids[:edge])
+        key = keys.CacheKey(b"k" * 16)
+        path, size, _ = store.write_state_file(tmp_path, key, b"f" * 16, ids[:edge],
+                                               eng.snapshot(0))
+        eng.truncate(0, 0)
+        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model)
+        again, first, _ = w.run("again", ids)
+        live, hit, _ = w.run("live", ids, replace(COLD, keep_max=edge, live_ok=True))
+        eng.truncate(0, 0)
+        restore = Restore(edge, bytes(key), str(path.relative_to(tmp_path)), size)
+        restored, disk, start = w.run("disk", ids,
+                                      Plan((restore,), (), edge, False, "hit", None, None))
+        assert start.restored == edge
+        w.stop()
+        assert eng.live_ids(0) == ids + restored[:-1]
+    finally:
+        model.close()
+        eng.close()
+    for run, got, done in (("cold again", again, first), ("live hit", live, hit),
+                           ("restored hit", restored, disk)):
+        assert (got, done.draft) == (want, cold.draft), f"the {run} differs from the cold run"
+    drafted = cold.draft["draft-simple"]
+    assert drafted["accepted"] > drafted["drafted"] // 2, drafted
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
+    eng = _engine("smollm2")
+    try:
+        with pytest.raises(ValueError) as e:
+            DraftModel.load(model_file("gemma3"), eng, GPU_LAYERS, 2)
+    finally:
+        eng.close()
+    assert "cannot draft for this model: its vocabulary" in str(e.value) \
+        and "\n" not in str(e.value), str(e.value)

@@ -10,6 +10,7 @@ import pytest
 from policies.ngram import NgramParams
 from policies.speculate import (
     MARGIN,
+    MODEL_TOKEN,
     PAUSE_MAX,
     PAUSE_TOKENS,
     Chain,
@@ -31,6 +32,7 @@ from policies.speculate import (
     # llama.cpp tries them in its own order, whatever order they are given in
     ("ngram-mod,ngram-simple", ("ngram-simple", "ngram-mod")),
     ("ngram-map-k4v, ngram-map-k", ("ngram-map-k", "ngram-map-k4v")),
+    ("draft-simple,ngram-mod", ("ngram-mod", "draft-simple")),  # a draft model last
 ])
 def test_types(value: str, want: tuple[str, ...]) -> None:
     assert parse_types(value) == want
@@ -38,7 +40,7 @@ def test_types(value: str, want: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize(("value", "error"), [
     ("ngram-big", "unknown type ngram-big (llama.cpp's: none, draft-simple"),
-    ("draft-simple", "draft-simple: a draft model is not supported yet"),
+    ("draft-eagle3", "draft-eagle3: EAGLE-3 draft heads are not supported"),
     ("ngram-mod,draft-mtp", "draft-mtp: multi-token prediction heads are not supported"),
     ("ngram-cache", "ngram-cache: the n-gram cache type, with its lookup files, is not"),
 ])
@@ -64,6 +66,12 @@ def test_the_chain_takes_the_first_that_drafts_and_tells_it_alone() -> None:
     assert chain.draft(prompt[:9], 9, room=2) == ("ngram-mod", [1, 2]), "cut to the room"
     assert chain.draft(prompt[:9], 9, room=0) == ("", [])
     assert config.n_max == 4 and config.name() == "ngram-simple,ngram-mod"
+    # a draft model's turn: places for its tokens, filled when the step runs
+    chain = Chain(SpecConfig(("ngram-simple", "draft-simple"),
+                             NgramParams(simple_size_n=3, simple_size_m=4), draft_n_max=5))
+    chain.begin(prompt)
+    assert chain.draft(prompt, 4, room=8) == ("ngram-simple", [5, 6, 7, 8])
+    assert chain.draft(prompt, 9, room=3) == ("draft-simple", [MODEL_TOKEN] * 3)
 
 
 @pytest.mark.parametrize(("n_live", "n_ctx", "left", "n_batch", "want"), [
@@ -97,6 +105,9 @@ def test_verify_cost() -> None:
     assert VerifyCost().ratio(5) == 5.0, "one size measured: a row a step"
     assert GPU.can_pay(4) and not CPU.can_pay(7)
     assert VerifyCost.from_wire(GPU.to_wire()) == GPU
+    assert VerifyCost.from_wire(VerifyCost((1, 2), (1.0, 1.1), 0.3).to_wire()).draft_step == 0.3
+    # a draft model's steps count: at 0.3 of a step each, three drafts cost 0.9 more
+    assert GPU.can_pay(4, 0.3) and not GPU.can_pay(4, 1.0)
     for bad in ({"rows": [2, 1], "ratios": [1, 1]}, {"rows": [], "ratios": []}, [1],
                 {"rows": [1], "ratios": [1, 2]}):
         with pytest.raises(ValueError):
@@ -128,6 +139,14 @@ def test_expected_tokens() -> None:
 def test_draft_len(why: str, stats: Stats, n: int, cost: VerifyCost | None, always: bool,
                    n_gen: int, want: tuple[int, Stats]) -> None:
     assert draft_len(stats, n, cost, always, n_gen) == want
+
+
+def test_a_draft_models_steps_count_in_the_cost() -> None:
+    # accepting nine in ten, a draft model whose step costs half the model's pays best for
+    # three drafts (3.44 tokens for 1.05 + 1.5 steps), where free n-gram drafts pay for all six
+    good = Stats(hits=9.0, trials=10.0)
+    assert draft_len(good, 6, GPU, False, 0, per_draft=0.5)[0] == 3
+    assert draft_len(good, 6, GPU, False, 0)[0] == 6
 
 
 def test_the_margin_turns_down_a_draft_that_barely_pays() -> None:

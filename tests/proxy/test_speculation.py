@@ -69,3 +69,25 @@ def test_the_stop_rule_measures_a_verify_at_start(tmp_path: Path) -> None:
     assert cost["rows"][0] == 1 and cost["ratios"][0] == 1.0 and len(cost["rows"]) >= 5
     assert worker["stop"] == "auto" and "a verify of 8 drafts costs" in worker["note"]
     assert worker["note"] in log
+
+
+def test_a_draft_model_drafts_and_a_hit_answers_as_the_first(tmp_path: Path) -> None:
+    """`-md` (the default model drafting for itself, the same vocabulary): -md alone means
+    draft-simple; its greedy drafts are verified and accepted, and the cache hit makes the same
+    drafts and answers as the first."""
+    from proxy.config import default_model
+
+    with running(tmp_path, "-md", default_model(), "--spec-draft-n-max", "4",
+                 "--spec-stop", "off") as srv:
+        first = complete(srv.url, PROMPT)
+        again = complete(srv.url, PROMPT)
+        worker = srv.get_json("/props")["speculation"]["workers"]["0"]
+        log = srv.log()
+    t = first["timings"]
+    assert first["generation_settings"]["speculative.types"] == "draft-simple"
+    assert t["draft_n"] > 0 and t["draft_n_accepted"] > t["draft_n"] // 2, t
+    assert again["timings"]["cache_n"] > 0, "the second is a cache hit"
+    assert (again["content"], again["timings"]["draft_n"], again["timings"]["draft_n_accepted"]) \
+        == (first["content"], t["draft_n"], t["draft_n_accepted"]), "the hit answers as the first"
+    assert worker["sources"]["draft-simple"]["drafted"] == 2 * t["draft_n"]
+    assert "with the draft model" in worker["note"] and worker["note"] in log
