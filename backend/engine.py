@@ -21,9 +21,8 @@ Rules this module keeps:
   hybrid model not at all (its state exists at its last position only). `live_prefix` offers
   only what can be kept, and a cut the memory refuses empties the state, never leaves it wrong:
   the request then restores a snapshot or prefills cold.
-- A state is copied with the per-sequence API (`llama_state_seq_get_data`), never
-  `Llama.save_state` (whole context plus logits).
-- At least the last prompt token is always evaluated, because logits are not part of a snapshot.
+- A state is copied with the per-sequence API (never `Llama.save_state`); at least the last
+  prompt token is always evaluated, because logits are not part of a snapshot.
 - Exact by construction (issue 19): a hit runs the cold run's computation, so it never rests on a
   kernel giving the same bits for different batch shapes (llama.cpp's CPU kernels do not on
   every CPU: an AMD EPYC answered differently where an Intel Xeon did not; CUDA's do not at
@@ -82,8 +81,7 @@ log = logging.getLogger("prefixgate.engine")
 
 @dataclass(slots=True)
 class Cancel:
-    """Set from another thread; a prefill or generation run here stops at its next batch or
-    token."""
+    """Set from another thread: a prefill or generation here stops at its next batch or token."""
 
     event: threading.Event = field(default_factory=threading.Event)
 
@@ -219,28 +217,6 @@ class Engine:
             return 0
         return min(pos_min + self.memory.n_swa + 1, q.n_live)
 
-    def live_prefix(self, slot: int, ids: Sequence[int], edges: Edges | None = None) -> int:
-        """Tokens of `ids` this slot's live KV holds exactly and can be cut back to (at a batch
-        edge of `ids`: `edges`, computed here when not given)."""
-        q = self.seqs[slot]
-        n = min(q.exact_n, len(ids))
-        if n == 0:
-            return 0
-        diff = np.nonzero(q.ids[:n] != np.asarray(ids[:n], dtype=np.intc))[0]
-        n = int(diff[0]) if len(diff) else n
-        edges = edges or self.batching.edges(ids)
-        return live_reuse(edges.floor(n), q.n_live, self.floor(slot))
-
-    def reusable(self, slot: int) -> tuple[int, int]:
-        """(live tokens a next request may keep, the shortest of them the memory can be cut
-        back to). Generated tokens are not exact (module rules), so where the memory cannot be
-        cut back to the exact part (a recurrent state after generating), none."""
-        q = self.seqs[slot]
-        n, floor = q.exact_n, self.floor(slot)
-        if n < q.n_live and n < floor:
-            return 0, 0
-        return n, min(floor, n)
-
     def truncate(self, slot: int, n: int) -> int:
         """Keep exactly the slot's first n live tokens, or, where the memory refuses to cut
         back there, none. Returns what is kept: never a state that holds anything but
@@ -290,10 +266,9 @@ class Engine:
         return 0 < p < q.n_live <= q.exact_n and p >= self.floor(slot)
 
     def snapshot_behind(self, slot: int, p: int) -> memoryview:
-        """A snapshot of exactly the first p < n_live tokens, taken from the live KV: cut back
-        to p, copied, then the whole live state put back (the state put back is the one copied,
-        so nothing changes). Costs two copies and a restore, no prefill. Only where the memory
-        can be cut back to p (`can_snapshot_behind`)."""
+        """A snapshot of exactly the first p < n_live tokens from the live KV (cut back to p,
+        copied, the copied whole put back): two copies and a restore, no prefill. Only where
+        the memory can be cut back to p (`can_snapshot_behind`)."""
         q = self.seqs[slot]
         assert self.can_snapshot_behind(slot, p), (p, q.n_live, q.exact_n, self.floor(slot))
         live_ids = self.live_ids(slot)
@@ -310,21 +285,26 @@ class Engine:
         return int(llama_cpp.llama_state_seq_get_size(self.ctx, self.seqs[slot].id))
 
     def copy(self, src: int, dst: int, n: int) -> int:
-        """Slot `dst` gets the first n tokens of slot `src`'s live state (n <= its `exact_n`):
-        that state's snapshot restored there, then cut back to n. Not `llama_memory_seq_cp`:
-        across KV streams it copies a whole stream at the next decode, which a restore before
-        it could race. Returns what is kept: n, or none where the memory refuses the cut."""
+        """Slot `dst` gets the first n <= exact_n tokens of slot `src`'s live state, restored
+        and cut back (not `llama_memory_seq_cp`, which copies a whole stream at the next
+        decode); what it keeps: n, or none where the memory refuses the cut."""
         q = self.seqs[src]
         assert src != dst and 0 < n <= q.exact_n, (src, dst, n, q.exact_n)
         self.restore(dst, self.live_ids(src), self.snapshot(src))
         return self.truncate(dst, n)
 
-    def prepare(self, state: bytes | memoryview) -> tuple[bytes | memoryview, int]:
-        """A snapshot in the form this context loads (any thread: bytes only): a full-size
-        window's masked cells padded back, several streams' form where there are several
-        slots; with the cells padded. The worker's reader thread prepares what it read, so the
-        llama thread only loads it."""
+    def prepare(self, state: bytes | memoryview | np.ndarray, n: int = 0
+                ) -> tuple[bytes | memoryview, int]:
+        """(A snapshot in the form this context loads: a full-size window's masked cells padded
+        back, several streams' form with several slots; the cells padded.) Bytes only, any
+        thread (the reader's); a uint8 array of `n` bytes and `spare_bytes` of room
+        (store.read_state_into) is made so in place where no window is padded."""
         padded = 0
+        if isinstance(state, np.ndarray):
+            if not self.memory.full and self.fault != "restore-bit":
+                n = layout.many_streams_in_place(state, n, self.caches, len(self.seqs))
+                return memoryview(state)[:n], 0
+            state = memoryview(state)[:n]
         if self.memory.kind == "window" and self.memory.full:
             state, padded = layout.pad_window(state)
         if self.fault == "restore-bit":
@@ -332,6 +312,11 @@ class Engine:
         if len(self.seqs) > 1:
             state = layout.many_streams(state, self.caches, len(self.seqs))
         return state, padded
+
+    @property
+    def spare_bytes(self) -> int:
+        """The room `prepare` needs after a state to make it in place."""
+        return 4 * (len(self.seqs) - 1) * self.caches
 
     def restore(self, slot: int, ids: Sequence[int], state: bytes | memoryview,
                 prepared: int | None = None) -> None:
@@ -441,8 +426,7 @@ class Engine:
         return rows
 
     def sample(self, slot: int, sampler: Sampler, i: int = -1) -> int:
-        """A token drawn by `sampler` from this slot's logits of the last decode (`i`: which of
-        its rows, for a verify)."""
+        """A token drawn by `sampler` from this slot's logits of the last decode (row `i`)."""
         return sampler.sample(self.ctx, self._rows(slot)[i])
 
     def sampler(self, sampling: Sampling, grammar: str | None = None) -> Sampler:

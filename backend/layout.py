@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -221,7 +221,7 @@ def pad_window(state: bytes | memoryview) -> tuple[bytes | memoryview, int]:
         padded[:, d * rows.el_bytes:] = kept
         out += [struct.pack("<iII", rows.type_id, rows.el_bytes, rows.n_embd), padded.data]
     out.append(buf[s.end:])
-    return b"".join(out), first
+    return _join(out), first
 
 
 Part = bytes | tuple[int, int]  # literal bytes, or (offset, length) of the state itself
@@ -251,6 +251,19 @@ def _one_stream_parts(state: bytes | memoryview, n_caches: int, ext: bool | None
     return _either_ext(read, ext)
 
 
+def _join(parts: Sequence[bytes | memoryview]) -> memoryview:
+    """The parts laid end to end in one new buffer: numpy's copies, which release the GIL (a
+    1 GiB `b"".join` held it for 1.2 s, and the worker's compute thread with it, while the
+    reader thread prepared a restore)."""
+    arrays = [np.frombuffer(p, dtype=np.uint8) for p in parts]  # byte counts, whatever shape
+    out = np.empty(sum(a.size for a in arrays), dtype=np.uint8)
+    at = 0
+    for a in arrays:
+        out[at:at + a.size] = a
+        at += a.size
+    return memoryview(out)
+
+
 def one_stream(state: bytes | memoryview, n_caches: int, ext: bool | None = None
                ) -> bytes | memoryview:
     """A sequence state written by a context of several KV streams, in the form a context of
@@ -259,7 +272,7 @@ def one_stream(state: bytes | memoryview, n_caches: int, ext: bool | None = None
     if parts is None:
         return state
     buf = memoryview(state)
-    return b"".join(p if isinstance(p, bytes) else buf[p[0] : p[0] + p[1]] for p in parts)
+    return _join([p if isinstance(p, bytes) else buf[p[0] : p[0] + p[1]] for p in parts])
 
 
 def one_stream_in_place(buf: np.ndarray, n: int, n_caches: int) -> int:
@@ -287,15 +300,42 @@ def many_streams(state: bytes | memoryview, n_caches: int, n_stream: int,
         return state
     buf, empty = memoryview(state), struct.pack("<I", 0) * (n_stream - 1)
 
-    def read(ext: bool) -> bytes:
+    def read(ext: bool) -> memoryview:
         r = _Reader(state, 8)
         out: list[bytes | memoryview] = [buf[:8]]
         for _ in range(n_caches):
             sec = _section(r, ext)
             out += [struct.pack("<I", n_stream), buf[sec.start + 4:sec.end], empty]
         out.append(buf[r.pos:])
-        return b"".join(out)
+        return _join(out)
     return _either_ext(read, ext)
+
+
+def many_streams_in_place(buf: np.ndarray, n: int, n_caches: int, n_stream: int) -> int:
+    """`many_streams` of the state in `buf[:n]` (a uint8 array with room after it: 4 bytes per
+    extra stream per cache), made within `buf`: each cache's stream count patched, its empty
+    streams' counts written after it, what follows moved right (memmove, from the end; no
+    second buffer, no copy of a state of gigabytes where nothing follows its cache). Returns
+    the new length."""
+    if n_caches == 0 or n_stream == 1:
+        return n
+    grow = 4 * (n_stream - 1)
+    assert len(buf) >= n + grow * n_caches, (len(buf), n, grow)
+    state = memoryview(buf)[:n]
+
+    def read(ext: bool) -> list[Section]:
+        r = _Reader(state, 8)
+        return [_section(r, ext) for _ in range(n_caches)]
+    secs = _either_ext(read, None)
+    base, end = buf.ctypes.data, secs[-1].end
+    ctypes.memmove(base + end + grow * n_caches, base + end, n - end)  # a recurrent state
+    for k in reversed(range(n_caches)):
+        sec, shift = secs[k], k * grow
+        ctypes.memset(base + sec.end + shift, 0, grow)
+        if shift:
+            ctypes.memmove(base + sec.start + shift, base + sec.start, sec.end - sec.start)
+        struct.pack_into("<I", buf, sec.start + shift, n_stream)
+    return n + grow * n_caches
 
 
 def flip_bit(state: bytes | memoryview) -> bytes:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import xxhash
 
 from backend.keys import CacheKey
@@ -166,6 +167,17 @@ def write_state_file(
 
 def read_state_file(path: Path, fp: bytes, prompt_ids: Sequence[int]) -> tuple[int, bytes]:
     """Return (n_tokens, state) after verifying the file against ``fp`` and the prompt."""
+    n, buf = read_state_into(path, fp, prompt_ids)
+    return n, buf.tobytes()
+
+
+def read_state_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int = 0
+                    ) -> tuple[int, np.ndarray]:
+    """(n_tokens, the state) after verifying the file against ``fp`` and the prompt: the state
+    read into a new uint8 array with `spare` bytes free after it (room for the form a context
+    of several KV streams loads, made in place: backend.layout.many_streams_in_place). The
+    read and the hash release the GIL: a worker's reader thread never holds up its compute
+    thread."""
     with _open(path) as f:
         header, head = _read_head(f, path)
         if header.fingerprint != fp:
@@ -176,14 +188,18 @@ def read_state_file(path: Path, fp: bytes, prompt_ids: Sequence[int]) -> tuple[i
                 path,
             )
         _check_length(header, path)
-        state = f.read(header.state_len)  # one allocation, filled in place
-        if len(state) != header.state_len:
-            raise CacheFault("truncated", f"{path}: file shrank while being read", path)
+        buf = np.empty(header.state_len + spare, dtype=np.uint8)
+        view, got = memoryview(buf)[: header.state_len], 0
+        while got < header.state_len:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CacheFault("truncated", f"{path}: file shrank while being read", path)
+            got += n
     hasher = xxhash.xxh3_64(head)
-    hasher.update(state)
+    hasher.update(view)
     _check_checksum(header, hasher.intdigest(), path)
     _check_tokens(head, header, prompt_ids, path)
-    return header.n_tokens, state
+    return header.n_tokens, buf
 
 
 def read_header(path: Path) -> StateHeader:

@@ -15,7 +15,10 @@ A real `prefixgate worker` with two slots, driven through its HTTP API (backend/
    loaded); slot 0's time per token while the restore is under way (from the restore job's
    arrival to its `Start`), against (2).
 
-The default model is generated here (`bench.random_model`, cached in /tmp): plain attention
+The worker runs with its default threads (`--threads`: half the cores decode, so the reader
+thread's reading, hashing and copying has cores of its own; llama.cpp's threads spin at their
+barriers, and one of them sharing a core with the reader slows every step several-fold). The
+default model is generated here (`bench.random_model`, cached in /tmp): plain attention
 shaped so that a state is large for little compute (64 layers of 8 KV heads of 128, an FFN of
 256: 512 KiB of f32 KV a token, so 1 GiB is 2,048 tokens). Run it alone on a quiet machine.
 """
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default="", help="a GGUF (default: generated, see above)")
     p.add_argument("--vocab", type=Path,
                    default=ROOT / "build/fixtures/llama.cpp/models/ggml-vocab-llama-bpe.gguf")
+    p.add_argument("--threads", type=int, default=0, help="the worker's decode threads (0: its "
+                   "default, half the cores: the reader thread computes on the others)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     model = Path(a.model) if a.model else _model(a.vocab)
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     port = free_port()
     cmd = [sys.executable, "-m", "proxy.cli", "worker", "--listen", f"127.0.0.1:{port}",
            "--model", str(model), "--n-ctx", str(2 * (n_state + 1024)), "--parallel", "2",
-           "--threads", "2", "--cache-dir", str(tmp / "cache"), "--cache-ram", "0",
+           *(["--threads", str(a.threads)] if a.threads else []),
+           "--cache-dir", str(tmp / "cache"), "--cache-ram", "0",
            "--cache-type-k", "f32", "--cache-type-v", "f32", "--no-exact-check",
            "--ubatch-size", "128"]
     log = open(tmp / "worker.log", "wb")  # noqa: SIM115 (open for the process's life)
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mean_during = statistics.fmean(during) if during else float("nan")
     done = next(e for _, e in beside if isinstance(e, Done))
     result = {
-        "model": model.name, "state_tokens": n_state, "state_bytes": saved.size_bytes,
+        "model": model.name, "threads": a.threads or "default", "state_tokens": n_state,
+        "state_bytes": saved.size_bytes,
         "prefill_s": round(prefill_s, 1), "restore_s": round(start_t - arrived, 3),
         "answer_tokens": done.n_gen, "token_s_alone_median": round(base, 5),
         "tokens_during_restore": len(during),

@@ -173,6 +173,7 @@ class Account:
     began_s: float = 0.0  # when its prefill began
     total: int = 0  # the tokens its prefill had then
     prefilling: bool = False
+    run: str = ""  # the job it accounts for (a slot's next job starts a new account)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +197,9 @@ def _with(clock: Clock, slot: int, account: Account) -> Clock:
     return replace(clock, accounts={**clock.accounts, slot: account})
 
 
-def admit(clock: Clock, slot: int) -> Clock:
+def admit(clock: Clock, slot: int, run: str = "") -> Clock:
     """A slot with a new job: level with the least of the others (rule 5)."""
-    return _with(clock, slot, Account(used_s=_least(clock, slot)))
+    return _with(clock, slot, Account(used_s=_least(clock, slot), run=run))
 
 
 def leave(clock: Clock, slot: int) -> Clock:
@@ -221,14 +222,17 @@ def end_prefill(clock: Clock, slot: int) -> Clock:
     return _with(clock, slot, replace(a, used_s=clock.prefills_used_s, prefilling=False))
 
 
-def track(clock: Clock, active: Sequence[int], tasks: Sequence[Task], now_s: float) -> Clock:
-    """The accounts brought in line with the slots' jobs (`active`, in the order they came) and
-    their tasks: a new job admitted, a prefill begun or ended, a job gone (rules 1 and 5)."""
-    for slot in [s for s in clock.accounts if s not in active]:
+def track(clock: Clock, active: Sequence[tuple[int, str]], tasks: Sequence[Task],
+          now_s: float) -> Clock:
+    """The accounts brought in line with the slots' jobs (`active`: (slot, run id), in the order
+    they came) and their tasks: a new job admitted (a slot's next job too), a prefill begun or
+    ended, a job gone (rules 1 and 5)."""
+    runs = dict(active)
+    for slot in [s for s, a in clock.accounts.items() if runs.get(s) != a.run]:
         clock = leave(clock, slot)
-    for slot in active:
+    for slot, run in active:
         if slot not in clock.accounts:
-            clock = admit(clock, slot)
+            clock = admit(clock, slot, run)
     prefilling = {t.slot: t.left for t in tasks if t.left > 0}
     for slot, a in list(clock.accounts.items()):
         if a.prefilling and slot not in prefilling:

@@ -3,9 +3,10 @@
 Routes match on the path alone (Claude Code adds `?beta=true`). Unknown headers and body fields
 are ignored (`anthropic-beta`, `metadata`, `context_management`, `output_config`,
 `cache_control` on any block, `$schema` in tool schemas). `thinking` ({"type": "enabled"} or
-"adaptive" / "disabled") becomes the template variable `enable_thinking`; `chat_template_kwargs`
-is taken as on the OpenAI API. Errors use Anthropic's shape
-`{"type": "error", "error": {"type", "message"}}` (proxy.errors.anthropic_body).
+"adaptive" / "disabled") becomes the template variable `enable_thinking`; without `thinking` it
+is false, as on Anthropic's API; `chat_template_kwargs` is taken as on the OpenAI API. Errors
+use Anthropic's shape `{"type": "error", "error": {"type", "message"}}`
+(proxy.errors.anthropic_body).
 
 Parsing into the internal, OpenAI-shaped messages:
 - `system`: a string or a list of text blocks, joined by blank lines; it becomes the first
@@ -14,8 +15,10 @@ Parsing into the internal, OpenAI-shaped messages:
   first still render, and earlier turns render the same when the conversation grows. Leading
   ones (before any user or assistant turn) join the system message instead.
 - user content: a string or blocks. `text` blocks join by blank lines; each `tool_result`
-  (string or text-block content, `is_error` marked) becomes a `role: "tool"` message; images
-  and documents are a 400 (the model takes text only). Consecutive user turns merge.
+  (string or text-block content, `is_error` marked) becomes a `role: "tool"` message; an image,
+  file or document block, in a user turn or a tool result, becomes a text placeholder
+  (proxy.chat.placeholder; a document with a plain-text source keeps its text). Consecutive
+  user turns merge.
 - assistant content: `text` joins; `tool_use` becomes a tool call; `thinking` blocks become
   the turn's `reasoning_content`, which the template renders as it wants (signatures are not
   checked: prefixgate wrote them, empty); `redacted_thinking` is dropped. A conversation
@@ -66,6 +69,7 @@ from proxy.chat import (
     parse_prefix_cache,
     parse_sampling,
     parse_stop,
+    placeholder,
 )
 from proxy.dialects import ArgsDelta, CallDone, CallOpen, Event, ReasoningDelta, TextDelta, events
 from proxy.edge import (
@@ -94,7 +98,7 @@ from proxy.run import Run, Usage
 log = logging.getLogger("prefixgate")
 
 
-_MEDIA = ("image", "document", "file", "container_upload")
+_MEDIA = {"image": "image", "document": "document", "file": "file", "container_upload": "file"}
 _DROPPED = ("thinking", "redacted_thinking")  # in a user turn
 
 
@@ -106,26 +110,39 @@ def _where(i: int | None, j: int | None = None) -> str:
     return base if j is None else f"{base}.content[{j}]"
 
 
-def _text_blocks(raw: Any, where: str) -> str:
-    """A string, or a list of text blocks joined by blank lines (system, tool_result)."""
+def _text_blocks(raw: Any, where: str) -> tuple[str, list[str]]:
+    """A string, or a list of text blocks joined by blank lines (system, tool_result), and
+    the kinds of media replaced by a placeholder in it."""
     if raw is None:
-        return ""
+        return "", []
     if isinstance(raw, str):
-        return raw
+        return raw, []
     if not isinstance(raw, list):
         raise BadRequest(f"{where} must be a string or a list of text blocks", param=where)
-    parts = []
+    parts: list[str] = []
+    media: list[str] = []
     for j, b in enumerate(raw):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
             parts.append(b["text"])
-        elif kind in _MEDIA:
-            raise BadRequest(f"{where}[{j}] is an {kind!r} block: this model takes text only; "
-                             "send text blocks", param=where)
+        elif isinstance(kind, str) and kind in _MEDIA:
+            parts.append(_media_text(b, media))
         else:
             raise BadRequest(f"{where}[{j}] must be a text block ({{\"type\": \"text\", "
                              f"\"text\": ...}}), got type {kind!r}", param=where)
-    return "\n\n".join(parts)
+    return "\n\n".join(parts), media
+
+
+def _media_text(block: dict[str, Any], media: list[str]) -> str:
+    """What a media block becomes: a document's plain text where it has one, else the
+    placeholder of its kind (added to `media`)."""
+    source = block.get("source")
+    if block["type"] == "document" and isinstance(source, dict) and \
+            source.get("type") == "text" and isinstance(source.get("data"), str):
+        return source["data"]
+    kind = _MEDIA[block["type"]]
+    media.append(kind)
+    return placeholder(kind)
 
 
 def _blocks(content: Any, i: int) -> list[dict[str, Any]]:
@@ -138,9 +155,6 @@ def _blocks(content: Any, i: int) -> list[dict[str, Any]]:
         if not isinstance(b, dict) or not isinstance(b.get("type"), str):
             raise BadRequest(f"{_where(i, j)} must be an object with a 'type'",
                              param=_where(i, j))
-        if b["type"] in _MEDIA:
-            raise BadRequest(f"{_where(i, j)} is an {b['type']!r} block: this model takes text "
-                             "only; send text blocks", param=_where(i, j))
     return content
 
 
@@ -153,19 +167,22 @@ class _Builder:
         self.out: list[dict[str, Any]] = []
         self.tool_names: dict[str, str] = {}  # tool_use id -> tool name, for tool messages
         self.names: list[tuple[str, str]] = []  # the same, in the order they were met
-        # after each raw message: (messages out, the last of them, names met, system text)
-        self.states: list[tuple[int, dict[str, Any] | None, int, str]] = []
+        self.media: list[str] = []  # the kinds of media replaced by a placeholder
+        # after each raw message: (messages out, the last of them, names met, system text,
+        # media met)
+        self.states: list[tuple[int, dict[str, Any] | None, int, str, int]] = []
         self.head: dict[str, Any] | None = None  # the system message made of `system`
 
     def checkpoint(self) -> None:
         self.states.append((len(self.out), self.out[-1] if self.out else None, len(self.names),
-                            self.system))
+                            self.system, len(self.media)))
 
     def resume(self, old: _Builder, n: int) -> None:
         """Be `old` as it was after its first `n` raw messages."""
-        n_out, last, n_names, self.system = old.states[n - 1]
+        n_out, last, n_names, self.system, n_media = old.states[n - 1]
         self.out = [*old.out[: n_out - 1], last] if last is not None else []
         self.names = old.names[:n_names]
+        self.media = old.media[:n_media]
         self.tool_names = dict(self.names)
         self.states = old.states[:n]
 
@@ -194,7 +211,9 @@ class _Builder:
                              param=_where(i))
         role = m.get("role")
         if role == "system":
-            self.system_text(_text_blocks(m.get("content"), f"{_where(i)}.content"))
+            text, media = _text_blocks(m.get("content"), f"{_where(i)}.content")
+            self.media += media
+            self.system_text(text)
         elif role == "user":
             self._user(_blocks(m.get("content"), i), i)
         elif role == "assistant":
@@ -209,20 +228,23 @@ class _Builder:
             kind = b["type"]
             if kind == "text":
                 text.append(str(b.get("text", "")))
+            elif kind in _MEDIA:
+                text.append(_media_text(b, self.media))
             elif kind == "tool_result":
                 if text:
                     self.user_text("\n\n".join(text))
                     text = []
                 tid = str(b.get("tool_use_id", ""))
-                body = _text_blocks(b.get("content"), f"{_where(i, j)}.content")
+                body, media = _text_blocks(b.get("content"), f"{_where(i, j)}.content")
+                self.media += media
                 msg = {"role": "tool", "tool_call_id": tid,
                        "content": "Error: " + body if b.get("is_error") else body}
                 if tid in self.tool_names:
                     msg["name"] = self.tool_names[tid]
                 self.out.append(msg)
             elif kind not in _DROPPED:
-                raise BadRequest(f"{_where(i, j)}: a user turn takes text and tool_result "
-                                 f"blocks, not {kind!r}", param=_where(i, j))
+                raise BadRequest(f"{_where(i, j)}: a user turn takes text, media and "
+                                 f"tool_result blocks, not {kind!r}", param=_where(i, j))
         if text or not blocks:
             self.user_text("\n\n".join(text))
 
@@ -365,11 +387,14 @@ def parse_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> Any:
 
 
 def parse_thinking(body: dict[str, Any]) -> dict[str, Any]:
-    """Template variables: `thinking` as `enable_thinking`, plus `chat_template_kwargs`."""
+    """Template variables: `thinking` as `enable_thinking`, plus `chat_template_kwargs` (which
+    win). A request without `thinking` has it off, as Anthropic's API treats it: templates with
+    the switch (Qwen3, Qwen3.5/3.6, GLM, DeepSeek V3.1) render it off, the others never read it
+    (proxy.template.ChatTemplate.bound)."""
     kwargs = parse_template_kwargs({"chat_template_kwargs": body.get("chat_template_kwargs")})
     raw = body.get("thinking")
     if raw is None:
-        return kwargs
+        return {"enable_thinking": False, **kwargs}
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise BadRequest('\'thinking\' must be {"type": "enabled", "budget_tokens": N}, '
                          '{"type": "adaptive"} or {"type": "disabled"}', param="thinking")
@@ -382,7 +407,8 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' is required: a non-empty list of {role, content}",
                          param="messages")
-    b = _Builder(_text_blocks(body.get("system"), "system"))
+    system, system_media = _text_blocks(body.get("system"), "system")
+    b = _Builder(system)
     old, start = _RECENT.find(b.system_in, raw)
     if old is not None:
         b.resume(old, start)
@@ -409,7 +435,8 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
         sampling=parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
         max_tokens=max_tokens, stop=parse_stop(body.get("stop_sequences"), "stop_sequences"),
         stream=False if count_only else opt_bool(body, "stream"), scope=scope, window=window,
-        tenant=tenant, continue_final=continue_final, template_kwargs=parse_thinking(body))
+        tenant=tenant, continue_final=continue_final, template_kwargs=parse_thinking(body),
+        media=(*system_media, *b.media))
 
 
 # --- responses -----------------------------------------------------------------------------

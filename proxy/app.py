@@ -1,7 +1,7 @@
 """The aiohttp application: the lifecycle of everything requests share, the operations routes
 (/health, /metrics, /props), and the error middleware. The API routes are the edges' own
-(openai_api.py, anthropic_api.py, llama_api.py for llama-server's native endpoints, on the
-shared proxy/edge.py).
+(openai_api.py, responses_api.py, anthropic_api.py, llama_api.py for llama-server's native
+endpoints, on the shared proxy/edge.py).
 
 `make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
 tokenizer: a template that cannot be used stops the start at once), then listens, and opens in
@@ -29,6 +29,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from aiohttp import web
@@ -38,8 +39,9 @@ from prometheus_client import generate_latest
 from backend.index import Index
 from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
-from proxy import anthropic_api, limits, llama_api, openai_api
+from proxy import anthropic_api, limits, llama_api, openai_api, responses_api, status
 from proxy.cache import DiskCache
+from proxy.chat import MEDIA_MODE, placeholder
 from proxy.config import Config, cache_identity
 from proxy.edge import (
     ALLOWED_KEYS,
@@ -86,10 +88,16 @@ def error_response(request: web.Request, e: ApiError) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    boot, pool = request.app[BOOT], request.app.get(POOL)
+    ok, body = health_json(request.app)
+    return web.json_response(body, status=200 if ok else 503)
+
+
+def health_json(app: web.Application) -> tuple[bool, dict[str, Any]]:
+    """(every worker ready, /health's body)."""
+    boot, pool = app[BOOT], app.get(POOL)
     # with --tenant-isolation, nothing tenant-specific to anyone (it takes no key): no slot's
     # live tokens or busy state (an authenticated /slots shows a tenant its own)
-    isolated = request.app[CONFIG].tenant_isolation
+    isolated = app[CONFIG].tenant_isolation
     workers = [{"id": w.worker_id, "ready": w.ready, "busy": w.busy, "exact": w.exact,
                 **({} if isolated else {
                     "live_tokens": sum(len(s.live_ids) for s in w.slots),
@@ -99,13 +107,13 @@ async def health(request: web.Request) -> web.Response:
                                        w.loading.progress if w.loading is not None else 0.0})}
                for w in (pool.workers if pool is not None else [])]
     if boot["ready"] and pool is not None and pool.all_ready:
-        return web.json_response({"status": "ok", "workers": workers})
+        return True, {"status": "ok", "workers": workers}
     loading = [w["progress"] for w in workers if "progress" in w]
-    return web.json_response({
+    return False, {
         "status": "loading",
         "phase": boot["phase"] if not boot["ready"] else "a worker is (re)starting",
         "progress": round(sum(loading) / len(loading), 3) if loading else 0.0,
-        "workers": workers}, status=503)
+        "workers": workers}
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -134,17 +142,22 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     check_auth(request)
-    cfg, gw, m = request.app[CONFIG], request.app[GATEWAY], request.app[METRICS]
-    cache = request.app.get(CACHE)
+    return web.json_response(await props_json(request.app))
+
+
+async def props_json(app: web.Application) -> dict[str, Any]:
+    """/props's body (the server must be ready)."""
+    cfg, gw, m = app[CONFIG], app[GATEWAY], app[METRICS]
+    cache, pool = app.get(CACHE), app[POOL]
     prompt = m.prompt_tokens._value.get()
     cached = sum(c._value.get() for c in m.cached_tokens._metrics.values())
-    stats = await request.app[POOL].worker_stats()
-    return web.json_response({
+    stats = await pool.worker_stats()
+    return {
         "server": "prefixgate",
-        "model": request.app[MODEL_ID], "model_path": cfg.model_path,
-        "n_ctx": cfg.n_ctx, "workers": len(request.app[POOL].workers),
+        "model": app[MODEL_ID], "model_path": cfg.model_path,
+        "n_ctx": cfg.n_ctx, "workers": len(pool.workers),
         # llama-server's fields: the slots, the template in use, the build
-        "total_slots": len(request.app[POOL].slots),
+        "total_slots": len(pool.slots),
         "chat_template": gw.prompts.template.source,
         "build_info": f"prefixgate {_version('prefixgate')}, llama-cpp-python "
                       f"{_version('llama-cpp-python')}",
@@ -153,16 +166,19 @@ async def props(request: web.Request) -> web.Response:
                    "batch_decode": w.decode is not None and w.decode.shape != "apart",
                    "decode": w.decode.shape if w.decode is not None else None,
                    "independent": w.decode.independent if w.decode is not None else None}
-                  for w in request.app[POOL].workers],
+                  for w in pool.workers],
         # whether a slot's answer may depend on other slots generating at the same time, and
         # what the other choice costs (policies.schedule.choose_decode)
         "deterministic": {"asked": cfg.deterministic, "workers": {
-            str(w.worker_id): w.decode.note for w in request.app[POOL].workers
+            str(w.worker_id): w.decode.note for w in pool.workers
             if w.decode is not None}},
+        # where each worker's model went (devices, weights, KV) and what its memory allows
+        "placement": {str(w.worker_id): placement_note(w.placement) for w in pool.workers},
+        "memory": {str(w.worker_id): w.memory for w in pool.workers},
         # what each worker measured prefill and restores to cost: decide restores only what
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
-                  for w in request.app[POOL].workers},
+                  for w in pool.workers},
         "default_generation_settings": speculative_settings(
             {"n_ctx": cfg.slot_ctx, **gw.defaults.props()}, cfg),
         # speculative decoding (proxy/speculation.py): as asked, and each worker's own: whether
@@ -185,13 +201,15 @@ async def props(request: web.Request) -> web.Response:
             "bytes": cache.total_bytes if cache is not None else 0,
             "lifetime_hit_ratio": cached / prompt if prompt else 0.0,
         },
+        # what a text-only model does with an image, audio, a file or a document
+        "media": {"mode": MEDIA_MODE, "placeholder": placeholder("image")},
         "volatile_patterns": list(gw.prompts.normalizer.patterns),
         "stable_layout": cfg.stable_layout,
         "volatile_blocks": list(gw.prompts.layout.patterns),
-    })
+    }
 
 
-OPEN_WHILE_LOADING = ("/health", "/v1/health")
+OPEN_WHILE_LOADING = ("/health", "/v1/health", "/")  # the status page says how far it got
 
 
 @web.middleware
@@ -355,8 +373,12 @@ def make_app(cfg: Config) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     openai_api.add_routes(app)
     anthropic_api.add_routes(app)
+    responses_api.add_routes(app)
     llama_api.add_routes(app, health, openai_api.models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/props", props)
+    # the status page is everyone's view: under --tenant-isolation it shows no tenant's slot
+    status.add_routes(app, props_json, health_json, lambda app: llama_api.slots_json(
+        app, "" if app[CONFIG].tenant_isolation else None))
     return app

@@ -1,7 +1,14 @@
-"""The internal request: what both APIs parse into, validated once at the edge.
+"""The internal request: what every API parses into, validated once at the edge.
 
 Messages are kept OpenAI-shaped (`role`, `content` as a string, optional `tool_calls`,
 `tool_call_id`, `name`) because that is what chat templates read.
+
+Media (an image, audio, a file, a document) reaches a text-only model as a short text
+placeholder in its place (`placeholder(kind)`), never a 400: one image in a Claude Code session
+(a pasted screenshot, the Read tool on a PNG) would otherwise fail that request and every later
+one of the session. The placeholder is the same text every time, so the conversation still
+extends its earlier turns in the cache. The request carries the kinds it replaced (`media`):
+the edge says so in one log line and counts them.
 """
 
 from __future__ import annotations
@@ -35,6 +42,18 @@ class ChatRequest:
     # OpenAI's response_format as the JSON schema the answer must match (json_object: any
     # object); None: free text
     json_schema: Any = None
+    # the kind of each media block replaced by a text placeholder, in order (MEDIA_KINDS)
+    media: tuple[str, ...] = ()
+
+
+MEDIA_KINDS = ("image", "audio", "file", "document")
+MEDIA_MODE = "placeholder"  # what a text-only model does with media (shown in /props)
+
+
+def placeholder(kind: str) -> str:
+    """The text a `kind` of media block becomes for a text-only model."""
+    assert kind in MEDIA_KINDS
+    return f"[{kind} omitted: this model reads text only]"
 
 
 # --- validation helpers: each raises BadRequest naming the field and what to send -----------

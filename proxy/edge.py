@@ -4,7 +4,8 @@ SSE responses, the cache headers, the model card, and noticing a client that lef
 An API module (openai_api.py, anthropic_api.py) owns its routes, its parsing into a
 `ChatRequest` and its rendering; each handler is `serve(request, api, parse, error, respond)`:
 
-    check the key -> read the JSON body (within proxy/limits.py's bounds) -> parse -> prepare
+    check the key -> read the JSON body (within proxy/limits.py's bounds) -> parse (media
+    replaced by a placeholder: one log line, counted) -> prepare
     (render, tokenize) -> start the run (decide, reach the worker)  ...any ApiError so far:
     counted, logged, rendered in the API's own error shape...  -> respond (JSON or SSE),
     abandoning the run if the client goes away
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -196,14 +198,25 @@ async def _watch_disconnect(request: web.Request, run: Run) -> None:
     await run.aclose()
 
 
+def note_media(request: web.Request, api: str, media: tuple[str, ...]) -> None:
+    """Media a text-only model gets as placeholders: one log line per request, counted."""
+    counts = Counter(media)
+    for kind, n in counts.items():
+        request.app[METRICS].media_placeholders.labels(kind).inc(n)
+    said = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in counts.items())
+    log.info("%s: %s replaced by a text placeholder: this model reads text only", api, said)
+
+
 async def serve(request: web.Request, api: str, parse: Parse, error: ErrorResponse,
                 respond: Respond) -> web.StreamResponse:
-    """The handler skeleton of both APIs (see the module docstring)."""
+    """The handler skeleton of every API (see the module docstring)."""
     gw = request.app[GATEWAY]
     try:
         tenant = check_auth(request)
         req = await gw.offload(parse_body, await read_body(request), tenant, parse,
                                request.app[LIMITS])
+        if req.media:
+            note_media(request, api, req.media)
         run = await gw.start(await gw.prepare(req))
         run.headers = request.headers
     except ApiError as e:

@@ -106,15 +106,20 @@ def _handler(fn: Any) -> Any:
 
 
 async def slots(request: web.Request) -> web.Response:
-    """Every slot, as llama-server lists them (tools count and index them by id). With
-    --tenant-isolation a caller sees the details of the slots that hold its own tenant's KV
-    (or nothing); another tenant's slot shows only whether it is busy, which any client can
-    tell from its own waiting anyway: no token count, no tenant."""
     key = check_auth(request)
-    cfg = request.app[CONFIG]
-    mine = tenant_id(key) if cfg.tenant_isolation else None
+    mine = tenant_id(key) if request.app[CONFIG].tenant_isolation else None
+    return web.json_response(slots_json(request.app, mine))
+
+
+def slots_json(app: web.Application, mine: str | None = None) -> list[dict[str, Any]]:
+    """/slots's body: every slot, as llama-server lists them (tools count and index them by
+    id). With --tenant-isolation (`mine`: the caller's tenant) a caller sees the details of the
+    slots that hold its own tenant's KV (or nothing); another tenant's slot shows only whether
+    it is busy, which any client can tell from its own waiting anyway: no token count, no
+    tenant."""
+    cfg = app[CONFIG]
     out = []
-    for i, s in enumerate(request.app[POOL].slots):
+    for i, s in enumerate(app[POOL].slots):
         slot = {"id": i, "worker": s.worker_id, "slot": s.index, "n_ctx": cfg.slot_ctx,
                 "is_processing": s.busy, "ready": s.ready, "exact": s.worker.exact}
         if mine is None or s.live_tenant in ("", mine):
@@ -122,7 +127,7 @@ async def slots(request: web.Request) -> web.Response:
             slot["tenant"] = hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12] \
                 if s.live_tenant else ""
         out.append(slot)
-    return web.json_response(out)
+    return out
 
 
 def parse_native(body: Any, tenant: str) -> ChatRequest:

@@ -9,21 +9,30 @@ What they mean:
   and verified, tokens accepted, verify steps; acceptance = accepted / drafted.
 - time to first token by source: the request's cache source (as in its log line), "cold" where
   nothing was reused (the log's source=none).
+
+Beside them, the last RECENT_LINES request log lines, for the status page.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies.plan import REASON_RANK
+from proxy.chat import MEDIA_KINDS
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+RECENT_LINES = 50  # request log lines kept for the status page
+
+
 class Metrics:
     def __init__(self) -> None:
+        # the last requests' log lines, (unix time, line), newest last (proxy/status.py)
+        self.recent_lines: deque[tuple[float, str]] = deque(maxlen=RECENT_LINES)
         r = self.registry = CollectorRegistry()
         self.requests = Counter("prefixgate_requests_total", "Requests by API and outcome",
                                 ["api", "outcome"], registry=r)
@@ -61,6 +70,12 @@ class Metrics:
                             "tier since it started (backend.shared.STATS: published_bytes, "
                             "publish_failures, pulls, ..., publish_queued now)",
                             ["worker", "stat"], registry=r)
+        self.media_placeholders = Counter(
+            "prefixgate_media_placeholders_total",
+            "Media blocks (image, audio, file, document) a text-only model got as a text "
+            "placeholder, by kind", ["kind"], registry=r)
+        for kind in MEDIA_KINDS:
+            self.media_placeholders.labels(kind)
         self.restores_skipped = Counter(
             "prefixgate_restores_skipped_total",
             "Stored entries not restored because the worker prefills them faster", registry=r)

@@ -24,6 +24,7 @@ from proxy.chat import (
     parse_prefix_cache,
     parse_sampling,
     parse_stop,
+    placeholder,
 )
 from proxy.defaults import inline_reasoning
 from proxy.dialects import (
@@ -52,33 +53,46 @@ from proxy.memo import IdMemo
 from proxy.run import Run, Usage
 from proxy.speculation import totals
 
+# OpenAI part types that carry media, and the kind each is (proxy.chat.placeholder)
+MEDIA_PARTS = {"image_url": "image", "image": "image", "input_image": "image",
+               "input_audio": "audio", "file": "file", "input_file": "file"}
+TEXT_PARTS = {"text": "text"}  # part type -> its key holding the text (Chat Completions)
 
-def _content_text(content: Any, i: int) -> str:
-    """Message content as the template sees it: a string (text parts joined)."""
+
+def content_text(content: Any, where: str, texts: dict[str, str] = TEXT_PARTS
+                 ) -> tuple[str, tuple[str, ...]]:
+    """Message content as the template sees it: a string (text parts joined as they are, a
+    media part's placeholder on a line of its own), and the kinds of media replaced."""
     if content is None:
-        return ""
+        return "", ()
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or "type" not in part:
-                raise BadRequest(f"messages[{i}].content parts must be objects with a 'type'",
-                                 param=f"messages[{i}].content")
-            if part["type"] == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif part["type"] in ("image_url", "input_audio", "file", "image"):
-                raise BadRequest(f"messages[{i}] has a '{part['type']}' part: this model takes "
-                                 "text only; send text parts", param=f"messages[{i}].content")
-            else:
-                raise BadRequest(f"messages[{i}].content part of type '{part['type']}' is not "
-                                 "supported; send text parts", param=f"messages[{i}].content")
-        return "".join(parts)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
-                     param=f"messages[{i}].content")
+        return content, ()
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of text parts", param=where)
+    pieces: list[tuple[bool, str]] = []  # (a placeholder, its text)
+    kinds: list[str] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise BadRequest(f"{where} parts must be objects with a 'type'", param=where)
+        if kind in texts and isinstance(part.get(texts[kind]), str):
+            pieces.append((False, part[texts[kind]]))
+        elif kind in MEDIA_PARTS:
+            kinds.append(MEDIA_PARTS[kind])
+            pieces.append((True, placeholder(MEDIA_PARTS[kind])))
+        else:
+            raise BadRequest(f"{where} part of type '{kind}' is not supported; send "
+                             f"{' or '.join(sorted(texts))} parts", param=where)
+    out = []
+    for k, (media, text) in enumerate(pieces):
+        if k and (media or pieces[k - 1][0]):
+            out.append("\n")
+        out.append(text)
+    return "".join(out), tuple(kinds)
 
 
-def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
+def parse_messages(raw: Any) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...]]:
+    """(the messages, the kinds of media replaced by a placeholder in them)."""
     if raw is None:
         raise BadRequest("'messages' is required: a non-empty list of {role, content}",
                          param="messages")
@@ -86,34 +100,40 @@ def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
         raise BadRequest("'messages' must be a non-empty list of {role, content}",
                          param="messages")
     out = []
+    media: list[str] = []
     for i, (m, parsed) in enumerate(zip(raw, _PARSED.get_many(raw), strict=True)):
-        if parsed is not None:  # the same message as in a recent body (proxy/memo.py)
-            out.append(parsed)
-            continue
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'",
-                             param=f"messages[{i}]")
-        role = m.get("role")
-        if role not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; "
-                             f"got {role!r}", param=f"messages[{i}].role")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _content_text(m.get("content"), i)}
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = parse_tool_calls(m["tool_calls"], i)
-        reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" \
-            else None
-        if isinstance(reasoning, str) and reasoning:
-            msg["reasoning_content"] = reasoning
-        if role == "tool":
-            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(_PARSED.put(m, msg))
-    return tuple(out)
+        if parsed is None:  # else the same message as in a recent body (proxy/memo.py)
+            parsed = _PARSED.put(m, _message(m, i))
+        out.append(parsed[0])
+        media += parsed[1]
+    return tuple(out), tuple(media)
 
 
-_PARSED = IdMemo()  # a body's message -> what parse_messages made of it
+def _message(m: Any, i: int) -> tuple[dict[str, Any], tuple[str, ...]]:
+    if not isinstance(m, dict):
+        raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'",
+                         param=f"messages[{i}]")
+    role = m.get("role")
+    if role not in ROLES:
+        raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; "
+                         f"got {role!r}", param=f"messages[{i}].role")
+    content, media = content_text(m.get("content"), f"messages[{i}].content")
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": content}
+    if role == "assistant" and m.get("tool_calls"):
+        msg["tool_calls"] = parse_tool_calls(m["tool_calls"], i)
+    reasoning = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" \
+        else None
+    if isinstance(reasoning, str) and reasoning:
+        msg["reasoning_content"] = reasoning
+    if role == "tool":
+        msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+    if isinstance(m.get("name"), str):
+        msg["name"] = m["name"]
+    return msg, media
+
+
+_PARSED = IdMemo()  # a body's message -> what parse_messages made of it; its tools likewise
 
 
 def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
@@ -207,10 +227,10 @@ def parse_chat(body: Any, tenant: str) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
+    messages, media = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
-    return ChatRequest(api="openai", messages=parse_messages(body.get("messages")),
-                       tools=tools, tool_choice=tools_mod.parse_choice(body.get("tool_choice"),
-                                                                       tools),
+    return ChatRequest(api="openai", messages=messages, media=media, tools=tools,
+                       tool_choice=tools_mod.parse_choice(body.get("tool_choice"), tools),
                        template_kwargs=parse_template_kwargs(body),
                        json_schema=parse_response_format(body.get("response_format")),
                        **_common(body, tenant))

@@ -531,7 +531,7 @@ class Run:
             m.ttft_seconds.labels(api, "cold" if u.source == "none" else u.source).observe(
                 self.ttft_s)
         saves = ",".join(f"{s.reason}@{s.n_tokens}" for s in plan.saves) or "-"
-        log.info(
+        self._line(
             "%s prompt=%d cached=%d source=%s scope=%s boundary=%s lookup=%s saves=%s "
             "prefill_s=%.3f decode_s=%.3f ttft_s=%.3f gen=%d%s finish=%s worker=%s%s",
             api, u.prompt_tokens, u.cached_tokens, u.source, format_scope(self.prep.scope),
@@ -543,6 +543,12 @@ class Run:
             (f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
             + (f" restore_skipped=\"{plan.restore_skipped}\"" if plan.restore_skipped else ""))
 
+    def _line(self, fmt: str, *args: object) -> None:
+        """The request's one log line, kept among the recent ones too (the status page)."""
+        line = fmt % args
+        log.info("%s", line)
+        self.deps.metrics.recent_lines.append((time.time(), line))
+
     async def _count(self, fx: Count) -> None:
         self.deps.metrics.requests.labels(self.prep.req.api, fx.outcome).inc()
 
@@ -550,9 +556,9 @@ class Run:
         st = self.state
         if st.outcome != "ok":
             u = self.usage
-            log.info("%s prompt=%d cached=%d source=%s %s live=%d worker=%s",
-                     self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source, st.outcome,
-                     len(fx.live_ids), self.worker.label)
+            self._line("%s prompt=%d cached=%d source=%s %s live=%d worker=%s",
+                       self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source,
+                       st.outcome, len(fx.live_ids), self.worker.label)
         await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect,
                                      fx.floor, fx.costs)
 

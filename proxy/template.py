@@ -177,7 +177,8 @@ class ChatTemplate:
         env.globals["strftime_now"] = resume.strftime_now
         self._template = env.from_string(source)
         ast = env.parse(source)
-        self.supports_tools = "tools" in meta.find_undeclared_variables(ast)
+        self.variables = frozenset(meta.find_undeclared_variables(ast))  # what it reads
+        self.supports_tools = "tools" in self.variables
         self.prefixes = _PrefixCache(_PREFIX_CACHE_ENTRIES)
         # recent recorded renders, for later ones to resume (proxy/resume.py)
         self.runs = resume.Runs(_RECENT_RENDERS) if resume.resumable(source, ast) else None
@@ -188,8 +189,11 @@ class ChatTemplate:
 
     def bound(self, extra: dict[str, Any]) -> ChatTemplate:
         """This template with the request's own variables (`enable_thinking`,
-        `reasoning_effort`, any `chat_template_kwargs`); the prefix cache is shared, keyed on
-        them too."""
+        `reasoning_effort`, any `chat_template_kwargs`), those it reads: a variable it never
+        reads changes nothing (an Anthropic request's `enable_thinking: false` on a template
+        without the switch renders and resumes as any other). The prefix cache is shared,
+        keyed on them too."""
+        extra = {k: v for k, v in extra.items() if k in self.variables}
         if not extra:
             return self
         view = copy.copy(self)

@@ -173,7 +173,7 @@ class Boot:
             engine.decode_shape = shapes.decode
             ram = RamTier.from_mib(spec.cache_ram)
             tiers = Tiers(spec.cache_dir, fingerprint, ram, engine.prepare, lambda r, e: None,
-                          at_rest=None, fault=engine.fault)
+                          at_rest=None, fault=engine.fault, spare=engine.spare_bytes)
             if spec.shared_tier:
                 tiers.shared = SharedTier(spec.shared_tier, fingerprint)
             core = Core(len(engine.seqs), engine.batching, engine.memory.kind == "plain",
@@ -216,6 +216,10 @@ class Boot:
         threading.Thread(target=self.load, args=(asyncio.get_running_loop(),),
                          name="load", daemon=True).start()
 
+    async def shutdown(self, app: web.Application) -> None:
+        if self.worker is not None:
+            self.worker.closing = True
+
     async def close(self, app: web.Application) -> None:
         """After the last stream: the compute loop ends after its step, the queued writes
         finish (the next proxy adopts their files)."""
@@ -253,6 +257,7 @@ def make_app(boot: Boot, parent_pid: int | None = None) -> web.Application:
     app.router.add_post("/cancel", boot.cancel)
     app.router.add_get("/events", boot.events)
     app.on_startup.append(boot.begin)
+    app.on_shutdown.append(boot.shutdown)
     app.on_cleanup.append(boot.close)
     if parent_pid is not None:
         app.cleanup_ctx.append(lambda app: _exit_with_parent(parent_pid))

@@ -73,6 +73,8 @@ from backend.worker.messages import (
     Stepped,
     Verified,
     World,
+    live_prefix,
+    reusable,
 )
 from policies.costs import Costs
 from policies.decide import Save
@@ -147,11 +149,6 @@ class Core:
                                 draft=len(j.drafts.draft) if j.drafts is not None else 0))
         return out
 
-    def prefill_end(self, slot: int, world: World) -> int:
-        """Where the slot's next prefill batch ends (one of the cold run's edges)."""
-        j = self.jobs[slot]
-        return min(j.edges.next(world.slots[slot].n_live), len(j.ids))
-
     def waiting(self, slot: int) -> int:
         """The token the slot's decode evaluates."""
         return self.jobs[slot].token
@@ -160,10 +157,6 @@ class Core:
         """The draft a verify evaluates after the waiting token."""
         d = self.jobs[slot].drafts
         return d.draft if d is not None else []
-
-    def run_of(self, slot: int) -> str:
-        j = self.jobs.get(slot)
-        return j.job.run_id if j is not None else ""
 
     # --- inputs -----------------------------------------------------------------------------
 
@@ -203,7 +196,7 @@ class Core:
         limit = min(plan.keep_max, edges.keep_max) if self.exact else 0
         live = world.slots[slot]
         mine = plan.live_ok and self.exact and self.owners[slot] == (job.tenant, job.salt)
-        keep = self._live_prefix(live, ids, edges, limit) if mine else 0
+        keep = live_prefix(live, ids, edges, limit) if mine else 0
         j = _Job(job, ids, edges, limit, mine, keep, world.now_s)
         j.saves = {s.n_tokens: s for s in plan.saves if self.exact and s.n_tokens in edges}
         self.jobs[slot] = j
@@ -296,7 +289,7 @@ class Core:
         return self._begin(slot, j, world)
 
     def _keep(self, slot: int, j: _Job, world: World) -> int:
-        return self._live_prefix(world.slots[slot], j.ids, j.edges, j.limit)
+        return live_prefix(world.slots[slot], j.ids, j.edges, j.limit)
 
     def _begin(self, slot: int, j: _Job, world: World) -> list[Effect]:
         """The prompt starts from `j.keep` tokens: `Start`, the pulled entries' `Saved`, the
@@ -307,7 +300,7 @@ class Core:
         effects: list[Effect] = [
             Cut(slot, j.keep),
             Emit(run, Start(j.keep, j.restored, world.now_s - j.started_s, tuple(j.faults),
-                            j.from_memory)),
+                            j.from_memory, j.source if j.keep else "live")),
             *(Emit(run, e) for e in j.pulled)]
         j.pending += len(j.pulled)
         effects += [Snapshot(slot, run, p, j.saves[p], behind=p < j.keep)
@@ -406,23 +399,3 @@ class Core:
             total[:] = [a + b for a, b in zip(total, t, strict=True)]
         return [Finish(slot)]
 
-    @staticmethod
-    def _live_prefix(live: Live, ids: Ids, edges: Edges, limit: int) -> int:
-        """Tokens of the prompt the live KV holds exactly and can be cut back to, at a batch
-        edge, at most `limit`."""
-        n = min(live.exact_n, len(ids))
-        if n == 0:
-            return 0
-        differ = np.flatnonzero(live.ids[:n] != ids[:n])
-        n = int(differ[0]) if len(differ) else n
-        return min(live_reuse(edges.floor(n), live.n_live, live.floor), limit)
-
-
-def reusable(live: Live) -> tuple[int, int]:
-    """(live tokens a next request may keep, the shortest of them the memory can be cut back
-    to). Generated tokens are not exact, so where the memory cannot be cut back to the exact
-    part (a recurrent state after generating), none."""
-    n, floor = live.exact_n, live.floor
-    if n < live.n_live and n < floor:
-        return 0, 0
-    return n, min(floor, n)

@@ -105,10 +105,13 @@ class Loop:
             except queue.Empty:
                 pass
             world = self._world()
-            self.clock = track(self.clock, list(self.core.jobs), tasks, world.now_s)
+            self.clock = track(self.clock, [(s, j.job.run_id) for s, j in self.core.jobs.items()],
+                               tasks, world.now_s)
             step = next_step(tasks, self.clock, self.shapes, self.engine.n_batch)
             if step is None:
                 continue
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step %s of tasks %s (clock %s)", step, tasks, self.clock)
             results = self.runner.step(step, self.core)
             self.clock = charge(self.clock, step,
                                 max((r.seconds for r in results if hasattr(r, "seconds")),

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from backend.protocol import Event, Fault, Job
 from policies.decide import Save
+from policies.prefix import Edges, live_reuse
 from policies.sources import Candidate, Tier
 
 Ids = npt.NDArray[np.intc]
@@ -39,6 +40,28 @@ class Live:
     exact_n: int  # its leading tokens whose KV a cold prefill computes identically
     floor: int  # the shortest live prefix its memory can be cut back to
     nbytes: int = 0  # its state's size
+
+
+def live_prefix(live: Live, ids: Ids, edges: Edges, limit: int | None = None) -> int:
+    """Tokens of the prompt `ids` the live KV holds exactly and can be cut back to, at a batch
+    edge of the prompt (`edges`), at most `limit`."""
+    n = min(live.exact_n, len(ids))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(live.ids[:n] != ids[:n])
+    n = int(differ[0]) if len(differ) else n
+    kept = live_reuse(edges.floor(n), live.n_live, live.floor)
+    return kept if limit is None else min(kept, limit)
+
+
+def reusable(live: Live) -> tuple[int, int]:
+    """(live tokens a next request may keep, the shortest of them the memory can be cut back
+    to). Generated tokens are not exact, so where the memory cannot be cut back to the exact
+    part (a recurrent state after generating), none."""
+    n, floor = live.exact_n, live.floor
+    if n < live.n_live and n < floor:
+        return 0, 0
+    return n, min(floor, n)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,7 +128,8 @@ class Runner:
             state = eng.snapshot(e.slot)
         ids = job.ids[: e.n]
         key = keys.prefix_keys(job.salt, ids, [e.n])[e.n]
-        if not self.tiers.queue(key, job.salt, job.tenant, q.ids[: e.n].copy(), state):
+        if self.tiers.on_disk(key) or not self.tiers.queue(key, job.salt, job.tenant,
+                                                            q.ids[: e.n].copy(), state):
             return Snapshotted(e.run_id, False)
         self.write(e.run_id, key, e, ids, state, job.tenant)
         return Snapshotted(e.run_id, True)

@@ -69,6 +69,7 @@ class Worker:
         self.runs: dict[str, _Run] = {}  # streaming runs
         self.active: dict[int, str] = {}  # slot -> the run it serves, until it ends
         self.listeners: set[asyncio.Queue[TierEvent]] = set()
+        self.closing = False  # the server stops: event streams end
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.loop: Loop | None = None
 
@@ -202,12 +203,18 @@ class Worker:
                 await resp.write(encode_event(TierEvent("stored", "ram", k, e.salt.hex(),
                                                         e.tenant, len(e.ids),
                                                         tuple(int(t) for t in e.ids))))
-            while True:
-                await resp.write(encode_event(await q.get()))
+            while request.transport is not None and not request.transport.is_closing() \
+                    and not self.closing:
+                try:  # a client that is gone is noticed without an event to write
+                    event = await asyncio.wait_for(q.get(), WATCH_S * 20)
+                except asyncio.TimeoutError:
+                    continue
+                await resp.write(encode_event(event))
         except (ConnectionError, RuntimeError):
-            return resp
+            pass
         finally:
             self.listeners.discard(q)
+        return resp
 
     async def _watch(self, request: web.Request, run_id: str) -> None:
         while run_id in self.runs:

@@ -10,7 +10,7 @@ Which thread does what (`backend.worker.loop`):
 - the compute thread holds the RAM tier and the queue: `held()` (the core's view of them),
   `state()` (a held state's bytes, to load), `give_way()`, `queue()`;
 - the reader thread `read()`s a disk or shared entry: pulled (shared), read, verified (header,
-  fingerprint, checksum, the prompt's token ids: `store.read_state_file`) and prepared for the
+  fingerprint, checksum, the prompt's token ids: `store.read_state_into`) and prepared for the
   engine (`Engine.prepare`), so the compute thread only loads it;
 - the writer thread `write()`s a queued snapshot to its file (and publishes it to the shared
   tier), then reports `Saved` or `SaveFailed` to the run's stream. Where llama.cpp computes on the
@@ -72,11 +72,13 @@ class Tiers:
     cache_dir: Path
     fingerprint: bytes
     ram: RamTier
-    prepare: Callable[[bytes | memoryview], tuple[bytes | memoryview, int]]
+    # a read state in the form the engine loads (Engine.prepare), and the room it needs
+    prepare: Callable[[Any, int], tuple[bytes | memoryview, int]]
     emit: Callable[[str, Event], None]  # to a run's stream
     on_event: Callable[[TierEvent], None] = lambda e: None
     at_rest: threading.Event | None = None  # set while the compute thread rests (CPU only)
     fault: str = ""  # a test's injected fault (PREFIXGATE_FAULT)
+    spare: int = 0  # bytes of room after a read state (Engine.spare_bytes)
     shared: SharedTier | None = None
     shared_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     writes: dict[str, float] = field(default_factory=lambda: {
@@ -120,6 +122,11 @@ class Tiers:
             self.on_event(TierEvent("stored", "ram", key, salt.hex(), tenant, len(ids),
                                     tuple(int(t) for t in ids)))
 
+    def on_disk(self, key: keys.CacheKey) -> bool:
+        """Its file is written already (a plan made before the proxy's index had it): the same
+        key is the same bits, so it is not written again."""
+        return store.state_path(self.cache_dir, key).exists()
+
     def queue(self, key: keys.CacheKey, salt: bytes, tenant: str, ids: Ids,
               state: memoryview) -> bool:
         """A snapshot waits for its file (restorable meanwhile); False where the same state
@@ -147,11 +154,12 @@ class Tiers:
             if r.tier == "shared":
                 pulled = self._pull(r.key, r.n_tokens, job.tenant)
                 file = pulled.file
-            n, state = store.read_state_file(self.cache_dir / file, self.fingerprint, job.ids)
+            n, state = store.read_state_into(self.cache_dir / file, self.fingerprint, job.ids,
+                                             self.spare)
             if n != r.n_tokens:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                  f"{r.n_tokens}")
-            prepared, padded = self.prepare(state)
+            prepared, padded = self.prepare(state, len(state) - self.spare)
             return (Payload(job.ids[:n], prepared, padded), None, pulled,
                     time.perf_counter() - t)
         except store.CacheFault as e:
@@ -202,8 +210,7 @@ class Tiers:
                                 time.perf_counter() - t0))
         if self.shared is not None:  # after the local commit: the shared tier is the extra
             try:
-                self.shared_stats["published_bytes"] += self.shared.publish(
-                    key, tenant, len(ids), checksum, path)
+                self.shared.publish(key, tenant, len(ids), checksum, path)  # queued: its own
             except SharedFault as e:
                 self.shared_stats["publish_failures"] += 1
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",
@@ -222,6 +229,8 @@ class Tiers:
             self.writes["rest_waited_s"] += time.monotonic() - t
 
     def stats(self) -> dict[str, Any]:
-        return {"ram": self.ram.stats(), "writes": dict(self.writes),
-                "shared": {**self.shared_stats, **self.shared.stats()}
-                if self.shared is not None else None}
+        shared = None
+        if self.shared is not None:  # the pulls are counted here, publishing by the tier
+            tier = self.shared.stats()
+            shared = {k: tier.get(k, 0) + self.shared_stats.get(k, 0) for k in {*tier, *STATS}}
+        return {"ram": self.ram.stats(), "writes": dict(self.writes), "shared": shared}

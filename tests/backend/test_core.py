@@ -82,8 +82,8 @@ def world(*slots: Live, held: tuple[Held, ...] = (), now: float = 0.0) -> World:
 
 
 def start(keep: int, restored: int = 0, faults: tuple[Fault, ...] = (), ram: int = 0,
-          run: str = "r", restore_s: float = 0.0) -> Emit:
-    return Emit(run, Start(keep, restored, restore_s, faults, ram))
+          run: str = "r", restore_s: float = 0.0, tier: str = "live") -> Emit:
+    return Emit(run, Start(keep, restored, restore_s, faults, ram, tier))
 
 
 def test_nothing_is_reused_unless_the_self_check_passed() -> None:
@@ -138,7 +138,7 @@ def test_a_disk_entry_is_read_on_the_reader_thread_then_loaded() -> None:
     assert c.apply(ReadDone(0, "r", 0, "payload", 0.2), world(EMPTY, EMPTY)) == \
         [Load(0, "r", cand, 32, payload="payload")]
     fx = c.apply(Loaded(0, "r", cand, 32, 0.05), world(live(32), EMPTY, now=0.5))
-    assert fx == [Cut(0, 32), start(32, restored=32, restore_s=0.5)]
+    assert fx == [Cut(0, 32), start(32, restored=32, restore_s=0.5, tier="disk")]
     assert c.costs.disk.n == 1, "the read and the load are one disk restore's cost"
 
 
@@ -164,7 +164,7 @@ def test_a_pulled_shared_entry_is_reported_as_a_local_one() -> None:
     c.apply(ReadDone(0, "r", 0, "p", 0.2, pulled=pulled), world(EMPTY, EMPTY))
     fx = c.apply(Loaded(0, "r", Candidate("shared", 32, True, 1000, -1), 32, 0.05),
                  world(live(32), EMPTY))
-    assert fx == [Cut(0, 32), start(32, restored=32), Emit("r", pulled)]
+    assert fx == [Cut(0, 32), start(32, restored=32, tier="shared"), Emit("r", pulled)]
     assert c.costs.shared.n == 1 and c.costs.disk.n == 0, "a pull is its own cost"
 
 
@@ -178,7 +178,7 @@ def test_memory_beats_an_equal_disk_entry_and_a_whole_ram_entry_beats_a_cut_one(
     assert fx == [Load(0, "r", Candidate("ram", 32, True, 100, 9), 32)]
     fx = c.apply(Loaded(0, "r", Candidate("ram", 32, True, 100, 9), 32, 0.01),
                  world(live(32), EMPTY))
-    assert fx == [Cut(0, 32), start(32, ram=32)]
+    assert fx == [Cut(0, 32), start(32, ram=32, tier="ram")]
 
 
 def test_a_prompt_borrows_the_part_it_shares_of_another_slots_live_kv() -> None:
@@ -190,7 +190,7 @@ def test_a_prompt_borrows_the_part_it_shares_of_another_slots_live_kv() -> None:
     cand = Candidate("slot", 16, False, 100, 1)
     assert fx == [Load(0, "r", cand, 16, src=1)]
     fx = c.apply(Loaded(0, "r", cand, 16, 0.01), world(live(16), other))
-    assert fx == [Cut(0, 16), start(16, ram=16)]
+    assert fx == [Cut(0, 16), start(16, ram=16, tier="slot")]
     assert c.borrowed == {"slot": 1, "ram": 0, "queued": 0, "tokens": 16}
     # no cut where the memory cannot be cut back (a window, a recurrent state)
     c = core(cuts=False)

@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import llama_cpp
+import numpy as np
 import pytest
 
 from backend import layout
 from backend.engine import Engine
 from backend.sampling import Sampling
+from backend.worker.messages import Live, live_prefix
 from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
@@ -57,6 +59,13 @@ def engines(name: str) -> Iterator[tuple[Engine, Engine]]:
 def _answer(eng: Engine, ids: list[int], stops: list[int] = (), on_stop=None) -> list[int]:
     eng.prefill(0, ids, list(stops), on_stop or (lambda p: None))
     return [t for t, _, _ in eng.generate(0, Sampling(temperature=0), GEN)]
+
+
+def kept_live(eng: Engine, ids: list[int]) -> int:
+    """What slot 0's live KV keeps of `ids`, as the worker's core computes it."""
+    q = eng.seqs[0]
+    return live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(0)),
+                       np.asarray(ids, dtype=np.intc), eng.batching.edges(ids))
 
 
 def _cold(eng: Engine, ids: list[int]) -> list[int]:
@@ -108,7 +117,7 @@ def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine
     assert sorted(snaps) == [near, far]
     cold_second = _cold(ref, second)
 
-    kept = eng.live_prefix(0, second)
+    kept = kept_live(eng, second)
     if MEMORY[name] == "recurrent":
         assert kept == 0, "generated tokens moved the recurrent state past the prompt"
     else:
@@ -125,7 +134,7 @@ def test_live_and_restored_hits_equal_cold_runs(name: str, engines: tuple[Engine
     # diverges at `near`, far behind the live end; the window's cache restored at `far` holds
     # only the window's last positions (384-895 at 64): it cannot be cut back to `near` either
     third = first[:near] + _ids(name, 8 * A - 12, seed=3)
-    kept = eng.live_prefix(0, third)
+    kept = kept_live(eng, third)
     assert kept == (near if MEMORY[name] == "plain" else 0)
     eng.truncate(0, kept)
     if kept == 0:
@@ -219,8 +228,8 @@ def test_a_real_window_cuts_back_only_inside_it() -> None:
     assert "ring" in eng.inexact, "a real window: no reuse is exact, the worker reuses nothing"
     eng.prefill(0, prompt, [], lambda p: None)
     assert eng.floor(0) > 1800 - 1024
-    assert eng.live_prefix(0, prompt[:100] + [0] * 10) == 0
-    assert eng.live_prefix(0, prompt[:1790] + [0] * 10) == 1728  # inside the window, a batch edge
+    assert kept_live(eng, prompt[:100] + [0] * 10) == 0
+    assert kept_live(eng, prompt[:1790] + [0] * 10) == 1728  # inside the window, a batch edge
     mem = llama_cpp.llama_get_memory(eng.ctx)
     assert eng.truncate(0, 1728) == 1728
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 1727
@@ -258,7 +267,7 @@ def test_a_hit_at_a_message_end_equals_the_cold_run(name: str, engines: tuple[En
         == _cold(ref, first)
     assert sorted(snaps) == [ends_first]
     cold_second = _cold(ref, second)
-    kept = eng.live_prefix(0, second)
+    kept = kept_live(eng, second)
     if MEMORY[name] != "recurrent":
         assert kept == ends_first, "the live reuse ends at the message end"
         assert eng.truncate(0, kept) == kept
@@ -281,7 +290,7 @@ def test_an_engine_reuses_only_at_batch_edges() -> None:
     prompt = _ids("smollm2", 300, seed=9)
     eng.prefill(0, prompt, [], lambda p: None)
     other = prompt[:250] + _ids("smollm2", 60, seed=10)
-    assert eng.live_prefix(0, other) == 192
+    assert kept_live(eng, other) == 192
     assert eng.truncate(0, 192) == 192
     assert _answer(eng, other) == _cold(ref, other)
     snaps: dict[int, memoryview] = {}

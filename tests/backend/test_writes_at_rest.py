@@ -23,6 +23,8 @@ from tests.models import BATCH
 pytestmark = pytest.mark.model  # a real worker process (see tests/conftest.py)
 
 SHORT = tuple(range(1000, 1000 + 4 * BATCH + 10))  # no end-of-turn id: edges at multiples
+OTHER = tuple(range(7000, 7000 + 4 * BATCH + 10))  # a state file of its own (the same state's
+# file is written once: a snapshot of a key whose file is there is not taken again)
 LONG = tuple(range(2000, 4000))  # its prefill keeps the llama thread busy for seconds
 
 
@@ -100,14 +102,14 @@ def test_a_state_that_waits_for_its_file_is_restored_from_memory(
     long.start()
     time.sleep(1.0)  # its prefill has begun: the snapshot below waits for it
     # its stream ends once the file is written: the next job starts at its Done
-    first = threading.Thread(target=run, args=(worker, job("first", SHORT, 0, saves=(4 * BATCH,)),
+    first = threading.Thread(target=run, args=(worker, job("first", OTHER, 0, saves=(4 * BATCH,)),
                                                saving))
     first.start()
     deadline = time.monotonic() + 120
     while not any(isinstance(e, Done) for _, e in list(saving)):
         assert time.monotonic() < deadline, "the first job never said done"
         time.sleep(0.01)
-    extended = SHORT + tuple(range(5000, 5000 + BATCH))
+    extended = OTHER + tuple(range(5000, 5000 + BATCH))
     hit: list[tuple[float, Event]] = []
     run(worker, job("extended", extended, 0, max_tokens=8), hit)  # no restore in its plan
     first.join()

@@ -122,14 +122,15 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
     from 0 s: 1.0 s), then it runs every batch until it ends. Serving the shortest first
     instead, the long one never ran here."""
     per_token, batch = 0.001, 100
-    clk = Clock({0: prefilling(0.0, 1000)}, 0.0, per_token)
+    clk = Clock({0: Account(0.0, 0.0, 1000, True, "long")}, 0.0, per_token)
     left, now, order, short = 1000, 0.0, [], 0
     while left > 0 and now < 5.0:
         # a short prompt of 120 tokens always waits, arrived just now
-        clk = track(clk, [0, 1], [Task(0, left, batch), Task(1, 120, 120)], now)
+        clk = track(clk, [(0, "long"), (1, "short")], [Task(0, left, batch), Task(1, 120, 120)],
+                    now)
         if clk.accounts[1].began_s != now:  # a new short prompt each round
-            clk = Clock({**clk.accounts, 1: prefilling(now, 120)}, clk.prefills_used_s,
-                        per_token)
+            clk = Clock({**clk.accounts, 1: Account(0.0, now, 120, True, "short")},
+                        clk.prefills_used_s, per_token)
         step = next_step([Task(0, left, min(batch, left)), Task(1, 120, 120)], clk, BATCHED)
         assert isinstance(step, Prefill)
         now += step.n * per_token
@@ -145,19 +146,25 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
 
 def test_track_admits_level_begins_and_ends_prefills_and_lets_jobs_go() -> None:
     # rule 4: a new job starts level with the least the others used, never owed their past
-    clk = Clock({0: Account(5.0)}, 0.0, 0.001)
-    clk = track(clk, [0, 1], [Task(0, waits=True)], now_s=10.0)
-    assert clk.accounts[1] == Account(5.0)
+    clk = Clock({0: Account(5.0, run="a")}, 0.0, 0.001)
+    clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True)], now_s=10.0)
+    assert clk.accounts[1] == Account(5.0, run="b")
     # its prefill begins while none runs: the prefills start level too, due from now
-    clk = track(clk, [0, 1], [Task(0, waits=True), Task(1, left=300, n=128)], now_s=11.0)
-    assert (clk.prefills_used_s, clk.accounts[1]) == (5.0, Account(5.0, 11.0, 300, True))
+    clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True), Task(1, left=300, n=128)],
+                now_s=11.0)
+    assert (clk.prefills_used_s, clk.accounts[1]) == (5.0, Account(5.0, 11.0, 300, True, "b"))
     clk = charge(clk, Prefill(1, 128), 0.25)
     # its prefill ends: it carries on from the prefills' count
-    clk = track(clk, [0, 1], [Task(0, waits=True), Task(1, waits=True)], now_s=12.0)
-    assert clk.accounts[1] == Account(5.25, 11.0, 300, False)
+    clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True), Task(1, waits=True)],
+                now_s=12.0)
+    assert clk.accounts[1] == Account(5.25, 11.0, 300, False, "b")
     # a job that ended leaves the accounts; the order of the others stays
-    clk = track(clk, [1], [Task(1, waits=True)], now_s=13.0)
+    clk = track(clk, [(1, "b")], [Task(1, waits=True)], now_s=13.0)
     assert list(clk.accounts) == [1]
+    # the slot's next job, come before the accounts were looked at: a new account, due from
+    # its own start, not the ended job's (seen: a short prompt waited for a long one's end)
+    clk = track(clk, [(1, "c")], [Task(1, left=900, n=128)], now_s=14.0)
+    assert clk.accounts[1].run == "c" and clk.accounts[1].began_s == 14.0
 
 
 def test_charge() -> None:

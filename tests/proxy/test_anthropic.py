@@ -306,9 +306,10 @@ BAD = [
     ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "'max_tokens' is required"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
      "role must be user or assistant"),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"},
+                                                  {"role": "assistant", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "iVBORw0KGgo="}}]}]}, "text only"),
+                                     "data": "iVBORw0KGgo="}}]}]}, "an assistant turn takes"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],

@@ -67,8 +67,10 @@ def test_forced_call_over_the_openai_api(templated: tuple[str, Server]) -> None:
 def test_forced_call_over_the_anthropic_api_streamed(templated: tuple[str, Server]) -> None:
     name, srv = templated
     c = anthropic.Anthropic(base_url=srv.url, api_key="k", max_retries=0, timeout=600)
+    # 256: without `thinking` GLM-4.6's template writes /nothink and an empty think block,
+    # after which the default model takes 168 tokens for this call
     with c.messages.stream(
-            model="m", system=MESSAGES[0]["content"], max_tokens=160,
+            model="m", system=MESSAGES[0]["content"], max_tokens=256,
             extra_body={"temperature": 0},  # this SDK's stream() takes no temperature
             messages=[MESSAGES[1]],  # type: ignore[list-item]
             tools=[{"name": "read_file", "description": DESCRIPTION,  # type: ignore[list-item]
@@ -134,6 +136,7 @@ def test_reasoning_tokens_count_up_to_the_close(pieces: list[str], end: str,
 def test_thinking_blocks_on_the_anthropic_api(thinking: Server) -> None:
     c = anthropic.Anthropic(base_url=thinking.url, api_key="k", max_retries=0, timeout=600)
     with c.messages.stream(model="m", max_tokens=12, messages=[MESSAGES[1]],  # type: ignore
+                           thinking={"type": "enabled", "budget_tokens": 1024},
                            extra_body={"temperature": 0}) as stream:
         kinds = [e.content_block.type for e in stream if e.type == "content_block_start"]
         message = stream.get_final_message()
@@ -142,6 +145,11 @@ def test_thinking_blocks_on_the_anthropic_api(thinking: Server) -> None:
     off = c.messages.create(model="m", max_tokens=12, messages=[MESSAGES[1]],  # type: ignore
                             thinking={"type": "disabled"}, extra_body={"temperature": 0})
     assert [b.type for b in off.content] == ["text"]
+    # without `thinking` it is off, as Anthropic's API treats it: the template closes it
+    default = c.messages.create(model="m", max_tokens=12, messages=[MESSAGES[1]],  # type: ignore
+                                extra_body={"temperature": 0})
+    assert [b.type for b in default.content] == ["text"]
+    assert default.content[0].text == off.content[0].text  # type: ignore[union-attr]
     # thinking sent back in the history reaches the prompt (Qwen3.5 keeps it after the last
     # user message)
     history = [MESSAGES[1], {"role": "assistant", "content": [

@@ -322,7 +322,7 @@ FIVE_TURNS: list[list[dict[str, Any]]] = [
 
 # Where a template makes the extension impossible (turn -> why). Everything up to the previous
 # user message is still shared, which the test checks, so the cache reuses all of it and
-# re-prefills the tail (see the README's models section).
+# re-prefills the tail (see docs/models.md, tool calls and reasoning).
 BREAKS: dict[str, dict[int, str]] = {
     # reasoning is kept only for the turns after the last user message: a new user message
     # drops the reasoning of the turns before it

@@ -281,7 +281,7 @@ def replay(rows: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> dict[
     for row in rows:
         body = load(json.dumps(row).encode())
         _, start = anthropic_api._RECENT.find(
-            anthropic_api._text_blocks(body.get("system"), "system"), body["messages"])
+            anthropic_api._text_blocks(body.get("system"), "system")[0], body["messages"])
         anthropic_api.parse_request(body, "")
         who = row["metadata"]["user_id"]
         resumed[who] = resumed.get(who, 0) + (start > 0)

@@ -7,8 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given as generated
+from hypothesis import settings
+from hypothesis import strategies as st
 
-from proxy import anthropic_api, openai_api
+from proxy import anthropic_api, openai_api, responses_api
+from proxy.chat import placeholder
 from proxy.errors import (
     ApiError,
     BadRequest,
@@ -77,8 +81,8 @@ OPENAI_BAD: dict[str, tuple[Any, str | None]] = {
     "no messages": ({}, "messages"),
     "empty messages": ({"messages": []}, "messages"),
     "unknown role": ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    "an image": ({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    "an unknown part": ({"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "x"}}]}]}, "messages[0].content"),
     "temperature out of range": ({"messages": [USER], "temperature": 3}, "temperature"),
     "max_tokens zero": ({"messages": [USER], "max_tokens": 0}, "max_tokens"),
     "stop not strings": ({"messages": [USER], "stop": [1]}, "stop"),
@@ -164,8 +168,9 @@ def test_anthropic_parse(body: dict[str, Any], messages: tuple[dict[str, Any], .
 ANTHROPIC_BAD: dict[str, tuple[dict[str, Any], str | None]] = {
     "no max_tokens": ({"messages": [USER]}, "max_tokens"),
     "no messages": ({"max_tokens": 4}, "messages"),
-    "an image": ({"max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+    "an image in an assistant turn": ({"max_tokens": 4, "messages": [
+        USER, {"role": "assistant", "content": [{"type": "image", "source": {}}]}]},
+        "messages[1].content[0]"),
     "trailing whitespace in a prefill": (
         {"max_tokens": 4, "messages": [USER, {"role": "assistant", "content": "So "}]},
         "messages.1.content"),
@@ -181,6 +186,72 @@ def test_anthropic_rejects(body: dict[str, Any], param: str | None) -> None:
     with pytest.raises(BadRequest) as e:
         anthropic_api.parse_request(body, "")
     assert e.value.param == param
+
+
+# --- media: a text-only model gets a placeholder in place of each block, never a 400 ----------
+
+IMAGE, AUDIO, FILE = (placeholder(k) for k in ("image", "audio", "file"))
+PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+
+# content parts -> (the message's text, the media kinds replaced)
+OPENAI_MEDIA: dict[str, tuple[list[dict[str, Any]], str, tuple[str, ...]]] = {
+    # an image between text parts: the placeholder on a line of its own, the text glued as ever
+    "image between text": ([{"type": "text", "text": "What is "}, {"type": "text", "text": "this?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
+                            {"type": "text", "text": "Be brief."}],
+                           f"What is this?\n{IMAGE}\nBe brief.", ("image",)),
+    # an image alone: just the placeholder
+    "image alone": ([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], IMAGE,
+                    ("image",)),
+    # audio and a file, one after the other
+    "audio and file": ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                        {"type": "file", "file": {"file_id": "f"}}], f"{AUDIO}\n{FILE}",
+                       ("audio", "file")),
+}
+
+
+@pytest.mark.parametrize("parts,text,media", OPENAI_MEDIA.values(), ids=OPENAI_MEDIA.keys())
+def test_openai_media_becomes_a_placeholder(parts: list[dict[str, Any]], text: str,
+                                            media: tuple[str, ...]) -> None:
+    raw = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": parts}]
+    req = openai_api.parse_chat({"messages": raw}, "")
+    assert req.messages[1] == {"role": "user", "content": text}
+    assert req.media == media
+    # the same message objects again (a later turn): parsed from memory, counted again
+    again = openai_api.parse_chat({"messages": [*raw, {"role": "assistant", "content": "ok"},
+                                                USER]}, "")
+    assert again.messages[1] is req.messages[1] and again.media == media
+
+
+def test_anthropic_media_becomes_a_placeholder() -> None:
+    """An image in a user turn and in a tool result (Claude Code's Read of a PNG), a document
+    with a plain-text source (its text) and a PDF (a placeholder)."""
+    raw = [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                     {"type": "image", "source": PNG}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.png"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1",
+             "content": [{"type": "image", "source": PNG}]},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                            "data": "notes"}},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                            "data": "JVBERi0="}}]}]
+    req = anthropic_api.parse_request({"max_tokens": 4, "messages": raw}, "")
+    assert req.messages[0] == {"role": "user", "content": f"Look:\n\n{IMAGE}"}
+    assert req.messages[2] == {"role": "tool", "tool_call_id": "t1", "content": IMAGE,
+                               "name": "Read"}
+    assert req.messages[3] == {"role": "user",
+                               "content": f"notes\n\n{placeholder('document')}"}
+    assert req.media == ("image", "image", "document")
+    # the next turn resumes this body's parse after its messages (the same objects): the media
+    # before are still counted, the new ones too
+    more = [*raw, {"role": "assistant", "content": "An image."},
+            {"role": "user", "content": [{"type": "image", "source": PNG}]}]
+    again = anthropic_api.parse_request({"max_tokens": 4, "messages": more}, "")
+    assert again.messages[:3] == req.messages[:3]
+    assert again.media == ("image", "image", "document", "image")
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:
@@ -269,3 +340,137 @@ def test_anthropic_parse_resumed_from_an_earlier_body_equals_a_fresh_parse() -> 
         for (before, _), (after, _) in zip(earlier, earlier[1:], strict=False):
             # the messages before the last one of a turn come out again as the same objects
             assert all(a is b for a, b in zip(before[:-1], after, strict=False))
+
+
+# --- the Responses API (Codex CLI) -------------------------------------------------------------
+
+FN = {"type": "function", "name": "shell", "description": "Run.",
+      "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+RESPONSES: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str, Any]]] = {
+    # a string input is one user message; instructions are the system message, first
+    "string input": ({"input": "Hi", "instructions": "Be brief.", "max_output_tokens": 9},
+                     ({"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Hi"}), {"max_tokens": 9, "stream": False}),
+    # a Codex turn: developer text, user parts, a reasoning item that belongs to the call that
+    # follows, the call (arguments parsed), its output named after it, the assistant's answer
+    "codex turn": (
+        {"input": [
+            {"type": "message", "role": "developer", "content": "Sandbox: none."},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "list "},
+                         {"type": "input_text", "text": "files"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [
+                {"type": "summary_text", "text": "Use the shell."}], "encrypted_content": "x"},
+            {"type": "function_call", "call_id": "call_1", "name": "shell",
+             "arguments": "{\"cmd\": \"ls\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "One file."}]},
+            {"role": "user", "content": "thanks"}],
+         "tools": [FN, {"type": "web_search"}], "tool_choice": "auto", "stream": True,
+         "reasoning": {"effort": "low"}, "temperature": 0.5, "store": False,
+         "include": ["reasoning.encrypted_content"], "parallel_tool_calls": False,
+         "prompt_cache_key": "k"},
+        ({"role": "system", "content": "Sandbox: none."},
+         {"role": "user", "content": "list files"},
+         {"role": "assistant", "content": "", "reasoning_content": "Use the shell.",
+          "tool_calls": [{"id": "call_1", "type": "function",
+                          "function": {"name": "shell", "arguments": {"cmd": "ls"}}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "a.py", "name": "shell"},
+         {"role": "assistant", "content": "One file."},
+         {"role": "user", "content": "thanks"}),
+        {"tools": ({"type": "function", "function": {
+            "name": "shell", "parameters": FN["parameters"], "description": "Run."}},),
+         "stream": True, "sampling": {"temperature": 0.5},
+         "template_kwargs": {"reasoning_effort": "low"}}),
+    # two calls of one turn after its text: one assistant message; a named forced call
+    "two calls": (
+        {"input": [{"role": "user", "content": "go"},
+                   {"role": "assistant", "content": "Running."},
+                   {"type": "function_call", "call_id": "a", "name": "shell", "arguments": "{}"},
+                   {"type": "function_call", "call_id": "b", "name": "shell", "arguments": "{}"}],
+         "tools": [FN], "tool_choice": {"type": "function", "name": "shell"}},
+        ({"role": "user", "content": "go"},
+         {"role": "assistant", "content": "Running.", "tool_calls": [
+             {"id": "a", "type": "function", "function": {"name": "shell", "arguments": {}}},
+             {"id": "b", "type": "function", "function": {"name": "shell", "arguments": {}}}]}),
+        {"tool_choice": {"name": "shell"}}),
+    # an image part is a placeholder; text.format json_object is a grammar
+    "image and json": (
+        {"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is it?"},
+            {"type": "input_image", "image_url": "data:image/png;base64,x"}]}],
+         "text": {"format": {"type": "json_object"}}},
+        ({"role": "user", "content": f"What is it?\n{IMAGE}"},),
+        {"media": ("image",), "json_schema": {"type": "object"}}),
+}
+
+
+@pytest.mark.parametrize("body,messages,fields", RESPONSES.values(), ids=RESPONSES.keys())
+def test_responses_parse(body: dict[str, Any], messages: tuple[dict[str, Any], ...],
+                         fields: dict[str, Any]) -> None:
+    req = responses_api.parse_request(body, "key-1")
+    assert (req.api, req.tenant, req.messages) == ("responses", "key-1", messages)
+    assert {k: getattr(req, k) for k in fields} == fields
+
+
+RESPONSES_BAD: dict[str, tuple[Any, str | None]] = {
+    "no input": ({}, "input"),
+    "stored conversation": ({"input": "Hi", "previous_response_id": "resp_1"},
+                            "previous_response_id"),
+    "unknown item": ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, "input[0]"),
+    "call without an id": ({"input": [{"type": "function_call", "name": "shell",
+                                       "arguments": "{}"}]}, "input[0]"),
+    "unknown role": ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    "bad tool_choice": ({"input": "Hi", "tools": [FN], "tool_choice": {"type": "x"}},
+                        "tool_choice"),
+    "forced call, no tools": ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
+    "max_output_tokens zero": ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+}
+
+
+@pytest.mark.parametrize("body,param", RESPONSES_BAD.values(), ids=RESPONSES_BAD.keys())
+def test_responses_rejects(body: Any, param: str | None) -> None:
+    with pytest.raises(BadRequest) as e:
+        responses_api.parse_request(body, "")
+    assert e.value.param == param
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                     | st.text(max_size=6),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
+                                                                          max_size=3),
+                     max_leaves=8)
+_part = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["input_text", "output_text", "refusal", "input_image", "input_file",
+                             "text", "audio"]) | _json,
+    "text": st.text(max_size=6) | _json, "refusal": _json, "image_url": _json})
+_item = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                             "item_reference"]) | _json,
+    "role": st.sampled_from(list(responses_api.ROLES)) | _json,
+    "content": st.text(max_size=6) | st.lists(_part, max_size=3) | _json,
+    "call_id": st.text(max_size=4) | _json, "name": st.text(max_size=4) | _json,
+    "arguments": st.sampled_from(["{}", "{", '{"a": 1}', "[" * 50, "1e999"]) | _json,
+    "output": st.text(max_size=6) | st.lists(_part, max_size=2) | _json,
+    "summary": st.lists(_part, max_size=2) | _json})
+_body = st.fixed_dictionaries({}, optional={
+    "input": st.text(max_size=6) | st.lists(_item, max_size=4) | _json,
+    "instructions": st.text(max_size=6) | _json,
+    "tools": st.lists(st.just(FN) | st.fixed_dictionaries({}, optional={
+        "type": st.just("function") | _json, "name": _json, "parameters": _json}),
+        max_size=2) | _json,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | _json,
+    "max_output_tokens": _json, "temperature": _json, "stream": _json, "reasoning": _json,
+    "text": _json, "previous_response_id": st.none() | _json, "prefix_cache": _json})
+
+
+@generated(_body)
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+def test_hostile_responses_bodies_are_a_400_at_worst(body: dict[str, Any]) -> None:
+    """Generated Responses bodies: a request or a BadRequest, never another exception (a
+    500)."""
+    try:
+        responses_api.parse_request(body, "")
+    except BadRequest:
+        pass

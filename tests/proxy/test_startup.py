@@ -37,8 +37,12 @@ def post(srv: Server, path: str, body: Any) -> tuple[int, Any, dict[str, str]]:
 def test_health_says_loading_with_progress_until_ready(tmp_path: Path) -> None:
     health: list[dict[str, Any]] = []
     refused: list[tuple[str, int, Any, dict[str, str]]] = []
+    pages: list[str] = []  # the status page at / while loading
 
     def probe(srv: Server) -> None:
+        status, page = http_get(srv.url + "/", timeout_s=2)
+        if status == 200 and "prefixgate · loading" in page:
+            pages.append(page)
         for path in ("/health", "/v1/health"):
             status, body = http_get(srv.url + path, timeout_s=2)
             if status == 200:  # it became ready between two probes: loading is over
@@ -65,6 +69,7 @@ def test_health_says_loading_with_progress_until_ready(tmp_path: Path) -> None:
         assert {"hashing the model file", "loading the model"} & {h["phase"] for h in health}
         loading = [w["loading"] for h in health for w in h["workers"]]
         assert any(note.startswith("loading the model ") for note in loading), loading
+        assert any('id="state">loading: ' in page for page in pages), pages[:1]
         assert refused, "no API request was made while loading"
         for path, status, body, headers in refused:
             assert status == 503 and headers.get("Retry-After") == "5", (path, status, body)

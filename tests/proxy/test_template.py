@@ -263,3 +263,52 @@ def test_any_exception_inside_the_template_is_a_400(tok: Tokenizer, source: str)
     with pytest.raises(BadRequest, match="chat template"):
         builder.prepare(ChatRequest("openai", ({"role": "user", "content": "Hi"},)), 4096,
                         Scope("off"))
+
+
+# --- Anthropic's thinking switch through the real Qwen3 templates ---------------------------
+
+QWEN3 = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
+THINKING_OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize(("name", "on"), [("Qwen-Qwen3-0.6B", "<|im_start|>assistant\n"),
+                                          ("Qwen3.5-4B", "<|im_start|>assistant\n<think>\n")])
+@pytest.mark.parametrize(("body", "thinking"), [
+    ({}, False),  # no `thinking`: off, as Anthropic's API treats it
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, True),
+    ({"thinking": {"type": "adaptive"}}, True),
+    ({"thinking": {"type": "disabled"}}, False),
+    # chat_template_kwargs win over both
+    ({"chat_template_kwargs": {"enable_thinking": True}}, True),
+])
+def test_anthropic_thinking_renders_the_qwen3_switch(name: str, on: str, body: dict[str, Any],
+                                                     thinking: bool) -> None:
+    from proxy.anthropic_api import parse_request
+
+    req = parse_request({"max_tokens": 8, "system": "Be brief.",
+                         "messages": [{"role": "user", "content": "Hi"}], **body}, "")
+    template = ChatTemplate((QWEN3 / f"{name}.jinja").read_text(), "", "<|im_end|>")
+    text = template.bound(req.template_kwargs).render(list(req.messages))
+    assert text.endswith(on) and not text.endswith(THINKING_OFF) if thinking \
+        else text.endswith(THINKING_OFF)
+
+
+def test_an_openai_request_keeps_the_template_default() -> None:
+    """Only the Anthropic API has thinking off by default: a chat completion without
+    chat_template_kwargs renders Qwen3.5 as its template says (thinking on)."""
+    from proxy.openai_api import parse_chat
+
+    req = parse_chat({"messages": [{"role": "user", "content": "Hi"}]}, "")
+    template = ChatTemplate((QWEN3 / "Qwen3.5-4B.jinja").read_text(), "", "<|im_end|>")
+    assert template.bound(req.template_kwargs).render(list(req.messages)).endswith(
+        "<|im_start|>assistant\n<think>\n")
+
+
+def test_a_variable_the_template_never_reads_is_not_bound() -> None:
+    """enable_thinking on a template without the switch: the very same template, so its
+    renders resume as any other request's."""
+    template = ChatTemplate(CHATML_TEMPLATE, "", "<|im_end|>")
+    assert template.bound({"enable_thinking": False}) is template
+    qwen = ChatTemplate((QWEN3 / "Qwen3.5-4B.jinja").read_text(), "", "<|im_end|>")
+    assert qwen.bound({"enable_thinking": False, "unknown": 1}).extra == {
+        "enable_thinking": False}

@@ -20,7 +20,16 @@ import openai
 import pytest
 from aiohttp import web
 
-from backend.protocol import Prefill, Start, Token, encode_event
+from backend.protocol import (
+    DecodeInfo,
+    Identity,
+    Prefill,
+    Start,
+    Token,
+    WorkerInfo,
+    encode_event,
+)
+from policies.costs import Costs
 from proxy.config import Config, cache_identity
 from tests.conftest import N_CTX, Server, free_port, running, start_server
 from tests.models import BATCH, FLASH_ATTN
@@ -35,9 +44,10 @@ class DyingWorker:
     def __init__(self, compute: str = "CPU (test)") -> None:
         self.port = free_port()
         self.compute = compute  # the devices it says compute its KV (in its fingerprint)
-        self.fingerprint = dataclasses.replace(cache_identity(Config(
+        self.identity = dataclasses.replace(cache_identity(Config(
             n_ctx=N_CTX, ubatch_size=BATCH, flash_attn=FLASH_ATTN)),  # the suite's
-            compute=compute).fingerprint().hex()
+            compute=compute)
+        self.fingerprint = self.identity.fingerprint().hex()
         self.runs = 0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -46,10 +56,17 @@ class DyingWorker:
         assert self._started.wait(30)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ready": True, "worker_id": 0, "n_ctx": N_CTX,
-                                  "fingerprint": self.fingerprint, "boot_id": "fake",
-                                  "compute": self.compute,
-                                  "model": "fake", "pid": 0, "cache_volume": ""})
+        info = WorkerInfo(
+            worker_id=0, pid=0, boot_id="fake", model="fake", fingerprint=self.fingerprint,
+            llama_cpp_version=self.identity.lib_version, flash_attn=FLASH_ATTN,
+            compute=self.compute, n_ctx=N_CTX, n_ctx_actual=N_CTX, slots=1, n_live=(0,),
+            busy=(False,), memory="plain", n_swa=0, swa_full=True, align=BATCH, batch_ends=(),
+            exact=True, exact_failure="", borrows=False,
+            decode=DecodeInfo("apart", True, "auto", "one slot"), threads=1, threads_batch=1,
+            cache_volume="", costs=Costs().to_wire(), cache_ram={}, shared=None, writes={},
+            borrowed={}, placement={}, checked={},
+            identity=Identity(**dataclasses.asdict(self.identity)))
+        return web.json_response(info.to_wire())
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         self.runs += 1
