@@ -30,6 +30,7 @@ import llama_cpp
 import numpy as np
 
 from backend.engine import Engine
+from backend.worker.messages import Live, live_prefix
 
 VOCAB_MAX_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_FROM = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
@@ -86,9 +87,11 @@ class DraftModel:
     def _begin(self, slot: int, prompt: Sequence[int]) -> None:
         """The slot's sequence holds exactly the prompt, as a cold prefill computes it."""
         eng = self.engine
-        ids = list(prompt)
-        eng.truncate(slot, eng.live_prefix(slot, ids))
-        eng.prefill(slot, ids)
+        ids, q = list(prompt), eng.seqs[slot]
+        edges = eng.batching.edges(ids)
+        live = Live(q.ids, q.n_live, q.exact_n, eng.floor(slot), 0)
+        eng.truncate(slot, live_prefix(live, np.asarray(ids, dtype=np.intc), edges))
+        eng.prefill(slot, ids, edges=edges)
 
     def draft(self, slot: int, run: str, prompt: Sequence[int], context: Sequence[int],
               last: int, k: int, p_min: float) -> list[int]:

@@ -73,18 +73,25 @@ def verify(eng: Engine, samplers: Mapping[int, Sampler], step: Verify, core: Cor
            ) -> list[Input]:
     t = time.perf_counter()
     drafts = {s: core.draft(s) for s in step.slots}
-    for s, d in drafts.items():
-        if d and d[0] == MODEL_TOKEN:
-            drafts[s] = _model_draft(eng, core, s, len(d))
-    before = {s: eng.seqs[s].n_live for s in step.slots}
-    try:
-        eng.evaluate([(s, [core.waiting(s), *drafts[s]]) for s in step.slots],
-                     every=[s for s in step.slots if drafts[s]])
-    except (RuntimeError, ValueError) as ex:
-        return [Failed(s, f"{type(ex).__name__}: {ex}") for s in step.slots]
-    dt = time.perf_counter() - t
     out: list[Input] = []
-    for s in step.slots:
+    for s, d in list(drafts.items()):
+        if d and d[0] == MODEL_TOKEN:
+            try:
+                drafts[s] = _model_draft(eng, core, s, len(d))
+            except (RuntimeError, ValueError) as ex:  # the draft model failed: that job fails
+                out.append(Failed(s, f"the draft model: {type(ex).__name__}: {ex}"))
+                del drafts[s]
+    slots = list(drafts)
+    if not slots:
+        return out
+    before = {s: eng.seqs[s].n_live for s in slots}
+    try:
+        eng.evaluate([(s, [core.waiting(s), *drafts[s]]) for s in slots],
+                     every=[s for s in slots if drafts[s]])
+    except (RuntimeError, ValueError) as ex:
+        return [*out, *(Failed(s, f"{type(ex).__name__}: {ex}") for s in slots)]
+    dt = time.perf_counter() - t
+    for s in slots:
         draft = drafts[s]
         if not draft:
             out.append(Stepped(s, dt))

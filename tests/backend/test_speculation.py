@@ -91,9 +91,10 @@ class Worker:
                 self.ended.notify_all()
 
     def submit(self, run: str, ids: list[int], plan: Plan = COLD,
-               sampling: dict[str, object] | None = None, slot: int = 0) -> None:
+               sampling: dict[str, object] | None = None, slot: int = 0, gen: int = GEN
+               ) -> None:
         self.loop.arrive(Job(run, tuple(ids), b"", "", plan, sampling or {"temperature": 0.0},
-                             GEN, (), None, slot))
+                             gen, (), None, slot))
 
     def run(self, run: str, ids: list[int], plan: Plan = COLD,
             sampling: dict[str, object] | None = None, slot: int = 0,
@@ -216,8 +217,10 @@ def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
                  flash_attn=FLASH_ATTN, n_seq=2)
     try:
         w = Worker(eng, SPEC, shapes=Shapes("batched", False, ""))
-        w.submit("a", ids, slot=0)
-        w.submit("b", ids[:-3], slot=1)
+        # answers long enough that one slot still generates when the other's prefill ends
+        # (the prefills run one after the other, each beside the generating slot)
+        w.submit("a", ids, slot=0, gen=160)
+        w.submit("b", ids[:-3], slot=1, gen=160)
         a, done_a, _ = w.run("a", ids, submit=False)
         b, done_b, _ = w.run("b", ids, submit=False)
         w.stop()
