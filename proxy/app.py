@@ -72,6 +72,7 @@ from proxy.gguf import GGUFError
 from proxy.kv_events import KvEvents, open_kv_events, publish_disk
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
+from proxy.speculation import speculative_settings
 from proxy.workers import Pool, StartupError, loading_note
 
 log = logging.getLogger("prefixgate")
@@ -179,7 +180,12 @@ async def props_json(app: web.Application) -> dict[str, Any]:
         # is faster than prefilling it (policies.costs)
         "costs": {str(w.worker_id): w.costs.summary() if w.costs else {}
                   for w in pool.workers},
-        "default_generation_settings": {"n_ctx": cfg.slot_ctx, **gw.defaults.props()},
+        "default_generation_settings": speculative_settings(
+            {"n_ctx": cfg.slot_ctx, **gw.defaults.props()}, cfg),
+        # speculative decoding (proxy/speculation.py): as asked, and each worker's own: whether
+        # it drafts, why not, its verify cost, the drafted and accepted tokens per source
+        "speculation": {"type": cfg.spec_type, "stop": cfg.spec_stop, "workers": {
+            str(k): v.get("speculation", {}) for k, v in stats.items()}},
         # llama-server's flags and variables accepted with no effect here (proxy/llama_cli.py)
         "llama_server_notes": list(cfg.llama_notes),
         "cache_ram": {"mib": cfg.cache_ram,

@@ -65,6 +65,8 @@ def serve(cfg: Config) -> None:
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
     _check_model(cfg.model_path)
+    if cfg.spec_draft_model:
+        _check_model(cfg.spec_draft_model)
     if cfg.api_keys:  # auth never fails open: a file that yields no key stops the start
         from proxy.app import api_keys_of
 
@@ -143,6 +145,8 @@ def worker(argv: list[str]) -> None:
 
     cfg, ns = worker_config(argv)
     _check_model(cfg.model_path)
+    if cfg.spec_draft_model:
+        _check_model(cfg.spec_draft_model)
     share_secrets(cfg)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
@@ -158,6 +162,7 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
     from pathlib import Path
 
     from backend.worker import WorkerSpec
+    from proxy.speculation import draft_gpu_layers, spec_config
 
     placement = {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
                  "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
@@ -167,7 +172,8 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
                       cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
                       socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
-                      cfg.cache_ram, cfg.shared_tier, cfg.deterministic)
+                      cfg.cache_ram, cfg.shared_tier, cfg.deterministic, spec_config(cfg),
+                      cfg.spec_draft_model, draft_gpu_layers(cfg))
 
 
 def doctor(argv: list[str]) -> None:

@@ -114,6 +114,31 @@ class Config:
     # whether a slot's answer may depend on what other slots generate at the same moment
     # (policies.schedule.choose_decode): auto | on | off; a cache hit is exact in every mode
     deterministic: str = "auto"
+    # speculative decoding (proxy/speculation.py): llama.cpp's --spec-type (none, or n-gram
+    # types, comma-separated) and their sizes; auto verifies a slot's drafts where the worker's
+    # measured verify cost and the slot's acceptance pay, off verifies every draft
+    spec_type: str = "none"
+    spec_stop: str = "auto"
+    spec_ngram_simple_size_n: int = 12
+    spec_ngram_simple_size_m: int = 48
+    spec_ngram_simple_min_hits: int = 1
+    spec_ngram_map_k_size_n: int = 12
+    spec_ngram_map_k_size_m: int = 48
+    spec_ngram_map_k_min_hits: int = 1
+    spec_ngram_map_k4v_size_n: int = 12
+    spec_ngram_map_k4v_size_m: int = 48
+    spec_ngram_map_k4v_min_hits: int = 1
+    spec_ngram_mod_n_match: int = 24
+    spec_ngram_mod_n_min: int = 48
+    spec_ngram_mod_n_max: int = 64
+    # a draft model (--spec-type draft-simple, which -md implies): its GGUF, its GPU layers
+    # (auto: as --n-gpu-layers, all, or N), and its drafts' most and least tokens and least
+    # probability (llama.cpp's defaults)
+    spec_draft_model: str = ""
+    spec_draft_ngl: str = "auto"
+    spec_draft_n_max: int = 3
+    spec_draft_n_min: int = 0
+    spec_draft_p_min: float = 0.0
     cache_dir: str = "~/.cache/prefixgate"  # state files and the LMDB index
     disk_prefix_cache: str = "auto:30"  # off | full | auto | auto:N | N
     kv_cache_min_tokens: int = 256  # smallest scope worth a snapshot, tokens
@@ -256,7 +281,7 @@ REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")  # llama.cpp
 _WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES,
           "reasoning_format": REASONING_FORMATS, "reasoning": ("on", "off", "auto"),
           "reasoning_preserve": ("on", "off", ""), "deterministic": DETERMINISTIC,
-          "repack": ("auto", "on", "off")}
+          "repack": ("auto", "on", "off"), "spec_stop": ("auto", "off")}
 # llama.cpp's words for on, off and auto (common_arg_utils::is_truthy, is_falsey, is_autoy)
 _LLAMA_WORDS = {"enabled": "on", "true": "on", "1": "on", "disabled": "off", "false": "off",
                 "0": "off", "-1": "auto"}
@@ -292,6 +317,13 @@ def _coerce(name: str, value: Any) -> Any:
         return None if value is None else float(value)
     if name == "top_k":
         return None if value is None else int(value)
+    if name == "spec_draft_ngl":
+        v = str(value).strip().lower()
+        return v if v in ("auto", "all") else str(int(v))
+    if name == "spec_type":
+        from policies.speculate import parse_types
+
+        return ",".join(parse_types(str(value))) or "none"
     if name == "chat_template_kwargs":
         import json
 
@@ -331,13 +363,15 @@ def _coerce(name: str, value: Any) -> Any:
 SECRETS = ("api_key", "shared_tier_secret", "shared_tier", "worker_url")
 
 
+SPEC_FIELDS = tuple(f.name for f in fields(Config) if f.name.startswith("spec_"))
+
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
-                 "shared_tier_secret", "deterministic", "repack")
+                 "shared_tier_secret", "deterministic", "repack", *SPEC_FIELDS)
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -401,7 +435,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             try:
                 values[f.name] = _coerce(f.name, v)
             except ValueError as e:
-                why = f" ({e})" if f.name in (*_CHOICE_FIELDS, "chat_template_kwargs") else ""
+                why = f" ({e})" if f.name in (*_CHOICE_FIELDS, "chat_template_kwargs",
+                                              *_WORDS, "spec_type") else ""
                 shown = "(not shown)" if f.name in SECRETS else repr(v)
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
@@ -432,6 +467,9 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
                                   threads_batch=cores if cfg.threads_batch < 0
                                   else cfg.threads_batch)
+    from proxy.speculation import resolve
+
+    cfg = resolve(cfg)
     if cfg.reasoning_budget not in (-1, 0):
         raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
                          "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")

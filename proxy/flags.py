@@ -74,6 +74,25 @@ HELP = {
                      "other sessions generate, at a cost; off batches their decode steps as "
                      "llama-server does; auto: independent where the start-up check proves it "
                      "cheap, else batched (a cache hit is exact in every mode)",
+    "spec_type": "speculative decoding: none, or llama.cpp's n-gram types ngram-simple | "
+                 "ngram-map-k | ngram-map-k4v | ngram-mod, comma-separated (tried in that order); "
+                 "greedy answers can differ from none's, a cache hit answers as its cold run",
+    "spec_stop": "auto | off: auto verifies a slot's drafts where they pay (the verify cost the "
+                 "worker measured at start, the slot's acceptance); off verifies every draft, "
+                 "as llama-server does",
+    **{f"spec_ngram_{t}_{k}": f"{t.replace('_', '-')}: " + {
+        "size_n": "n-gram size N looked up", "size_m": "m-gram size M drafted",
+        "min_hits": "least hits of a key before its m-grams are drafted"}[k]
+       for t in ("simple", "map_k", "map_k4v") for k in ("size_n", "size_m", "min_hits")},
+    "spec_draft_model": "a draft model's GGUF, of the model's vocabulary: --spec-type "
+                        "draft-simple (-md alone means it)",
+    "spec_draft_ngl": "the draft model's layers on the GPU: N, all, or auto (as -ngl)",
+    "spec_draft_n_max": "draft-simple: most tokens of a draft",
+    "spec_draft_n_min": "draft-simple: least tokens of a draft",
+    "spec_draft_p_min": "draft-simple: least probability of a drafted token (0: greedy)",
+    "spec_ngram_mod_n_match": "ngram-mod: lookup length",
+    "spec_ngram_mod_n_min": "ngram-mod: least tokens of a draft",
+    "spec_ngram_mod_n_max": "ngram-mod: most tokens of a draft",
     "temperature": "default temperature of a request that sets none (unset: the model's "
                    "general.sampling.temp, else 0.8)",
     "top_k": "default top-k (unset: the model's general.sampling.top_k, else 40)",
@@ -145,4 +164,11 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "reasoning_budget": ((), "LLAMA_ARG_THINK_BUDGET"),
     "reasoning_effort": ((), "LLAMA_ARG_REASONING_EFFORT"),
     "ping_interval_s": (("--sse-ping-interval",), "LLAMA_ARG_SSE_PING_INTERVAL"),
+    "spec_type": ((), "LLAMA_ARG_SPEC_TYPE"),
+    "spec_draft_model": (("-md", "--model-draft"), "LLAMA_ARG_SPEC_DRAFT_MODEL"),
+    "spec_draft_ngl": (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
+                       "LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+    "spec_draft_n_max": ((), "LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+    "spec_draft_n_min": ((), "LLAMA_ARG_SPEC_DRAFT_N_MIN"),
+    "spec_draft_p_min": (("--draft-p-min",), "LLAMA_ARG_SPEC_DRAFT_P_MIN"),
 }

@@ -164,7 +164,8 @@ def _final(request: web.Request, req: ChatRequest, run: Run, content: str) -> di
             # what the run used: the request's settings over the server's defaults
             "generation_settings": {"n_ctx": cfg.slot_ctx,
                                     "n_predict": run.prep.req.max_tokens or -1,
-                                    "stop": list(req.stop), **run.prep.req.sampling},
+                                    "stop": list(req.stop), **run.prep.req.sampling,
+                                    "speculative.types": cfg.spec_type},
             "timings": timings_json(run)}
 
 

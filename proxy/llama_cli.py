@@ -97,6 +97,14 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--reasoning-effort": "reasoning_effort",
     "--reasoning-preserve": ("reasoning_preserve", "on", "off"),
     "--repack": ("repack", "on", "off"),
+    # speculative decoding (proxy/speculation.py)
+    "--spec-type": "spec_type", "--spec-draft-model": "spec_draft_model",
+    "--spec-draft-ngl": "spec_draft_ngl", "--spec-draft-n-max": "spec_draft_n_max",
+    "--spec-draft-n-min": "spec_draft_n_min", "--spec-draft-p-min": "spec_draft_p_min",
+    **{f"--spec-ngram-{t}-{k}": f"spec_ngram_{t.replace('-', '_')}_{k.replace('-', '_')}"
+       for t in ("simple", "map-k", "map-k4v") for k in ("size-n", "size-m", "min-hits")},
+    **{f"--spec-ngram-mod-{k}": f"spec_ngram_mod_{k.replace('-', '_')}"
+       for k in ("n-min", "n-max", "n-match")},
 }
 
 # ignored: spellings accepted with no effect here -> why (one warning line each)
@@ -162,14 +170,34 @@ _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
     "no /infill endpoint is served": ("--spm-infill",),
 }
 IGNORED: dict[str, str] = {s: why for why, group in _IGNORED_GROUPS.items() for s in group}
+# ignored options, every spelling of each (by its first): a draft model's settings, with no
+# draft model (-md is refused)
+IGNORED_OPTIONS: dict[str, str] = dict.fromkeys((
+    "--spec-draft-threads", "--spec-draft-threads-batch", "--spec-draft-cpu-mask",
+    "--spec-draft-cpu-range", "--spec-draft-cpu-strict", "--spec-draft-prio",
+    "--spec-draft-poll", "--spec-draft-cpu-mask-batch", "--spec-draft-cpu-strict-batch",
+    "--spec-draft-prio-batch", "--spec-draft-poll-batch", "--spec-draft-type-k",
+    "--spec-draft-type-v", "--spec-draft-override-tensor", "--spec-draft-cpu-moe",
+    "--spec-draft-n-cpu-moe", "--spec-draft-p-split", "--spec-draft-backend-sampling",
+    "--spec-draft-device"),
+    "the draft model runs with the model's own threads, placement and KV types, and drafts "
+    "greedily")
 
 # refused: llama.cpp's option (its first spelling, or one spelling of it) -> why the start stops
-_SPEC = "speculative decoding is not supported yet"
+_SPEC = "this speculative decoding option is not supported (prompt-lookup n-gram drafts are)"
 _SAMPLER = "this sampler is not supported yet (temperature, top-k, top-p, min-p and the " \
            "repetition penalties are)"
 _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    _SPEC: ("-lcs", "-lcd", "--spec-draft-type-k", "--spec-draft-type-v", "--spec-default",
-            "--fim-qwen-7b-spec", "--fim-qwen-14b-spec"),
+    "a draft model from Hugging Face is not supported yet (a draft model file is)":
+        ("--spec-draft-hf",),
+    "the built-in model presets are not supported: give the model and draft model files": (
+        "--spec-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec"),
+    "the ngram-cache type's lookup files are not supported": ("-lcs", "-lcd"),
+    "synthetic acceptance (a benchmarking aid) is not supported": ("--spec-synth-len",
+                                                                   "--spec-synth-rates"),
+    "removed in llama.cpp too (llama-server refuses it)": (
+        "--draft", "--draft-min", "--spec-ngram-size-n", "--spec-ngram-size-m",
+        "--spec-ngram-min-hits"),
     "images are not supported yet": ("-mm", "-mmu", "--media-path"),
     _SAMPLER: ("--top-nsigma", "--xtc-probability", "--xtc-threshold", "--typical",
                "--repeat-last-n", "--dry-multiplier", "--dry-base", "--dry-allowed-length",
@@ -247,6 +275,8 @@ def classify(spelling: str) -> tuple[str, str]:
         return "refused", NOT_SERVER.format(", ".join(e for e in o.examples if e != "common"))
     if spelling in IGNORED:
         return "ignored", IGNORED[spelling]
+    if o.name in IGNORED_OPTIONS:
+        return "ignored", IGNORED_OPTIONS[o.name]
     if o.name in WORKS:
         return "works", ""
     if spelling in REFUSED or o.name in REFUSED:

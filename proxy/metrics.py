@@ -5,6 +5,8 @@ What they mean:
 - hit ratio = rate(prefixgate_cached_tokens_total) / rate(prefixgate_prompt_tokens_total).
 - lookups: hit (the disk entry covers the whole reusable prefix), partial (a shorter entry was
   used), miss (nothing on disk); live-only reuse is counted under cached_tokens{source="live"}.
+- speculative decoding by source (the drafter: ngram-simple, ngram-mod, ...): tokens drafted
+  and verified, tokens accepted, verify steps; acceptance = accepted / drafted.
 - time to first token by source: the request's cache source (as in its log line), "cold" where
   nothing was reused (the log's source=none).
 
@@ -14,6 +16,7 @@ Beside them, the last RECENT_LINES request log lines, for the status page.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -108,6 +111,15 @@ class Metrics:
             "1 when a slot's answer is its own whatever other slots generate at the same time "
             "(--deterministic); shape: how decode steps of several slots run (batched, fixed, "
             "apart)", ["worker", "shape"], registry=r)
+        self.draft_tokens = Counter("prefixgate_draft_tokens_total",
+                                    "Draft tokens verified (speculative decoding), by source",
+                                    ["source"], registry=r)
+        self.draft_accepted = Counter("prefixgate_draft_accepted_tokens_total",
+                                      "Draft tokens the model accepted, by source", ["source"],
+                                      registry=r)
+        self.draft_verifies = Counter("prefixgate_draft_verifies_total",
+                                      "Verify steps of drafts, by source", ["source"],
+                                      registry=r)
         self.queue_depth = Gauge("prefixgate_queue_depth", "Requests waiting for a worker",
                                  registry=r)
         self.slots_busy = Gauge("prefixgate_slots_busy", "Slots running a request, per worker",
@@ -120,3 +132,10 @@ class Metrics:
                                       ["worker"], registry=r)
         self.ram_entries = Gauge("prefixgate_cache_ram_entries",
                                  "States in the workers' RAM tier", ["worker"], registry=r)
+
+    def count_drafts(self, draft: dict[str, Any]) -> None:
+        """A request's drafts, per source (a `Done`'s `draft`)."""
+        for source, n in draft.items():
+            self.draft_tokens.labels(source).inc(int(n.get("drafted", 0)))
+            self.draft_accepted.labels(source).inc(int(n.get("accepted", 0)))
+            self.draft_verifies.labels(source).inc(int(n.get("verifies", 0)))

@@ -51,6 +51,7 @@ from proxy.edge import (
 from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.memo import IdMemo
 from proxy.run import Run, Usage
+from proxy.speculation import totals
 
 # OpenAI part types that carry media, and the kind each is (proxy.chat.placeholder)
 MEDIA_PARTS = {"image_url": "image", "image": "image", "input_image": "image",
@@ -301,15 +302,20 @@ def reasoning_tokens(decode: Callable[[list[int]], str], ids: list[int], end: st
 
 def timings_json(run: Run) -> dict[str, Any]:
     """llama-server's `timings`: prompt tokens computed (`prompt_n`) and reused (`cache_n`),
-    generated (`predicted_n`), and the milliseconds each took."""
+    generated (`predicted_n`), and the milliseconds each took; draft tokens verified and
+    accepted (`draft_n`, `draft_n_accepted`) where it drafted."""
     u, t = run.usage, run.timings
     prompt_ms, predicted_ms = 1000 * t.get("prefill_s", 0.0), 1000 * t.get("decode_s", 0.0)
     prompt_n = u.prompt_tokens - u.cached_tokens
-    return {"cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
-            "prompt_per_second": round(prompt_n / prompt_ms * 1000, 2) if prompt_ms else 0.0,
-            "predicted_n": u.completion_tokens, "predicted_ms": round(predicted_ms, 3),
-            "predicted_per_second": round(u.completion_tokens / predicted_ms * 1000, 2)
-            if predicted_ms else 0.0}
+    out = {"cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+           "prompt_per_second": round(prompt_n / prompt_ms * 1000, 2) if prompt_ms else 0.0,
+           "predicted_n": u.completion_tokens, "predicted_ms": round(predicted_ms, 3),
+           "predicted_per_second": round(u.completion_tokens / predicted_ms * 1000, 2)
+           if predicted_ms else 0.0}
+    drafted, accepted = totals(run.state.draft)
+    if drafted:  # as llama-server: only an answer that drafted
+        out.update(draft_n=drafted, draft_n_accepted=accepted)
+    return out
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from policies.scope import format_scope
 from proxy.errors import WorkerFailed
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared
+from proxy.speculation import log_fields
 
 log = logging.getLogger("prefixgate")
 
@@ -184,6 +185,7 @@ class RunState:
     gen_ids: list[int] = field(default_factory=list)
     live_n: int = 0  # prompt tokens the worker's KV holds so far
     timings: dict[str, float] = field(default_factory=dict)
+    draft: dict[str, Any] = field(default_factory=dict)  # per source (proxy/speculation.py)
     started: bool = False
     ended: bool = False  # the worker was released
     abandoned: bool = False
@@ -240,6 +242,7 @@ class RunState:
         self.stop = ev.stop
         self.usage.completion_tokens = ev.n_gen
         self.timings.update(prefill_s=ev.prefill_s, decode_s=ev.decode_s)
+        self.draft = ev.draft
         self.saves_expected = ev.pending_saves
         live = (*self.ids, *self.gen_ids)[: ev.n_live]
         # abandoned: the cancel came too late, the run finished anyway
@@ -523,17 +526,19 @@ class Run:
         if plan.restore_skipped:
             m.restores_skipped.inc()
         m.prefill_seconds.observe(self.timings.get("prefill_s", 0.0))
+        m.count_drafts(self.state.draft)
         if self.ttft_s is not None:
             m.ttft_seconds.labels(api, "cold" if u.source == "none" else u.source).observe(
                 self.ttft_s)
         saves = ",".join(f"{s.reason}@{s.n_tokens}" for s in plan.saves) or "-"
         self._line(
             "%s prompt=%d cached=%d source=%s scope=%s boundary=%s lookup=%s saves=%s "
-            "prefill_s=%.3f decode_s=%.3f ttft_s=%.3f gen=%d finish=%s worker=%s%s",
+            "prefill_s=%.3f decode_s=%.3f ttft_s=%.3f gen=%d%s finish=%s worker=%s%s",
             api, u.prompt_tokens, u.cached_tokens, u.source, format_scope(self.prep.scope),
             plan.boundary if plan.boundary is not None else "-", plan.lookup, saves,
             self.timings.get("prefill_s", 0.0), self.timings.get("decode_s", 0.0),
-            self.ttft_s or 0.0, u.completion_tokens, self.finish_reason,
+            self.ttft_s or 0.0, u.completion_tokens, log_fields(self.state.draft),
+            self.finish_reason,
             self.worker.label,
             (f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
             + (f" restore_skipped=\"{plan.restore_skipped}\"" if plan.restore_skipped else ""))

@@ -720,7 +720,8 @@ class Pool:
                 h = await w.health(PROBE_TIMEOUT_S)
             except (*_UNREACHABLE, ValueError):
                 return None
-            return w.worker_id, {"cache_ram": dict(h.cache_ram), "shared": dict(h.shared or {})}
+            return w.worker_id, {"cache_ram": dict(h.cache_ram), "shared": dict(h.shared or {}),
+                                 "speculation": dict(h.speculation)}
         got = await asyncio.gather(*(one(w) for w in self.workers if w.ready))
         return dict(g for g in got if g is not None)
 

@@ -31,9 +31,12 @@ from backend.protocol import DecodeInfo, Loading, placement_note
 from backend.ramtier import RamTier
 from backend.shared import SharedTier
 from backend.worker.core import Core
+from backend.worker.draft_model import DraftModel
 from backend.worker.server import Worker
 from backend.worker.tiers import Tiers
+from backend.worker.verify import cost_key, resolve
 from policies.schedule import Deterministic, Proof, Shapes, choose_decode
+from policies.speculate import SpecConfig
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -67,6 +70,18 @@ class WorkerSpec:
     cache_ram: int = 0  # MiB of host RAM for states that gave way (-1 no limit, 0 off)
     shared_tier: str = ""  # redis://... of the shared snapshot tier ("" none)
     deterministic: Deterministic = "auto"  # policies.schedule.choose_decode
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-type)
+    spec_draft_model: str = ""  # a draft model's GGUF (draft-simple)
+    spec_draft_ngl: int = 0  # its layers on the GPU
+
+
+def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
+    """The draft model of draft-simple, loaded beside the model (a ValueError in one line
+    where it cannot draft for it)."""
+    if "draft-simple" not in spec.spec.types:
+        return None
+    return DraftModel.load(spec.spec_draft_model, engine, spec.spec_draft_ngl,
+                           spec.threads or None)
 
 
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
@@ -152,8 +167,8 @@ class Boot:
             self.phase, self.progress = "self-check", 1.0
             identity = replace(spec.identity, compute=engine.compute)
             fingerprint = identity.fingerprint()
-            checked, proof = exactness(engine, spec.worker_id, spec.exact_check,
-                                       verdict_key(spec, engine, fingerprint))
+            key = verdict_key(spec, engine, fingerprint)
+            checked, proof = exactness(engine, spec.worker_id, spec.exact_check, key)
             shapes = choose_decode(spec.deterministic, proof, spec.parallel)
             engine.decode_shape = shapes.decode
             ram = RamTier.from_mib(spec.cache_ram)
@@ -162,7 +177,10 @@ class Boot:
             if spec.shared_tier:
                 tiers.shared = SharedTier(spec.shared_tier, fingerprint)
             core = Core(len(engine.seqs), engine.batching, engine.memory.kind == "plain",
-                        ram.budget, bool(checked["ok"]), engine.n_ctx)
+                        ram.budget, bool(checked["ok"]), engine.n_ctx,
+                        spec=resolve(spec.spec, engine, cost_key(key, spec.spec,
+                                                                 spec.spec_draft_model),
+                                     spec.worker_id, draft_model(spec, engine)))
             worker = Worker(engine, core, tiers,
                             DecodeInfo(shapes.decode, shapes.independent, spec.deterministic,
                                        shapes.note),

@@ -33,7 +33,9 @@ A job's life (the events are `backend.protocol`'s, in its order):
 4. **Generate.** Each sampled token is fed to the stop matcher and emitted; the answer ends on
    an end-of-generation token, a stop string, `max_tokens` or a full context; otherwise the
    token waits for its decode (a task again: `Decode` steps of several slots as the scheduler
-   shapes them), after which the slot samples at once.
+   shapes them), after which the slot samples at once. With speculation
+   (backend.worker.drafts) the waiting token may bring a draft: its step is a `Verify`, whose
+   samples (`Verified`) are taken in order as single ones are, up to the answer's end.
 5. **End.** `Done` (or `Cancelled` after a cancel, `Error` after a failure) with what the live
    KV holds that a next request may keep and the saves still coming; the slot takes a new job
    from then on. Saves are written on the writer thread and reported by it.
@@ -47,6 +49,7 @@ import numpy as np
 
 from backend.protocol import Cancelled, Done, Error, Event, Fault, Job, Prefill, Start, Token
 from backend.stops import StopMatcher
+from backend.worker.drafts import SlotDrafts, Speculation
 from backend.worker.messages import (
     Arrive,
     CancelRun,
@@ -68,6 +71,7 @@ from backend.worker.messages import (
     Snapshotted,
     StartSampling,
     Stepped,
+    Verified,
     World,
     live_prefix,
     reusable,
@@ -106,6 +110,7 @@ class _Job:
     matcher: StopMatcher = field(default_factory=lambda: StopMatcher(()))
     n_gen: int = 0
     token: int = -1  # the sampled token that waits for its decode
+    drafts: SlotDrafts | None = None  # its speculation, while it generates
 
 
 @dataclass(slots=True)
@@ -123,6 +128,9 @@ class Core:
     owners: list[tuple[str, bytes]] = field(default_factory=list)  # (tenant, salt) of each KV
     borrowed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("slot", "ram", "queued", "tokens"), 0))
+    spec: Speculation | None = None  # speculative decoding (backend.worker.drafts)
+    drafted: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted,
+    # accepted, verifies] of the jobs that ended
 
     def __post_init__(self) -> None:
         self.owners = self.owners or [("", b"")] * self.n_slots
@@ -137,12 +145,18 @@ class Core:
                 n_live = world.slots[slot].n_live
                 out.append(Task(slot, len(j.ids) - n_live, j.edges.next(n_live) - n_live))
             elif j.phase == "waits":
-                out.append(Task(slot, waits=True))
+                out.append(Task(slot, waits=True,
+                                draft=len(j.drafts.draft) if j.drafts is not None else 0))
         return out
 
     def waiting(self, slot: int) -> int:
         """The token the slot's decode evaluates."""
         return self.jobs[slot].token
+
+    def draft(self, slot: int) -> list[int]:
+        """The draft a verify evaluates after the waiting token."""
+        d = self.jobs[slot].drafts
+        return d.draft if d is not None else []
 
     # --- inputs -----------------------------------------------------------------------------
 
@@ -169,7 +183,9 @@ class Core:
         if isinstance(inp, Stepped):
             return self._stepped(inp.slot, j, inp.seconds, world)
         if isinstance(inp, Sampled):
-            return self._sampled(inp.slot, j, inp, world)
+            return self._sampled(inp.slot, j, inp, world) + self._propose(inp.slot, j, world)
+        if isinstance(inp, Verified):
+            return self._verified(inp.slot, j, inp, world)
         return [Emit(j.job.run_id, Error(inp.message)), *self._finish(inp.slot)]
 
     def _arrive(self, job: Job, world: World) -> list[Effect]:
@@ -305,6 +321,8 @@ class Core:
             self.costs = self.costs.add_prefill(j.prefill_from, len(j.ids), j.busy_s)
             j.phase, j.generating_s = "generate", world.now_s
             j.matcher = StopMatcher(j.job.stop)
+            if self.spec is not None and self.spec.on:
+                j.drafts = SlotDrafts.start(self.spec, j.ids)
             if j.job.max_tokens <= 0:
                 return effects + self._done(slot, j, world, "length", None)
             return effects + [StartSampling(slot, dict(j.job.sampling), j.job.grammar),
@@ -312,8 +330,12 @@ class Core:
         j.phase = "generate"  # its decode: it samples at once
         return [Sample(slot)]
 
-    def _sampled(self, slot: int, j: _Job, s: Sampled, world: World) -> list[Effect]:
+    def _sampled(self, slot: int, j: _Job, s: Sampled, world: World,
+                 n_live: int | None = None) -> list[Effect]:
+        """`n_live`: the slot's evaluated tokens when it was sampled (a verify's earlier
+        samples: fewer than the world's)."""
         run = j.job.run_id
+        n_live = world.slots[slot].n_live if n_live is None else n_live
         if s.eog:
             return self._done(slot, j, world, "stop", None)
         j.n_gen += 1
@@ -321,11 +343,31 @@ class Core:
         effects: list[Effect] = [Emit(run, Token(s.token, text))]
         if matched is not None:
             return effects + self._done(slot, j, world, "stop_sequence", matched)
-        if j.n_gen >= j.job.max_tokens or (self.n_ctx and world.slots[slot].n_live
-                                            >= self.n_ctx):
+        if j.n_gen >= j.job.max_tokens or (self.n_ctx and n_live >= self.n_ctx):
             return effects + self._done(slot, j, world, "length", None)
         j.phase, j.token = "waits", s.token
         return effects
+
+    def _propose(self, slot: int, j: _Job, world: World) -> list[Effect]:
+        """A token that waits for its step gets the draft to verify beside it, if any."""
+        if j.drafts is not None and self.jobs.get(slot) is j and j.phase == "waits":
+            live = world.slots[slot]
+            j.drafts.propose(live.ids[: live.n_live], j.token, j.n_gen,
+                             j.job.max_tokens - j.n_gen, self.n_ctx)
+        return []
+
+    def _verified(self, slot: int, j: _Job, v: Verified, world: World) -> list[Effect]:
+        """A verify's samples, in order, as single ones, until the answer ends."""
+        assert j.drafts is not None and v.samples
+        j.drafts.verified(len(v.draft), len(v.samples) - 1, j.n_gen + len(v.samples))
+        j.phase = "generate"
+        effects: list[Effect] = []
+        n_live = world.slots[slot].n_live
+        for i, s in enumerate(v.samples):
+            effects += self._sampled(slot, j, s, world, n_live - (len(v.samples) - 1 - i))
+            if self.jobs.get(slot) is not j:
+                return effects
+        return effects + self._propose(slot, j, world)
 
     def _done(self, slot: int, j: _Job, world: World, finish: str,
               matched: str | None) -> list[Effect]:
@@ -336,7 +378,8 @@ class Core:
         effects.append(Emit(run, Done(finish, matched, j.n_gen, n, floor,
                                       j.generating_s - j.started_s,
                                       world.now_s - j.generating_s, j.pending,
-                                      self.costs.to_wire())))
+                                      self.costs.to_wire(),
+                                      j.drafts.summary() if j.drafts is not None else {})))
         return effects + self._finish(slot)
 
     def _end(self, slot: int, world: World) -> list[Effect]:
@@ -350,6 +393,9 @@ class Core:
         return [Emit(j.job.run_id, Cancelled(n, floor, j.pending)), *self._finish(slot)]
 
     def _finish(self, slot: int) -> list[Effect]:
-        del self.jobs[slot]
+        j = self.jobs.pop(slot)
+        for source, t in (j.drafts.totals.items() if j.drafts is not None else ()):
+            total = self.drafted.setdefault(source, [0, 0, 0])
+            total[:] = [a + b for a, b in zip(total, t, strict=True)]
         return [Finish(slot)]
 

@@ -107,7 +107,7 @@ class Loop:
             world = self._world()
             self.clock = track(self.clock, [(s, j.job.run_id) for s, j in self.core.jobs.items()],
                                tasks, world.now_s)
-            step = next_step(tasks, self.clock, self.shapes)
+            step = next_step(tasks, self.clock, self.shapes, self.engine.n_batch)
             if step is None:
                 continue
             if log.isEnabledFor(logging.DEBUG):

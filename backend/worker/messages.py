@@ -4,7 +4,8 @@ plain frozen values, no I/O.
 - `World`: what each slot's live KV and the worker's memory hold, read just before an input is
   applied.
 - Inputs: a job arrived or was cancelled, or the result of an effect came back (`Loaded`,
-  `ReadDone`, `Stepped`, `Sampled`, `Snapshotted`, `Failed`).
+  `ReadDone`, `Stepped`, `Sampled`, `Snapshotted`, `Failed`), or a verify step's samples
+  (`Verified`).
 - Effects, each on the thread it belongs to (`backend.worker.loop`): `Emit` an event to a run's
   stream; on the compute thread `GiveWay`, `Load`, `Cut`, `Snapshot`, `StartSampling`, `Sample`,
   `Finish`; on the reader thread `Read`.
@@ -134,6 +135,18 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class Verified:
+    """A verify step evaluated the slot's waiting token and its draft (`seconds`: its share)
+    and sampled its rows: `samples`, the accepted drafts and the step's last token, in order;
+    the KV holds the waiting token and the accepted drafts."""
+
+    slot: int
+    seconds: float
+    samples: tuple[Sampled, ...]
+    draft: tuple[int, ...]  # the tokens verified after the waiting one
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshotted:
     run_id: str
     queued: bool  # a write began (false: the same state waits for its file already)
@@ -145,7 +158,8 @@ class Failed:
     message: str
 
 
-Input = Arrive | CancelRun | Loaded | ReadDone | Stepped | Sampled | Snapshotted | Failed
+Input = (Arrive | CancelRun | Loaded | ReadDone | Stepped | Sampled | Snapshotted | Failed
+         | Verified)
 
 
 # --- what the core asks for ---------------------------------------------------------------------

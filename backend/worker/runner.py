@@ -7,6 +7,9 @@ on the compute thread only, decides nothing, and reports each result as the core
 - `Prefill(slot, n)`: the slot's next batch of the cold run's (`Engine.prefill_batch`).
 - `Decode(slots)`: one llama_decode of each slot's waiting token, in the shape the engine's
   `decode_shape` says; each slot is charged the step's time.
+- `Verify(slots)`: each slot's waiting token and its draft, every row's logits, the rows sampled
+  and the rejected drafts cut back (backend.worker.verify). Decode and verify steps' seconds
+  over their rows are measured as the worker runs (`step_rows`, reported with speculation).
 - Loads restore a state into a slot and cut it back to what the prompt keeps; a failure is a
   `Fault` in the result (the state was this engine's own or verified, so it is never expected).
 - A snapshot's key is computed here (xxh3 over the ids: microseconds), its copy queued in the
@@ -42,9 +45,12 @@ from backend.worker.messages import (
     Snapshotted,
     StartSampling,
     Stepped,
+    Verified,
 )
 from backend.worker.tiers import Payload, Tiers
-from policies.schedule import Decode, Prefill, Step
+from backend.worker.verify import verify
+from policies.costs import Fit
+from policies.schedule import Decode, Prefill, Step, Verify
 
 Write = Callable[[str, keys.CacheKey, Snapshot, tuple[int, ...], memoryview, str], None]
 
@@ -56,6 +62,7 @@ class Runner:
     write: Write  # queue a snapshot's file for the writer thread
     samplers: dict[int, Sampler] = field(default_factory=dict)
     held: list[Held] = field(default_factory=list)  # the core's view of the tiers, at Arrive
+    step_rows: Fit = field(default_factory=Fit)  # seconds = fixed + per_row * rows of a step
 
     def effect(self, e: Effect, core: Core) -> Input | None:
         eng = self.engine
@@ -135,6 +142,12 @@ class Runner:
     def step(self, step: Step, core: Core) -> list[Input]:
         """Evaluate the step; each slot's result (its share of the time, or its failure)."""
         eng, t = self.engine, time.perf_counter()
+        if isinstance(step, Verify):
+            rows = sum(1 + len(core.draft(s)) for s in step.slots)
+            results = verify(eng, self.samplers, step, core)
+            self._measured(rows, max((r.seconds for r in results
+                                      if isinstance(r, Stepped | Verified)), default=0.0))
+            return results
         if isinstance(step, Prefill):
             slots = [step.slot]
             ids = core.jobs[step.slot].job.ids
@@ -150,4 +163,10 @@ class Runner:
         except (RuntimeError, ValueError) as ex:
             return [Failed(s, f"{type(ex).__name__}: {ex}") for s in slots]
         dt = time.perf_counter() - t
+        if isinstance(step, Decode):
+            self._measured(len(slots), dt)
         return [Stepped(s, dt) for s in slots]
+
+    def _measured(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds > 0:
+            self.step_rows = self.step_rows.add(1.0, float(rows), seconds)

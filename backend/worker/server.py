@@ -47,6 +47,8 @@ from backend.protocol import (
 from backend.worker.core import Core
 from backend.worker.loop import Loop
 from backend.worker.tiers import Tiers
+from backend.worker.verify import report
+from policies.costs import Fit
 
 WATCH_S = 0.05  # how often a stream checks that its client is still there
 
@@ -124,7 +126,9 @@ class Worker:
             cache_ram=dict(stats["ram"]), shared=stats["shared"], writes={
                 **stats["writes"], "at_rest_on": float(self.tiers.at_rest is not None)},
             borrowed=dict(self.core.borrowed), placement=dict(eng.placement),
-            checked=self.checked, identity=Identity(**asdict(self.identity)))
+            checked=self.checked, identity=Identity(**asdict(self.identity)),
+            speculation=report(self.core.spec, self.core,
+                               self.loop.runner.step_rows if self.loop else Fit()))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(self.info().to_wire())

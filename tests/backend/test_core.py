@@ -13,6 +13,7 @@ import pytest
 
 from backend.protocol import Cancelled, Done, Error, Fault, Job, Prefill, Saved, Start, Token
 from backend.worker.core import Core
+from backend.worker.drafts import Speculation
 from backend.worker.messages import (
     Arrive,
     CancelRun,
@@ -33,11 +34,15 @@ from backend.worker.messages import (
     Snapshotted,
     StartSampling,
     Stepped,
+    Verified,
     World,
 )
 from policies.decide import Plan, Restore, Save
+from policies.ngram import NgramParams
 from policies.prefix import Batching
+from policies.schedule import Task
 from policies.sources import Candidate
+from policies.speculate import SpecConfig
 
 SALT, OTHER = b"s" * 16, b"o" * 16
 IDS = tuple(range(100, 140))  # 40 tokens: edges 8, 16, 24, 32; keep_max 32
@@ -274,3 +279,62 @@ def test_a_failure_ends_the_job_with_an_error() -> None:
     c.apply(Arrive(job()), world(EMPTY, EMPTY))
     assert c.apply(Failed(0, "llama_decode failed (1)"), world(EMPTY, EMPTY)) == \
         [Emit("r", Error("llama_decode failed (1)")), Finish(0)]
+
+
+# --- speculation (issue 47) ---------------------------------------------------------------------
+
+REPEATS = tuple(range(100, 120)) * 2  # a prompt that repeats itself: n-grams to draft from
+SPEC = Speculation(SpecConfig(("ngram-simple",), NgramParams(simple_size_n=2, simple_size_m=3),
+                              always=True), None, 8, True, "")
+
+
+def holding(tokens: tuple[int, ...]) -> Live:
+    a = np.zeros(64, dtype=np.intc)
+    a[:len(tokens)] = tokens
+    return Live(a, len(tokens), len(REPEATS), 0)
+
+
+def drafting(stop: tuple[str, ...] = ()) -> Core:
+    """A core whose job has evaluated its prompt and sampled 100: "119 100" came before, so
+    ngram-simple drafts the three tokens after it."""
+    c = Core(2, Batching(8), True, 1 << 30, True, n_ctx=64, spec=SPEC)
+    c.apply(Arrive(replace(job(max_tokens=9, stop=stop), ids=REPEATS)), world(EMPTY, EMPTY))
+    assert c.apply(Stepped(0, 0.1), world(holding(REPEATS), EMPTY))[-1] == Sample(0)
+    assert c.apply(Sampled(0, 100, b"a", False), world(holding(REPEATS), EMPTY)) == \
+        [Emit("r", Token(100, "a"))]
+    return c
+
+
+def test_a_draft_is_verified_and_its_samples_taken_in_order() -> None:
+    c = drafting()
+    assert c.tasks(world(holding(REPEATS), EMPTY)) == [Task(0, waits=True, draft=3)]
+    assert (c.waiting(0), c.draft(0)) == (100, [101, 102, 103])
+    # 101 and 102 accepted, 7 sampled where 103 was drafted: the KV holds 100 101 102
+    samples = (Sampled(0, 101, b"b", False), Sampled(0, 102, b"c", False),
+               Sampled(0, 7, b"d", False))
+    fx = c.apply(Verified(0, 0.2, samples, (101, 102, 103)),
+                 world(holding(REPEATS + (100, 101, 102)), EMPTY))
+    assert fx == [Emit("r", Token(101, "b")), Emit("r", Token(102, "c")),
+                  Emit("r", Token(7, "d"))]
+    # "102 7" came nowhere before: 7 waits for a plain step
+    assert c.tasks(world(holding(REPEATS + (100, 101, 102)), EMPTY)) == [Task(0, waits=True)]
+    fx = c.apply(Stepped(0, 0.01), world(holding(REPEATS + (100, 101, 102, 7)), EMPTY))
+    assert fx == [Sample(0)]
+    fx = c.apply(Sampled(0, 0, b"", True), world(holding(REPEATS + (100, 101, 102, 7)), EMPTY))
+    done = next(e.event for e in fx if isinstance(e, Emit) and isinstance(e.event, Done))
+    assert done.n_gen == 4 and done.draft == {
+        "ngram-simple": {"drafted": 3, "accepted": 2, "verifies": 1}}
+    assert c.drafted == {"ngram-simple": [3, 2, 1]}, "the worker's totals"
+
+
+def test_a_verify_ends_the_answer_where_a_stop_string_matches() -> None:
+    c = drafting(stop=("bc",))
+    samples = (Sampled(0, 101, b"b", False), Sampled(0, 102, b"c", False),
+               Sampled(0, 103, b"x", False), Sampled(0, 104, b"y", False))
+    fx = c.apply(Verified(0, 0.2, samples, (101, 102, 103)),
+                 world(holding(REPEATS + (100, 101, 102, 103)), EMPTY))
+    assert [e.event.text for e in fx if isinstance(e, Emit) and isinstance(e.event, Token)] \
+        == ["", ""]
+    done = next(e.event for e in fx if isinstance(e, Emit) and isinstance(e.event, Done))
+    assert (done.finish_reason, done.stop, done.n_gen) == ("stop_sequence", "bc", 3)
+    assert c.jobs == {}

@@ -158,6 +158,9 @@ EVENTS: list[Event] = [
     Done(finish_reason="stop_sequence", stop="</tool>", n_gen=3, n_live=43, floor=43,
          prefill_s=0.0,
          decode_s=0.75, pending_saves=0),
+    Done(finish_reason="length", stop=None, n_gen=64, n_live=43, floor=43, prefill_s=0.0,
+         decode_s=0.75, pending_saves=0,
+         draft={"ngram-mod": {"drafted": 40, "accepted": 31, "verifies": 5}}),
     Cancelled(n_live=100, floor=90, pending_saves=1),
     Saved(n_tokens=40, key="6b3430", reason="growing", file="6b/6b3430.state", size_bytes=12345,
           checksum=987654321, save_s=0.0625),
@@ -286,6 +289,7 @@ INFO: dict[str, Any] = {
     "identity": {"model_path": "m.gguf", "n_ctx": 4096, "type_k": "f16", "type_v": "f16",
                  "flash_attn": "auto", "lib_version": "0.3.36", "swa_full": True,
                  "batch": 128, "compute": "CPU"},
+    "speculation": {"type": "ngram-mod", "drafts": True},
 }
 
 

@@ -17,6 +17,7 @@ from policies.schedule import (
     Shapes,
     Step,
     Task,
+    Verify,
     charge,
     choose_decode,
     next_step,
@@ -26,6 +27,7 @@ from policies.schedule import (
 BATCHED = Shapes("batched", True, "")
 FIXED = Shapes("fixed", True, "")
 APART = Shapes("apart", True, "")
+AS_THEY_COME = Shapes("batched", False, "")  # --deterministic off
 
 
 def clock(per_token_s: float = 0.001, prefills_used_s: float = 0.0,
@@ -83,6 +85,18 @@ NEXT_CASES: list[tuple[str, list[Task], Clock, Shapes, Step | None]] = [
     ("apart, a tie: the slot whose job came first",
      [Task(0, waits=True), Task(2, waits=True)], clock(s2=Account(0.1), s0=Account(0.1)),
      APART, Decode((2,))),
+    # rule 4: a waiting token with a draft takes a verify step
+    ("a lone slot with a draft verifies it",
+     [Task(0, waits=True, draft=5)], clock(s0=Account(0.1)), APART, Verify((0,))),
+    ("independent: the least used verifies alone",
+     [Task(2, waits=True), Task(0, waits=True, draft=3)],
+     clock(s2=Account(0.2), s0=Account(0.1)), BATCHED, Verify((0,))),
+    ("independent: the others decode together when theirs is the turn, without the drafting",
+     [Task(2, waits=True), Task(0, waits=True, draft=3), Task(1, waits=True)],
+     clock(s2=Account(0.1), s0=Account(0.2), s1=Account(0.3)), FIXED, Decode((1, 2))),
+    ("batched as they come: every waiting slot's rows in one verify",
+     [Task(2, waits=True), Task(0, waits=True, draft=3), Task(1, waits=True, draft=4)],
+     clock(s2=Account(0.1), s0=Account(0.2), s1=Account(0.3)), AS_THEY_COME, Verify((0, 1, 2))),
 ]
 
 
@@ -91,6 +105,15 @@ NEXT_CASES: list[tuple[str, list[Task], Clock, Shapes, Step | None]] = [
 def test_next_step(why: str, tasks: list[Task], clk: Clock, shapes: Shapes,
                    want: Step | None) -> None:
     assert next_step(tasks, clk, shapes) == want
+
+
+def test_a_shared_verify_holds_what_the_batch_holds() -> None:
+    """The least used first, then the others in the order they came while their rows fit."""
+    tasks = [Task(2, waits=True, draft=60), Task(0, waits=True, draft=100),
+             Task(1, waits=True, draft=20)]
+    clk = clock(s2=Account(0.1), s0=Account(0.2), s1=Account(0.3))
+    assert next_step(tasks, clk, AS_THEY_COME, rows_max=128) == Verify((1, 2))
+    assert next_step(tasks, clk, AS_THEY_COME, rows_max=0) == Verify((0, 1, 2))
 
 
 def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() -> None:

@@ -70,7 +70,8 @@ VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "a
           "--chat-template-kwargs": '{"a": 1}', "-c": "4096", "-ngl": "0", "--port": "8081",
           "-hf": "user/repo:Q8_0", "--reasoning-effort": "high", "-ts": "1",
           "-ot": "exps=CPU", "--host": "127.0.0.1", "--api-key": SECRET,
-          "--chat-template-file": "t.jinja", "--api-key-file": "keys.txt", "-a": "coder"}
+          "--chat-template-file": "t.jinja", "--api-key-file": "keys.txt", "-a": "coder",
+          "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5"}
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w.-]*")
 
 
@@ -100,7 +101,7 @@ def test_every_spelling_parses_to_its_one_class(spelling: str,
         assert SECRET not in message + capsys.readouterr().err
         return
     cfg = serve_config(argv, environ={})
-    notes = [n for n in cfg.llama_notes if not n.startswith("-ngl")]
+    notes = [n for n in cfg.llama_notes if not n.startswith("-ngl ")]
     if kind == "ignored":
         assert notes == [f"{spelling}: accepted for llama-server's command line, no effect "
                          f"here: {why}"]
@@ -125,6 +126,15 @@ def test_no_llama_server_spelling_is_left_without_a_class() -> None:
     (["-a", "g"], "alias", "g"),
     (["--top_k", "20"], "top_k", 20),  # llama.cpp reads `_` as `-` in a long spelling
     (["--temp=0.5"], "temperature", 0.5),  # prefixgate's own form
+    # speculative decoding: llama.cpp's types, tried in its own order; their sizes
+    (["--spec-type", "ngram-mod,ngram-simple"], "spec_type", "ngram-simple,ngram-mod"),
+    (["--spec-ngram-mod-n-max", "16"], "spec_ngram_mod_n_max", 16),
+    (["--spec-ngram-map-k4v-min-hits", "2"], "spec_ngram_map_k4v_min_hits", 2),
+    # a draft model drafts: -md alone means draft-simple, after the n-gram types
+    (["-md", "d.gguf"], "spec_type", "draft-simple"),
+    (["-md", "d.gguf", "--spec-type", "ngram-mod"], "spec_type", "ngram-mod,draft-simple"),
+    (["-ngld", "all"], "spec_draft_ngl", "all"),
+    (["--draft-p-min", "0.75"], "spec_draft_p_min", 0.75),
 ])
 def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> None:
     assert getattr(serve_config(["-m", "model.gguf", *argv], environ={}), field) == value
@@ -132,7 +142,17 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["-mg", "0"], "prefixgate: -mg: choosing the main GPU"),
-    (["-md", "d.gguf"], "prefixgate: -md: speculative decoding is not supported yet"),
+    (["--spec-draft-hf", "u/r"], "prefixgate: --spec-draft-hf: a draft model from Hugging "
+                                 "Face is not supported yet"),
+    (["--spec-type", "draft-simple"], "prefixgate: --spec-type draft-simple drafts with a "
+                                      "draft model"),
+    (["--draft-max", "16"], "prefixgate: --draft-max: removed in llama.cpp too"),
+    (["--spec-type", "ngram-cache"], "invalid value for --spec-type: 'ngram-cache' "
+                                     "(ngram-cache: the n-gram cache type"),
+    (["--spec-type", "draft-mtp"], "invalid value for --spec-type: 'draft-mtp' (draft-mtp: "
+                                   "multi-token prediction heads are not supported"),
+    (["--spec-ngram-mod-n-match", "0"], "prefixgate: --spec-ngram-mod-n-match 0: ngram size N "
+                                        "must be between 1 and 1024 inclusive"),
     (["-ag"], "prefixgate: -ag: the server's built-in tools"),
     (["--mmproj", "p.gguf"], "prefixgate: --mmproj: images are not supported yet"),
     (["-p", "hi"], "prefixgate: -p: not a llama-server option (llama.cpp's"),
@@ -158,9 +178,8 @@ def test_llama_server_variables_are_read_or_each_warned_about() -> None:
     assert cfg.reasoning_preserve == "on"
     assert sorted(cfg.llama_notes) == [
         "LLAMA_ARG_NOT_A_THING is not a llama-server variable; ignored",
-        "LLAMA_ARG_NO_UI (--no-ui) is ignored: prefixgate has no web UI (/ is a status page)",
-        "LLAMA_ARG_SPEC_DRAFT_MODEL (--spec-draft-model) is ignored: speculative decoding is "
-        "not supported yet"]
+        "LLAMA_ARG_NO_UI (--no-ui) is ignored: prefixgate has no web UI (/ is a status page)"]
+    assert (cfg.spec_draft_model, cfg.spec_type) == ("d.gguf", "draft-simple")
     assert serve_config(["-m", "m.gguf", "--temp", "0.9"], environ=env).temperature == 0.9
 
 

@@ -1,0 +1,147 @@
+"""A draft model (llama-server's `-md`, `--spec-type draft-simple`): a second, small model of the
+same vocabulary in the same worker, its own context with a sequence per slot, whose greedy
+tokens are the draft a slot's verify step checks (backend.worker.verify).
+
+    DraftModel.load(path, target, ...)    a ValueError in one line where it cannot draft
+    DraftModel.draft(slot, run, prompt, context, last, k) -> tokens
+
+- **Compatible vocabularies only** (llama.cpp's common_speculative_are_compatible): the same
+  vocabulary type, the same BOS and EOS use and ids, sizes within 128 tokens, and the same text
+  for every token from id 5 on. Otherwise the worker does not start, and says why in one line.
+- **Its KV follows the slot's tokens, and its drafts the tokens alone.** At a job's first draft
+  its sequence keeps what it holds of the prompt only at a batch edge of the prompt, exactly (the
+  engine's rules: the prompt's cold-run batches) and prefills the rest as a cold run does; from
+  then on it evaluates the slot's accepted tokens and the waiting one, then drafts one token at
+  a time (its argmax, as llama.cpp's top-k 10 sampler takes its first; `p_min`: none less
+  likely than that among those ten); at the next draft it keeps what it holds of the slot's
+  tokens and evaluates the rest. So a job's drafts are a function of its prompt and answer,
+  and a cache hit of the target drafts what its cold run drafted. Its states are never stored:
+  a hit of the target prefills the draft model's prompt again (a small model's prefill).
+- **Memory.** A recurrent or hybrid draft model cannot be cut back after a draft: refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+
+from backend.engine import Engine
+from backend.worker.messages import Live, live_prefix
+
+VOCAB_MAX_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+VOCAB_CHECK_FROM = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
+TOP_K = 10  # llama.cpp's draft sampler
+
+
+def incompatible(target: Engine, draft: Engine) -> str:
+    """Why the draft model's vocabulary cannot draft for the target's ("" where it can)."""
+    vt, vd = target.vocab, draft.vocab
+    if llama_cpp.llama_vocab_type(vt) != llama_cpp.llama_vocab_type(vd):
+        return "its vocabulary is of another type"
+    for name in ("bos", "eos"):
+        add = getattr(llama_cpp, f"llama_vocab_get_add_{name}")
+        tok = getattr(llama_cpp, f"llama_vocab_{name}")
+        if add(vt) != add(vd) or (add(vt) and tok(vt) != tok(vd)):
+            return f"its {name.upper()} token differs"
+    if abs(target.n_vocab - draft.n_vocab) > VOCAB_MAX_DIFFERENCE:
+        return f"its vocabulary has {draft.n_vocab} tokens, the model's {target.n_vocab}"
+    for i in range(VOCAB_CHECK_FROM, min(target.n_vocab, draft.n_vocab)):
+        if llama_cpp.llama_vocab_get_text(vt, i) != llama_cpp.llama_vocab_get_text(vd, i):
+            return f"token {i} differs"
+    return ""
+
+
+@dataclass(slots=True)
+class DraftModel:
+    engine: Engine
+    n_vocab: int  # the target's: no draft token past it
+    path: str
+    begun: dict[int, str] = field(default_factory=dict)  # slot -> the run its KV follows
+
+    @classmethod
+    def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
+             ) -> DraftModel:
+        """The draft model, a context of the target's slots and size; a ValueError (one line)
+        where it cannot draft for the target."""
+        eng = Engine(path, target.n_ctx * len(target.seqs), threads, n_gpu_layers,
+                     n_batch=target.n_batch, flash_attn=target.flash_attn,
+                     n_seq=len(target.seqs),
+                     placement={"repack": "on" if target.placement.get("repack") else "off"})
+        why = incompatible(target, eng)
+        if not why and eng.memory.kind == "recurrent":
+            why = "a recurrent state cannot be cut back after a draft"
+        if not why and eng.memory.kind == "window" and not eng.memory.full:
+            why = "a real sliding window may not be cut back after a draft"
+        if why:
+            eng.close()
+            raise ValueError(f"the draft model {path} cannot draft for this model: {why}")
+        return cls(eng, target.n_vocab, path)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _begin(self, slot: int, prompt: Sequence[int]) -> None:
+        """The slot's sequence holds exactly the prompt, as a cold prefill computes it."""
+        eng = self.engine
+        ids, q = list(prompt), eng.seqs[slot]
+        edges = eng.batching.edges(ids)
+        live = Live(q.ids, q.n_live, q.exact_n, eng.floor(slot), 0)
+        eng.truncate(slot, live_prefix(live, np.asarray(ids, dtype=np.intc), edges))
+        eng.prefill(slot, ids, edges=edges)
+
+    def draft(self, slot: int, run: str, prompt: Sequence[int], context: Sequence[int],
+              last: int, k: int, p_min: float) -> list[int]:
+        """Up to k greedy tokens after `context` (the slot's evaluated tokens: the prompt and
+        the answer so far) and `last` (its sampled token, waiting for the step)."""
+        eng = self.engine
+        if self.begun.get(slot) != run:
+            self._begin(slot, prompt)
+            self.begun[slot] = run
+        q = eng.seqs[slot]
+        held, now = q.ids[: q.n_live], np.asarray(context, dtype=np.intc)
+        n = min(len(held), len(now))
+        differ = np.flatnonzero(held[:n] != now[:n])
+        keep = eng.truncate(slot, int(differ[0]) if len(differ) else n)
+        if keep < len(prompt):  # never expected (plain attention cuts back anywhere)
+            self._begin(slot, prompt)
+            keep = len(prompt)
+        pending = [*now[keep:].tolist(), last]
+        while len(pending) > eng.n_batch:  # the answer's tokens it has not seen, in batches
+            eng.evaluate([(slot, pending[: eng.n_batch])])
+            pending = pending[eng.n_batch:]
+        out: list[int] = []
+        while len(out) < k and q.n_live + len(pending) < eng.n_ctx:
+            eng.evaluate([(slot, pending)])
+            logits = eng.last_logits(slot)
+            token = int(np.argmax(logits))
+            if p_min > 0:
+                top = np.sort(logits)[-TOP_K:].astype(np.float64)
+                if 1.0 / np.exp(top - top[-1]).sum() < p_min:
+                    break
+            if token >= self.n_vocab or token in eng.eog:
+                break
+            out.append(token)
+            pending = [token]
+        return out
+
+    def measure(self, target: Engine) -> float:
+        """Seconds of one of its steps over one of the target's, on slot 0 (left empty)."""
+        from backend.selfcheck import random_ids
+
+        def step(eng: Engine) -> float:
+            ids = random_ids(eng, 40, 3)
+            eng.truncate(0, 0)
+            eng.prefill(0, ids[:32])
+            least = float("inf")
+            for i in range(4):
+                t = time.perf_counter()
+                eng.evaluate([(0, [ids[32 + i]])])
+                least = min(least, time.perf_counter() - t) if i else least
+            eng.truncate(0, 0)
+            return least
+
+        return step(self.engine) / step(target)

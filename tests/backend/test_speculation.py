@@ -1,0 +1,292 @@
+"""Speculative decoding through the worker's own compute loop (issue 47): n-gram drafts verified
+in one batch with every row's logits, the rejected drafts cut back so the KV holds exactly the
+tokens the answer kept, and every cache hit (live, restored from a state file) answering as its
+cold run, speculation on, on every memory kind: plain attention and a full-size sliding window
+draft; a recurrent state cannot be cut back, so qwen35 does not (backend.worker.verify). The
+rules are exact tables in tests/policies/test_speculate.py and test_ngram.py."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from backend import keys, store
+from backend.engine import Engine
+from backend.protocol import Done, Event, Job, Start, Token
+from backend.ramtier import RamTier
+from backend.worker.core import Core
+from backend.worker.draft_model import DraftModel
+from backend.worker.drafts import Speculation
+from backend.worker.loop import Loop
+from backend.worker.tiers import Tiers
+from backend.worker.verify import resolve
+from policies.decide import Plan, Restore
+from policies.ngram import NgramParams
+from policies.prefix import default_batch
+from policies.schedule import Shapes
+from policies.speculate import SpecConfig, VerifyCost
+from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+
+pytestmark = pytest.mark.model
+
+BATCH = default_batch(GPU_LAYERS)
+N_CTX = 8 * BATCH
+GEN = 24
+COLD = Plan((), (), 0, False, "off", None, None)
+APART = Shapes("apart", True, "")
+# ngram-mod with a short match so that a short answer drafts often, every draft verified
+SPEC = SpecConfig(("ngram-simple", "ngram-mod"),
+                  NgramParams(simple_size_n=4, simple_size_m=8, mod_n_match=3, mod_n_min=1,
+                              mod_n_max=6), always=True)
+FILE = "\n".join(f"def step_{i}(state, value):\n    total = state.count + value * {i}\n"
+                 f"    return total if total > {i * 3} else state.count" for i in range(14))
+
+
+def edit_ids(name: str) -> list[int]:
+    """An edit-shaped prompt: a file, then the start of the same file again to continue."""
+    vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
+    text = f"File app.py:\n{FILE}\n\nThe same file, copied exactly:\n{FILE[:60]}"
+    return list(vocab.tokenize(text.encode(), add_bos=False))
+
+
+def _engine(name: str) -> Engine:
+    return Engine(model_file(name), N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+                  flash_attn=FLASH_ATTN)
+
+
+class Worker:
+    """The worker's compute loop over `eng` in this process, speculation as `spec` says."""
+
+    def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None,
+                 shapes: Shapes = APART, model: DraftModel | None = None) -> None:
+        self.eng, self.events = eng, []  # type: list[tuple[str, Event]]
+        self.ended, self.finished = threading.Condition(), set()  # type: ignore[var-annotated]
+        tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
+                      self._emit)
+        self.spec = resolve(spec, eng, "", 0, model) if spec.on else None
+        core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
+                    eng.n_ctx, spec=self.spec)
+        eng.decode_shape = shapes.decode
+        # the rows of each llama_decode: (slot, tokens) per row, and the slots of every row's logits
+        self.decodes: list[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = []
+        evaluate = eng.evaluate
+
+        def recorded(rows, pads=(), every=()):  # type: ignore[no-untyped-def]
+            self.decodes.append((tuple((s, len(t)) for s, t in rows), tuple(every)))
+            return evaluate(rows, pads, every)
+
+        eng.evaluate = recorded  # type: ignore[method-assign]
+        self.loop = Loop(eng, core, tiers, shapes, self._emit)
+        self.loop.start()
+
+    def _emit(self, run: str, event: Event) -> None:
+        self.events.append((run, event))
+        if type(event).__name__ in ("Done", "Cancelled", "Error"):
+            with self.ended:
+                self.finished.add(run)
+                self.ended.notify_all()
+
+    def submit(self, run: str, ids: list[int], plan: Plan = COLD,
+               sampling: dict[str, object] | None = None, slot: int = 0, gen: int = GEN
+               ) -> None:
+        self.loop.arrive(Job(run, tuple(ids), b"", "", plan, sampling or {"temperature": 0.0},
+                             gen, (), None, slot))
+
+    def run(self, run: str, ids: list[int], plan: Plan = COLD,
+            sampling: dict[str, object] | None = None, slot: int = 0,
+            submit: bool = True) -> tuple[list[int], Done, Start]:
+        if submit:
+            self.submit(run, ids, plan, sampling, slot)
+        with self.ended:
+            assert self.ended.wait_for(lambda: run in self.finished, 600), run
+        of = [e for r, e in self.events if r == run]
+        done = next((e for e in of if isinstance(e, Done)), None)
+        assert done is not None, of[-1]
+        start = next(e for e in of if isinstance(e, Start))
+        return [e.id for e in of if isinstance(e, Token) and e.id is not None], done, start
+
+    def stop(self) -> None:
+        self.loop.stop()
+        del self.eng.evaluate  # the engine's own method again
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_every_hit_answers_as_its_cold_run_with_speculation_on(name: str, tmp_path: Path
+                                                               ) -> None:
+    """A cold run in a fresh context, then in another: the same prompt cold, again as a live
+    hit, and restored from a state file at a batch edge; greedy and seeded at temperature 0.8.
+    Each answers token for token as the cold run and drafts and accepts as many tokens."""
+    ids = edit_ids(name)
+    edge = (len(ids) - 1) // BATCH * BATCH
+    for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 7}):
+        ref = _engine(name)
+        try:
+            w = Worker(ref, SPEC)
+            want, cold, _ = w.run("cold", ids, sampling=sampling)
+            w.stop()
+        finally:
+            ref.close()
+        eng = _engine(name)
+        try:
+            eng.prefill(0, ids[:edge])
+            key = keys.CacheKey(b"k" * 16)
+            path, size, _ = store.write_state_file(tmp_path, key, b"f" * 16, ids[:edge],
+                                                   eng.snapshot(0))
+            eng.truncate(0, 0)
+            w = Worker(eng, SPEC, cache=tmp_path)
+            again, first, _ = w.run("again", ids, sampling=sampling)
+            live, hit, start = w.run("live", ids, replace(COLD, keep_max=edge, live_ok=True),
+                                     sampling)
+            assert start.keep == (edge if eng.memory.kind != "recurrent" else 0)
+            eng.truncate(0, 0)
+            restore = Restore(edge, bytes(key), str(path.relative_to(tmp_path)), size)
+            restored, disk, start = w.run(
+                "disk", ids, Plan((restore,), (), edge, False, "hit", None, None), sampling)
+            assert (start.keep, start.restored) == (edge, edge)
+            w.stop()
+        finally:
+            eng.close()
+        for run, got, done in (("cold again", again, first), ("live hit", live, hit),
+                               ("restored hit", restored, disk)):
+            assert got == want, f"{name} {sampling}: the {run} differs from the cold run"
+            assert done.draft == cold.draft, f"{name}: the {run} drafted otherwise"
+        if name == "qwen35":  # a recurrent state: no drafts
+            assert cold.draft == {} and w.spec is not None and not w.spec.drafts
+        else:
+            assert sum(s["drafted"] for s in cold.draft.values()) > 0, cold.draft
+            if sampling["temperature"] == 0.0:
+                assert sum(s["accepted"] for s in cold.draft.values()) > 0, cold.draft
+
+
+def test_the_kv_holds_exactly_the_answers_tokens_after_verifies() -> None:
+    """After an answer whose drafts were partly rejected, the slot's live tokens are the prompt
+    and the answer but its last token (sampled, never evaluated), and its state is a cold
+    prefill's of the same prompt... for the prompt: generated tokens are never exact."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    eng = _engine(name)
+    try:
+        w = Worker(eng, SPEC)
+        got, done, _ = w.run("r", ids)
+        w.stop()
+        assert eng.live_ids(0) == ids + got[:-1]
+        assert eng.seqs[0].exact_n == len(ids)
+        drafted = sum(s["drafted"] for s in done.draft.values())
+        accepted = sum(s["accepted"] for s in done.draft.values())
+        assert 0 < accepted < drafted, done.draft  # some rejected: cut back
+    finally:
+        eng.close()
+
+
+def test_the_stop_rule_drafts_nothing_where_a_verify_cannot_pay() -> None:
+    """A verify cost where k drafts cost k + 1 steps (a tiny model on a CPU): no slot drafts,
+    and the answer is the one without speculation, bit for bit (the same one-token steps)."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    eng = _engine(name)
+    try:
+        w = Worker(eng, SpecConfig())
+        want, _, _ = w.run("plain", ids)
+        w.stop()
+        eng.truncate(0, 0)
+        w = Worker(eng, SpecConfig())
+        w.loop.core.spec = Speculation(replace(SPEC, always=False),
+                                       VerifyCost((1, 2, 8), (1.0, 2.0, 8.0)), BATCH, True, "")
+        got, done, _ = w.run("auto", ids)
+        w.stop()
+    finally:
+        eng.close()
+    assert got == want and done.draft == {}
+
+
+def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
+    """`--deterministic off` (decode steps batched as they come): a slot's verify and the other
+    slot's step share one llama_decode, each slot's rows sampled as its own, and each slot's KV
+    holds exactly its prompt and answer after."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+                 flash_attn=FLASH_ATTN, n_seq=2)
+    try:
+        w = Worker(eng, SPEC, shapes=Shapes("batched", False, ""))
+        # answers long enough that one slot still generates when the other's prefill ends
+        # (the prefills run one after the other, each beside the generating slot)
+        w.submit("a", ids, slot=0, gen=160)
+        w.submit("b", ids[:-3], slot=1, gen=160)
+        a, done_a, _ = w.run("a", ids, submit=False)
+        b, done_b, _ = w.run("b", ids, submit=False)
+        w.stop()
+        assert eng.live_ids(0) == ids + a[:-1] and eng.live_ids(1) == ids[:-3] + b[:-1]
+    finally:
+        eng.close()
+    assert any({s for s, _ in rows} == {0, 1} and every for rows, every in w.decodes), \
+        "no verify held both slots' rows"
+    assert done_a.draft and done_b.draft
+
+
+# --- a draft model (draft-simple) -------------------------------------------------------------
+
+MODEL_SPEC = SpecConfig(("draft-simple",), always=True, draft_n_max=4)
+
+
+def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(tmp_path: Path) -> None:
+    """The default model drafting for itself: its own KV per slot, prefilled with the prompt as a
+    cold run does (again after the target's hit), its greedy tokens verified; the answers and
+    the drafts of a cold run, a live hit and a restored hit are the same."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    edge = (len(ids) - 1) // BATCH * BATCH
+    ref = _engine(name)
+    model = DraftModel.load(model_file(name), ref, GPU_LAYERS, 2)
+    try:
+        w = Worker(ref, MODEL_SPEC, model=model)
+        want, cold, _ = w.run("cold", ids)
+        w.stop()
+    finally:
+        model.close()
+        ref.close()
+    eng = _engine(name)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        eng.prefill(0, ids[:edge])
+        key = keys.CacheKey(b"k" * 16)
+        path, size, _ = store.write_state_file(tmp_path, key, b"f" * 16, ids[:edge],
+                                               eng.snapshot(0))
+        eng.truncate(0, 0)
+        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model)
+        again, first, _ = w.run("again", ids)
+        live, hit, _ = w.run("live", ids, replace(COLD, keep_max=edge, live_ok=True))
+        eng.truncate(0, 0)
+        restore = Restore(edge, bytes(key), str(path.relative_to(tmp_path)), size)
+        restored, disk, start = w.run("disk", ids,
+                                      Plan((restore,), (), edge, False, "hit", None, None))
+        assert start.restored == edge
+        w.stop()
+        assert eng.live_ids(0) == ids + restored[:-1]
+    finally:
+        model.close()
+        eng.close()
+    for run, got, done in (("cold again", again, first), ("live hit", live, hit),
+                           ("restored hit", restored, disk)):
+        assert (got, done.draft) == (want, cold.draft), f"the {run} differs from the cold run"
+    drafted = cold.draft["draft-simple"]
+    assert drafted["accepted"] > drafted["drafted"] // 2, drafted
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
+    eng = _engine("smollm2")
+    try:
+        with pytest.raises(ValueError) as e:
+            DraftModel.load(model_file("gemma3"), eng, GPU_LAYERS, 2)
+    finally:
+        eng.close()
+    assert "cannot draft for this model: its vocabulary" in str(e.value) \
+        and "\n" not in str(e.value), str(e.value)
