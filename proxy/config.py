@@ -461,12 +461,12 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         except ValueError as e:
             raise SystemExit(f"prefixgate: {e}") from None
     if cfg.n_ctx == 0:  # llama-server's -c 0: the context the model was trained with
+        from proxy.gguf import trained_ctx
+
         cfg = dataclasses.replace(cfg, n_ctx=trained_ctx(cfg.model_path))
-    if cfg.threads < 0 or cfg.threads_batch < 0:  # llama-server's -t -1: every core
-        cores = os.cpu_count() or 1
-        cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
-                                  threads_batch=cores if cfg.threads_batch < 0
-                                  else cfg.threads_batch)
+    cores = os.cpu_count() or 1  # llama-server's -t -1: every core
+    cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
+                              threads_batch=cores if cfg.threads_batch < 0 else cfg.threads_batch)
     from proxy.speculation import resolve
 
     cfg = resolve(cfg)
@@ -492,20 +492,3 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                          f"slot at least {MIN_SLOT_CTX} (-c is shared among the slots, as in "
                          "llama-server)")
     return cfg
-
-
-def trained_ctx(path: str) -> int:
-    """The context a GGUF model was trained with (`{arch}.context_length`, llama.cpp's
-    n_ctx_train), for -c 0; a file that does not say is one line."""
-    from proxy.gguf import GGUFError, read_metadata
-
-    try:
-        meta = read_metadata(path)
-    except (OSError, GGUFError) as e:
-        raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} "
-                         f"cannot be read: {getattr(e, 'strerror', None) or e}") from None
-    n = meta.get(f"{meta.get('general.architecture')}.context_length")
-    if not isinstance(n, int) or n <= 0:
-        raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} does "
-                         "not say it; give -c N")
-    return n

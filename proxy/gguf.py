@@ -257,3 +257,18 @@ def _read(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], _Reader, int]:
         (vtype,) = reader.unpack("I")
         metadata[key] = reader.value(vtype)
     return metadata, reader, n_tensors
+
+
+def trained_ctx(path: str) -> int:
+    """The context a GGUF model was trained with (`{arch}.context_length`, llama.cpp's
+    n_ctx_train), for -c 0; a file that does not say is one line."""
+    try:
+        meta = read_metadata(path)
+    except (OSError, GGUFError) as e:
+        raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} "
+                         f"cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    n = meta.get(f"{meta.get('general.architecture')}.context_length")
+    if not isinstance(n, int) or n <= 0:
+        raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} does "
+                         "not say it; give -c N")
+    return n

@@ -112,7 +112,13 @@ class Loop:
                 continue
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("step %s of tasks %s (clock %s)", step, tasks, self.clock)
-            results = self.runner.step(step, self.core)
+            try:
+                results = self.runner.step(step, self.core)
+            except Exception:  # a bug: the step's jobs fail, the loop (every other job) lives on
+                log.exception("the worker failed on a step (%s)", type(step).__name__)
+                slots = getattr(step, "slots", None) or (getattr(step, "slot", None),)
+                results = [Failed(s, "the worker failed on this job (its log says why)")
+                           for s in slots if isinstance(s, int) and s in self.core.jobs]
             self.clock = charge(self.clock, step,
                                 max((r.seconds for r in results if hasattr(r, "seconds")),
                                     default=0.0))

@@ -424,3 +424,34 @@ def test_auto_flash_attention_is_off_with_several_slots_on_a_cpu() -> None:
     assert computes["smollm2", 2, "f16"].endswith("; flash attention off")
     assert computes["smollm2", 2, "f16"] != computes["smollm2", 1, "f16"]
     assert "flash attention" not in computes["smollm2", 2, "q8_0"]
+
+
+def test_a_step_that_raises_fails_its_job_and_the_worker_serves_the_next() -> None:
+    """A bug in a step (here: a decode that raises what no engine call raises) fails that
+    step's job with an error; the loop lives on and the next job is served, as alone."""
+    name = MODELS[0]
+    p = _ids(name, SLOT_BATCH + 20, 5)
+    want = _alone(name, [p])[0]
+    eng = _engine(name, 1)
+    try:
+        w = Worker(eng)
+        decode, calls = eng.decode, []
+
+        def broken(tokens: dict[int, int]) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("a bug")
+            decode(tokens)
+
+        eng.decode = broken  # type: ignore[method-assign]
+        w.submit("bad", p, 0)
+        w.wait("bad", timeout_s=120)
+        assert type(w.of("bad")[-1]).__name__ == "Error"
+        eng.truncate(0, 0)
+        w.submit("good", p, 0)
+        w.wait("good", timeout_s=120)
+        w.stop()
+        assert isinstance(w.of("good")[-1], Done)
+        assert w.tokens("good") == want[1]
+    finally:
+        eng.close()
