@@ -66,7 +66,8 @@ def source_file() -> str:
     lines += ["", "def render_table(counts):",
               "    for level, n in sorted(counts.items()):",
               "        print(f'{level:<8} {n:>6}')", ""]
-    lines += ["", "def main():", "    render_table(merge_counts(load_rows(sys.argv[1])))"]
+    lines += ["", "def main():", "    render_table(merge_counts(load_rows(sys.argv[1])))", "",
+              "", "if __name__ == '__main__':", "    main()"]
     assert len(lines) == 42, len(lines)
     return "\n".join(lines) + "\n"
 

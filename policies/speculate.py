@@ -38,6 +38,10 @@ PRIOR_A worth PRIOR_TRIALS trials. Where even a draft that is always accepted ca
 model on a CPU, where a verify of k costs about k steps), nothing is drafted. After
 REJECT_RUN verifies in a row that accepted nothing, or a draft the rule turned down, the slot
 pauses for PAUSE_TOKENS generated tokens, doubled each time up to PAUSE_MAX, and tries again.
+After a turned-down draft, trying again is a probe: the next draft is verified as if the slot
+accepted PROBE_A of its tokens, so its acceptance is measured, not left at the prior that
+turned it down (at the prior alone, a type whose drafts would pay 2x was never verified once).
+A probe costs at most one verify per pause.
 
 Everything the rule reads but the cost depends on the request's tokens; the cost is the
 worker's start-up measurement, fixed for its life (backend.worker.speculation), so a cache hit
@@ -73,6 +77,7 @@ DECAY = 0.8  # weight of a slot's older verifies in its acceptance after each ne
 PRIOR_A, PRIOR_TRIALS = 0.5, 2.0  # its acceptance before any verify
 REJECT_RUN = 3  # verifies in a row that accepted nothing pause the slot
 PAUSE_TOKENS, PAUSE_MAX = 16, 256  # generated tokens a pause lasts, doubling
+PROBE_A = 0.8  # the acceptance a probe's length is chosen for
 
 
 def parse_types(value: str) -> tuple[str, ...]:
@@ -234,6 +239,7 @@ class Stats:
     rejects: int = 0  # verifies in a row that accepted nothing
     pause_until: int = 0  # no drafting before this many generated tokens
     pause: int = PAUSE_TOKENS  # the next pause's length
+    probe: bool = False  # a draft was turned down: the next, after the pause, is verified
 
     @property
     def acceptance(self) -> float:
@@ -256,15 +262,22 @@ def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen
         return 0, stats
     if cost is None:
         return n, stats
-    best, k = max((expected(stats.acceptance, k) / (cost.ratio(1 + k) + k * per_draft), k)
-                  for k in range(1, n + 1))
-    if best > 1 + MARGIN:
+
+    def best(a: float) -> tuple[float, int]:
+        return max((expected(a, k) / (cost.ratio(1 + k) + k * per_draft), k)
+                   for k in range(1, n + 1))
+    if stats.probe:
+        return best(PROBE_A)[1], replace(stats, probe=False)
+    pays, k = best(stats.acceptance)
+    if pays > 1 + MARGIN:
         return k, stats
-    return 0, (paused(stats, n_gen) if cost.can_pay(n, per_draft) else stats)
+    if not cost.can_pay(n, per_draft):
+        return 0, stats
+    return 0, replace(paused(stats, n_gen), probe=True)
 
 
 def paused(stats: Stats, n_gen: int) -> Stats:
-    """A draft the rule turned down: try again PAUSE tokens on, the next pause doubled."""
+    """Drafting stops for PAUSE tokens from now, the next pause doubled."""
     return replace(stats, pause_until=n_gen + stats.pause, pause=min(stats.pause * 2, PAUSE_MAX))
 
 

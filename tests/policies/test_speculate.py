@@ -130,7 +130,12 @@ def test_expected_tokens() -> None:
      Stats(hits=9.0, trials=10.0), 6, GPU, False, 0, (6, Stats(9.0, 10.0))),
     # 1 + 0.05 + ... tokens never pay 1.02 steps and the margin
     ("a slot that accepts little pauses", Stats(hits=0.1, trials=10.0), 6, GPU, False, 40,
-     (0, Stats(0.1, 10.0, pause_until=40 + PAUSE_TOKENS, pause=2 * PAUSE_TOKENS))),
+     (0, Stats(0.1, 10.0, pause_until=40 + PAUSE_TOKENS, pause=2 * PAUSE_TOKENS,
+               probe=True))),
+    # after a turned-down draft's pause, a probe: the draft verified as at acceptance 0.8, so
+    # the slot's acceptance is measured (at the prior alone a type never drafted once)
+    ("after the pause, a probe", Stats(0.1, 10.0, pause_until=56, pause=32, probe=True), 6,
+     GPU, False, 56, (6, Stats(0.1, 10.0, pause_until=56, pause=32))),
     ("while paused, nothing", Stats(pause_until=50), 6, GPU, False, 49,
      (0, Stats(pause_until=50))),
     ("a CPU where a row costs a step: nothing, never paused (nothing to learn)",
