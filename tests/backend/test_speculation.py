@@ -46,6 +46,16 @@ FILE = "\n".join(f"def step_{i}(state, value):\n    total = state.count + value 
                  f"    return total if total > {i * 3} else state.count" for i in range(14))
 
 
+def _stored(eng: Engine, ids: list[int], cache: Path) -> tuple[keys.CacheKey, Path, int]:
+    """ids prefilled cold in slot 0 and written to `cache` as a state file, the slot emptied
+    again: (its key, its path, its size)."""
+    eng.prefill(0, ids)
+    key = keys.CacheKey(b"k" * 16)
+    path, size, _ = store.write_state_file(cache, key, b"f" * 16, ids, eng.snapshot(0))
+    eng.truncate(0, 0)
+    return key, path, size
+
+
 def edit_ids(name: str) -> list[int]:
     """An edit-shaped prompt: a file, then the start of the same file again to continue."""
     vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
@@ -136,11 +146,7 @@ def test_every_hit_answers_as_its_cold_run_with_speculation_on(name: str, tmp_pa
             ref.close()
         eng = _engine(name)
         try:
-            eng.prefill(0, ids[:edge])
-            key = keys.CacheKey(b"k" * 16)
-            path, size, _ = store.write_state_file(tmp_path, key, b"f" * 16, ids[:edge],
-                                                   eng.snapshot(0))
-            eng.truncate(0, 0)
+            key, path, size = _stored(eng, ids[:edge], tmp_path)
             w = Worker(eng, SPEC, cache=tmp_path)
             again, first, _ = w.run("again", ids, sampling=sampling)
             live, hit, start = w.run("live", ids, replace(COLD, keep_max=edge, live_ok=True),
@@ -256,11 +262,7 @@ def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(tmp_path: Pa
     eng = _engine(name)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:
-        eng.prefill(0, ids[:edge])
-        key = keys.CacheKey(b"k" * 16)
-        path, size, _ = store.write_state_file(tmp_path, key, b"f" * 16, ids[:edge],
-                                               eng.snapshot(0))
-        eng.truncate(0, 0)
+        key, path, size = _stored(eng, ids[:edge], tmp_path)
         w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model)
         again, first, _ = w.run("again", ids)
         live, hit, _ = w.run("live", ids, replace(COLD, keep_max=edge, live_ok=True))
