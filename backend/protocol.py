@@ -379,8 +379,9 @@ def placement_note(p: Mapping[str, Any]) -> str:
     def gib(key: str) -> str:
         return f"{int(p.get(key, 0)) / 2**30:.2f} GiB"
     if not p.get("gpu_layers"):
+        batch = f"; {p['batch']}" if p.get("batch") else ""  # backend/worker/batch.py
         return (f"{p.get('backend', 'CPU')}: no layers on a GPU, weights {gib('weights_bytes')}"
-                f", KV and buffers {gib('ram_kv_bytes')} RAM")
+                f", KV and buffers {gib('ram_kv_bytes')} RAM{batch}")
     return (f"{p['backend']}: {p['gpu_layers']}/{p['layers']} layers on the GPU, weights "
             f"{gib('vram_weights_bytes')} VRAM + {gib('ram_weights_bytes')} RAM, KV and "
             f"buffers {gib('vram_kv_bytes')} VRAM + {gib('ram_kv_bytes')} RAM")

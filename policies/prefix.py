@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,13 +249,27 @@ def _end_positions(packed: bytes, ends: frozenset[int], start: int) -> list[int]
 
 
 GPU_BATCH, CPU_BATCH = 512, 128  # the batch size when none is set (backend.engine's rules)
+# a CPU worker with no -ub takes 512 only where a token prefills at least this much faster in
+# batches of 512 than of 128 (`choose_batch`)
+BATCH_GAIN = 1.08
 
 
 def default_batch(n_gpu_layers: int) -> int:
-    """512 where layers are offloaded (llama.cpp's usual batch); 128 on a CPU. With flash
-    attention (auto, the default) 128 prefills as fast as 512 on a CPU, and 64 gains nothing
-    from it: SmolLM2 on 2 AMD EPYC cores, 1.25-1.35x the tokens/s of 64 without flash
-    attention from 600 to 5.5K tokens, 512's within noise (`python -m bench.prefill_settings`,
-    bench/results/issue20/prefill-settings.md); and a hit re-evaluates at most 127 tokens, the
-    start-up self-check's probe is 4x shorter than at 512."""
+    """512 where layers are offloaded (llama.cpp's usual batch); 128 on a CPU until measured
+    (`choose_batch`; an engine made in a test, or with `-ub` given, keeps what it gets)."""
     return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH
+
+
+def choose_batch(token_s: Mapping[int, float]) -> int:
+    """A CPU worker's batch from the seconds a token took to prefill in batches of each size
+    (`backend.worker.batch` measures 128 and 512 once, on the user's model and cores). 128
+    puts batch edges 4x closer, so a hit re-prefills fewer tokens and the start-up check's
+    probe is 4x shorter; 512 is taken where it prefills at least `BATCH_GAIN` x as fast. The two
+    differ by machine, not by model: on 2 AMD EPYC cores (Zen 4) SmolLM2 prefilled as fast at
+    128 as at 512 (bench/results/issue20/prefill-settings.md); on 2 Intel Xeon cores with AMX
+    128 was 1.13-1.27x slower, and the agent team took 1.41x llama-server's wall at 128 against
+    1.10x at 512 (bench/results/issue41)."""
+    small, large = token_s.get(CPU_BATCH, 0.0), token_s.get(GPU_BATCH, 0.0)
+    if small > 0 and large > 0 and small >= BATCH_GAIN * large:
+        return GPU_BATCH
+    return CPU_BATCH

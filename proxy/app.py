@@ -162,7 +162,10 @@ async def props_json(app: web.Application) -> dict[str, Any]:
         "chat_template": gw.prompts.template.source,
         "build_info": f"prefixgate {_version('prefixgate')}, llama-cpp-python "
                       f"{_version('llama-cpp-python')}",
-        "ubatch_size": cfg.batch,
+        "ubatch_size": pool.batching.size,
+        # how the batch was chosen, where a CPU worker measured it (backend/worker/batch.py)
+        "ubatch_note": next((str(w.placement["batch"]) for w in pool.workers
+                             if "batch" in w.placement), ""),
         "exact": [{"worker": w.worker_id, "ok": w.exact, "failure": w.exact_failure,
                    "batch_decode": w.decode is not None and w.decode.shape != "apart",
                    "decode": w.decode.shape if w.decode is not None else None,

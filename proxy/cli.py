@@ -169,7 +169,7 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
                  "load_mode": cfg.load_mode, "lazy_mode": cfg.lazy_mode,
                  "repack": cfg.repack}  # backend/placement.py
     return WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
-                      cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.batch,
+                      cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.worker_batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
                       socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
                       cfg.cache_ram, cfg.shared_tier, cfg.deterministic, spec_config(cfg),

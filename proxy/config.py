@@ -103,7 +103,7 @@ class Config:
     swa_full: bool = True
     # tokens per prefill batch (llama.cpp's physical batch, -ub), and so the granularity of every
     # reuse and snapshot (a hit replays the cold run's batches, backend/engine.py); 0 = 512 with
-    # GPU layers, else 128 (policies.prefix.default_batch)
+    # GPU layers, else 128 or 512 as the first CPU worker measures (backend/worker/batch.py)
     ubatch_size: int = 0
     # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
     # off: trust it unchecked
@@ -214,8 +214,14 @@ class Config:
 
     @property
     def batch(self) -> int:
-        """The batch size in force (the workers and the cache key agree on it)."""
+        """The batch size in force until the workers say theirs (the cache keys take the first
+        worker's: proxy.workers.adopt_identity)."""
         return self.ubatch_size or default_batch(self.n_gpu_layers)
+
+    @property
+    def worker_batch(self) -> int:
+        """A worker's batch: as given, 512 with GPU layers, else 0 (measured: worker/batch.py)"""
+        return self.ubatch_size or (self.batch if self.n_gpu_layers != 0 else 0)
 
     @property
     def slot_ctx(self) -> int:

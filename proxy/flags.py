@@ -28,7 +28,7 @@ HELP = {
     "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
     "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
     "ubatch_size": f"tokens per prefill batch and the reuse granularity (0 = {GPU_BATCH} on a "
-                   f"GPU, else {CPU_BATCH})",
+                   f"GPU, else {CPU_BATCH} or {GPU_BATCH}, measured once)",
     "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",
     "disk_prefix_cache": "off | full | auto | auto:N | N",
     "volatile_patterns": "regex of volatile bytes to strip (repeatable)",

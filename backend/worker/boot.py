@@ -30,6 +30,8 @@ from backend.engine import Engine
 from backend.protocol import DecodeInfo, Loading, placement_note
 from backend.ramtier import RamTier
 from backend.shared import SharedTier
+from backend.worker.batch import engine as batched_engine
+from backend.worker.batch import key as measure_key
 from backend.worker.core import Core
 from backend.worker.draft_model import DraftModel
 from backend.worker.server import Worker
@@ -85,12 +87,19 @@ def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
 
 
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
-    """The worker's engine, as `serve` and `prefixgate doctor` load it."""
-    return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
-                  n_batch=spec.batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
-                  type_v=spec.type_v, swa_full=spec.swa_full,
-                  n_threads_batch=spec.threads_batch or None, placement=spec.placement,
-                  n_seq=spec.parallel, progress=progress)
+    """The worker's engine, as `serve` and `prefixgate doctor` load it; on a CPU with no batch
+    given, at the batch `backend.worker.batch` measures."""
+    def make(n_batch: int) -> Engine:
+        return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
+                      n_batch=n_batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
+                      type_v=spec.type_v, swa_full=spec.swa_full,
+                      n_threads_batch=spec.threads_batch or None, placement=spec.placement,
+                      n_seq=spec.parallel, progress=progress)
+    if spec.batch or spec.n_gpu_layers != 0:
+        return make(spec.batch)
+    settings = {"threads": spec.threads, "threads_batch": spec.threads_batch,
+                "slots": min(spec.parallel, 2), "placement": spec.placement}
+    return batched_engine(measure_key(spec.identity, settings), spec.worker_id, make)
 
 
 def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
@@ -165,7 +174,7 @@ class Boot:
         try:
             engine = load_engine(spec, self._progress)
             self.phase, self.progress = "self-check", 1.0
-            identity = replace(spec.identity, compute=engine.compute)
+            identity = replace(spec.identity, compute=engine.compute, batch=engine.n_batch)
             fingerprint = identity.fingerprint()
             key = verdict_key(spec, engine, fingerprint)
             checked, proof = exactness(engine, spec.worker_id, spec.exact_check, key)

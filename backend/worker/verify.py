@@ -30,17 +30,16 @@ needed to measure again: a changed setting, build or machine has another key.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from backend import measured
 from backend.engine import Engine
 from backend.sampling import Sampler
 from backend.worker.core import Core
@@ -138,32 +137,17 @@ def measure(eng: Engine, n_max: int) -> VerifyCost:
     return VerifyCost(tuple(rows), tuple(least[r] / one for r in rows))
 
 
-def _path(key: str) -> Path:
-    from backend.selfcheck import verdicts_dir
-
-    return verdicts_dir().parent / "speculation" / f"{key}.json"
-
-
 def _recall(key: str) -> VerifyCost | None:
+    data = measured.recall("speculation", key)
     try:
-        return VerifyCost.from_wire(json.loads(_path(key).read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as e:
-        log.warning("ignoring the remembered verify cost %s (%s): measuring again", _path(key), e)
+        return None if data is None else VerifyCost.from_wire(data)
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("ignoring the remembered verify cost (%s): measuring again", e)
         return None
 
 
 def _remember(key: str, cost: VerifyCost) -> None:
-    path = _path(key)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**cost.to_wire(), "measured_at": time.time()}))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("cannot remember the verify cost in %s (%s): every start measures",
-                    path.parent, e)
+    measured.remember("speculation", key, cost.to_wire())
 
 
 def _ratio_at(cost: VerifyCost, k: int) -> str:

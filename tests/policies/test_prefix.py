@@ -7,10 +7,12 @@ import random
 import pytest
 
 from policies.prefix import (
+    BATCH_GAIN,
     CHUNK_TOKENS,
     Batching,
     TokenIds,
     aligned,
+    choose_batch,
     common_prefix_len,
     keep_max,
     pack,
@@ -197,3 +199,19 @@ def test_batch_edges_resumed_from_a_recent_prompt_equal_a_fresh_walk() -> None:
         form = TokenIds(ids) if rng.random() < 0.5 else ids
         assert [p for p in range(len(ids) + 1) if p in b.edges(form)] == \
             reference_edges(ids, 64, {END})
+
+
+# --- a CPU worker's batch, from what it measured (issue 41) -------------------------------------
+
+@pytest.mark.parametrize(("token_s", "batch"), [
+    ({128: 1.00, 512: 1.00}, 128),  # equal (2 AMD EPYC cores): the finer edges
+    ({128: 1.07, 512: 1.00}, 128),  # within BATCH_GAIN: not worth edges 4x apart
+    ({128: 1.08, 512: 1.00}, 512),
+    ({128: 1.19, 512: 1.00}, 512),  # 2 Intel Xeon cores with AMX
+    ({128: 0.90, 512: 1.00}, 128),
+    ({128: 1.20}, 128), ({}, 128), ({128: 0.0, 512: 0.0}, 128),  # nothing measured
+])
+def test_a_cpu_takes_512_only_where_it_prefills_enough_faster(token_s: dict[int, float],
+                                                              batch: int) -> None:
+    assert BATCH_GAIN == 1.08
+    assert choose_batch(token_s) == batch
