@@ -74,7 +74,7 @@ import numpy as np
 from backend import layout
 from backend.context import DecodeShape, load
 from backend.sampling import Sampler, Sampling
-from policies.prefix import Batching, Edges, live_reuse
+from policies.prefix import FA_TILE, Batching, Edges, Padding, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -172,6 +172,9 @@ class Engine:
         # reuse, restores and snapshots at batch edges only (module rules): every n_batch
         # tokens, and early at the ends of turns
         self.batching = Batching(n_batch, frozenset(self.eog))
+        # which prefill batches are padded to a flash attention tile (the worker measures it
+        # where it pays: backend.worker.batch); none unless set
+        self.padding = Padding()
 
     def close(self) -> None:
         if self.ctx:
@@ -349,14 +352,15 @@ class Engine:
     # --- evaluation ------------------------------------------------------------------------
 
     def evaluate(self, rows: Sequence[Row], pads: Sequence[int] = (),
-                 every: Sequence[int] = ()) -> None:
+                 every: Sequence[int] = (), fill: int = 0) -> None:
         """Evaluate each row's tokens at its slot's next positions in one llama_decode, in the
         order of their sequence ids (llama.cpp runs a run of consecutive ids as one batch);
         logits for the last token of each row, and for every token of the slots in `every` (a
         verify). `pads`: slots given a padding row at their next position, removed after (a
-        `fixed` decode). `exact_n` is the caller's (`prefill_batch`): generated tokens are
-        never exact. A failed decode cuts each row's slot back to what it held (or, where the
-        memory cannot, none) and raises."""
+        `fixed` decode). `fill`: rows repeating the one row's last token after it, dropped
+        after (`policies.prefix.Padding`). `exact_n` is the caller's (`prefill_batch`):
+        generated tokens are never exact. A failed decode cuts each row's slot back to what it
+        held (or, where the memory cannot, none) and raises."""
         b, i, rows_of = self._batch, 0, {}
         entries = [*((self.seqs[s], t) for s, t in rows),
                    *((self.seqs[s], [rows[0][1][-1]]) for s in pads)]
@@ -370,6 +374,13 @@ class Engine:
             # a padding row's logits too: llama.cpp's output rows are part of the shape
             b.logits[i - 1] = 1
             rows_of[q.id] = list(range(i - len(tokens), i)) if want else [i - 1]
+        if fill:
+            assert len(rows) == 1 and not pads and not every
+            q, tokens = self.seqs[rows[0][0]], rows[0][1]
+            for j in range(len(tokens), len(tokens) + fill):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tokens[-1], q.n_live + j, 1, 0
+                b.seq_id[i][0] = q.id
+                i += 1
         assert i <= self.n_batch
         b.n_tokens = i
         rc = llama_cpp.llama_decode(self.ctx, b)
@@ -387,7 +398,8 @@ class Engine:
                     # where the memory cannot, start from none) so the invariant holds
                     self.truncate(s, start)
         finally:
-            kept = [s for s in pads  # their cell alone goes (`pads`)
+            dropped = [*pads, *([rows[0][0]] if fill and rc == 0 else [])]
+            kept = [s for s in dropped  # their cells alone go (`pads`, `fill`)
                     if not llama_cpp.llama_memory_seq_rm(self.mem, s, self.seqs[s].n_live, -1)]
         if kept:
             raise RuntimeError(f"llama.cpp kept the padding rows of slots {kept}")
@@ -399,7 +411,8 @@ class Engine:
         gives its edge), and count it exact."""
         q = self.seqs[slot]
         assert q.n_live < end <= len(ids) and q.n_live == q.exact_n, (q.n_live, end, q.exact_n)
-        self.evaluate([(slot, ids[q.n_live : end])])
+        fill = self.padding.rows(end - q.n_live, q.n_live) if self.n_batch >= FA_TILE else 0
+        self.evaluate([(slot, ids[q.n_live : end])], fill=fill)
         q.exact_n = q.n_live
 
     def decode(self, tokens: Mapping[int, int]) -> None:

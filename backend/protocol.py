@@ -379,7 +379,7 @@ def placement_note(p: Mapping[str, Any]) -> str:
     def gib(key: str) -> str:
         return f"{int(p.get(key, 0)) / 2**30:.2f} GiB"
     if not p.get("gpu_layers"):
-        batch = f"; {p['batch']}" if p.get("batch") else ""  # backend/worker/batch.py
+        batch = "".join(f"; {p[k]}" for k in ("batch", "padding") if p.get(k))  # worker/batch.py
         return (f"{p.get('backend', 'CPU')}: no layers on a GPU, weights {gib('weights_bytes')}"
                 f", KV and buffers {gib('ram_kv_bytes')} RAM{batch}")
     return (f"{p['backend']}: {p['gpu_layers']}/{p['layers']} layers on the GPU, weights "

@@ -80,6 +80,7 @@ from backend import layout
 from backend.context import DecodeShape
 from backend.engine import Engine
 from backend.keys import user_dir
+from policies.prefix import FA_TILE
 from policies.schedule import Proof
 
 log = logging.getLogger(__name__)
@@ -143,14 +144,20 @@ def random_ids(eng: Engine, n: int, seed: int) -> list[int]:
 def probe_ids(eng: Engine) -> list[int]:
     """Seeded ids, long enough for the checks (within the context), with an end-of-turn token
     a little past the start and past the first batch, so that batches end early there
-    (`policies.prefix.Batching`) and the edges are not all multiples of the batch size."""
+    (`policies.prefix.Batching`) and the edges are not all multiples of the batch size; where
+    the engine pads short batches, two more that leave a last batch it pads."""
     a = eng.batching.size
     window = eng.memory.n_swa if eng.memory.kind == "window" else 0
     n = min(max(3 * a, window + 2 * a) + a // 2 + 1, eng.n_ctx - 1)
+    pad = eng.padding  # its last batch one that is padded (policies.prefix.Padding)
+    tail = (pad.least + FA_TILE) // 2
+    if pad.least:
+        n = min(max(n, pad.past + a + tail + 1), eng.n_ctx - 1)
     ids = random_ids(eng, n, 19)
     ends = sorted(eng.batching.ends)
     if ends:
-        for p in (a // 4 + 1, a + a // 2 + 3):
+        for p in (a // 4 + 1, a + a // 2 + 3, *((n - tail - FA_TILE - 1, n - tail - 1)
+                                                  if pad.least else ())):
             if p < n - 1:
                 ids[p] = ends[0]
     return ids

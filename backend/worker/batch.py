@@ -1,18 +1,23 @@
-"""A CPU worker's prefill batch, where no `-ub` is given: measured once on the user's model and
-cores, 128 against 512 (`policies.prefix.choose_batch` chooses), and remembered for the next
-start (`backend.measured`, under a key of the model, the settings that change a prefill's speed,
-the build and the machine).
+"""What a CPU worker measures once on the user's model and cores before it serves, and remembers
+for the next start (`backend.measured`, under a key of the model, the settings that change a
+prefill's speed, the build and the machine):
 
-    engine(spec, make) -> Engine   the worker's engine at the batch in force, said in one line
-                                   and in its placement (the ready line, /props)
+- its prefill batch, where no `-ub` is given: 128 against 512 (`policies.prefix.choose_batch`);
+- with flash attention, which short prefill batches it pads to a tile of 64 rows
+  (`policies.prefix.Padding`, `choose_padding`).
 
-The measure: slot 0 prefilled with `DEPTH` seeded ids, then the same 512 more prefilled from
-there in four batches of 128 and in one of 512, the least of `REPS` runs each, in seconds per
-token. Depth matters: with flash attention on, 2 Intel Xeon cores prefilled SmolLM2 as fast at
-128 as at 512 at the start of a prompt, 1.13x slower 2K tokens in and 1.20x 4K in; with it off,
-as fast at any depth. It runs on an engine made at 512 (a 128-token batch fits it); where 128
-wins, the engine is made again at 128, so that its buffers are no larger than they need be.
-The self-check then proves exactness at the batch chosen, as at any other.
+    engine(name, worker_id, make, batch, types) -> Engine   the engine as measured, each
+                                   choice said in one line and in its placement (the ready
+                                   line, /props); the padding in its compute identity
+
+The measure: slot 0 prefilled with `DEPTH` seeded ids, then from there the same 512 ids in
+four batches of 128 and in one of 512, and batches of 16, 32, 48 and 64 rows, the least of
+`REPS` runs each. Depth matters: with flash attention on, 2 Intel Xeon cores prefilled SmolLM2
+as fast at 128 as at 512 at the start of a prompt, 1.13x slower 2K tokens in and 1.20x 4K in;
+with it off, 128 was as fast or faster at any depth. It runs on an
+engine made at 512 (where the batch is measured); where 128 wins, the engine is made again at
+128, so that its buffers are no larger than they need be. The self-check then proves
+exactness with the batch and padding chosen, as with any other.
 """
 
 from __future__ import annotations
@@ -26,73 +31,124 @@ from typing import Any
 from backend import measured, selfcheck
 from backend.engine import Engine
 from backend.keys import CacheIdentity
-from policies.prefix import CPU_BATCH, GPU_BATCH, choose_batch
+from policies.prefix import (
+    CPU_BATCH,
+    FA_TILE,
+    GPU_BATCH,
+    Padding,
+    choose_batch,
+    choose_padding,
+)
 
 log = logging.getLogger("prefixgate.worker")
 
 REPS = 2
-DEPTH = 2048  # tokens before the measured ones: agents' prompts are long, and the gap grows
+DEPTH = 2048  # tokens before the measured ones: agents' prompts are long, and the gaps grow
+PAD_ROWS = (16, 32, 48, FA_TILE)
 KIND = "batch"
+VERSION = 2  # of what is measured: another version measures again
 
 
-def measure(eng: Engine) -> dict[int, float]:
-    """Seconds per prefilled token in batches of 128 and of 512, `DEPTH` tokens into slot 0
-    (left empty); {} where the slot cannot be cut back to that depth (a recurrent state)."""
-    depth = max(min(DEPTH, eng.n_ctx - 2 * GPU_BATCH) // GPU_BATCH * GPU_BATCH, 0)
+def pads_here(eng: Engine, type_k: str, type_v: str) -> bool:
+    """Whether short batches may take ggml's tiled flash attention here: the attention computed
+    on the CPU with flash attention (on, or llama.cpp's auto, which takes it on a CPU), K and V
+    of one type the tiled kernel reads (f16, f32), a memory that can drop the padding's cells
+    again, and batches of a tile or more."""
+    return (eng.placement.get("gpu_layers") == 0 and eng.flash_attn in ("on", "auto")
+            and type_k == type_v and type_k in ("f16", "f32") and eng.pads
+            and eng.n_batch >= FA_TILE)
+
+
+def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
+    """{"depth", "token_s": seconds per prefilled token in batches of 128 and 512 (where
+    `batch`), "pad_s": seconds of a batch of each of PAD_ROWS rows (where `pad`)}, `depth`
+    tokens into slot 0, which is left empty; the parts that could not be measured (a state that
+    cannot be cut back) are left out."""
+    step = eng.n_batch
+    depth = max(min(DEPTH, eng.n_ctx - 2 * GPU_BATCH) // step * step, 0)
     ids = selfcheck.random_ids(eng, depth + GPU_BATCH, 11)
+    out: dict[str, Any] = {"depth": depth}
     least: dict[int, float] = {}
+
+    def timed(key: int, batches: list[list[int]]) -> bool:
+        if eng.truncate(0, depth) != depth:
+            return False
+        t = time.perf_counter()
+        for b in batches:
+            eng.evaluate([(0, b)])
+        dt = time.perf_counter() - t
+        least[key] = min(least.get(key, dt), dt)
+        return True
     try:
         eng.truncate(0, 0)
-        for i in range(0, depth, GPU_BATCH):
-            eng.evaluate([(0, ids[i:i + GPU_BATCH])])
+        for i in range(0, depth, step):
+            eng.evaluate([(0, ids[i:i + step])])
         eng.evaluate([(0, ids[depth:depth + CPU_BATCH])])  # the graph of 128 built once
         for _ in range(REPS):
-            for size in (CPU_BATCH, GPU_BATCH):
-                if eng.truncate(0, depth) != depth:
-                    return {}
-                t = time.perf_counter()
-                for i in range(depth, depth + GPU_BATCH, size):
-                    eng.evaluate([(0, ids[i:i + size])])
-                dt = (time.perf_counter() - t) / GPU_BATCH
-                least[size] = min(least.get(size, dt), dt)
+            for size in (CPU_BATCH, GPU_BATCH) if batch and step >= GPU_BATCH else ():
+                if not timed(size, [ids[i:i + size] for i in range(depth, depth + GPU_BATCH,
+                                                                   size)]):
+                    return out
+        if least:
+            out["token_s"] = {k: v / GPU_BATCH for k, v in least.items()}
+        least = {}
+        for _ in range(REPS):
+            for n in PAD_ROWS if pad else ():
+                if not timed(n, [ids[depth:depth + n]]):
+                    return out
+        if least:
+            out["pad_s"] = dict(least)
     finally:
         eng.truncate(0, 0)
-    return least
+    return out
 
 
 def key(identity: CacheIdentity, settings: Mapping[str, Any]) -> str:
     """The measure's name: the model file and KV settings (the cache identity without its
-    batch), the worker's `settings` that change a prefill's speed (threads, where the weights
-    go, whether flash attention may be turned off for several slots), the build and the
-    machine (`selfcheck.verdict_key`)."""
+    batch), the worker's `settings` that change a prefill's speed (the batch given, threads,
+    where the weights go, whether flash attention may be turned off for several slots), the
+    build and the machine (`selfcheck.verdict_key`)."""
     identity = dataclasses.replace(identity, batch=0, compute="")
-    return selfcheck.verdict_key(identity.fingerprint(), {"measure": KIND, **settings})
+    return selfcheck.verdict_key(identity.fingerprint(), {"measure": KIND, "version": VERSION,
+                                                       **settings})
 
 
-def engine(name: str, worker_id: int, make: Callable[[int], Engine]) -> Engine:
-    """The engine at the batch measured (or remembered under `name`), with the choice said."""
+def _seconds(d: Any) -> dict[int, float]:
+    return {int(k): float(v) for k, v in d.items()} if isinstance(d, dict) else {}
+
+
+def engine(name: str, worker_id: int, make: Callable[[int], Engine], batch: int,
+           types: tuple[str, str]) -> Engine:
+    """The engine at the batch given or measured, with the padding measured where it may pay
+    (or both remembered under `name`), each choice said."""
     kept = measured.recall(KIND, name)
-    try:
-        token_s = {int(k): float(v) for k, v in kept["token_s"].items()} if kept else None
-    except (KeyError, TypeError, ValueError, AttributeError):
-        token_s = None
     eng, when = None, "remembered"
-    if token_s is None:
-        eng = make(GPU_BATCH)
+    if kept is None:
+        eng = make(batch or GPU_BATCH)
         t = time.perf_counter()
-        token_s = measure(eng)
+        kept = measure(eng, not batch, pads_here(eng, *types))
         when = f"measured at start in {time.perf_counter() - t:.1f} s"
-        measured.remember(KIND, name, {"token_s": token_s})
-    size = choose_batch(token_s)
+        measured.remember(KIND, name, kept)
+    token_s, pad_s = _seconds(kept.get("token_s")), _seconds(kept.get("pad_s"))
+    size = batch or choose_batch(token_s)
     if eng is not None and eng.n_batch != size:
         eng.close()
         eng = None
     eng = eng or make(size)
-    small, large = token_s.get(CPU_BATCH, 0.0), token_s.get(GPU_BATCH, 0.0)
-    speed = (f"{DEPTH} tokens into a prompt a token prefills {small / large:.2f}x as fast in "
-             f"batches of {GPU_BATCH} as of {CPU_BATCH}" if small > 0 and large > 0 else
-             "not measured: this model's state cannot be cut back")
-    note = (f"prefill batch {size} on this CPU ({speed}, {when}; -ub sets it)")
-    eng.placement["batch"] = note
-    log.info("worker %d: %s", worker_id, note)
+    depth = int(kept.get("depth", 0))
+    if not batch:
+        small, large = token_s.get(CPU_BATCH, 0.0), token_s.get(GPU_BATCH, 0.0)
+        speed = (f"{depth} tokens into a prompt a token prefills {small / large:.2f}x as fast in "
+                 f"batches of {GPU_BATCH} as of {CPU_BATCH}" if small > 0 and large > 0 else
+                 "not measured: this model's state cannot be cut back")
+        eng.placement["batch"] = f"prefill batch {size} on this CPU ({speed}, {when}; -ub sets it)"
+        log.info("worker %d: %s", worker_id, eng.placement["batch"])
+    if pads_here(eng, *types):
+        eng.padding = choose_padding(pad_s, depth) if size >= FA_TILE else Padding()
+        if eng.padding.least:
+            eng.compute += f"; {eng.padding}"  # other bits than unpadded: other cache keys
+        shown = ", ".join(f"{n} rows {s * 1000:.0f} ms" for n, s in sorted(pad_s.items()))
+        eng.placement["padding"] = (f"{eng.padding or 'no flash attention batch padded'} ("
+                                    f"{depth} tokens in: {shown or 'not measured'}; {when})")
+        log.info("worker %d: %s", worker_id, eng.placement["padding"])
     return eng

@@ -30,7 +30,7 @@ from backend.engine import Engine
 from backend.protocol import DecodeInfo, Loading, placement_note
 from backend.ramtier import RamTier
 from backend.shared import SharedTier
-from backend.worker.batch import engine as batched_engine
+from backend.worker.batch import engine as measured_engine
 from backend.worker.batch import key as measure_key
 from backend.worker.core import Core
 from backend.worker.draft_model import DraftModel
@@ -87,19 +87,20 @@ def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
 
 
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
-    """The worker's engine, as `serve` and `prefixgate doctor` load it; on a CPU with no batch
-    given, at the batch `backend.worker.batch` measures."""
+    """The worker's engine, as `serve` and `prefixgate doctor` load it; on a CPU, at the batch
+    and flash attention padding `backend.worker.batch` measures (where not given)."""
     def make(n_batch: int) -> Engine:
         return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
                       n_batch=n_batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
                       type_v=spec.type_v, swa_full=spec.swa_full,
                       n_threads_batch=spec.threads_batch or None, placement=spec.placement,
                       n_seq=spec.parallel, progress=progress)
-    if spec.batch or spec.n_gpu_layers != 0:
-        return make(spec.batch)
-    settings = {"threads": spec.threads, "threads_batch": spec.threads_batch,
+    if spec.n_gpu_layers != 0 or (spec.batch and spec.flash_attn == "off"):
+        return make(spec.batch)  # nothing to measure
+    settings = {"batch": spec.batch, "threads": spec.threads, "threads_batch": spec.threads_batch,
                 "slots": min(spec.parallel, 2), "placement": spec.placement}
-    return batched_engine(measure_key(spec.identity, settings), spec.worker_id, make)
+    return measured_engine(measure_key(spec.identity, settings), spec.worker_id, make,
+                           spec.batch, (spec.type_k, spec.type_v))
 
 
 def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:

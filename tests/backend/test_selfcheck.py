@@ -5,10 +5,14 @@ state flipped, PREFIXGATE_FAULT=restore-bit) is caught, named by cache, layer an
 
 from __future__ import annotations
 
+from typing import Any
+
+import llama_cpp
 import pytest
 
 from backend import selfcheck
 from backend.engine import Engine
+from policies.prefix import FA_TILE, Padding
 from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MODELS, model_file
 
 pytestmark = pytest.mark.model
@@ -62,3 +66,32 @@ def test_a_real_window_is_refused_by_rule() -> None:
     eng.close()
     assert not report.ok and report.rows[0].check == "configuration"
     assert "--swa-full" in report.failure
+
+
+def test_padded_short_batches_are_replayed_exactly() -> None:
+    """Flash attention batches of 16-63 rows padded to a tile of 64 (policies.prefix.Padding,
+    issue 41): the padding's cells are dropped after each step, and the self-check's cold run,
+    cut-back and restores, each padding the same batches, agree bit for bit."""
+    eng = Engine(model_file("smollm2"), 4096, 2, GPU_LAYERS, n_batch=BATCH, flash_attn="on")
+    eng.padding = Padding(16, 0)
+    ids = selfcheck.probe_ids(eng)
+    edges = eng.batching.edges(ids)
+    assert 16 <= len(ids) - edges.floor(len(ids) - 1) < FA_TILE  # its last batch is padded
+    fills: list[int] = []
+    evaluate = eng.evaluate
+
+    def spy(rows: Any, pads: Any = (), every: Any = (), fill: int = 0) -> None:
+        fills.append(fill)
+        evaluate(rows, pads, every, fill)
+    eng.evaluate = spy  # type: ignore[method-assign]
+    eng.prefill(0, ids)
+    assert eng.seqs[0].n_live == len(ids)
+    assert llama_cpp.llama_memory_seq_pos_max(eng.mem, 0) == len(ids) - 1  # no padding cell
+    cuts = [0, *sorted(edges.down(len(ids) - 1, 0)), len(ids)]
+    sizes = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert fills == [FA_TILE - n if 16 <= n < FA_TILE else 0 for n in sizes]
+    assert any(fills)
+    eng.truncate(0, 0)
+    report = selfcheck.run(eng)
+    eng.close()
+    assert report.ok, report.failure

@@ -9,10 +9,13 @@ import pytest
 from policies.prefix import (
     BATCH_GAIN,
     CHUNK_TOKENS,
+    FA_TILE,
     Batching,
+    Padding,
     TokenIds,
     aligned,
     choose_batch,
+    choose_padding,
     common_prefix_len,
     keep_max,
     pack,
@@ -215,3 +218,26 @@ def test_a_cpu_takes_512_only_where_it_prefills_enough_faster(token_s: dict[int,
                                                               batch: int) -> None:
     assert BATCH_GAIN == 1.08
     assert choose_batch(token_s) == batch
+
+
+# --- flash attention batches padded to a tile (issue 41) ----------------------------------------
+
+def test_a_padding_takes_the_short_batches_past_its_position() -> None:
+    pad = Padding(16, 2048)
+    assert FA_TILE == 64
+    assert [pad.rows(n, 2048) for n in (1, 15, 16, 40, 63, 64, 300)] == [0, 0, 48, 24, 1, 0, 0]
+    assert pad.rows(40, 2047) == 0 and pad.rows(40, 9000) == 24  # before its position: not
+    assert Padding().rows(40, 9000) == 0 and str(Padding()) == ""
+    assert str(pad) == "flash attention batches of 16-63 rows from position 2048 padded to 64"
+
+
+@pytest.mark.parametrize(("seconds", "least"), [
+    # 2 Intel Xeon cores, SmolLM2, flash attention on, 2K tokens in (ms): from 16 rows
+    ({16: 0.402, 32: 0.820, 48: 1.220, 64: 0.379}, 16),
+    ({16: 0.251, 32: 0.465, 48: 0.700, 64: 0.272}, 32),  # 1K tokens in: from 32
+    ({16: 0.054, 32: 0.100, 48: 0.150, 64: 0.177}, 0),  # at the start: never
+    ({16: 0.2, 32: 0.4, 48: 0.6}, 0), ({}, 0),  # the tile not measured: never
+])
+def test_the_padding_starts_where_a_short_batch_costs_a_tile(seconds: dict[int, float],
+                                                             least: int) -> None:
+    assert choose_padding(seconds, 2048) == (Padding(least, 2048) if least else Padding())
