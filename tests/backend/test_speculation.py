@@ -85,9 +85,9 @@ class Worker:
         self.decodes: list[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = []
         evaluate = eng.evaluate
 
-        def recorded(rows, pads=(), every=()):  # type: ignore[no-untyped-def]
+        def recorded(rows, pads=(), every=(), fill=0):  # type: ignore[no-untyped-def]
             self.decodes.append((tuple((s, len(t)) for s, t in rows), tuple(every)))
-            return evaluate(rows, pads, every)
+            return evaluate(rows, pads, every, fill)
 
         eng.evaluate = recorded  # type: ignore[method-assign]
         self.loop = Loop(eng, core, tiers, shapes, self._emit)
