@@ -364,6 +364,8 @@ class Engine:
         b, i, rows_of = self._batch, 0, {}
         entries = [*((self.seqs[s], t) for s, t in rows),
                    *((self.seqs[s], [rows[0][1][-1]]) for s in pads)]
+        # checked before a row is written: llama.cpp's batch holds n_batch rows, no more
+        assert sum(len(t) for _, t in entries) + fill <= self.n_batch, "more rows than a batch"
         for q, tokens in sorted(entries, key=lambda e: e[0].id):
             assert tokens and q.n_live + len(tokens) <= self.n_ctx
             want = q.id in every
@@ -381,7 +383,6 @@ class Engine:
                 b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tokens[-1], q.n_live + j, 1, 0
                 b.seq_id[i][0] = q.id
                 i += 1
-        assert i <= self.n_batch
         b.n_tokens = i
         rc = llama_cpp.llama_decode(self.ctx, b)
         self._logits_rows = {}

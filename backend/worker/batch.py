@@ -64,7 +64,10 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
     `batch`), "pad_s": seconds of a batch of each of PAD_ROWS rows (where `pad`)}, `depth`
     tokens into slot 0, which is left empty; the parts that could not be measured (a state that
     cannot be cut back) are left out."""
-    step = eng.n_batch
+    batch, step = batch and eng.n_batch >= GPU_BATCH, eng.n_batch
+    pad = pad and step >= FA_TILE
+    if not batch and not pad:
+        return {}
     depth = max(min(DEPTH, eng.n_ctx - 2 * GPU_BATCH) // step * step, 0)
     ids = selfcheck.random_ids(eng, depth + GPU_BATCH, 11)
     out: dict[str, Any] = {"depth": depth}
@@ -83,9 +86,10 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
         eng.truncate(0, 0)
         for i in range(0, depth, step):
             eng.evaluate([(0, ids[i:i + step])])
-        eng.evaluate([(0, ids[depth:depth + CPU_BATCH])])  # the graph of 128 built once
+        if batch:
+            eng.evaluate([(0, ids[depth:depth + CPU_BATCH])])  # the graph of 128 built once
         for _ in range(REPS):
-            for size in (CPU_BATCH, GPU_BATCH) if batch and step >= GPU_BATCH else ():
+            for size in (CPU_BATCH, GPU_BATCH) if batch else ():
                 if not timed(size, [ids[i:i + size] for i in range(depth, depth + GPU_BATCH,
                                                                    size)]):
                     return out
@@ -125,6 +129,8 @@ def engine(name: str, worker_id: int, make: Callable[[int], Engine], batch: int,
     eng, when = None, "remembered"
     if kept is None:
         eng = make(batch or GPU_BATCH)
+        if batch and not pads_here(eng, *types):
+            return eng  # nothing to measure
         t = time.perf_counter()
         kept = measure(eng, not batch, pads_here(eng, *types))
         when = f"measured at start in {time.perf_counter() - t:.1f} s"

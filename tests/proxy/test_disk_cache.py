@@ -16,6 +16,7 @@ import pytest
 from backend import store
 from backend.engine import Engine
 from backend.index import Index
+from backend.worker.tiers import WRITE_REST_S
 from tests.conftest import N_CTX, Server, running
 from tests.models import BATCH, reusable
 
@@ -49,9 +50,10 @@ def convo(question: str, history: int = 0) -> list[dict]:
 
 
 def entries(cache_dir: Path, until: Callable[[list], bool] = lambda found: True) -> list:
-    """The index's entries; waits (briefly) for `until`, since saves commit in the background
-    once each file is durable, possibly after the response."""
-    deadline = time.time() + 10
+    """The index's entries; waits for `until`, since saves commit in the background once each
+    file is durable, possibly after the response: on a CPU a file waits up to WRITE_REST_S for
+    the compute thread to rest before it is written (CI saw a commit come past 10 s)."""
+    deadline = time.time() + WRITE_REST_S + 10
     while True:
         with Index(cache_dir) as index:
             found = [e for _, e in index.entries()]
