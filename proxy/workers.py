@@ -422,7 +422,10 @@ class Pool:
             w.session = w.new_session()
             self.workers.append(w)
         try:
-            if self.cfg.worker_batch == 0:  # the first measures the batch, the rest take it
+            if self.cfg.n_gpu_layers == 0 and (self.cfg.worker_batch == 0
+                                               or self.cfg.flash_attn != "off"):
+                # the first measures its batch and padding (backend/worker/batch.py) and
+                # remembers them; the others, and a worker restarted later, recall them
                 await self._spawn(self.workers[0])
             await asyncio.gather(*(self._spawn(w) for w in self.workers if not w.ready))
         except BaseException:
@@ -601,9 +604,6 @@ class Pool:
             if changed:
                 log.info("the cache keys take %s's settings: %s", w.name, "; ".join(changed))
             self.identity = adopted
-            if not self.cfg.worker_url and self.cfg.worker_batch == 0:
-                # the batch it measured: every other worker (and this one, restarted) gets it
-                self.cfg = dataclasses.replace(self.cfg, ubatch_size=adopted.batch)
         w.n_ctx, w.fingerprint = h.n_ctx, h.fingerprint
         w.memory, w.batching = h.memory, Batching(h.align, frozenset(h.batch_ends))
         w.exact, w.exact_failure, w.decode = h.exact, h.exact_failure, h.decode
