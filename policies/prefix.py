@@ -260,6 +260,13 @@ def default_batch(n_gpu_layers: int) -> int:
     return GPU_BATCH if n_gpu_layers != 0 else CPU_BATCH
 
 
+def measured_at_start(n_gpu_layers: int, batch: int, flash_attn: str) -> bool:
+    """Whether a worker measures before it serves (`backend.worker.batch`): on a CPU, its batch
+    where none is given, and the flash attention padding where flash attention may be on. The
+    proxy starts the first such worker alone, and the others recall what it measured."""
+    return n_gpu_layers == 0 and (not batch or flash_attn != "off")
+
+
 def choose_batch(token_s: Mapping[int, float]) -> int:
     """A CPU worker's batch from the seconds a token took to prefill in batches of each size
     (`backend.worker.batch` measures 128 and 512 once, on the user's model and cores). 128

@@ -61,7 +61,7 @@ from backend.protocol import (
 )
 from backend.redact import redact_url
 from policies.costs import Costs
-from policies.prefix import Batching, common_prefix_len, live_reuse
+from policies.prefix import Batching, common_prefix_len, live_reuse, measured_at_start
 from policies.router import SlotView, choose_slot
 from proxy.config import Config, worker_argv
 from proxy.errors import QueueFull, WorkerFailed
@@ -422,10 +422,8 @@ class Pool:
             w.session = w.new_session()
             self.workers.append(w)
         try:
-            if self.cfg.n_gpu_layers == 0 and (self.cfg.worker_batch == 0
-                                               or self.cfg.flash_attn != "off"):
-                # the first measures its batch and padding (backend/worker/batch.py) and
-                # remembers them; the others, and a worker restarted later, recall them
+            if measured_at_start(self.cfg.n_gpu_layers, self.cfg.worker_batch,
+                                 self.cfg.flash_attn):  # the others recall what it measured
                 await self._spawn(self.workers[0])
             await asyncio.gather(*(self._spawn(w) for w in self.workers if not w.ready))
         except BaseException:

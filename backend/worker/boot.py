@@ -37,6 +37,7 @@ from backend.worker.draft_model import DraftModel
 from backend.worker.server import Worker
 from backend.worker.tiers import Tiers
 from backend.worker.verify import cost_key, resolve
+from policies.prefix import measured_at_start
 from policies.schedule import Deterministic, Proof, Shapes, choose_decode
 from policies.speculate import SpecConfig
 
@@ -95,8 +96,8 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
                       type_v=spec.type_v, swa_full=spec.swa_full,
                       n_threads_batch=spec.threads_batch or None, placement=spec.placement,
                       n_seq=spec.parallel, progress=progress)
-    if spec.n_gpu_layers != 0 or (spec.batch and spec.flash_attn == "off"):
-        return make(spec.batch)  # nothing to measure
+    if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
+        return make(spec.batch)
     settings = {"batch": spec.batch, "threads": spec.threads, "threads_batch": spec.threads_batch,
                 "slots": min(spec.parallel, 2), "placement": spec.placement}
     return measured_engine(measure_key(spec.identity, settings), spec.worker_id, make,

@@ -13,7 +13,7 @@ import pytest
 from backend import selfcheck
 from backend.engine import Engine
 from policies.prefix import FA_TILE, Padding
-from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+from tests.models import BATCH, FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
@@ -68,11 +68,13 @@ def test_a_real_window_is_refused_by_rule() -> None:
     assert "--swa-full" in report.failure
 
 
-def test_padded_short_batches_are_replayed_exactly() -> None:
+@pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
+def test_padded_short_batches_are_replayed_exactly(name: str) -> None:
     """Flash attention batches of 16-63 rows padded to a tile of 64 (policies.prefix.Padding,
     issue 41): the padding's cells are dropped after each step, and the self-check's cold run,
-    cut-back and restores, each padding the same batches, agree bit for bit."""
-    eng = Engine(model_file("smollm2"), 4096, 2, GPU_LAYERS, n_batch=BATCH, flash_attn="on")
+    cut-back and restores, each padding the same batches, agree bit for bit. Not on a recurrent
+    model, whose state cannot drop the padding's cells (the worker never pads one)."""
+    eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, n_batch=BATCH, flash_attn="on")
     eng.padding = Padding(16, 0)
     ids = selfcheck.probe_ids(eng)
     edges = eng.batching.edges(ids)
