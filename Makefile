@@ -178,16 +178,19 @@ synth: $(STAMP)
 overhead: $(BENCH_STAMP)
 	$(BIN)/python -m bench.overhead
 
-# the proxy's cost per request before and after (issue 23): BASE's build in a git worktree and
-# this tree, measured alternately by the same harness: make overhead-compare [BASE=783a131]
+LLAMA_SERVER := build/llama-server/build/bin/llama-server
+
+# prompt preparation against llama-server's /apply-template + /tokenize, side by side (issue
+# 46); with BASE=commit, the proxy's cost per request before and after instead (issue 23):
+# BASE's build in a git worktree and this tree, measured alternately by the same harness
 .PHONY: overhead-compare
-overhead-compare: $(BENCH_STAMP)
-	$(BIN)/python -m bench.overhead_compare $(if $(BASE),--base $(BASE))
+overhead-compare: $(BENCH_STAMP) $(if $(BASE),,$(LLAMA_SERVER))
+	$(if $(BASE),$(BIN)/python -m bench.overhead_compare --base $(BASE),\
+		$(BIN)/python -m bench.overhead_peer --llama-server $(LLAMA_SERVER))
 
 # several sessions on one model copy (issue 20): the agent-team replay against llama-server -np 3
 # (built here from the llama.cpp sources the llama-cpp-python sdist vendors, the engine's own
 # llama.cpp; about 25 min on 2 cores, once), batched versus solo decode, RAM vs disk vs prefill
-LLAMA_SERVER := build/llama-server/build/bin/llama-server
 .PHONY: bench-team bench-slots
 $(LLAMA_SERVER): | $(BIN)/python
 	rm -rf build/llama-server && mkdir -p build/llama-server
