@@ -180,6 +180,12 @@ overhead: $(BENCH_STAMP)
 
 LLAMA_SERVER := build/llama-server/build/bin/llama-server
 
+# one request must not stall everyone (issue 46): a short chat's time to first token while
+# another client sends the heaviest /tokenize, /apply-template and /detokenize the bounds allow
+.PHONY: bench-stall
+bench-stall: $(BENCH_STAMP)
+	$(BIN)/python -m bench.stall
+
 # prompt preparation against llama-server's /apply-template + /tokenize, side by side (issue
 # 46); with BASE=commit, the proxy's cost per request before and after instead (issue 23):
 # BASE's build in a git worktree and this tree, measured alternately by the same harness

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from proxy.chat import ChatRequest
 from proxy.config import default_model
 from proxy.errors import TextTooLong
+from proxy.gateway import RENDER_NICE
 from proxy.prompt import PromptBuilder
 from tests.conftest import N_CTX, Server
 
@@ -89,3 +91,24 @@ def test_the_bound_never_refuses_what_fits(builder: PromptBuilder) -> None:
         builder.render(ChatRequest("openai", ({"role": "user", "content": text},)), n + 64)
     with pytest.raises(TextTooLong):
         builder.check_text(N_CTX * builder.max_token_chars, N_CTX)
+
+
+def nice_of(pid: int, tid: int) -> int:
+    """A thread's nice value (/proc: the 19th field of its stat, after the command's name)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_preparation_yields_the_cpu_to_the_workers(server: Server) -> None:
+    """The render thread (every request's parse, render and tokenization) runs below the
+    proxy's other threads and the workers: on 2 cores, a core taken from one of llama.cpp's
+    threads stops them all at the next barrier (bench/results/issue46/stall.md)."""
+    assert post(server, "/tokenize", {"content": "hello"})[0] == 200  # the thread exists
+    pid = server.proc.pid
+    threads = {int(t.name): (t / "comm").read_text().strip()
+               for t in Path(f"/proc/{pid}/task").iterdir()}
+    render = [tid for tid, name in threads.items() if name.startswith("render")]
+    assert len(render) == 1, threads
+    assert nice_of(pid, render[0]) == min(19, nice_of(pid, pid) + RENDER_NICE)
+    workers = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    assert workers and all(nice_of(w, w) == nice_of(pid, pid) for w in workers)
