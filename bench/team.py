@@ -27,9 +27,11 @@ once without measuring each other):
 Reported per arm: wall time, TTFT p50/p95 per request class (main, subagent, background),
 fresh prefill tokens (prefixgate: prompt minus cached; llama-server: its `timings.prompt_n`),
 peak RSS of the server's process tree (sampled every 0.1 s), and for prefixgate where each main
-turn's cache came from (it must never be the disk because of a background request). The peak
-RSS is compared with the model file plus its KV (slot-ctx x 3 tokens x the bytes per token
-llama.cpp reports) plus 20%.
+turn's cache came from (it must never be the disk because of a background request). The
+worker's peak RSS less the states it held in RAM at the same sample (its RAM tier and the
+snapshots queued for their files, read from its own /health: what `--cache-ram` budgets, as
+llama-server's does) is compared with the model file plus its KV (slot-ctx x 3 tokens x the
+bytes per token llama.cpp reports) plus 20%.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -148,6 +151,10 @@ class Server:
     peak_rss: int = 0
     peak_children_rss: int = 0  # the workers, without the proxy process
     peak_children_anon: int = 0  # of it, their own memory (not pages of a mapped file)
+    # the workers' RSS less the states they hold in RAM at that moment (the RAM tier's entries
+    # and the snapshots queued for their files: --cache-ram's budget), the worst sample
+    peak_children_unheld: int = 0
+    peak_held: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self, ready_path: str = "/health", timeout_s: float = 600) -> float:
@@ -167,10 +174,13 @@ class Server:
 
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc is not None:
+            held = sum(held_bytes(p) for p in tree(self.proc.pid) if p != self.proc.pid)
             (rss, anon), (own, own_anon) = tree_rss(self.proc.pid), tree_rss(self.proc.pid, False)
             self.peak_rss = max(self.peak_rss, rss)
             self.peak_children_rss = max(self.peak_children_rss, rss - own)
             self.peak_children_anon = max(self.peak_children_anon, anon - own_anon)
+            self.peak_children_unheld = max(self.peak_children_unheld, rss - own - held)
+            self.peak_held = max(self.peak_held, held)
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -204,6 +214,28 @@ def tree_cpu(pid: int, children: bool = True) -> float:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
+
+
+def held_bytes(pid: int) -> int:
+    """The bytes of states a prefixgate worker process holds in RAM (its RAM tier's entries and
+    the snapshots queued for their files), from its own /health on its socket; 0 for any other
+    process."""
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"worker" not in args or b"--socket" not in args:
+            return 0
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(2.0)
+        sock.connect(args[args.index(b"--socket") + 1].decode())
+        conn = http.client.HTTPConnection("localhost")
+        conn.sock = sock
+        try:
+            conn.request("GET", "/health")
+            info = json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+        return int(info["cache_ram"]["used_bytes"]) + int(info["writes"]["queued_bytes"])
+    return 0
 
 
 def tree_rss(pid: int, children: bool = True) -> tuple[int, int]:
@@ -367,6 +399,8 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         "peak_workers_rss_mib": round(srv.peak_children_rss / 2**20, 1),
         "peak_workers_anon_mib": round(srv.peak_children_anon / 2**20, 1),
         "ram_tier_mib_at_end": round(ram_bytes / 2**20, 1),
+        "peak_workers_unheld_mib": round(srv.peak_children_unheld / 2**20, 1),
+        "peak_held_mib": round(srv.peak_held / 2**20, 1),
         "ttft": {c: {"p50": round(pct([r.ttft_s for r in rs], 0.5), 3),
                      "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
                  for c, rs in by.items()},
@@ -499,10 +533,11 @@ def main(argv: list[str] | None = None) -> None:
     for a in results:
         if a["arm"] == "slots":
             a["rss_bound_mib"] = round((model_mib + kv) * 1.2, 1)
-            worker = a["peak_workers_rss_mib"] - a["ram_tier_mib_at_end"]
-            checks.append(f"slots: the worker's peak RSS {a['peak_workers_rss_mib']:.0f} MiB, "
-                          f"of which the RAM tier held {a['ram_tier_mib_at_end']:.0f} MiB at the "
-                          f"end; without it {worker:.0f} MiB "
+            worker = a["peak_workers_unheld_mib"]
+            checks.append(f"slots: the worker's peak RSS {a['peak_workers_rss_mib']:.0f} MiB; "
+                          f"less the states it held in RAM at the same moment (its RAM tier and "
+                          f"the snapshots queued for their files, at most "
+                          f"{a['peak_held_mib']:.0f} MiB), at most {worker:.0f} MiB "
                           f"{'<=' if worker <= a['rss_bound_mib'] else '>'} model + KV of 3 slots "
                           f"+ 20% = {a['rss_bound_mib']:.0f} MiB (the model {model_mib:.0f} MiB,"
                           f" the KV {kv:.0f} MiB); its own memory, without the mapped model "
