@@ -70,7 +70,7 @@ def timed(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
-def _session(target_tokens: int) -> Knobs:
+def session_knobs(target_tokens: int) -> Knobs:
     return Knobs(sessions=1, parallel=1, turns=400,
                  prefix_tokens=max(500, min(target_tokens // 4, 30000)), rewrite_share=0.0)
 
@@ -80,7 +80,7 @@ def session_rows(target_tokens: int, builder: Any) -> list[dict[str, Any]]:
     from bench.prompts import render
 
     rows: list[dict[str, Any]] = []
-    for row in generate(_session(target_tokens), seed=7):
+    for row in generate(session_knobs(target_tokens), seed=7):
         rows.append(to_openai(row))
         if len(rows) >= 2 and len(render(builder, rows[-1]).ids) >= target_tokens:
             return rows
@@ -100,7 +100,7 @@ def with_new_turn(body: dict[str, Any], rep: int) -> dict[str, Any]:
 def anthropic_rows(target_tokens: int, n: int) -> list[dict[str, Any]]:
     """The first `n` bodies of `session_rows`' session as Claude Code sends them (Anthropic
     Messages: the system prompt apart, tool results as blocks)."""
-    return [row for row, _ in zip(generate(_session(target_tokens), seed=7), range(n),
+    return [row for row, _ in zip(generate(session_knobs(target_tokens), seed=7), range(n),
                                   strict=False)]
 
 

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from backend.placement import uses_repack
-from bench.overhead import _session, with_new_turn
+from bench.overhead import session_knobs, with_new_turn
 from bench.replay import ROOT, free_port, http_get
 from bench.synth import generate
 from bench.trace import to_openai
 from proxy.config import default_model
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 
 N_CTX = 65536
 
@@ -53,7 +53,7 @@ def conversation(target: int, seed: int, builder: Any) -> dict[str, Any]:
     from bench.prompts import render
 
     last: dict[str, Any] | None = None
-    for row in generate(_session(target), seed=seed):
+    for row in generate(session_knobs(target), seed=seed):
         last = to_openai(row)
         if len(render(builder, last).ids) >= target:
             return last

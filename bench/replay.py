@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -42,7 +42,7 @@ from typing import Any
 from backend.protocol import Done, Event, Job, Saved, Start, Token, parse_event
 from bench.replay import ROOT, free_port, http_get
 from policies.decide import Plan, Restore, Save
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 
 MODEL_ARGS = ["--arch", "llama", "--layers", "64", "--size", "1024,8,8,256"]
 KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 4  # layers x KV heads x head dim x (K, V) x f32

@@ -39,7 +39,7 @@ from typing import Any
 from bench.replay import ROOT, free_port, http_get, stream_request
 from proxy.config import default_model
 from proxy.limits import LIMITS
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 
 TARGET_S = 1.0
 PROBE = {"model": "m", "max_tokens": 1, "temperature": 0, "stream": True,

@@ -59,7 +59,7 @@ from typing import Any
 from backend.placement import uses_repack
 from bench.replay import ROOT, free_port, http_get, stream_request
 from bench.synth import TOOL_NAMES, paragraphs, tool_schema, words
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 
 CLASSES = ("main", "subagent", "background")
 SYSTEM_CHARS_PER_TOKEN = 5.2  # bench.synth's prose estimate (SmolLM2's tokenizer)

@@ -73,7 +73,8 @@ from proxy.kv_events import KvEvents, open_kv_events, publish_disk
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.speculation import speculative_settings
-from proxy.workers import Pool, StartupError, loading_note
+from proxy.worker_link import StartupError, loading_note
+from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")
 

@@ -54,7 +54,7 @@ def serve(cfg: Config) -> None:
 
     from proxy.app import make_app
     from proxy.edge import BOOT
-    from proxy.workers import StartupError
+    from proxy.worker_link import StartupError
 
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

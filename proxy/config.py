@@ -215,7 +215,7 @@ class Config:
     @property
     def batch(self) -> int:
         """The batch size in force until the workers say theirs (the cache keys take the first
-        worker's: proxy.workers.adopt_identity)."""
+        worker's: proxy.worker_link.adopt_identity)."""
         return self.ubatch_size or default_batch(self.n_gpu_layers)
 
     @property

@@ -321,7 +321,7 @@ class EventStream(Protocol):
 
 
 class WorkerClient(Protocol):
-    """What a run needs of a worker's slot: `proxy.workers.Slot` over HTTP, or a test's fake."""
+    """What a run needs of a worker's slot: `proxy.worker_link.Slot` over HTTP, or a test's fake."""
 
     @property
     def worker_id(self) -> int: ...

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 N_CTX = 4096

@@ -25,7 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 from tests.conftest import N_CTX, ROOT, Server, free_port, http_get, start_server
 from tests.proxy.test_disk_cache import entries
 

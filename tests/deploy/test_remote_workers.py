@@ -23,7 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from proxy.workers import child_env
+from proxy.worker_link import child_env
 from tests.conftest import N_CTX, ROOT, Server, free_port, http_get, running, start_server
 
 pytestmark = pytest.mark.model  # real worker processes (see tests/conftest.py)

@@ -62,7 +62,8 @@ from proxy.run import (
     Touch,
 )
 from proxy.template import Rendered
-from proxy.workers import Pool, Worker
+from proxy.worker_link import Worker
+from proxy.workers import Pool
 from tests.entries import entry_of
 
 IDS = tuple(range(1000, 1400))  # a 400-token prompt

@@ -17,7 +17,8 @@ from backend.protocol import Done, Job, Start, TierEvent
 from policies.decide import Plan
 from policies.prefix import keep_max
 from proxy.config import Config
-from proxy.workers import Pool, Worker
+from proxy.worker_link import Worker, slot_views
+from proxy.workers import Pool
 from tests.conftest import N_CTX, free_port
 from tests.deploy.test_remote_workers import WorkerProcess
 from tests.models import BATCH
@@ -72,7 +73,7 @@ async def test_the_pools_view_of_the_ram_tier_follows_the_workers_events(
         (tenant, held), = w.ram.values()
         assert (tenant, held) == ("", A[: 3 * BATCH])
         # the router counts it: any idle slot of this worker can start A from there
-        (view,) = Pool._views(pool.slots, list(A), "")
+        (view,) = slot_views(pool.slots, list(A), "")
         assert view.borrow == 3 * BATCH and view.live_prefix == 0
         start = next(e for e in await _run(pool, A) if isinstance(e, Start))
         assert (start.keep, start.ram) == (3 * BATCH, 3 * BATCH), "restored from RAM"

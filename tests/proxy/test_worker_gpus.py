@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.workers import worker_gpus
+from proxy.worker_link import worker_gpus
 
 
 @pytest.mark.parametrize(
