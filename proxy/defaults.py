@@ -31,7 +31,7 @@ from typing import Any
 
 from proxy.chat import ChatRequest
 from proxy.config import Config
-from proxy.dialects.base import Event, ReasoningDelta, TextDelta
+from proxy.dialects.stream import Event, ReasoningDelta, TextDelta
 
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
             "frequency_penalty")

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.dialects import deepseek, glm, harmony, hermes, kimi, minimax, mistral, qwen3_coder
-from proxy.dialects.base import (
+from proxy.dialects.base import Tools, scan_sections
+from proxy.dialects.grammar import assemble, grammar_error, literal, refusal
+from proxy.dialects.stream import (
     ArgsDelta,
     CallDone,
     CallOpen,
@@ -53,10 +55,7 @@ from proxy.dialects.base import (
     Stream,
     TextDelta,
     ToolCall,
-    Tools,
-    scan_sections,
 )
-from proxy.dialects.grammar import assemble, grammar_error, literal, refusal
 
 __all__ = ["NAMES", "ArgsDelta", "CallDone", "CallOpen", "Dialect", "Event", "ReasoningDelta",
            "Stream", "TextDelta", "ToolCall", "events", "for_template"]

@@ -13,7 +13,7 @@ import pytest
 from proxy.chat import ChatRequest
 from proxy.cli import serve_config
 from proxy.defaults import Defaults, inline_reasoning
-from proxy.dialects.base import CallOpen, Event, ReasoningDelta, TextDelta
+from proxy.dialects.stream import CallOpen, Event, ReasoningDelta, TextDelta
 from proxy.gguf import read_metadata
 
 
