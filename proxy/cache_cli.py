@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from backend import store
-from backend.index import Index, find_damage
+from backend.index import Index
+from backend.index_damage import find_damage
 
 log = logging.getLogger("prefixgate.cache")
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.index import _LMDB_META, Entry, Index, find_damage
+from backend.index import Entry, Index
+from backend.index_damage import _LMDB_META, find_damage
 from backend.keys import CacheKey, prefix_keys
 from backend.store import (
     CacheFault,
