@@ -25,7 +25,8 @@ from proxy.chat import ChatRequest
 from proxy.dialects import ArgsDelta, CallDone, CallOpen, Event, ReasoningDelta, TextDelta, events
 from proxy.edge import cache_headers, client_gone, sse_response, with_pings
 from proxy.errors import ApiError, anthropic_body
-from proxy.run import Run, Usage
+from proxy.run import Run
+from proxy.run_state import Usage
 
 log = logging.getLogger("prefixgate")
 

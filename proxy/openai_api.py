@@ -50,7 +50,8 @@ from proxy.edge import (
 )
 from proxy.errors import ApiError, BadRequest, openai_response
 from proxy.memo import IdMemo
-from proxy.run import Run, Usage
+from proxy.run import Run
+from proxy.run_state import Usage
 from proxy.speculation import totals
 
 # OpenAI part types that carry media, and the kind each is (proxy.chat.placeholder)

@@ -1,28 +1,8 @@
 """Steps 5 and 6 of a request: one run on one worker, and what its events commit.
 
-`RunState` is a pure state machine: ``apply(event) -> effects``. It is fed the worker's events
-(backend/protocol.py) and three of the proxy's own: `StreamLost` (the worker's stream failed or
-ended early), `Abandon` (the client went away) and `Shutdown` (the proxy is stopping). It
-returns what must happen, as values; `Run` performs them. No I/O, clock or logging in the state
-machine; tests drive it with tables of events and compare the effects exactly.
-
-Rules of the state machine:
-- `Start` comes first: broken entries the worker skipped are dropped (`Drop`), a restored entry
-  counts a hit (`Touch`); `cached_tokens` is what the worker kept or restored, its source disk
-  or live; `created_tokens` the prefilled tokens a planned save will cover.
-- `Token` text goes to the consumer (`Emit`) unless the client left.
-- The run *ends* once: at `Done` (outcome ok, or cancelled when the client left in the
-  meantime), `Cancelled`, a worker `Error` or `StreamLost` (outcome error, or cancelled), a
-  `Shutdown`. Ending counts the outcome (`Record` for ok: metrics and the request's log line;
-  `Count` otherwise, unless the cancel was counted when it was asked for), ends the consumer's
-  stream (`Finish`, or `Fail` on an error) and releases the worker (`Release`) with what its KV
-  holds exactly: prompt and generated tokens up to `Done.n_live`, the prompt up to the last
-  `Prefill` otherwise, nothing after a shutdown; after a lost stream the worker is *suspect*
-  (it may have died: the pool takes it out until it answers again).
-- Snapshots are committed as their `Saved` arrive (`Commit`), also after the end: the run is
-  *closed* once the saves announced by `Done`/`Cancelled` are all in. After a failure, saves
-  still missing are lost (`LostSaves`).
-- `Abandon` before the end: count it cancelled once, ask the worker to stop (`SendCancel`).
+`Run` drives one run through the seams below: it sends the job, feeds the worker's events and
+its own to the pure state machine (`proxy.run_state.RunState`: the rules), and performs the
+effects it returns.
 """
 
 from __future__ import annotations
@@ -33,20 +13,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from backend.protocol import (
-    Cancelled,
     Done,
-    Error,
     Event,
-    Fault,
     Job,
-    Prefill,
     Saved,
-    SaveFailed,
-    Start,
     Token,
 )
 from policies.decide import Plan
@@ -54,260 +28,33 @@ from policies.scope import format_scope
 from proxy.errors import WorkerFailed
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared
+from proxy.run_state import (
+    Abandon,
+    Commit,
+    Count,
+    Drop,
+    Effect,
+    Emit,
+    Fail,
+    Finish,
+    LostSaves,
+    Progress,
+    Record,
+    Release,
+    RunEvent,
+    RunState,
+    SaveFailure,
+    SendCancel,
+    Shutdown,
+    StreamLost,
+    Touch,
+    Usage,
+)
 from proxy.speculation import log_fields
 
 log = logging.getLogger("prefixgate")
 
 PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
-
-
-# --- the proxy's own events ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StreamLost:
-    message: str  # the worker's stream failed or ended early (the worker died, or went down)
-
-
-@dataclass(frozen=True, slots=True)
-class Abandon:
-    pass  # the client went away
-
-
-@dataclass(frozen=True, slots=True)
-class Shutdown:
-    pass  # the proxy is stopping: the worker is going away too
-
-
-RunEvent = Event | StreamLost | Abandon | Shutdown
-
-
-# --- effects ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Emit:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    pass  # the consumer's text ends
-
-
-@dataclass(frozen=True, slots=True)
-class Fail:
-    message: str  # the consumer gets a WorkerFailed
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    saved: Saved
-
-
-@dataclass(frozen=True, slots=True)
-class SaveFailure:
-    failed: SaveFailed
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    fault: Fault
-    key: bytes | None  # the plan's entry for that file (None: not one of the plan's)
-
-
-@dataclass(frozen=True, slots=True)
-class Touch:
-    key: bytes
-    restore_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    n_live: int
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    pass  # a served request: its metrics and its log line
-
-
-@dataclass(frozen=True, slots=True)
-class Count:
-    outcome: str  # requests_total{outcome}, and a short log line
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    live_ids: tuple[int, ...]
-    suspect: bool = False  # its stream was lost: it may have died (see Pool.release)
-    floor: int = 0  # the shortest prefix of live_ids the worker's memory can be cut back to
-    costs: dict[str, Any] | None = None  # the worker's measured costs, from its `Done`
-
-
-@dataclass(frozen=True, slots=True)
-class SendCancel:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class LostSaves:
-    message: str
-
-
-Effect = (Emit | Finish | Fail | Commit | SaveFailure | Drop | Touch | Progress | Record | Count
-          | Release | SendCancel | LostSaves)
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # not prefilled: live KV kept or restored from disk
-    source: str = "none"  # "live" | "ram" | "disk" | "shared" | "none"
-    created_tokens: int = 0  # prefilled tokens covered by a new snapshot
-    completion_tokens: int = 0
-
-    @property
-    def input_tokens(self) -> int:  # Anthropic: prefilled and not newly snapshotted
-        return self.prompt_tokens - self.cached_tokens - self.created_tokens
-
-
-# --- the state machine -------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class RunState:
-    ids: tuple[int, ...]
-    plan: Plan
-    usage: Usage = field(init=False)
-    finish_reason: str = "length"  # "stop" | "length" (the API edge adds tool_calls)
-    stop: str | None = None  # the stop string that ended the text
-    gen_ids: list[int] = field(default_factory=list)
-    live_n: int = 0  # prompt tokens the worker's KV holds so far
-    timings: dict[str, float] = field(default_factory=dict)
-    draft: dict[str, Any] = field(default_factory=dict)  # per source (proxy/speculation.py)
-    started: bool = False
-    ended: bool = False  # the worker was released
-    abandoned: bool = False
-    outcome: str = ""
-    saves_seen: int = 0
-    saves_expected: int | None = None  # announced by Done/Cancelled
-    _finished: bool = False
-
-    def __post_init__(self) -> None:
-        self.usage = Usage(prompt_tokens=len(self.ids))
-
-    @property
-    def closed(self) -> bool:
-        """Nothing more will come: ended, and every announced save reported (or given up)."""
-        return self.ended and self.saves_expected is not None \
-            and self.saves_seen >= self.saves_expected
-
-    def apply(self, ev: RunEvent) -> list[Effect]:
-        return _HANDLERS[type(ev)](self, ev)
-
-    # --- handlers --------------------------------------------------------------------------
-
-    def _start(self, ev: Start) -> list[Effect]:
-        self.started = True
-        by_file = {r.file: r for r in self.plan.restore if r.tier == "disk"}
-        fx: list[Effect] = [Drop(f, by_file[f.file].key if f.file in by_file else None)
-                            for f in ev.faults]
-        u = self.usage
-        u.cached_tokens = self.live_n = ev.keep
-        if ev.ram:
-            u.source = "ram"
-        elif ev.restored:
-            u.source = "shared" if ev.tier == "shared" else "disk"
-            fx += [Touch(r.key, ev.restore_s) for r in self.plan.restore
-                   if r.n_tokens == ev.restored]
-        elif ev.keep:
-            u.source = "live"
-        saves = [s.n_tokens for s in self.plan.saves if s.n_tokens >= u.cached_tokens]
-        u.created_tokens = max(saves, default=u.cached_tokens) - u.cached_tokens
-        self.timings["restore_s"] = ev.restore_s
-        return fx
-
-    def _prefill(self, ev: Prefill) -> list[Effect]:
-        self.live_n = ev.n_live
-        return [Progress(ev.n_live)]
-
-    def _token(self, ev: Token) -> list[Effect]:
-        if ev.id is not None:
-            self.gen_ids.append(ev.id)
-        return [Emit(ev.text)] if ev.text and not self.abandoned else []
-
-    def _done(self, ev: Done) -> list[Effect]:
-        self.finish_reason = "stop" if ev.finish_reason == "stop_sequence" else ev.finish_reason
-        self.stop = ev.stop
-        self.usage.completion_tokens = ev.n_gen
-        self.timings.update(prefill_s=ev.prefill_s, decode_s=ev.decode_s)
-        self.draft = ev.draft
-        self.saves_expected = ev.pending_saves
-        live = (*self.ids, *self.gen_ids)[: ev.n_live]
-        # abandoned: the cancel came too late, the run finished anyway
-        return self._end("cancelled" if self.abandoned else "ok", live, floor=ev.floor,
-                         costs=ev.costs or None)
-
-    def _cancelled(self, ev: Cancelled) -> list[Effect]:
-        self.live_n = ev.n_live
-        self.saves_expected = ev.pending_saves
-        return self._end("cancelled", self.ids[: self.live_n], floor=ev.floor)
-
-    def _saved(self, ev: Saved) -> list[Effect]:
-        self.saves_seen += 1
-        return [Commit(ev)]
-
-    def _save_failed(self, ev: SaveFailed) -> list[Effect]:
-        self.saves_seen += 1
-        return [SaveFailure(ev)]
-
-    def _failed(self, ev: Error | StreamLost) -> list[Effect]:
-        pending = self.saves_expected is not None and self.saves_seen < self.saves_expected
-        self.saves_expected = self.saves_seen  # saves still missing are not awaited
-        if not self.started:  # the worker refused the job: the caller fails and releases
-            self.ended = True
-            return [Fail(ev.message)]
-        if self.ended:
-            return [LostSaves(ev.message)] if pending else []
-        return self._end("cancelled" if self.abandoned else "error", self.ids[: self.live_n],
-                         failure=ev.message, suspect=isinstance(ev, StreamLost))
-
-    def _shutdown(self, ev: Shutdown) -> list[Effect]:
-        self.saves_expected = self.saves_seen
-        return self._end("cancelled", ())
-
-    def _abandon(self, ev: Abandon) -> list[Effect]:
-        if self.abandoned or self.ended:
-            return []
-        self.abandoned = True
-        return [Count("cancelled"), SendCancel()]
-
-    def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None,
-             suspect: bool = False, floor: int = 0, costs: dict[str, Any] | None = None
-             ) -> list[Effect]:
-        if self.ended:
-            return []
-        self.ended = True
-        self.outcome = outcome
-        fx: list[Effect] = []
-        if not self._finished:
-            self._finished = True
-            fx.append(Fail(failure) if failure is not None else Finish())
-        if outcome == "ok":
-            fx.append(Record())
-        elif not self.abandoned:  # a cancel was counted when it was asked for
-            fx.append(Count(outcome))
-        fx.append(Release(tuple(live), suspect, floor, costs))
-        return fx
-
-
-_HANDLERS: dict[type, Callable[[RunState, Any], list[Effect]]] = {
-    Start: RunState._start, Prefill: RunState._prefill, Token: RunState._token,
-    Done: RunState._done, Cancelled: RunState._cancelled, Saved: RunState._saved,
-    SaveFailed: RunState._save_failed, Error: RunState._failed, StreamLost: RunState._failed,
-    Shutdown: RunState._shutdown, Abandon: RunState._abandon,
-}
 
 
 # --- the seams the driver works through ----------------------------------------------------

@@ -40,7 +40,8 @@ from proxy.config import Config
 from proxy.errors import WorkerFailed
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared
-from proxy.run import (
+from proxy.run import Run, RunDeps
+from proxy.run_state import (
     Abandon,
     Commit,
     Count,
@@ -52,8 +53,6 @@ from proxy.run import (
     Progress,
     Record,
     Release,
-    Run,
-    RunDeps,
     RunState,
     SaveFailure,
     SendCancel,
