@@ -14,15 +14,17 @@ import pytest
 
 from proxy.config import default_model
 from proxy.gguf import read_metadata
+from proxy.starts import (
+    _chain_keys,
+    _checked,
+    _rendered_starts,
+    _traced_starts,
+    message_char_starts,
+)
 from proxy.template import (
     CHATML_TEMPLATE,
     ChatTemplate,
-    _chain_keys,
-    _checked,
-    _message_char_starts,
     _open_final_message,
-    _rendered_starts,
-    _traced_starts,
     load_template,
     render_prompt,
 )
@@ -137,7 +139,7 @@ def test_the_starts_are_the_definitions_on_generated_conversations(name: str) ->
                 text = prompt_text(template, messages, tools, continue_final)
                 if text is None:
                     continue
-                starts = _message_char_starts(template, messages, tools, text)
+                starts = message_char_starts(template, messages, tools, text)
                 assert starts == by_definition(name, messages, tools, text), (seed, tools)
                 compared += 1
                 trusted += traced_ones_trusted(template_of(name), messages, tools, text)
@@ -158,7 +160,7 @@ def test_a_conversation_growing_turn_by_turn_keeps_the_definitions_starts() -> N
                 turn = [*turn[:20], {"role": "user", "content": "edited"}, *turn[21:]]
             text = prompt_text(template, turn, None, False)
             assert text is not None
-            assert _message_char_starts(template, turn, None, text) == \
+            assert message_char_starts(template, turn, None, text) == \
                 by_definition(name, turn, None, text), (name, n)
 
 

@@ -1,0 +1,315 @@
+"""Where each message starts in a rendered prompt, and where its role header ends: the
+character offsets `proxy.template.render_prompt` turns into the prompt's safe boundaries (the
+rules are in proxy/template.py's docstring).
+
+    message_char_starts(template, messages, tools, text, key, run, shapes) -> {index: offset}
+    header_char_ends(messages, starts, text, headers, prior, equal, common) -> offsets
+    shape_of(message)                  what a message's start depends on (its role, its kind)
+    StartCache                         located starts remembered across requests
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from proxy import resume
+from proxy.resume import Run
+
+log = logging.getLogger("proxy.template")  # the template's own log, as before the split
+
+# how much of a message's content is searched for to find where its role header ends
+_CONTENT_NEEDLE_CHARS = 64
+# at most this many pairs of neighbouring message shapes get a sampled check of their start
+_SHAPE_SAMPLES = 16
+
+
+class StartCache:
+    """Chain key of (tools, messages[:i]) -> (prefix length, hash of the text since the previous
+    located start). In-process only (Python's salted ``hash``); bounded LRU; thread-safe."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._data: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: int) -> tuple[int, int] | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: int, value: tuple[int, int]) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.max_entries:
+                self._data.popitem(last=False)
+
+
+class Renders(Protocol):
+    """What the starts need of a chat template (proxy.template.ChatTemplate)."""
+
+    prefixes: StartCache
+    extra: dict[str, Any]  # the request's template variables
+
+    def key_of(self, tools: list[dict[str, Any]] | None) -> tuple[Any, ...]: ...
+
+    def record(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool, key: tuple[Any, ...], keep: bool = True) -> Run: ...
+
+
+def message_char_starts(
+    template: Renders,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    key: tuple[Any, ...] | None = None,
+    run: Run | None = None,
+    shapes: list[Any] | None = None,
+) -> dict[int, int]:
+    """Message index (len(messages): the generation prompt) -> char offset where it starts:
+    the traced starts when a sample checks out, else every prefix rendered (module docstring).
+    `run`: the recorded render of ``messages`` without a generation prompt, when there is one;
+    `shapes`: the messages' ``_shape``s, when known."""
+    key = template.key_of(tools) if key is None else key
+    run = run or _recorded(template, messages, tools, key)
+    if run is not None:
+        known = _known_starts(run, text)
+        if text.startswith(run.text):  # the definition of the generation prompt's start
+            known[len(messages)] = len(run.text)
+        for candidate in _traced_starts(template, messages, tools, text, key, run, known):
+            verified: dict[int, int] = {}
+            starts = _checked(template, messages, tools, text, key, candidate, known, verified,
+                              shapes)
+            if starts is not None:
+                run.memo["starts"] = (verified, text)
+                return starts
+    starts = _rendered_starts(template, messages, tools, text,
+                              _chain_keys(messages, tools, template.extra), key)
+    if run is not None:
+        run.memo["starts"] = (starts, text)
+    return starts
+
+
+def _recorded(template: Renders, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None, key: tuple[Any, ...]) -> Run | None:
+    """The recorded render of `messages` without the generation prompt; None when the
+    template fails on them."""
+    try:
+        return template.record(messages, tools, False, key)
+    except Exception as exc:
+        log.debug("template failed on the traced messages: %s", exc)
+        return None
+
+
+def _known_starts(run: Run, text: str) -> dict[int, int]:
+    """The starts the render this one resumed from had verified, of the messages the two
+    share, when ``text`` still begins with what they cover."""
+    if "starts" not in run.prior or run.common == 0:
+        return {}
+    starts, old_text = run.prior["starts"]
+    known = {i: s for i, s in starts.items() if i <= run.common}
+    end = max(known.values(), default=0)
+    return known if text[:end] == old_text[:end] else {}
+
+
+def _rendered_starts(
+    template: Renders,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    keys: Sequence[int],
+    key: tuple[Any, ...] | None = None,
+) -> dict[int, int]:
+    """The definition: every prefix rendered, but one located in an earlier request (same
+    tools, same messages[:i]) is taken from the template's prefix cache when the text between
+    it and the previous start hashes as it did then."""
+    key = template.key_of(tools) if key is None else key
+    starts: dict[int, int] = {}
+    last = 0
+    for i in range(len(messages) + 1):
+        hit = template.prefixes.get(keys[i])
+        if hit is not None and hit[0] >= last and hash(text[last : hit[0]]) == hit[1]:
+            starts[i] = last = hit[0]
+            continue
+        start = _render_start(template, messages, tools, text, i, key)
+        if start is not None and start >= last:
+            template.prefixes.put(keys[i], (start, hash(text[last:start])))
+            starts[i] = last = start
+    return starts
+
+
+def _render_start(
+    template: Renders,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    i: int,
+    key: tuple[Any, ...] | None = None,
+) -> int | None:
+    """The length of ``messages[:i]`` rendered, when that rendering is a prefix of ``text``
+    (a recorded render, resumed from the one of all the messages)."""
+    key = template.key_of(tools) if key is None else key
+    try:
+        prefix = template.record(messages[:i], tools, False, key, keep=False).text
+    except Exception as exc:  # a template may refuse a partial conversation
+        log.debug("template refused the first %d messages: %s", i, exc)
+        return None
+    return len(prefix) if text.startswith(prefix) else None
+
+
+def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                extra: dict[str, Any] | None = None) -> list[int]:
+    """The prefix cache's key of (tools, variables, messages[:i]) for every i in
+    0..len(messages)."""
+    base = hash(("tools", _fingerprint(tools), _fingerprint(extra or {})))
+    return [hash((base, h)) for h in resume.chain_of(resume.signatures(messages))]
+
+
+def _traced_starts(
+    template: Renders,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    key: tuple[Any, ...] | None = None,
+    run: Run | None = None,
+    known: dict[int, int] | None = None,
+) -> list[list[int | None]]:
+    """Candidate starts (index len(messages): the generation prompt) from one recorded
+    rendering without a generation prompt (`run`, rendered here when not given).
+
+    Two readings of the record, the likelier first: where the template first read a message
+    after pulling it (a loop that asks ``loop.last`` pulls the next message early), and where
+    it pulled it (a template that writes text before reading the message). A message never
+    pulled has no start. Message 0's start needs no record: rendering no messages costs
+    nothing (and some templates refuse it), and it is in `known` (starts verified before)
+    after the first turn. No candidates when the template fails on the recorded messages.
+    """
+    key = template.key_of(tools) if key is None else key
+    run = run or _recorded(template, messages, tools, key)
+    if run is None:
+        return []
+    whole = run.text
+    end = [len(whole) if text.startswith(whole) else None]
+    read = [r if r is not None and p is not None else p
+            for r, p in zip(run.read, run.pulled, strict=True)]
+    candidates = [read + end] + ([run.pulled + end] if run.pulled != read else [])
+    if messages:
+        first = known[0] if known and 0 in known else \
+            _render_start(template, messages, tools, text, 0, key)
+        for candidate in candidates:
+            candidate[0] = first
+    return candidates
+
+
+def _checked(
+    template: Renders,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    key: tuple[Any, ...] | None,
+    candidate: Sequence[int | None],
+    known: dict[int, int] | None = None,
+    verified: dict[int, int] | None = None,
+    shapes: list[Any] | None = None,
+) -> dict[int, int] | None:
+    """``candidate``'s starts when they are in order and every sampled one (:func:`_samples`)
+    equals the definition's answer (a rendering, or a start verified for the same messages in
+    the render this one resumed from: `known`); else None. `verified` gets the starts checked
+    (rendered or known), for the next request to know."""
+    key = template.key_of(tools) if key is None else key
+    known = known or {}
+    verified = {} if verified is None else verified
+    starts = {i: c for i, c in enumerate(candidate) if c is not None}
+    offsets = list(starts.values())
+    if offsets != sorted(offsets):
+        return None
+    for i in _samples(messages, shapes):
+        start = candidate[i]
+        if start is not None and known.get(i) == start:
+            verified[i] = start
+            continue
+        if _render_start(template, messages, tools, text, i, key) != start:
+            return None
+        if start is not None:
+            verified[i] = start
+    verified.update((i, s) for i, s in known.items() if starts.get(i) == s)
+    return starts
+
+
+def _samples(messages: Sequence[dict[str, Any]], shapes: list[Any] | None = None) -> list[int]:
+    """The positions whose traced start is checked by rendering: 0, the powers of two (the same
+    as the conversation grows, so the next turn finds them in the prefix cache), the last two,
+    and the first position of each pair of neighbouring message shapes (role, content type,
+    keys), up to ``_SHAPE_SAMPLES`` pairs."""
+    n = len(messages)
+    picks = {0, max(n - 1, 0), n}
+    power = 1
+    while power < n:
+        picks.add(power)
+        power *= 2
+    shapes = [shape_of(m) for m in messages] if shapes is None else shapes
+    seen: set[tuple[Any, Any]] = set()
+    for i in range(n + 1):
+        pair = (shapes[i - 1] if i else None, shapes[i] if i < n else None)
+        if pair not in seen:
+            if len(seen) == _SHAPE_SAMPLES:
+                break
+            seen.add(pair)
+            picks.add(i)
+    return sorted(picks)
+
+
+def shape_of(message: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
+    return (str(message.get("role")), type(message.get("content")).__name__,
+            tuple(sorted(map(str, message))))
+
+
+def _fingerprint(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def header_char_ends(
+    messages: Sequence[dict[str, Any]], starts: dict[int, int], text: str,
+    found: dict[int, tuple[int, int, int | None]] | None = None,
+    before: dict[int, tuple[int, int, int | None]] | None = None,
+    equal: int = 0, common: int = 0,
+) -> list[int]:
+    """Char offsets where a located message's content begins after its role header. `found`
+    gets (begin, end, offset or None) per located message; `before` is that of the previous
+    text, equal to this one in its first `equal` characters, whose first `common` messages
+    are these: a message among them searched for in the same span of the shared text is not
+    searched again."""
+    ends = []
+    before = before or {}
+    located = sorted(starts)
+    for k, i in enumerate(located[:-1] if located and located[-1] == len(messages) else located):
+        begin = starts[i]
+        end = starts[located[k + 1]] if k + 1 < len(located) else len(text)
+        old = before.get(i)
+        if old is not None and i < common and old[0] == begin and old[1] == end <= equal:
+            at = old[2]
+        else:
+            at = _header_end(messages[i], text, begin, end)
+        if found is not None:
+            found[i] = (begin, end, at)
+        if at is not None:
+            ends.append(at)
+    return ends
+
+
+def _header_end(message: dict[str, Any], text: str, begin: int, end: int) -> int | None:
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip():
+        return None
+    for needle in (content[:_CONTENT_NEEDLE_CHARS], content.lstrip()[:_CONTENT_NEEDLE_CHARS]):
+        at = text.find(needle, begin, end)
+        if at > begin:
+            return at
+    return None
