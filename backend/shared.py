@@ -2,7 +2,7 @@
 prefixgate on another host finds and pulls them. Redis is a trust boundary (issue 46).
 
     SharedTier(url, fingerprint, secret=None)  (None: PREFIXGATE_SHARED_TIER_SECRET)
-      .publish(key, tenant, n_tokens, checksum, path) -> int   queued, never waits on Redis
+      .publish(key, tenant, n_tokens, checksum, path, published) -> int   queued, never waits
       .pull(key, tenant, dest) -> int        its parts into a verified local state file
       .longest(candidates, tenant) -> (n, key, size) | None    which keys the tier holds
       .stats() -> {STATS name: value}        what it did (a worker reports it in /health)
@@ -65,7 +65,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,9 @@ class SharedTier:
         self._stats: dict[str, float] = dict.fromkeys(STATS, 0)
         self._warned: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._refusing = False
-        self._queue: collections.deque[tuple[bytes, str, int, int, Path]] = collections.deque()
+        # files to publish, each with what to call once Redis holds it
+        self._queue: collections.deque[tuple[tuple[bytes, str, int, int, Path],
+                                             Callable[[], None] | None]] = collections.deque()
         self._cond = threading.Condition()
         self._busy = False
         self._closed = False
@@ -328,17 +330,18 @@ class SharedTier:
     # --- publishing ----------------------------------------------------------------------------
 
     def publish(self, key: bytes, tenant: str, n_tokens: int, checksum: int,
-                path: Path) -> int:
+                path: Path, published: Callable[[], None] | None = None) -> int:
         """Queue a durable local state file for publishing (the tier's own thread sends it:
         chunks, then its entry); the bytes queued. Never waits on Redis; when the queue is
-        full the oldest waiting file is dropped."""
+        full the oldest waiting file is dropped. `published` is called on the tier's thread
+        once Redis holds the entry (never for a file dropped, skipped or failed)."""
         with self._cond:
             if self._closed:
                 return 0
             if len(self._queue) >= PUBLISH_QUEUE_MAX:
                 self._queue.popleft()
                 self._stats["publish_dropped"] += 1
-            self._queue.append((key, tenant, n_tokens, checksum, path))
+            self._queue.append(((key, tenant, n_tokens, checksum, path), published))
             self._stats["publish_queued"] = len(self._queue)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._publisher, name="shared-publish",
@@ -368,11 +371,13 @@ class SharedTier:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
-                item = self._queue.popleft()
+                item, published = self._queue.popleft()
                 self._stats["publish_queued"] = len(self._queue)
                 self._busy = True
             try:
                 self._stats["published_bytes"] += self._send(*item)
+                if published is not None:
+                    published()
             except SharedSkipped:  # counted as skipped
                 pass
             except SharedFault as e:

@@ -218,14 +218,15 @@ class Tiers:
                                 str(path.relative_to(self.cache_dir)), size, checksum,
                                 time.perf_counter() - t0))
         if self.shared is not None:  # after the local commit: the shared tier is the extra
-            try:
-                # queued: the tier's own thread sends it; the event is said once it is queued
-                # (a send that fails later costs another host's pull a miss, never an error)
-                queued = self.shared.publish(key, tenant, len(ids), checksum, path)
-                if self.every and queued:
-                    self.on_event(TierEvent("stored", "shared",
-                                            int.from_bytes(bytes(key)[:8], "big"), "", tenant,
-                                            len(ids), tuple(int(t) for t in ids)))
+            event = TierEvent("stored", "shared", int.from_bytes(bytes(key)[:8], "big"), "",
+                              tenant, len(ids), tuple(int(t) for t in ids))
+
+            def published() -> None:  # on the tier's own thread, once Redis holds it
+                if self.every:
+                    self.on_event(event)
+
+            try:  # queued: the tier's own thread sends it
+                self.shared.publish(key, tenant, len(ids), checksum, path, published)
             except SharedFault as e:
                 self.shared_stats["publish_failures"] += 1
                 log.warning("shared tier: a snapshot of %d tokens not published: %s",

@@ -204,6 +204,29 @@ def test_a_hung_redis_is_skipped_and_publishing_never_waits(tmp_path: Path,
     assert not any(PASSWORD in m for m in opened + closed)
 
 
+def test_a_publish_is_announced_once_redis_holds_it(tmp_path: Path,
+                                                    redis_server: Redis) -> None:
+    """The shared tier's KV event (a KV-aware router's "any host can pull this") goes out
+    once Redis holds the entry, not when the file was queued: never while Redis hangs, never
+    for a publish that failed (issue 44)."""
+    tier = SharedTier(redis_server.url, FP, SECRET, backoff_s=60.0)
+    said: list[bool] = []  # each: whether Redis held the entry when it was said
+    key = b"k" * 16
+    path, checksum = state(tmp_path / "src", key, [4, 5, 6], b"w" * 2000)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        tier.publish(key, "t", 3, checksum, path,
+                     lambda: said.append(bool(redis_server.entries())))
+        assert tier.flush(30)  # the send timed out: failed
+        assert said == [] and tier.stats()["publish_failures"] == 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    other = SharedTier(redis_server.url, FP, SECRET)  # its breaker closed
+    other.publish(key, "t", 3, checksum, path, lambda: said.append(bool(redis_server.entries())))
+    assert other.flush(30)
+    assert said == [True]
+
+
 def test_a_refused_write_is_counted_and_said_once(tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     redis = Redis(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
