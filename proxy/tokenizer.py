@@ -8,26 +8,21 @@ How llama.cpp tokenizes, and how this module mirrors it:
 
 1. **Specials first.** Every token whose attribute is control, user-defined or unknown is matched
    literally in the text, longest token text first, and carved out as a single id. The raw text
-   between them is tokenized fragment by fragment, each fragment on its own. ``_SpecialSplitter``
-   does the same split; it uses one regex pass when no two special texts can partially overlap
-   (then leftmost-longest matching gives the identical split) and llama.cpp's token-by-token
-   carving otherwise.
+   between them is tokenized fragment by fragment, each on its own. ``SpecialSplitter`` (in
+   proxy/fragments.py, as the other parts named here) does the same split: one regex pass when
+   no two special texts can partially overlap, else llama.cpp's token-by-token carving.
 2. **Fragments.** For BPE ("gpt2") vocabularies with a known ``tokenizer.ggml.pre``, a HF
    ``tokenizers`` BPE model is built from the GGUF's own tokens and merges, with llama.cpp's
-   pre-tokenizer regexes for that pre type (``_PRE_REGEXES``) as isolated splits followed by the
+   pre-tokenizer regexes for that pre type (``PRE_REGEXES``) as isolated splits followed by the
    GPT-2 byte mapping. Fragments are not handed to HF whole: the same regexes run here
-   (``_Words``, the ``regex`` module) and each distinct pre-token goes to HF's BPE once and is
+   (``Words``, the ``regex`` module) and each distinct pre-token goes to HF's BPE once and is
    remembered, which costs a third to a half of HF's own splitting on new text; this path is
    used only where it gives HF's ids on the probe. Anything else (SPM "llama", WPM, UGM,
    unknown pre types, models whose specials strip whitespace) uses llama.cpp's own tokenizer
    through ``llama_cpp.Llama(..., vocab_only=True)``, with one warning line.
 3. **Per-fragment cache.** Because the split on specials comes first, tokenizing fragment by
    fragment and concatenating equals tokenizing the whole text. Fragment ids are kept in an LRU
-   keyed on the fragment text, so a 30K-token conversation re-sent with one new turn only
-   tokenizes the new fragments. The LRU is bounded by bytes (the key strings and the ids as
-   Python holds them; 64 MiB by default), not by count: every request is tokenized before its
-   length is checked, so a stream of rejected 1 MB prompts must not grow the proxy. A fragment
-   larger than a quarter of the bound is not kept, so one huge prompt cannot flush the rest.
+   keyed on the fragment text, bounded by bytes (``FragmentCache``: its bound and why).
 
 Verify before trust: ``load_tokenizer`` compares the built tokenizer with llama.cpp (special set,
 end-of-generation ids, BOS/EOS, ids of a probe text) when ``llama_cpp`` is importable; any
@@ -37,16 +32,20 @@ difference logs one warning naming it and falls back to llama.cpp's tokenizer.
 from __future__ import annotations
 
 import logging
-import re
-import sys
 import threading
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
 from typing import Any
+
+from proxy.fragments import (
+    PRE_REGEXES,
+    FragmentCache,
+    SpecialSplitter,
+    Words,
+    bytes_to_unicode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,56 +58,6 @@ _ATTR_LSTRIP, _ATTR_RSTRIP = 1 << 7, 1 << 8
 _ATTR_SPECIAL = _ATTR_UNKNOWN | _ATTR_CONTROL | _ATTR_USER_DEFINED
 
 _DEFAULT_CACHE_BYTES = 64 << 20
-# what a cached id costs beyond the tuple's pointer to it: an int object (ids above 256 are not
-# shared), and what the ordered dict's entry costs beyond its key and value
-_INT_BYTES = 32
-_ENTRY_OVERHEAD_BYTES = 104
-
-# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in order,
-# each splitting the pieces of the previous one and keeping matches and gaps alike. llama.cpp's
-# hand-written GPT-2 splitter also takes a trailing whitespace run, hence the final "|\s+".
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _PreType:
-    regexes: tuple[str, ...]
-    ignore_merges: bool = False  # a whole pre-token found in the vocab is emitted as is
-    add_bos: bool = False  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
-
-
-_DIGITS_THEN_GPT2 = _PreType((r"\p{N}", _GPT2))
-_PRE_REGEXES: dict[str, _PreType] = {
-    "gpt-2": _PreType((_GPT2,)),
-    "phi-2": _PreType((_GPT2,)),
-    "mpt": _PreType((_GPT2,)),
-    "olmo": _PreType((_GPT2,)),
-    "smollm": _DIGITS_THEN_GPT2,
-    "starcoder": _DIGITS_THEN_GPT2,
-    "refact": _DIGITS_THEN_GPT2,
-    "command-r": _DIGITS_THEN_GPT2,
-    "codeshell": _DIGITS_THEN_GPT2,
-    "exaone": _DIGITS_THEN_GPT2,
-    "minerva-7b": _DIGITS_THEN_GPT2,
-    "llama3": _PreType((_LLAMA3,), ignore_merges=True, add_bos=True),
-    "llama-v3": _PreType((_LLAMA3,), ignore_merges=True, add_bos=True),
-    "llama-bpe": _PreType((_LLAMA3,), ignore_merges=True, add_bos=True),
-    "falcon3": _PreType((_LLAMA3,), ignore_merges=True, add_bos=True),
-    "dbrx": _PreType((_LLAMA3,)),
-    "smaug-bpe": _PreType((_LLAMA3,)),
-    "qwen2": _PreType((_QWEN2,)),
-    "deepseek-r1-qwen": _PreType((_QWEN2,)),
-    "stablelm2": _PreType((_QWEN2,)),
-}
-
 # Token texts llama.cpp promotes to control tokens and end-of-generation ids by name
 # (llama_vocab::impl::load, "auto-detect special tokens by text").
 _EOT_TEXTS = (
@@ -152,220 +101,6 @@ class Segment:
     special: bool
 
 
-class _SpecialSplitter:
-    """Split text on special-token texts exactly as llama.cpp's tokenizer_st_partition does."""
-
-    def __init__(self, specials: dict[str, int]) -> None:
-        self.specials = specials
-        # llama.cpp tries longer texts first; among equal lengths the order does not matter
-        # unless texts overlap, and then the exact path below is taken.
-        self._by_length = sorted(specials, key=len, reverse=True)
-        self._pattern: re.Pattern[str] | None = None
-        if self._by_length and not _can_partially_overlap(self._by_length):
-            self._pattern = re.compile("|".join(re.escape(t) for t in self._by_length))
-
-    def split(self, text: str, start: int = 0) -> list[tuple[int, int, int | None]]:
-        """Return (start, end, special id or None) pieces covering ``text[start:]`` in order
-        (`start` > 0 only where `resumable`)."""
-        if not self._by_length:
-            return [(start, len(text), None)] if len(text) > start else []
-        if self._pattern is not None:
-            return self._split_regex(text, start)
-        assert start == 0
-        return self._split_exact(text)
-
-    @property
-    def resumable(self) -> bool:
-        """Whether the pieces after a special token are those of the text after it: the regex
-        scans left to right (llama.cpp's longest-first carving is the same when no special's
-        text can overlap another's)."""
-        return self._pattern is not None or not self._by_length
-
-    @property
-    def longest(self) -> int:
-        return len(self._by_length[0]) if self._by_length else 0
-
-    def _split_regex(self, text: str, start: int = 0) -> list[tuple[int, int, int | None]]:
-        assert self._pattern is not None
-        pieces: list[tuple[int, int, int | None]] = []
-        pos = start
-        for m in self._pattern.finditer(text, start):
-            start, end = m.span()
-            if start > pos:
-                pieces.append((pos, start, None))
-            pieces.append((start, end, self.specials[m.group()]))
-            pos = end
-        if pos < len(text):
-            pieces.append((pos, len(text), None))
-        return pieces
-
-    def _split_exact(self, text: str) -> list[tuple[int, int, int | None]]:
-        # llama.cpp: for each special (longest first), carve every occurrence out of the
-        # remaining raw fragments, left to right.
-        pieces: list[tuple[int, int, int | None]] = [(0, len(text), None)] if text else []
-        for special in self._by_length:
-            if special not in text:
-                continue
-            token_id = self.specials[special]
-            carved: list[tuple[int, int, int | None]] = []
-            for start, end, sid in pieces:
-                if sid is not None:
-                    carved.append((start, end, sid))
-                    continue
-                pos = start
-                while (hit := text.find(special, pos, end)) != -1:
-                    if hit > pos:
-                        carved.append((pos, hit, None))
-                    carved.append((hit, hit + len(special), token_id))
-                    pos = hit + len(special)
-                if pos < end:
-                    carved.append((pos, end, None))
-            pieces = carved
-        return pieces
-
-
-def _can_partially_overlap(texts: Sequence[str]) -> bool:
-    """True when a proper suffix of one text is a proper prefix of another (or the same) text."""
-    prefixes = {t[:k] for t in texts for k in range(1, len(t))}
-    return any(t[-k:] in prefixes for t in texts for k in range(1, len(t)))
-
-
-def _entry_bytes(key: str, value: tuple[int, ...]) -> int:
-    """What keeping ``key -> value`` costs in memory, about."""
-    return (sys.getsizeof(key) + sys.getsizeof(value) + _INT_BYTES * len(value)
-            + _ENTRY_OVERHEAD_BYTES)
-
-
-class _LRU:
-    """A fragment-text -> ids map bounded by bytes (:func:`_entry_bytes`), least recently used
-    out first; safe to share between threads."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.size_bytes = 0
-        self._data: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> tuple[int, ...] | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is not None:
-                self._data.move_to_end(key)
-            return value
-
-    def put(self, key: str, value: tuple[int, ...]) -> None:
-        size_bytes = _entry_bytes(key, value)
-        if size_bytes > self.max_bytes // 4:
-            return
-        with self._lock:
-            old = self._data.pop(key, None)
-            if old is not None:
-                self.size_bytes -= _entry_bytes(key, old)
-            self._data[key] = value
-            self.size_bytes += size_bytes
-            while self.size_bytes > self.max_bytes:
-                evicted, ids = self._data.popitem(last=False)
-                self.size_bytes -= _entry_bytes(evicted, ids)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class _Words:
-    """Fragments -> ids through pre-tokens: llama.cpp's pre-tokenizer regexes run here (the
-    ``regex`` module, as HF's isolated ``Split`` would run them), and each distinct pre-token is
-    BPE-encoded by HF once and remembered. A prompt repeats its words (a 32K-token prompt has a
-    few thousand distinct ones), and HF spends most of its time splitting and mapping the text,
-    so this costs a third to a half of HF's whole-fragment path on a new conversation. BPE acts
-    on each pre-token alone, so the ids are the same; ``_build_hf_tokenizer`` uses this path only
-    when it agrees with HF's on the probe, and ``load_tokenizer`` then checks it against
-    llama.cpp as before.
-
-    The memory is two generations of at most ``capacity`` pre-tokens each (a lookup in the old
-    one moves the entry to the young one; a full young generation becomes the old one), so it is
-    bounded and keeps what recent prompts use; pre-tokens longer than ``_LONGEST`` characters are
-    not kept."""
-
-    _LONGEST = 64
-
-    def __init__(self, patterns: list[Any], encode: Callable[[list[str]], list[list[int]]],
-                 capacity: int = 1 << 15) -> None:
-        self._patterns = patterns
-        self._encode = encode
-        self._capacity = capacity
-        self._young: dict[str, tuple[int, ...]] = {}
-        self._old: dict[str, tuple[int, ...]] = {}
-
-    @classmethod
-    def build(cls, regexes: Sequence[str], encode: Callable[[list[str]], list[list[int]]]
-              ) -> _Words | None:
-        """None when the ``regex`` module is missing or does not take a pattern."""
-        try:
-            import regex
-        except ImportError:
-            return None
-        try:
-            patterns = [regex.compile(r) for r in regexes]
-        except regex.error as exc:
-            log.info("tokenizer: a pre-tokenizer regex does not compile here (%s)", exc)
-            return None
-        return cls(patterns, encode)
-
-    def split(self, fragment: str) -> list[str]:
-        """The pre-tokens of `fragment`: each pattern in turn splits the pieces of the one
-        before it, keeping matches and the gaps between them."""
-        pieces = [fragment]
-        *firsts, last = self._patterns
-        for pattern in firsts:
-            pieces = [w for p in pieces for w in _isolated(pattern, p)]
-        out: list[str] = []
-        for p in pieces:
-            found = last.findall(p)
-            # the patterns llama.cpp uses match every character; a gap takes the slow path
-            out.extend(found if sum(map(len, found)) == len(p) else _isolated(last, p))
-        return out
-
-    def __call__(self, fragments: list[str]) -> list[list[int]]:
-        young, old = self._young, self._old
-        split = [self.split(f) for f in fragments]
-        found: dict[str, Any] = dict.fromkeys(chain.from_iterable(split))  # the distinct ones
-        missing: list[str] = []
-        for w in found:
-            ids = young.get(w)
-            if ids is None:
-                ids = old.get(w)
-                if ids is None:
-                    missing.append(w)
-                    continue
-                young[w] = ids
-            found[w] = ids
-        if missing:
-            for w, ids in zip(missing, self._encode(missing), strict=True):
-                found[w] = tuple(ids)
-                if len(w) <= self._LONGEST:
-                    young[w] = found[w]
-        if len(young) > self._capacity:  # another thread may do the same: harmless
-            self._old, self._young = young, {}
-        get = found.__getitem__
-        return [list(chain.from_iterable(map(get, words))) for words in split]
-
-
-def _isolated(pattern: Any, text: str) -> list[str]:
-    """`text` split at `pattern`'s matches, each match and each gap a piece (HF's "isolated")."""
-    pieces = []
-    pos = 0
-    for m in pattern.finditer(text):
-        start, end = m.span()
-        if start > pos:
-            pieces.append(text[pos:start])
-        if end > start:
-            pieces.append(text[start:end])
-        pos = end
-    if pos < len(text):
-        pieces.append(text[pos:])
-    return pieces
-
-
 class Tokenizer:
     """Text <-> token ids for one model, equal to llama.cpp's tokenizer (see module docstring)."""
 
@@ -394,8 +129,8 @@ class Tokenizer:
         # whole_text: specials that strip neighbouring whitespace (llama.cpp's lstrip/rstrip
         # attributes) make fragments depend on each other, so such models are not split here.
         self._whole_text = whole_text
-        self._splitter = _SpecialSplitter(self.special_tokens)
-        self._cache = _LRU(cache_bytes)
+        self._splitter = SpecialSplitter(self.special_tokens)
+        self._cache = FragmentCache(cache_bytes)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, specials parsed, no BOS added."""
@@ -542,7 +277,7 @@ def _why_not_hf(md: dict[str, Any]) -> str | None:
     pre = md.get("tokenizer.ggml.pre")
     if model != "gpt2":
         return f"tokenizer model {model!r} is not built here"
-    if pre not in _PRE_REGEXES:
+    if pre not in PRE_REGEXES:
         return f"pre-tokenizer {pre!r} is not built here"
     if "tokenizer.ggml.tokens" not in md or "tokenizer.ggml.merges" not in md:
         return "the GGUF has no tokens or merges"
@@ -550,18 +285,6 @@ def _why_not_hf(md: dict[str, Any]) -> str | None:
     if "phi-3" in name or "phi3" in name:  # llama.cpp strips whitespace after Phi-3 specials
         return "Phi-3 specials strip whitespace"
     return None
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _special_ids(md: dict[str, Any]) -> tuple[dict[str, int], frozenset[int], int | None]:
@@ -610,7 +333,7 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     tokens: list[str] = md["tokenizer.ggml.tokens"]
-    pre = _PRE_REGEXES[md["tokenizer.ggml.pre"]]
+    pre = PRE_REGEXES[md["tokenizer.ggml.pre"]]
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
     for merge in md["tokenizer.ggml.merges"]:
@@ -626,7 +349,7 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
     # separate their neighbours) and drops them from the output; HF would drop them before
     # merging. Placeholder ids past the vocabulary make HF keep them; they are filtered out.
     n_vocab = len(tokens)
-    unmapped = [ch for ch in _bytes_to_unicode().values() if ch not in vocab]
+    unmapped = [ch for ch in bytes_to_unicode().values() if ch not in vocab]
     vocab.update({ch: n_vocab + k for k, ch in enumerate(unmapped)})
     model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
     hf = HFTokenizer(model)
@@ -641,7 +364,7 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
 
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
 
-    byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
+    byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
     special_ids = set(specials.values())
     pieces = [
         t.encode("utf-8")
@@ -670,8 +393,8 @@ def _build_hf_tokenizer(md: dict[str, Any], cache_bytes: int) -> Tokenizer:
     hf_words = HFTokenizer(model)
     hf_words.pre_tokenizer = pre_tokenizers.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False)
-    words = _Words.build(pre.regexes, batch_of(hf_words))
-    probe = [_PROBE[a:b] for a, b, sid in _SpecialSplitter(specials).split(_PROBE) if sid is None]
+    words = Words.build(pre.regexes, batch_of(hf_words))
+    probe = [_PROBE[a:b] for a, b, sid in SpecialSplitter(specials).split(_PROBE) if sid is None]
     if words is not None and words(probe) == encode_fragments(probe):
         encode_fragments = words
     elif words is not None:

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from proxy.fragments import SpecialSplitter, Words
 from proxy.gguf import read_metadata
 from proxy.template import load_template
-from proxy.tokenizer import Tokenizer, _SpecialSplitter, _Words, load_tokenizer
+from proxy.tokenizer import Tokenizer, load_tokenizer
 
 
 def _default_model() -> str:
@@ -196,11 +197,11 @@ def test_builds_hf_kind_with_llamacpp_attributes(tok: Tokenizer, llama: Any) -> 
     assert len(tok.special_tokens) == 17
     assert 2 in tok.eog_ids and 0 in tok.eog_ids
     # fragments go through the pre-token path (the parity tests below check its ids)
-    assert isinstance(tok._encode_fragments, _Words)
+    assert isinstance(tok._encode_fragments, Words)
 
 
 def test_pre_token_split_keeps_gaps_and_applies_patterns_in_turn() -> None:
-    words = _Words.build([r"\p{N}", r"[a-z]+"], lambda texts: [[len(t)] for t in texts])
+    words = Words.build([r"\p{N}", r"[a-z]+"], lambda texts: [[len(t)] for t in texts])
     assert words is not None
     # digits isolated first; the second pattern then splits each piece, gaps kept as pieces
     assert words.split("ab12 cd!") == ["ab", "1", "2", " ", "cd", "!"]
@@ -310,7 +311,7 @@ def test_token_positions_align_down_inside_text(tok: Tokenizer) -> None:
 def test_special_split_follows_llamacpp(
     specials: dict[str, int], text: str, expected: list[tuple[int, int, int | None]]
 ) -> None:
-    assert _SpecialSplitter(specials).split(text) == expected
+    assert SpecialSplitter(specials).split(text) == expected
 
 
 def test_falls_back_to_llamacpp_for_unknown_pre_type(

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from proxy.config import default_model
+from proxy.fragments import FragmentCache, entry_bytes
 from proxy.gguf import read_metadata
-from proxy.tokenizer import _LRU, Tokenizer, _entry_bytes, load_tokenizer
+from proxy.tokenizer import Tokenizer, load_tokenizer
 
 MODEL = default_model()
 WORDS = ["cache", "prefix", "token", "def", "return", "日本語", "🙂", "x = 1", "\n", "    "]
@@ -46,8 +47,8 @@ def prompt(seed: int, n_messages: int, message_chars: int) -> str:
 def test_lru_keeps_the_most_recently_used_within_the_bytes() -> None:
     ids = tuple(range(1000, 1100))
     key = {name: name * 500 for name in "abcde"}  # the same size each
-    one = _entry_bytes(key["a"], ids)
-    lru = _LRU(max_bytes=4 * one + one // 2)  # room for four
+    one = entry_bytes(key["a"], ids)
+    lru = FragmentCache(max_bytes=4 * one + one // 2)  # room for four
     for name in "abcd":
         lru.put(key[name], ids)
     assert (len(lru), lru.size_bytes) == (4, 4 * one)
@@ -58,7 +59,7 @@ def test_lru_keeps_the_most_recently_used_within_the_bytes() -> None:
     assert lru.size_bytes == 4 * one
 
     lru.put(key["c"], ids[:10])  # replaced: its bytes are recounted
-    assert lru.size_bytes == 3 * one + _entry_bytes(key["c"], ids[:10])
+    assert lru.size_bytes == 3 * one + entry_bytes(key["c"], ids[:10])
     huge = "h" * (lru.max_bytes // 4)  # bigger than a quarter of the bound: not kept
     lru.put(huge, ids)
     assert lru.get(huge) is None and len(lru) == 4
