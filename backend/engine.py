@@ -248,6 +248,10 @@ class Engine:
         in the form a context of one slot writes. One copy into a fresh buffer that is not
         zeroed first (this runs on the llama thread; with several slots, the form is rewritten
         within that buffer)."""
+        out, n = self._snapshot_into(slot)
+        return memoryview(out)[:n]
+
+    def _snapshot_into(self, slot: int) -> tuple[np.ndarray, int]:
         q = self.seqs[slot]
         size = llama_cpp.llama_state_seq_get_size(self.ctx, q.id)
         out = np.empty(size, dtype=np.uint8)
@@ -255,7 +259,7 @@ class Engine:
         n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, q.id)
         if len(self.seqs) > 1:  # kept in a one-slot context's form (backend.layout), in place
             n = layout.one_stream_in_place(out, n, self.caches)
-        return memoryview(out)[:n]
+        return out, n
 
     def last_logits(self, slot: int, i: int = -1) -> np.ndarray:
         """A copy of the logits after the slot's last evaluated token (`i`: the i-th of the
@@ -269,11 +273,19 @@ class Engine:
         return 0 < p < q.n_live <= q.exact_n and p >= self.floor(slot)
 
     def snapshot_behind(self, slot: int, p: int) -> memoryview:
-        """A snapshot of exactly the first p < n_live tokens from the live KV (cut back to p,
-        copied, the copied whole put back): two copies and a restore, no prefill. Only where
-        the memory can be cut back to p (`can_snapshot_behind`)."""
+        """A snapshot of exactly the first p < n_live tokens from the live KV, no prefill. Plain
+        attention: the whole snapshot cut to its first p cells within its own buffer, which is
+        then shrunk (one state in memory at a time; the live state untouched). Otherwise (a
+        window, whose snapshot at p holds cells a later one no longer writes): cut back to p,
+        copied, the copied whole put back. Only where the memory can be cut back to p
+        (`can_snapshot_behind`)."""
         q = self.seqs[slot]
         assert self.can_snapshot_behind(slot, p), (p, q.n_live, q.exact_n, self.floor(slot))
+        if self.memory.kind == "plain":
+            out, n = self._snapshot_into(slot)
+            n = layout.first_cells_in_place(out, n, p)
+            out.resize(n + self.spare_bytes, refcheck=False)  # realloc: the cut cells' pages
+            return memoryview(out)[:n]  # go back; the room `prepare` needs stays
         live_ids = self.live_ids(slot)
         whole = self.snapshot(slot)
         if self.truncate(slot, p) != p:
@@ -293,8 +305,15 @@ class Engine:
         decode); what it keeps: n, or none where the memory refuses the cut."""
         q = self.seqs[src]
         assert src != dst and 0 < n <= q.exact_n, (src, dst, n, q.exact_n)
-        self.restore(dst, self.live_ids(src), self.snapshot(src))
-        return self.truncate(dst, n)
+        if self.memory.kind != "plain" or self.fault:
+            self.restore(dst, self.live_ids(src), self.snapshot(src))
+            return self.truncate(dst, n)
+        out, size = self._snapshot_into(src)  # plain: only the first n cells, in one buffer
+        if n < q.n_live:
+            size = layout.first_cells_in_place(out, size, n)
+        state, _ = self.prepare(out, size)  # room enough: the buffer held the whole state
+        self.restore(dst, self.live_ids(src)[:n], state, prepared=0)
+        return n
 
     def prepare(self, state: bytes | memoryview | np.ndarray, n: int = 0
                 ) -> tuple[bytes | memoryview, int]:
@@ -348,6 +367,25 @@ class Engine:
         q.ids[:n] = ids
         q.n_live = q.exact_n = n
         q.padded = padded
+
+    def restore_held(self, slot: int, ids: Sequence[int], state: memoryview) -> None:
+        """`restore` of a state that only this thread reads (a RAM-tier entry) and that has
+        `spare_bytes` of room in its buffer (a snapshot's has): given the context's form within
+        its own buffer for the load and its own form back after, instead of copied (a restore
+        of a 150 MiB state held two of it at once). Anything else is copied as `restore` does."""
+        arr, n = state.obj, len(state)
+        if (len(self.seqs) == 1 or self.fault or (self.memory.kind == "window"
+                                                  and self.memory.full)
+                or not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1
+                or not arr.flags.writeable or arr.size < n + self.spare_bytes
+                or arr.ctypes.data != np.frombuffer(state, np.uint8).ctypes.data):
+            self.restore(slot, ids, state)
+            return
+        made = layout.many_streams_in_place(arr, n, self.caches, len(self.seqs))
+        try:
+            self.restore(slot, ids, memoryview(arr)[:made], prepared=0)
+        finally:
+            layout.one_stream_in_place(arr, made, self.caches)
 
     # --- evaluation ------------------------------------------------------------------------
 

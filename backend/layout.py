@@ -5,6 +5,7 @@ far enough to rebuild the cold run's cell layout on restore and to say where two
     pad_window(state) -> (state, first)       a window snapshot with its masked cells put back
     one_stream(state, n_caches)               a slot's state in a context of one KV stream's form
     many_streams(state, n_caches, n_stream)   and back, for a context of n_stream slots
+    first_cells_in_place(buf, n, p)           a plain cache's state cut to its first p cells
     first_difference(a, b, n_sections) -> str where two states differ: section, layer, cell, pos
 
 Why (issue 19): a hit must run the cold run's computation, into the same cells. A cold prefill
@@ -336,6 +337,43 @@ def many_streams_in_place(buf: np.ndarray, n: int, n_caches: int, n_stream: int)
             ctypes.memmove(base + sec.start + shift, base + sec.start, sec.end - sec.start)
         struct.pack_into("<I", buf, sec.start + shift, n_stream)
     return n + grow * n_caches
+
+
+def first_cells_in_place(buf: np.ndarray, n: int, p: int) -> int:
+    """The state in `buf[:n]` (a uint8 array, one stream of one plain KV cache holding positions
+    0..m-1 in cells 0..m-1, nothing after it) cut to its first p < m cells within `buf`: what a
+    snapshot taken after `llama_memory_seq_rm(seq, p, -1)` holds, byte for byte, without
+    cutting the live state back, taking a second snapshot or restoring the first (issue 41:
+    that held the whole, the part and a restore's copy at once). Each part moves left, front to
+    back (memmove). Returns the new length; ValueError where the state has another shape."""
+    state = memoryview(buf)[:n]
+    seq = parse(state, 1)
+    s = seq.sections[0]
+    m = s.cell_count
+    if seq.rest != n or struct.unpack_from("<I", state, 8)[0] != 1:
+        raise ValueError("not one stream of one KV cache with nothing after it")
+    if not 0 < p < m or s.positions[0] != 0 or s.positions[-1] != m - 1:
+        raise ValueError(f"cannot cut cells 0..{m - 1} to {p}")
+    base, at = buf.ctypes.data, s.data_offset
+
+    def move(src: int, size: int) -> None:
+        nonlocal at
+        ctypes.memmove(base + at, base + src, size)
+        at += size
+
+    struct.pack_into("<I", buf, s.start + 4, p)  # cell_count; the first p cells' metadata stay
+    at = s.meta_offset + p * _meta_dtype(s.ext).itemsize
+    move(s.data_offset, 8)  # v_trans, n_layer
+    for rows in (*s.k, *s.v):
+        head = 12  # i32 type and u64 row size, or i32 type, u32 el_size, u32 n_embd
+        move(rows.offset - head, head)
+        if not rows.el_bytes:
+            move(rows.offset, p * rows.row_bytes)
+            continue
+        run = m * rows.el_bytes  # transposed V: each of its n_embd runs keeps p elements
+        for j in range(rows.n_embd):
+            move(rows.offset + j * run, p * rows.el_bytes)
+    return at
 
 
 def flip_bit(state: bytes | memoryview) -> bytes:

@@ -110,7 +110,10 @@ class Runner:
                 if h is None or got is None:
                     return Loaded(e.slot, e.run_id, c, 0, 0.0,
                                   Fault("missing", f"the {c.tier} state left its tier", ""))
-                eng.restore(e.slot, got[0], got[1])
+                if c.tier == "ram":  # read by this thread only: its form made in place
+                    eng.restore_held(e.slot, got[0], got[1])
+                else:  # a queued write: the writer thread reads it meanwhile
+                    eng.restore(e.slot, got[0], got[1])
                 kept = eng.truncate(e.slot, e.n)
                 if c.whole and kept == e.n:
                     self.tiers.taken(h)

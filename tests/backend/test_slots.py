@@ -10,6 +10,7 @@ and a restore read from disk never stops another slot generating."""
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend import selfcheck
+from backend import layout, selfcheck
 from backend.engine import Engine
 from backend.protocol import Done, Event, Job, Prefill, Start, Token
 from backend.ramtier import RamTier
@@ -203,8 +204,6 @@ def test_a_slots_snapshot_is_rewritten_in_place_as_the_join_writes_it(name: str)
 
     import llama_cpp
 
-    from backend import layout
-
     eng = _engine(name, 3)
     try:
         for slot in range(3):
@@ -222,6 +221,74 @@ def test_a_slots_snapshot_is_rewritten_in_place_as_the_join_writes_it(name: str)
             room[:len(want)] = np.frombuffer(want, dtype=np.uint8)
             made = layout.many_streams_in_place(room, len(want), eng.caches, 3)
             assert bytes(room[:made]) == bytes(layout.many_streams(want, eng.caches, 3))
+    finally:
+        eng.close()
+
+
+def _as_seq0(state: memoryview, n_caches: int) -> bytes:
+    """A slot's snapshot as sequence 0 would have written it (the header and each cell name the
+    sequence)."""
+    out = bytearray(state)
+    struct.pack_into("<i", out, 4, 0)
+    for sec in layout.parse(state, n_caches).sections:
+        size = 16 if sec.ext else 4  # pos, n_seq, [ext], then the sequence id
+        for i in range(sec.cell_count):
+            struct.pack_into("<i", out, sec.meta_offset + i * (size + 8) + size + 4, 0)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])  # V rows as they are, and transposed
+def test_a_snapshot_behind_the_live_end_is_cut_within_its_buffer(name: str,
+                                                                 flash_attn: str) -> None:
+    """A snapshot of the first p live tokens (a save at a message end behind the live end, or a
+    slot copied from another) is, byte for byte, what the slot's state cut back to p writes;
+    with plain attention it is cut within the whole snapshot's buffer
+    (`layout.first_cells_in_place`: one state in memory, no restore), and the live state is
+    left as it was. A slot copied from another holds that same part."""
+    eng = _engine(name, 3, flash_attn)
+    try:
+        ids = _ids(name, 2 * SLOT_BATCH + 40, seed=7)
+        eng.prefill(0, ids)
+        p = SLOT_BATCH + 7
+        if not eng.can_snapshot_behind(0, p):
+            assert eng.memory.kind == "recurrent", "only a recurrent state cannot be cut back"
+            return
+        whole = bytes(eng.snapshot(0))
+        got = eng.snapshot_behind(0, p)
+        assert bytes(eng.snapshot(0)) == whole, "the live state is left as it was"
+        assert eng.live_ids(0) == ids
+        # the reference: the live state cut back to p, written by llama.cpp, then put back
+        eng.truncate(0, p)
+        want = bytes(eng.snapshot(0))
+        eng.restore(0, ids, whole)
+        assert bytes(got) == want, layout.first_difference(got, want, eng.caches)
+        assert got.nbytes == len(want), "the buffer is shrunk to the part"
+        assert eng.copy(0, 2, p) == p
+        assert _as_seq0(eng.snapshot(2), eng.caches) == want and eng.live_ids(2) == ids[:p]
+    finally:
+        eng.close()
+
+
+def test_a_ram_entry_is_restored_within_its_buffer(name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RAM-tier entry (read by the compute thread only) is given the form of several streams
+    within its own buffer for the load, not copied, and its own form back after: the slot then
+    holds the state it was taken from, and the entry is byte for byte as it was."""
+    eng = _engine(name, 3)
+    try:
+        ids = _ids(name, SLOT_BATCH + 40, seed=8)
+        eng.prefill(0, ids)
+        held = eng.snapshot(0)  # as a slot that gives way leaves it in the RAM tier
+        before = bytes(held)
+
+        def copied(*a: object, **kw: object) -> None:
+            raise AssertionError("the entry was copied")
+        if not (eng.memory.kind == "window" and eng.memory.full):
+            monkeypatch.setattr(layout, "many_streams", copied)
+        eng.restore_held(1, ids, held)
+        monkeypatch.undo()
+        assert bytes(held) == before, "the entry has its own form back"
+        assert _as_seq0(eng.snapshot(1), eng.caches) == before and eng.live_ids(1) == ids
     finally:
         eng.close()
 
