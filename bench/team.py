@@ -30,7 +30,8 @@ peak RSS of the server's process tree (sampled every 0.1 s), and for prefixgate 
 turn's cache came from (it must never be the disk because of a background request). The
 worker's peak RSS less the states it held in RAM at the same sample (its RAM tier and the
 snapshots queued for their files, read from its own /health: what `--cache-ram` budgets, as
-llama-server's does) is compared with the model file plus its KV (slot-ctx x 3 tokens x the
+llama-server's does; and the states on their way between them and the slots, reported apart)
+is compared with the model file plus its KV (slot-ctx x 3 tokens x the
 bytes per token llama.cpp reports) plus 20%.
 """
 
@@ -155,6 +156,9 @@ class Server:
     # and the snapshots queued for their files: --cache-ram's budget), the worst sample
     peak_children_unheld: int = 0
     peak_held: int = 0
+    peak_moving: int = 0  # of it, states on their way between tiers and slots
+    # every sample (seconds since start, workers' RSS, held), written beside the log
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self, ready_path: str = "/health", timeout_s: float = 600) -> float:
@@ -174,17 +178,24 @@ class Server:
 
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc is not None:
-            held = sum(held_bytes(p) for p in tree(self.proc.pid) if p != self.proc.pid)
+            both = [held_bytes(p) for p in tree(self.proc.pid) if p != self.proc.pid]
+            held, moving = sum(h for h, _ in both), sum(m for _, m in both)
             (rss, anon), (own, own_anon) = tree_rss(self.proc.pid), tree_rss(self.proc.pid, False)
             self.peak_rss = max(self.peak_rss, rss)
             self.peak_children_rss = max(self.peak_children_rss, rss - own)
             self.peak_children_anon = max(self.peak_children_anon, anon - own_anon)
             self.peak_children_unheld = max(self.peak_children_unheld, rss - own - held)
             self.peak_held = max(self.peak_held, held)
+            self.peak_moving = max(self.peak_moving, moving)
+            self.samples.append((time.time(), rss - own, held))
             time.sleep(0.1)
 
     def stop(self) -> None:
         self._stop.set()
+        if self.samples:  # for a look at what the peak was: `clock rss held` per line, MiB
+            self.log_path.with_suffix(".rss").write_text("".join(
+                f"{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 100):02d} "
+                f"{r / 2**20:.0f} {h / 2**20:.0f}\n" for t, r, h in self.samples))
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -216,10 +227,11 @@ def tree_cpu(pid: int, children: bool = True) -> float:
     return total
 
 
-def held_bytes(pid: int) -> int:
+def held_bytes(pid: int) -> tuple[int, int]:
     """The bytes of states a prefixgate worker process holds in RAM (its RAM tier's entries and
-    the snapshots queued for their files), from its own /health on its socket; 0 for any other
-    process."""
+    the snapshots queued for their files) or moves between its tiers and slots (a snapshot
+    being copied out of a slot, a read state until it is loaded: `moving_bytes`), from its own
+    /health on its socket; 0 for any other process. (All of them, of it those moving.)"""
     with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if b"worker" not in args or b"--socket" not in args:
@@ -234,8 +246,10 @@ def held_bytes(pid: int) -> int:
             info = json.loads(conn.getresponse().read())
         finally:
             conn.close()
-        return int(info["cache_ram"]["used_bytes"]) + int(info["writes"]["queued_bytes"])
-    return 0
+        w = info["writes"]
+        moving = int(w.get("moving_bytes", 0))
+        return int(info["cache_ram"]["used_bytes"]) + int(w["queued_bytes"]) + moving, moving
+    return 0, 0
 
 
 def tree_rss(pid: int, children: bool = True) -> tuple[int, int]:
@@ -401,6 +415,7 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         "ram_tier_mib_at_end": round(ram_bytes / 2**20, 1),
         "peak_workers_unheld_mib": round(srv.peak_children_unheld / 2**20, 1),
         "peak_held_mib": round(srv.peak_held / 2**20, 1),
+        "peak_moving_mib": round(srv.peak_moving / 2**20, 1),
         "ttft": {c: {"p50": round(pct([r.ttft_s for r in rs], 0.5), 3),
                      "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
                  for c, rs in by.items()},
@@ -522,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.keep_logs:
             logs = Path(args.out) / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            for f in work.glob("round*/*.log"):
+            for f in [*work.glob("round*/*.log"), *work.glob("round*/*.rss")]:
                 shutil.copy(f, logs / f"{f.parent.name}-{f.name}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -536,8 +551,10 @@ def main(argv: list[str] | None = None) -> None:
             worker = a["peak_workers_unheld_mib"]
             checks.append(f"slots: the worker's peak RSS {a['peak_workers_rss_mib']:.0f} MiB; "
                           f"less the states it held in RAM at the same moment (its RAM tier and "
-                          f"the snapshots queued for their files, at most "
-                          f"{a['peak_held_mib']:.0f} MiB), at most {worker:.0f} MiB "
+                          f"the snapshots queued for their files, and the states on their way "
+                          f"between tiers and slots, at most {a['peak_held_mib']:.0f} MiB, of it "
+                          f"on their way at most {a.get('peak_moving_mib', 0):.0f} MiB), at "
+                          f"most {worker:.0f} MiB "
                           f"{'<=' if worker <= a['rss_bound_mib'] else '>'} model + KV of 3 slots "
                           f"+ 20% = {a['rss_bound_mib']:.0f} MiB (the model {model_mib:.0f} MiB,"
                           f" the KV {kv:.0f} MiB); its own memory, without the mapped model "

@@ -73,7 +73,9 @@ class Runner:
         elif isinstance(e, GiveWay):
             if eng.truncate(e.slot, e.n) == e.n:
                 q = eng.seqs[e.slot]
-                self.tiers.give_way(e.salt, e.tenant, q.ids[: e.n].copy(), eng.snapshot(e.slot))
+                with self.tiers.moving(eng.state_bytes(e.slot)):  # until made (then held)
+                    state = eng.snapshot(e.slot)
+                self.tiers.give_way(e.salt, e.tenant, q.ids[: e.n].copy(), state)
         elif isinstance(e, Load):
             return self._load(e)
         elif isinstance(e, Snapshot):
@@ -99,7 +101,8 @@ class Runner:
         eng, c, t = self.engine, e.candidate, time.perf_counter()
         try:
             if c.tier == "slot":
-                kept = eng.copy(e.src, e.slot, e.n)
+                with self.tiers.moving(eng.state_bytes(e.src)):  # the copy, until loaded
+                    kept = eng.copy(e.src, e.slot, e.n)
             elif isinstance(e.payload, Payload):
                 p = e.payload
                 eng.restore(e.slot, p.ids, p.state, prepared=p.padded)
@@ -112,8 +115,9 @@ class Runner:
                                   Fault("missing", f"the {c.tier} state left its tier", ""))
                 if c.tier == "ram":  # read by this thread only: its form made in place
                     eng.restore_held(e.slot, got[0], got[1])
-                else:  # a queued write: the writer thread reads it meanwhile
-                    eng.restore(e.slot, got[0], got[1])
+                else:  # a queued write, which the writer thread reads: copied for the load
+                    with self.tiers.moving(len(got[1])):
+                        eng.restore(e.slot, got[0], got[1])
                 kept = eng.truncate(e.slot, e.n)
                 if c.whole and kept == e.n:
                     self.tiers.taken(h)
@@ -128,12 +132,14 @@ class Runner:
             if not eng.can_snapshot_behind(e.slot, e.n):
                 return Snapshotted(e.run_id, False)
             try:
-                state = eng.snapshot_behind(e.slot, e.n)
+                with self.tiers.moving(eng.state_bytes(e.slot)):  # the whole, then the part
+                    state = eng.snapshot_behind(e.slot, e.n)
             except ValueError:
                 return Snapshotted(e.run_id, False)
         else:
             assert q.n_live == e.n, (q.n_live, e.n)
-            state = eng.snapshot(e.slot)
+            with self.tiers.moving(eng.state_bytes(e.slot)):  # until made (then queued)
+                state = eng.snapshot(e.slot)
         ids = job.ids[: e.n]
         key = keys.prefix_keys(job.salt, ids, [e.n])[e.n]
         if self.tiers.on_disk(key) or not self.tiers.queue(key, job.salt, job.tenant,

@@ -28,7 +28,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,28 @@ class Tiers:
     every: bool = False  # someone reads every tier's events (live, shared): GET /events?all=1
     lock: threading.Lock = field(default_factory=threading.Lock)
     _next_ref: int = 0
+    # states on their way into a tier or a slot, counted in `moving_bytes` (no tier budgets
+    # them yet): a snapshot llama.cpp is copying out of a slot, a file being read, and a read
+    # state until the slot has loaded it and dropped it (a weak reference to its buffer)
+    _moving: int = 0
+    _read: list[tuple[weakref.ref[Any], int]] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def moving(self, nbytes: int) -> Iterator[None]:
+        """Counts `nbytes` as a state on its way while the block runs (the snapshot it makes
+        enters a tier, or is dropped, before it ends)."""
+        with self.lock:
+            self._moving += nbytes
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._moving -= nbytes
+
+    def moving_bytes(self) -> int:
+        with self.lock:
+            self._read = [(r, n) for r, n in self._read if r() is not None]
+            return self._moving + sum(n for _, n in self._read)
 
     # --- the compute thread ------------------------------------------------------------------
 
@@ -163,8 +186,12 @@ class Tiers:
             if r.tier == "shared":
                 pulled = self._pull(r.key, r.n_tokens, job.tenant)
                 file = pulled.file
-            n, state = store.read_state_into(self.cache_dir / file, self.fingerprint, job.ids,
-                                             self.spare)
+            path = self.cache_dir / file
+            with self.moving(_file_size(path)):
+                n, state = store.read_state_into(self.cache_dir / file, self.fingerprint,
+                                                 job.ids, self.spare)
+                with self.lock:  # counted until the slot has loaded it and let it go
+                    self._read.append((weakref.ref(state), state.nbytes))
             if n != r.n_tokens:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                  f"{r.n_tokens}")
@@ -249,4 +276,14 @@ class Tiers:
         if self.shared is not None:  # the pulls are counted here, publishing by the tier
             tier = self.shared.stats()
             shared = {k: tier.get(k, 0) + self.shared_stats.get(k, 0) for k in {*tier, *STATS}}
-        return {"ram": self.ram.stats(), "writes": dict(self.writes), "shared": shared}
+        return {"ram": self.ram.stats(), "writes": {**self.writes,
+                                                     "moving_bytes": self.moving_bytes()},
+                "shared": shared}
+
+
+def _file_size(path: Path) -> int:
+    """Its size; 0 where it is gone (the read then says so, as a cache fault)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

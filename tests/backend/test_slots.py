@@ -65,8 +65,8 @@ class Worker:
         self.steps: list[int] = []  # the slots of each decode step
         self.lock, self.ended = threading.Lock(), threading.Condition()
         self.finished: set[str] = set()
-        tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
-                      self._emit, fault=fault, spare=eng.spare_bytes)
+        self.tiers = tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0),
+                                   eng.prepare, self._emit, fault=fault, spare=eng.spare_bytes)
         core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
                     eng.n_ctx)
         shapes = shapes or Shapes(eng.decode_shape, True, "")
@@ -458,6 +458,8 @@ def test_a_restore_read_from_disk_never_stops_another_slot_generating(
         w.submit("answer", p, 0, gen=16)
         w.wait("answer", "restored")
         w.stop()
+        # the read state was counted as on its way (`moving_bytes`) until the slot loaded it
+        assert w.tiers.moving_bytes() == 0, "a loaded state is still counted as moving"
     finally:
         eng.close()
     runs = [(run, type(e).__name__) for _, run, e in w.events]

@@ -75,7 +75,7 @@ def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess
     assert next(t for t, e in saving if isinstance(e, Done)) < done_long
     assert saved[0][0] >= min(done_long, t0 + WRITE_REST_S) - 0.05
     health = json.loads(http_get(worker.url + "/health")[1])
-    assert health["writes"]["queued_bytes"] == 0
+    assert health["writes"]["queued_bytes"] == 0 and health["writes"]["moving_bytes"] == 0
     if saved[0][0] < t0 + WRITE_REST_S:
         assert health["writes"]["at_rest"] == at_rest + 1
     # the file is whole: the other slot restores it
