@@ -71,9 +71,9 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from backend import layout
 from backend.context import DecodeShape, load
 from backend.sampling import Sampler, Sampling
+from backend.states import States
 from policies.prefix import FA_TILE, Batching, Edges, Padding, live_reuse
 
 log = logging.getLogger("prefixgate.engine")
@@ -111,7 +111,7 @@ class Seq:
 Row = tuple[int, Sequence[int]]  # (slot, its tokens at its next positions)
 
 
-class Engine:
+class Engine(States):
     """One llama.cpp model and context, driven through llama.cpp's C API (the `llama_cpp`
     bindings; no `Llama` object). Not thread-safe: the worker runs it on one thread."""
 
@@ -241,25 +241,7 @@ class Engine:
             q.padded = 0
         return n
 
-    # --- snapshots -------------------------------------------------------------------------
-
-    def snapshot(self, slot: int) -> memoryview:
-        """A copy of this slot's state: KV (and recurrent state) for exactly `n_live` tokens,
-        in the form a context of one slot writes. One copy into a fresh buffer that is not
-        zeroed first (this runs on the llama thread; with several slots, the form is rewritten
-        within that buffer)."""
-        out, n = self._snapshot_into(slot)
-        return memoryview(out)[:n]
-
-    def _snapshot_into(self, slot: int) -> tuple[np.ndarray, int]:
-        q = self.seqs[slot]
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, q.id)
-        out = np.empty(size, dtype=np.uint8)
-        dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, q.id)
-        if len(self.seqs) > 1:  # kept in a one-slot context's form (backend.layout), in place
-            n = layout.one_stream_in_place(out, n, self.caches)
-        return out, n
+    # --- logits (snapshots and restores: backend.states) -----------------------------------
 
     def last_logits(self, slot: int, i: int = -1) -> np.ndarray:
         """A copy of the logits after the slot's last evaluated token (`i`: the i-th of the
@@ -267,125 +249,6 @@ class Engine:
         rows = self._rows(slot)
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, rows[i])
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-
-    def can_snapshot_behind(self, slot: int, p: int) -> bool:
-        q = self.seqs[slot]
-        return 0 < p < q.n_live <= q.exact_n and p >= self.floor(slot)
-
-    def snapshot_behind(self, slot: int, p: int) -> memoryview:
-        """A snapshot of exactly the first p < n_live tokens from the live KV, no prefill. Plain
-        attention: the whole snapshot cut to its first p cells within its own buffer, which is
-        then shrunk (one state in memory at a time; the live state untouched). Otherwise (a
-        window, whose snapshot at p holds cells a later one no longer writes): cut back to p,
-        copied, the copied whole put back. Only where the memory can be cut back to p
-        (`can_snapshot_behind`)."""
-        q = self.seqs[slot]
-        assert self.can_snapshot_behind(slot, p), (p, q.n_live, q.exact_n, self.floor(slot))
-        if self.memory.kind == "plain":
-            out, n = self._snapshot_into(slot)
-            n = layout.first_cells_in_place(out, n, p)
-            out.resize(n + self.spare_bytes, refcheck=False)  # realloc: the cut cells' pages
-            return memoryview(out)[:n]  # go back; the room `prepare` needs stays
-        live_ids = self.live_ids(slot)
-        whole = self.snapshot(slot)
-        if self.truncate(slot, p) != p:
-            self.restore(slot, live_ids, whole)
-            raise ValueError(f"the live state could not be cut back to {p}")
-        part = self.snapshot(slot)
-        self.restore(slot, live_ids, whole)
-        return part
-
-    def state_bytes(self, slot: int) -> int:
-        """The size of a slot's state, without copying it."""
-        return int(llama_cpp.llama_state_seq_get_size(self.ctx, self.seqs[slot].id))
-
-    def copy(self, src: int, dst: int, n: int) -> int:
-        """Slot `dst` gets the first n <= exact_n tokens of slot `src`'s live state, restored
-        and cut back (not `llama_memory_seq_cp`, which copies a whole stream at the next
-        decode); what it keeps: n, or none where the memory refuses the cut."""
-        q = self.seqs[src]
-        assert src != dst and 0 < n <= q.exact_n, (src, dst, n, q.exact_n)
-        if self.memory.kind != "plain" or self.fault:
-            self.restore(dst, self.live_ids(src), self.snapshot(src))
-            return self.truncate(dst, n)
-        out, size = self._snapshot_into(src)  # plain: only the first n cells, in one buffer
-        if n < q.n_live:
-            size = layout.first_cells_in_place(out, size, n)
-        state, _ = self.prepare(out, size)  # room enough: the buffer held the whole state
-        self.restore(dst, self.live_ids(src)[:n], state, prepared=0)
-        return n
-
-    def prepare(self, state: bytes | memoryview | np.ndarray, n: int = 0
-                ) -> tuple[bytes | memoryview, int]:
-        """(A snapshot in the form this context loads: a full-size window's masked cells padded
-        back, several streams' form with several slots; the cells padded.) Bytes only, any
-        thread (the reader's); a uint8 array of `n` bytes and `spare_bytes` of room
-        (store.read_state_into) is made so in place where no window is padded."""
-        padded = 0
-        if isinstance(state, np.ndarray):
-            if not self.memory.full and self.fault != "restore-bit":
-                n = layout.many_streams_in_place(state, n, self.caches, len(self.seqs))
-                return memoryview(state)[:n], 0
-            state = memoryview(state)[:n]
-        if self.memory.kind == "window" and self.memory.full:
-            state, padded = layout.pad_window(state)
-        if self.fault == "restore-bit":
-            state = layout.flip_bit(state)
-        if len(self.seqs) > 1:
-            state = layout.many_streams(state, self.caches, len(self.seqs))
-        return state, padded
-
-    @property
-    def spare_bytes(self) -> int:
-        """The room `prepare` needs after a state to make it in place."""
-        return 4 * (len(self.seqs) - 1) * self.caches
-
-    def restore(self, slot: int, ids: Sequence[int], state: bytes | memoryview,
-                prepared: int | None = None) -> None:
-        """Load a snapshot of exactly len(ids) tokens (taken in any slot) into this slot, each
-        position into the cell a cold run used (module rules; read in place where nothing is
-        padded). `prepared`: the state is `prepare`'s already, with this many padded cells."""
-        q = self.seqs[slot]
-        self.truncate(slot, 0)
-        if prepared is None:
-            state, padded = self.prepare(state)
-        else:
-            padded = prepared
-        if isinstance(state, bytes):
-            src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
-        else:  # a snapshot of ours: point at its buffer, no copy
-            src = np.frombuffer(state, dtype=np.uint8).ctypes.data_as(
-                ctypes.POINTER(ctypes.c_uint8))
-        if llama_cpp.llama_state_seq_set_data(self.ctx, src, len(state), q.id) == 0:
-            self._clear(q)
-            raise ValueError("llama_state_seq_set_data refused the state")
-        n = len(ids)
-        pos_max = int(llama_cpp.llama_memory_seq_pos_max(self.mem, q.id))
-        if pos_max != n - 1:  # a state of another length than its header said
-            self._clear(q)
-            raise ValueError(f"the state holds positions up to {pos_max}, not {n - 1}")
-        q.ids[:n] = ids
-        q.n_live = q.exact_n = n
-        q.padded = padded
-
-    def restore_held(self, slot: int, ids: Sequence[int], state: memoryview) -> None:
-        """`restore` of a state that only this thread reads (a RAM-tier entry) and that has
-        `spare_bytes` of room in its buffer (a snapshot's has): given the context's form within
-        its own buffer for the load and its own form back after, instead of copied (a restore
-        of a 150 MiB state held two of it at once). Anything else is copied as `restore` does."""
-        arr, n = state.obj, len(state)
-        if (len(self.seqs) == 1 or self.fault or (self.memory.kind == "window"
-                                                  and self.memory.full)
-                or not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1
-                or not arr.flags.writeable or arr.size < n + self.spare_bytes
-                or arr.ctypes.data != np.frombuffer(state, np.uint8).ctypes.data):
-            self.restore(slot, ids, state)
-            return
-        made = layout.many_streams_in_place(arr, n, self.caches, len(self.seqs))
-        try:
-            self.restore(slot, ids, memoryview(arr)[:made], prepared=0)
-        finally:
-            layout.one_stream_in_place(arr, made, self.caches)
 
     # --- evaluation ------------------------------------------------------------------------
 

@@ -42,12 +42,9 @@ both are what a render from the start would record.
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from datetime import datetime
 from types import FrameType
 from typing import Any
@@ -55,29 +52,18 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.runtime import LoopContext, Macro, Namespace, missing
 
-from proxy.memo import IdMemo
+from proxy.traced import LOOP_NEXT, Signed, TracedIter, TracedList, TracedMessage, current, wrapped
 
-__all__ = ["Run", "Runs", "Signed", "TracedList", "TracedMessage", "render", "resumable", "same"]
+__all__ = ["Run", "Runs", "render", "resumable", "same"]
 
 log = logging.getLogger(__name__)
-
-_LOOP_NEXT = LoopContext.__next__.__code__
-_JSON_CODES = frozenset({json.JSONEncoder.encode.__code__, json.JSONEncoder.iterencode.__code__})
-_ROOT = ("root", "<template>")
-
-
-class _Current(threading.local):
-    run: Run | None = None  # the run under way on this thread
-
-
-_current = _Current()
 
 
 def strftime_now(fmt: str) -> str:
     """HF's ``strftime_now`` global; a recorded render notes what it read of the clock, and a
     later one resumes from it only while the clock still reads the same."""
     now = datetime.now().strftime(fmt)
-    run = _current.run
+    run = current.run
     if run is not None:
         run.clock.append((fmt, now))
     return now
@@ -201,13 +187,13 @@ class Run:
 
     # -- loop boundaries ---------------------------------------------------------------------
 
-    def boundary(self, it: _Iter, caller: FrameType) -> None:
+    def boundary(self, it: TracedIter, caller: FrameType) -> None:
         """Before `it` hands out its next item, called from a top-level loop."""
         loop = self.loop
         if it.pos == 0:
             if loop is not None:
                 return  # a loop inside the loop under way: its pulls are observations only
-            root = caller.f_back if caller.f_code is _LOOP_NEXT else caller
+            root = caller.f_back if caller.f_code is LOOP_NEXT else caller
             assert root is not None
             names = root.f_locals
             state = {k: _snapshot(v) for k, v in names.items() if k.startswith("l_0_")}
@@ -236,7 +222,7 @@ class Run:
         loop.length.append(self.length)
         loop.log.append(len(self.log) - loop.log0)
 
-    def _holds(self, it: _Iter) -> int:
+    def _holds(self, it: TracedIter) -> int:
         """The latest boundary of the source's same loop at which this render may resume (see
         the module rules); 0: none."""
         src = self.source
@@ -261,7 +247,7 @@ class Run:
             b -= 1
         return b if b > 0 and old.pos[b] > 0 else 0
 
-    def _resume(self, it: _Iter, caller: FrameType, b: int) -> None:
+    def _resume(self, it: TracedIter, caller: FrameType, b: int) -> None:
         """Go on from the source's boundary `b` of this loop: its text, namespaces, records
         and the loop's counters."""
         src = self.source
@@ -291,10 +277,10 @@ class Run:
         loop.log += old.log[:b]
         self.at = self.shared = old.at[b]
         self.seen, self.length = old.seen[b], old.length[b]
-        if caller.f_code is _LOOP_NEXT:
+        if caller.f_code is LOOP_NEXT:
             ctx: LoopContext = caller.f_locals["self"]
             ctx.index0 = k - 1
-            ctx._current = it.items[k - 1]
+            ctx.current = it.items[k - 1]
         it.pos = k
         self.resumed += k
 
@@ -350,215 +336,6 @@ def _same_state(old: dict[str, Any], new: dict[str, Any], common: int,
     return True
 
 
-class _Iter:
-    """An iteration over a TracedList: each item handed out is observed; a top-level loop's
-    boundaries are recorded (and may resume)."""
-
-    __slots__ = ("items", "indices", "run", "pos", "loop", "top", "namespaces")
-
-    def __init__(self, items: list[Any], indices: range, run: Run, top: bool) -> None:
-        self.items = items
-        self.indices = indices
-        self.run = run
-        self.pos = 0
-        self.loop: _Loop | None = None
-        self.top = top  # forward, step 1: may be a resumable loop
-        self.namespaces: dict[str, Namespace] = {}
-
-    def __iter__(self) -> _Iter:
-        return self
-
-    def __next__(self) -> Any:
-        run = self.run
-        if self.top:
-            caller = sys._getframe(1)
-            code = caller.f_code
-            if code is _LOOP_NEXT:
-                root = caller.f_back
-                if root is not None and (root.f_code.co_name, root.f_code.co_filename) == _ROOT:
-                    run.boundary(self, caller)
-            elif (code.co_name, code.co_filename) == _ROOT:
-                run.boundary(self, caller)
-        pos = self.pos
-        if pos >= len(self.items):
-            run.length = True
-            if run.loop is self.loop:
-                run.loop = None
-            raise StopIteration
-        i = self.indices[pos]
-        self.pos = pos + 1
-        run.see(i)
-        run.pull(i)
-        return self.items[pos]
-
-
-class TracedList(list):  # type: ignore[type-arg]
-    """The messages as a recorded render sees them. The template cannot reach the record (the
-    sandbox refuses names starting with ``_``)."""
-
-    def __init__(self, items: list[Any], run: Run, indices: range) -> None:
-        super().__init__(items)
-        self._run = run
-        self._indices = indices
-
-    def __iter__(self) -> Iterator[Any]:
-        return _Iter(list(list.__iter__(self)), self._indices, self._run,
-                     self._indices.step == 1)
-
-    def __reversed__(self) -> Iterator[Any]:
-        self._run.length = True  # its first item is the last
-        return _Iter(list(reversed(list(list.__iter__(self)))), self._indices[::-1], self._run,
-                     False)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            if any(isinstance(v, int) and v < 0 for v in (index.start, index.stop, index.step)):
-                self._run.length = True  # counted from the end: which items depends on it
-            return TracedList(list.__getitem__(self, index), self._run, self._indices[index])
-        if isinstance(index, int) and index < 0:
-            self._run.length = True
-        try:
-            item = list.__getitem__(self, index)
-        except IndexError:
-            self._run.length = True
-            raise
-        self._run.see(self._indices[index])
-        return item
-
-    def __len__(self) -> int:
-        self._run.length = True
-        return list.__len__(self)
-
-    def __bool__(self) -> bool:
-        if list.__len__(self):
-            self._run.see(self._indices[0])
-            return True
-        self._run.length = True
-        return False
-
-    def _all(self) -> None:
-        self._run.length = True
-        if list.__len__(self):
-            self._run.see(max(self._indices[0], self._indices[-1]))
-
-    def __contains__(self, item: object) -> bool:
-        self._all()
-        return list.__contains__(self, item)
-
-    def __eq__(self, other: object) -> bool:
-        self._all()
-        return list.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        self._all()
-        return list.__ne__(self, other)
-
-    def __add__(self, other: Any) -> Any:
-        self._all()
-        return list.__add__(self, other)
-
-    def __radd__(self, other: Any) -> Any:
-        self._all()
-        return list(other) + list(list.__iter__(self))
-
-    def __mul__(self, n: Any) -> Any:
-        self._all()
-        return list.__mul__(self, n)
-
-    __rmul__ = __mul__
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        self._all()
-        return list.__repr__(self)
-
-    __str__ = __repr__
-
-    def index(self, *args: Any) -> int:
-        self._all()
-        return list.index(self, *args)
-
-    def count(self, item: Any) -> int:
-        self._all()
-        return list.count(self, item)
-
-    def copy(self) -> list[Any]:
-        self._all()
-        return list(list.__iter__(self))
-
-
-class TracedMessage(dict):  # type: ignore[type-arg]
-    """One message, equal to it; reading it is observed (and the first read after a pull is
-    recorded)."""
-
-    __slots__ = ("_i",)
-
-    def __init__(self, message: dict[str, Any], i: int) -> None:
-        super().__init__(message)
-        self._i = i  # the message's index; the run observed is the one under way on the thread
-
-    def _seen(self) -> None:
-        run = _current.run
-        if run is not None:
-            run.see(self._i)
-            run.first_read(self._i)
-
-    def __getitem__(self, key: Any) -> Any:
-        self._seen()
-        return dict.__getitem__(self, key)
-
-    def __contains__(self, key: object) -> bool:
-        self._seen()
-        return dict.__contains__(self, key)
-
-    def __iter__(self) -> Iterator[Any]:
-        self._seen()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        self._seen()
-        return dict.__len__(self)
-
-    def __eq__(self, other: object) -> bool:
-        self._seen()
-        return dict.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        self._seen()
-        return dict.__ne__(self, other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        self._seen()
-        return dict.__repr__(self)
-
-    __str__ = __repr__
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self._seen()
-        return dict.get(self, key, default)
-
-    def keys(self) -> Any:
-        self._seen()
-        return dict.keys(self)
-
-    def values(self) -> Any:
-        self._seen()
-        return dict.values(self)
-
-    def items(self) -> Any:
-        self._seen()
-        if sys._getframe(1).f_code in _JSON_CODES:
-            if _current.run is not None:
-                _current.run.length = True  # serialized inside a list: its end is read too
-        return dict.items(self)
-
-    def copy(self) -> dict[str, Any]:
-        self._seen()
-        return dict(dict.items(self))
-
-
 def resumable(source: str, ast: nodes.Template) -> bool:
     """Whether renders of this template may resume (see the module rules)."""
     if "changed(" in source:
@@ -569,23 +346,6 @@ def resumable(source: str, ast: nodes.Template) -> bool:
     return True
 
 
-def signatures(messages: list[dict[str, Any]]) -> list[Any]:
-    """Per message, a value equal for two messages exactly when they are ``same`` (messages
-    hold JSON values: strings, numbers, booleans, null, lists and dicts)."""
-    out: list[Any] = []
-    memo = _SIGNATURES
-    for m, sig in zip(messages, memo.get_many(messages), strict=True):
-        if sig is None:
-            if all(type(v) is str for v in m.values()):
-                sig = tuple(m.items())
-            else:
-                sig = json.dumps(m, ensure_ascii=False, default=repr)
-            memo.put(m, sig)
-        out.append(sig)
-    return out
-
-
-_SIGNATURES = IdMemo()  # a message (not changed in place: proxy/memo.py) -> its signature
 
 
 class Runs:
@@ -634,59 +394,6 @@ class Runs:
                     del self._index[old.key]
 
 
-class Signed(list):  # type: ignore[type-arg]
-    """Messages with their ``signatures`` and ``chain_of`` computed once; a leading slice
-    (``messages[:i]``) keeps its share of both."""
-
-    def __init__(self, messages: list[dict[str, Any]], sigs: list[Any] | None = None,
-                 chain: list[int] | None = None, root: Signed | None = None) -> None:
-        super().__init__(messages)
-        self.sigs = signatures(messages) if sigs is None else sigs
-        self.chain = chain_of(self.sigs) if chain is None else chain
-        self.root = self if root is None else root
-        self.wrappers: list[TracedMessage] | None = None  # the root's, made once
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
-            stop = len(self) if index.stop is None else min(max(index.stop, 0), len(self))
-            if index.stop is None or index.stop >= 0:
-                return Signed(list.__getitem__(self, index), self.sigs[:stop],
-                              self.chain[: stop + 1], self.root)
-        return list.__getitem__(self, index)
-
-    def traced(self) -> list[TracedMessage]:
-        """The messages as a render shows them to the template (``wrapped``), found once for
-        the request."""
-        root = self.root
-        if root.wrappers is None:
-            root.wrappers = wrapped(root)
-        return root.wrappers[: len(self)]
-
-
-def wrapped(messages: list[dict[str, Any]]) -> list[TracedMessage]:
-    """A ``TracedMessage`` per message. A wrapper holds no render's state (it reports to the
-    run under way on its thread), so the wrapper of a message object at the same index is
-    made once and serves every later request that re-sends that object."""
-    out: list[TracedMessage] = []
-    memo = _WRAPPERS
-    for i, (m, w) in enumerate(zip(messages, memo.get_many(messages), strict=True)):
-        if w is None or w._i != i:
-            w = memo.put(m, TracedMessage(m, i))
-        out.append(w)
-    return out
-
-
-_WRAPPERS = IdMemo()  # a message (not changed in place: proxy/memo.py) -> its wrapper
-
-
-def chain_of(sigs: list[Any]) -> list[int]:
-    """Hashes of every prefix of the signatures (index i: the first i)."""
-    chain = [0]
-    for sig in sigs:
-        chain.append(hash((chain[-1], sig)))
-    return chain
-
-
 def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
            messages: list[dict[str, Any]], context: dict[str, Any], keep: bool = True,
            positions: bool = True) -> Run:
@@ -709,13 +416,13 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
     else:
         items = wrapped(messages)
     traced = TracedList(items, run, range(len(messages)))
-    outer, _current.run = _current.run, run
+    outer, current.run = current.run, run
     try:
         for piece in template.generate({**context, "messages": traced}):
             run.pieces.append(piece)
             run.at += len(piece)
     finally:
-        _current.run = outer
+        current.run = outer
     run.text = "".join(run.pieces)
     run.pieces = []
     run.loop = None

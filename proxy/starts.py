@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from proxy import resume
+from proxy import traced
 from proxy.resume import Run
 
 log = logging.getLogger("proxy.template")  # the template's own log, as before the split
@@ -169,7 +169,7 @@ def _chain_keys(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     """The prefix cache's key of (tools, variables, messages[:i]) for every i in
     0..len(messages)."""
     base = hash(("tools", _fingerprint(tools), _fingerprint(extra or {})))
-    return [hash((base, h)) for h in resume.chain_of(resume.signatures(messages))]
+    return [hash((base, h)) for h in traced.chain_of(traced.signatures(messages))]
 
 
 def _traced_starts(

@@ -56,7 +56,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, pack
-from proxy import resume
+from proxy import resume, traced
 from proxy.resume import Run
 from proxy.starts import StartCache, header_char_ends, message_char_starts, shape_of
 from proxy.tokenizer import Segment, Tokenizer
@@ -246,7 +246,7 @@ def render_prompt(
     raises ``CannotContinue``."""
     key = template.key_of(tools)
     if template.runs is not None:
-        messages = resume.Signed(messages)  # one signature per message for all its renders
+        messages = traced.Signed(messages)  # one signature per message for all its renders
     run = template.record(messages, tools, not continue_final, key)
     if continue_final:
         text = _open_final_message(run.text, str(messages[-1].get("content") or ""))
