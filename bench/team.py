@@ -157,7 +157,7 @@ class Server:
     peak_children_unheld: int = 0
     peak_held: int = 0
     peak_moving: int = 0  # of it, states on their way between tiers and slots
-    # every sample (seconds since start, workers' RSS, held), written beside the log
+    # every sample (its clock, workers' RSS (the lower read), held), written beside the log
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -178,16 +178,20 @@ class Server:
 
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc is not None:
+            # the workers' RSS read before and after what they hold: a state that leaves a tier
+            # is freed just after, so the lower of the two goes with what was held in between
+            (rss, anon), (own, own_anon) = tree_rss(self.proc.pid), tree_rss(self.proc.pid, False)
             both = [held_bytes(p) for p in tree(self.proc.pid) if p != self.proc.pid]
             held, moving = sum(h for h, _ in both), sum(m for _, m in both)
-            (rss, anon), (own, own_anon) = tree_rss(self.proc.pid), tree_rss(self.proc.pid, False)
+            after = tree_rss(self.proc.pid)[0] - tree_rss(self.proc.pid, False)[0]
+            workers, settled = max(rss - own, after), min(rss - own, after)
             self.peak_rss = max(self.peak_rss, rss)
-            self.peak_children_rss = max(self.peak_children_rss, rss - own)
+            self.peak_children_rss = max(self.peak_children_rss, workers)
             self.peak_children_anon = max(self.peak_children_anon, anon - own_anon)
-            self.peak_children_unheld = max(self.peak_children_unheld, rss - own - held)
+            self.peak_children_unheld = max(self.peak_children_unheld, settled - held)
             self.peak_held = max(self.peak_held, held)
             self.peak_moving = max(self.peak_moving, moving)
-            self.samples.append((time.time(), rss - own, held))
+            self.samples.append((time.time(), settled, held))
             time.sleep(0.1)
 
     def stop(self) -> None:
