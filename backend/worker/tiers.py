@@ -191,6 +191,7 @@ class Tiers:
                 n, state = store.read_state_into(self.cache_dir / file, self.fingerprint,
                                                  job.ids, self.spare)
                 with self.lock:  # counted until the slot has loaded it and let it go
+                    self._read = [(r, b) for r, b in self._read if r() is not None]
                     self._read.append((weakref.ref(state), state.nbytes))
             if n != r.n_tokens:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
