@@ -153,19 +153,18 @@ class States:
 
     def restore_held(self, slot: int, ids: Sequence[int], state: memoryview) -> None:
         """`restore` of a state that only this thread reads (a RAM-tier entry) and that has
-        `spare_bytes` of room in its buffer (a snapshot's has): given the context's form within
-        its own buffer for the load and its own form back after, instead of copied (a restore
-        of a 150 MiB state held two of it at once). Anything else is copied as `restore` does."""
-        arr, n = state.obj, len(state)
-        if (len(self.seqs) == 1 or self.fault or (self.memory.kind == "window"
-                                                  and self.memory.full)
-                or not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1
-                or not arr.flags.writeable or arr.size < n + self.spare_bytes
+        `spare_bytes` of room in its buffer (a snapshot's has): `prepare` makes the context's
+        form within that buffer, as it does for a file read, and the entry gets its own form
+        back after the load, instead of being copied (a restore of a 150 MiB state held two of
+        it at once). A state without the room is copied as `restore` does."""
+        arr = state.obj
+        if (len(self.seqs) == 1 or not isinstance(arr, np.ndarray)
+                or arr.size < len(state) + self.spare_bytes
                 or arr.ctypes.data != np.frombuffer(state, np.uint8).ctypes.data):
             self.restore(slot, ids, state)
             return
-        made = layout.many_streams_in_place(arr, n, self.caches, len(self.seqs))
+        made, padded = self.prepare(arr, len(state))
         try:
-            self.restore(slot, ids, memoryview(arr)[:made], prepared=0)
-        finally:
-            layout.one_stream_in_place(arr, made, self.caches)
+            self.restore(slot, ids, made, prepared=padded)
+        finally:  # where `prepare` copied instead (a padded window), the entry is as it was
+            layout.one_stream_in_place(arr, len(made), self.caches)

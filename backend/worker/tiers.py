@@ -109,8 +109,12 @@ class Tiers:
 
     def moving_bytes(self) -> int:
         with self.lock:
-            self._read = [(r, n) for r, n in self._read if r() is not None]
-            return self._moving + sum(n for _, n in self._read)
+            return self._moving + sum(n for _, n in self._reads())
+
+    def _reads(self) -> list[tuple[weakref.ref[Any], int]]:
+        """The read states not yet let go (under the lock)."""
+        self._read = [(r, n) for r, n in self._read if r() is not None]
+        return self._read
 
     # --- the compute thread ------------------------------------------------------------------
 
@@ -188,11 +192,9 @@ class Tiers:
                 file = pulled.file
             path = self.cache_dir / file
             with self.moving(_file_size(path)):
-                n, state = store.read_state_into(self.cache_dir / file, self.fingerprint,
-                                                 job.ids, self.spare)
+                n, state = store.read_state_into(path, self.fingerprint, job.ids, self.spare)
                 with self.lock:  # counted until the slot has loaded it and let it go
-                    self._read = [(r, b) for r, b in self._read if r() is not None]
-                    self._read.append((weakref.ref(state), state.nbytes))
+                    self._reads().append((weakref.ref(state), state.nbytes))
             if n != r.n_tokens:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                  f"{r.n_tokens}")
