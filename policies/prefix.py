@@ -271,11 +271,13 @@ def choose_batch(token_s: Mapping[int, float]) -> int:
     """A CPU worker's batch from the seconds a token took to prefill in batches of each size
     (`backend.worker.batch` measures 128 and 512 once, on the user's model and cores). 128
     puts batch edges 4x closer, so a hit re-prefills fewer tokens and the start-up check's
-    probe is 4x shorter; 512 is taken where it prefills at least `BATCH_GAIN` x as fast. The two
-    differ by machine, not by model: on 2 AMD EPYC cores (Zen 4) SmolLM2 prefilled as fast at
-    128 as at 512 (bench/results/issue20/prefill-settings.md); on 2 Intel Xeon cores with AMX
-    128 was 1.13-1.27x slower, and the agent team took 1.41x llama-server's wall at 128 against
-    1.10x at 512 (bench/results/issue41)."""
+    probe is 4x shorter; 512 is taken where it prefills at least `BATCH_GAIN` x as fast, 4K
+    tokens into a prompt (`backend.worker.batch.BATCH_DEPTH`: shallower, the two are close).
+    With flash attention on, 512 won on both CPUs measured: on 2 Intel Xeon cores with AMX 128
+    was 1.13-1.27x slower, and the agent team took 1.41x llama-server's wall at 128 against
+    1.10x at 512; on 2 AMD EPYC cores (Zen) 1.05x slower 1-2K tokens in, 1.25x 4K in, and the
+    team took 1.22x llama-server's wall at 128 against 1.00-1.02x at 512 (bench/results/
+    issue41). With flash attention off 128 was as fast or faster."""
     small, large = token_s.get(CPU_BATCH, 0.0), token_s.get(GPU_BATCH, 0.0)
     if small > 0 and large > 0 and small >= BATCH_GAIN * large:
         return GPU_BATCH

@@ -10,11 +10,14 @@ prefill's speed, the build and the machine):
                                    choice said in one line and in its placement (the ready
                                    line, /props); the padding in its compute identity
 
-The measure: slot 0 prefilled with `DEPTH` seeded ids, then from there the same 512 ids in
-four batches of 128 and in one of 512, and batches of 16, 32, 48 and 64 rows, the least of
-`REPS` runs each. Depth matters: with flash attention on, 2 Intel Xeon cores prefilled SmolLM2
-as fast at 128 as at 512 at the start of a prompt, 1.13x slower 2K tokens in and 1.20x 4K in;
-with it off, 128 was as fast or faster at any depth. It runs on an
+The measure: slot 0 prefilled with `DEPTH` seeded ids, batches of 16, 32, 48 and 64 rows from
+there; then prefilled on to `BATCH_DEPTH`, and from there the same 512 ids in four batches of
+128 and in one of 512; the least of `REPS` runs each. Depth matters, and agents' prompts are
+deep: with flash attention on, 2 Intel Xeon cores prefilled SmolLM2 as fast at 128 as at 512
+at the start of a prompt, 1.13x slower 2K tokens in and 1.20x 4K in; 2 AMD EPYC cores 1.05x
+slower 1-2K in (which a measure there read as 0.99x, and took 128) and 1.13-1.17x 3-5K in,
+where the agent team took 176 s at 128 against 163 s at 512 (bench/results/issue41); with
+flash attention off, 128 was as fast or faster at any depth. It runs on an
 engine made at 512 (where the batch is measured); where 128 wins, the engine is made again at
 128, so that its buffers are no larger than they need be. The self-check then proves
 exactness with the batch and padding chosen, as with any other.
@@ -43,10 +46,11 @@ from policies.prefix import (
 log = logging.getLogger("prefixgate.worker")
 
 REPS = 2
-DEPTH = 2048  # tokens before the measured ones: agents' prompts are long, and the gaps grow
+DEPTH = 2048  # tokens before the padded batches measured: where a short batch costs a tile
+BATCH_DEPTH = 4096  # before the batch's measure: agents' prompts are long, and the gap grows
 PAD_ROWS = (16, 32, 48, FA_TILE)
 KIND = "batch"
-VERSION = 2  # of what is measured: another version measures again
+VERSION = 3  # of what is measured: another version measures again
 
 
 def pads_here(eng: Engine, type_k: str, type_v: str) -> bool:
@@ -60,21 +64,24 @@ def pads_here(eng: Engine, type_k: str, type_v: str) -> bool:
 
 
 def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
-    """{"depth", "token_s": seconds per prefilled token in batches of 128 and 512 (where
-    `batch`), "pad_s": seconds of a batch of each of PAD_ROWS rows (where `pad`)}, `depth`
-    tokens into slot 0, which is left empty; the parts that could not be measured (a state that
-    cannot be cut back) are left out."""
+    """{"depth", "pad_s": seconds of a batch of each of PAD_ROWS rows `depth` tokens into slot 0
+    (where `pad`), "batch_depth", "token_s": seconds per prefilled token in batches of 128 and
+    512 `batch_depth` tokens in (where `batch`)}; slot 0 is left empty; the parts that could
+    not be measured (a state that cannot be cut back) are left out."""
     batch, step = batch and eng.n_batch >= GPU_BATCH, eng.n_batch
     pad = pad and step >= FA_TILE
     if not batch and not pad:
         return {}
-    depth = max(min(DEPTH, eng.n_ctx - 2 * GPU_BATCH) // step * step, 0)
-    ids = selfcheck.random_ids(eng, depth + GPU_BATCH, 11)
+
+    def room(d: int) -> int:
+        return max(min(d, eng.n_ctx - 2 * GPU_BATCH) // step * step, 0)
+    depth, batch_depth = room(DEPTH), room(BATCH_DEPTH) if batch else 0
+    ids = selfcheck.random_ids(eng, max(depth, batch_depth) + GPU_BATCH, 11)
     out: dict[str, Any] = {"depth": depth}
     least: dict[int, float] = {}
 
-    def timed(key: int, batches: list[list[int]]) -> bool:
-        if eng.truncate(0, depth) != depth:
+    def timed(at: int, key: int, batches: list[list[int]]) -> bool:
+        if eng.truncate(0, at) != at:
             return False
         t = time.perf_counter()
         for b in batches:
@@ -82,26 +89,34 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
         dt = time.perf_counter() - t
         least[key] = min(least.get(key, dt), dt)
         return True
-    try:
-        eng.truncate(0, 0)
-        for i in range(0, depth, step):
+
+    def prefill(start: int, end: int) -> bool:
+        if eng.truncate(0, start) != start:
+            return False
+        for i in range(start, end, step):
             eng.evaluate([(0, ids[i:i + step])])
-        if batch:
-            eng.evaluate([(0, ids[depth:depth + CPU_BATCH])])  # the graph of 128 built once
-        for _ in range(REPS):
-            for size in (CPU_BATCH, GPU_BATCH) if batch else ():
-                if not timed(size, [ids[i:i + size] for i in range(depth, depth + GPU_BATCH,
-                                                                   size)]):
-                    return out
-        if least:
-            out["token_s"] = {k: v / GPU_BATCH for k, v in least.items()}
-        least = {}
+        return True
+    try:
+        prefill(0, depth)
         for _ in range(REPS):
             for n in PAD_ROWS if pad else ():
-                if not timed(n, [ids[depth:depth + n]]):
+                if not timed(depth, n, [ids[depth:depth + n]]):
                     return out
         if least:
             out["pad_s"] = dict(least)
+        least = {}
+        if not batch or not prefill(depth, batch_depth):
+            return out
+        out["batch_depth"] = batch_depth
+        at = batch_depth
+        eng.evaluate([(0, ids[at:at + CPU_BATCH])])  # the graph of 128 built once
+        for _ in range(REPS):
+            for size in (CPU_BATCH, GPU_BATCH):
+                if not timed(at, size, [ids[i:i + size] for i in range(at, at + GPU_BATCH,
+                                                                        size)]):
+                    return out
+        if least:
+            out["token_s"] = {k: v / GPU_BATCH for k, v in least.items()}
     finally:
         eng.truncate(0, 0)
     return out
@@ -144,7 +159,8 @@ def engine(name: str, worker_id: int, make: Callable[[int], Engine], batch: int,
     depth = int(kept.get("depth", 0))
     if not batch:
         small, large = token_s.get(CPU_BATCH, 0.0), token_s.get(GPU_BATCH, 0.0)
-        speed = (f"{depth} tokens into a prompt a token prefills {small / large:.2f}x as fast in "
+        speed = (f"{int(kept.get('batch_depth', depth))} tokens into a prompt a token "
+                 f"prefills {small / large:.2f}x as fast in "
                  f"batches of {GPU_BATCH} as of {CPU_BATCH}" if small > 0 and large > 0 else
                  "not measured: this model's state cannot be cut back")
         eng.placement["batch"] = f"prefill batch {size} on this CPU ({speed}, {when}; -ub sets it)"
