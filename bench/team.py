@@ -584,6 +584,14 @@ def main(argv: list[str] | None = None) -> None:
                               + ", ".join(f"{rd[a['arm']]['wall_s']:.1f}/"
                                           f"{rd['llama-server']['wall_s']:.1f} s" for rd in rounds)
                               + ")")
+                a["ttft_p95_vs_llama_server_rounds"] = {
+                    c: [round(rd[a["arm"]]["ttft"][c]["p95"]
+                              / max(rd["llama-server"]["ttft"][c]["p95"], 1e-9), 3)
+                        for rd in rounds]
+                    for c in a["ttft"] if c in peer["ttft"]}
+                checks.append(f"{a['arm']}: TTFT p95 / llama-server's in each round: " + "; ".join(
+                    f"{c} {v} (median x{statistics.median(v):.2f})"
+                    for c, v in a["ttft_p95_vs_llama_server_rounds"].items()))
     res = {"command": "python -m bench.team " + " ".join(argv or sys.argv[1:]),
            "machine": f"{os.cpu_count()} cores", "model": args.model, "model_mib": model_mib,
            "slot_ctx": args.slot_ctx, "requests": sum(len(v) for v in trace.values()),
