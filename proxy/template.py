@@ -245,6 +245,7 @@ def render_prompt(
     content, so the model continues it; a template that does not render that content verbatim
     raises ``CannotContinue``."""
     key = template.key_of(tools)
+    plain = messages  # indexed below without the Signed wrapper's own __getitem__
     if template.runs is not None:
         messages = traced.Signed(messages)  # one signature per message for all its renders
     run = template.record(messages, tools, not continue_final, key)
@@ -261,7 +262,7 @@ def render_prompt(
     old_text = prior.get("tokens", ("",))[0]
     equal = common_prefix_len(text, old_text, run.shared) if prior else 0  # chars as before
     headers: dict[int, tuple[int, int, int | None]] = {}
-    header_ends = header_char_ends(messages, starts, text, headers,
+    header_ends = header_char_ends(plain, starts, text, headers,
                                     prior.get("headers", {}), min(equal, len(text)),
                                     run.common)
     run.memo["headers"] = headers
@@ -285,9 +286,9 @@ def render_prompt(
         shift = 1
     boundaries = sorted({token_at[o] + shift for o in offsets} | {len(ids)})
     message_starts = tuple(
-        (token_at[starts[i]] + shift, str(messages[i].get("role", "")))
+        (token_at[starts[i]] + shift, str(plain[i].get("role", "")))
         for i in sorted(starts)
-        if i < len(messages)
+        if i < len(plain)
     )
     return Rendered(text, ids, tuple(boundaries), message_starts)
 
