@@ -5,6 +5,9 @@
     IdMemo     results of a pure function of one object, by that object's identity: the
                messages a body shares with the previous one are the same objects
                (proxy/limits.py reuses them), so each later stage does its work once per message
+    PrefixMemo what a stage that works through a list from its front kept of the last few
+               lists: a history sent again with a new turn takes the work done on the history
+               (found by the items' identity, in C) and does only the new turn's
 
 Both forget the oldest first, a quarter at a time (a dict rebuilt once, not one entry popped
 off the front per put: that scans the deleted entries again every time), and are
@@ -16,8 +19,10 @@ message in place).
 
 from __future__ import annotations
 
+import operator
 import threading
-from itertools import islice
+from collections.abc import Sequence
+from itertools import compress, count, islice
 from typing import Any
 
 _MISSING = object()
@@ -76,3 +81,49 @@ class IdMemo:
             if len(self._data) > self.max_entries:  # the oldest quarter out
                 self._data = dict(islice(self._data.items(), self.max_entries // 4, None))
         return value
+
+
+class PrefixMemo:
+    """What a stage kept, per item, of the last `entries` lists it worked on, found again for a
+    list that begins with the same objects as one of them (the history a client re-sends, with
+    another last turn or a new one): the stage takes its work on the shared items and does the
+    rest.
+
+        found(items) -> (k, kept) | None     the remembered list that shares the most leading
+                                             items with `items` (k of them, by identity)
+        keep(items, kept)
+    """
+
+    def __init__(self, entries: int = 8) -> None:
+        self.entries = entries
+        self._kept: list[tuple[list[Any], Any]] = []
+        self._last: tuple[Sequence[Any], list[tuple[list[Any], Any]], list[int]] | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _shared(kept: list[tuple[list[Any], Any]], items: Sequence[Any]) -> list[int]:
+        """Per remembered list, how many of its leading items are items' (the first that is not
+        the same object, found in C)."""
+        return [next(compress(count(), map(operator.is_not, old, items)),
+                     min(len(old), len(items))) for old, _ in kept]
+
+    def found(self, items: Sequence[Any]) -> tuple[int, Any] | None:
+        kept = self._kept
+        shared = self._shared(kept, items)
+        self._last = (items, kept, shared)  # for keep(items, ...) right after
+        k = max(shared, default=0)
+        return (k, kept[shared.index(k)][1]) if k else None
+
+    def keep(self, items: Sequence[Any], kept: Any) -> None:
+        """`items` remembered first; a remembered list it carries on (all its items, or all but
+        its last: the same history with another last turn) is let go, so that a session's
+        turns hold one entry, not one each, and `found` scans one long list a session."""
+        if not items:
+            return
+        with self._lock:
+            last, now = self._last, self._kept
+            shared = last[2] if last is not None and last[0] is items and last[1] is now \
+                else self._shared(now, items)
+            old = [e for e, k in zip(now, shared, strict=True) if k < len(e[0]) - 1]
+            self._kept = [(list(items), kept), *old[: self.entries - 1]]
+            self._last = None

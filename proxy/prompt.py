@@ -49,7 +49,7 @@ from proxy.dialects import Dialect, Stream, for_template
 from proxy.dialects.grammar import clean_schema, grammar_error
 from proxy.errors import BadRequest, ContextOverflow, TextTooLong
 from proxy.gguf import read_metadata
-from proxy.memo import IdMemo, TextMemo
+from proxy.memo import IdMemo, PrefixMemo, TextMemo
 from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
 from proxy.tokenizer import Tokenizer, load_tokenizer
 from proxy.tools import apply as tool_prompt
@@ -84,6 +84,7 @@ class Normalizer:
         self._res = [re.compile(p) for p in patterns]
         self._memo = TextMemo()
         self._messages = IdMemo()
+        self._histories = PrefixMemo()  # a history's normalized messages, for its next turn
 
     def text(self, s: str) -> str:
         hit = self._memo.get(s)
@@ -96,14 +97,14 @@ class Normalizer:
         return out
 
     def messages(self, messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
-        out = []
+        hit = self._histories.found(messages)
+        k, done = (0, []) if hit is None else (hit[0], list(hit[1][: hit[0]]))
+        rest = messages[k:]
         memo = self._messages
-        for m, done in zip(messages, memo.get_many(messages, _NONE), strict=True):
-            if done is _NONE:
-                done = memo.put(m, self._message(m))
-            if done is not None:
-                out.append(done)
-        return out
+        for m, d in zip(rest, memo.get_many(rest, _NONE), strict=True):
+            done.append(memo.put(m, self._message(m)) if d is _NONE else d)
+        self._histories.keep(messages, tuple(done))  # per message: its normalized one, or None
+        return [d for d in done if d is not None]
 
     def _message(self, m: dict[str, Any]) -> dict[str, Any] | None:
         """`m` normalized; None when it held only volatile bytes."""
@@ -270,15 +271,22 @@ class PromptBuilder:
 
 def content_chars(messages: list[dict[str, Any]]) -> int:
     """The characters of the messages' content (a string, or parts with text)."""
-    n = 0
-    for m in messages:
+    hit = _COUNTED.found(messages)
+    upto = [0] if hit is None else list(hit[1][: hit[0] + 1])  # chars before each message
+    n = upto[-1]
+    for m in messages[len(upto) - 1:]:
         content = m.get("content")
         if isinstance(content, str):
             n += len(content)
         elif isinstance(content, list):
             n += sum(len(p["text"]) for p in content
                      if isinstance(p, dict) and isinstance(p.get("text"), str))
+        upto.append(n)
+    _COUNTED.keep(messages, tuple(upto))
     return n
+
+
+_COUNTED = PrefixMemo()  # a history's content characters, for its next turn
 
 
 def json_grammar(schema: Any) -> str:

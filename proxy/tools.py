@@ -19,6 +19,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from proxy.dialects.grammar import strip_schema_noise
 from proxy.dialects.hermes import CLOSE, OPEN
 from proxy.errors import BadRequest
-from proxy.memo import IdMemo
+from proxy.memo import IdMemo, PrefixMemo
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -135,8 +136,16 @@ def hermes_messages(messages: list[dict[str, Any]], tools: tuple[dict[str, Any],
         out.append(done[3])
         if head is not None:
             messages = messages[1:]
+    # a history sent again: its groups carried on, but those its new messages may change
+    hit = _HISTORIES.found(messages)
+    groups, begins = list[dict[str, Any]](), list[int]()  # per group: its message, first index
     i, n = 0, len(messages)
+    if hit is not None:  # a group whose next begins among the shared messages ends as it did
+        k, (kept, starts) = hit
+        r = max(bisect.bisect_left(starts, k) - 1, 0)
+        groups, begins, i = list(kept[:r]), list(starts[:r]), starts[r]
     while i < n:
+        begins.append(i)
         j = i + 1
         if messages[i].get("role") == "tool":  # a run of tool results, and the user after it
             while j < n and messages[j].get("role") == "tool":
@@ -147,8 +156,10 @@ def hermes_messages(messages: list[dict[str, Any]], tools: tuple[dict[str, Any],
         done = _GROUPS.get(group[-1])
         if done is None or done[0] != group:  # compared in C; identical items cost nothing
             done = _GROUPS.put(group[-1], (group, _hermes_group(group)))
-        out.append(done[1])
+        groups.append(done[1])
         i = j
+    _HISTORIES.keep(messages, (tuple(groups), tuple(begins)))
+    out.extend(groups)
     return out
 
 
@@ -172,3 +183,4 @@ def _hermes_group(group: list[dict[str, Any]]) -> dict[str, Any]:
 _SECTIONS = IdMemo(256)  # tools -> their section
 _HEADS = IdMemo(256)  # tools -> (system message, section, tools first, the joined message)
 _GROUPS = IdMemo()  # last message of a group -> (the group, the message it gives)
+_HISTORIES = PrefixMemo()  # messages -> (the message of each group, the index it begins at)

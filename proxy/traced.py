@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from jinja2.runtime import LoopContext, Namespace
 
-from proxy.memo import IdMemo
+from proxy.memo import IdMemo, PrefixMemo
 
 LOOP_NEXT = LoopContext.__next__.__code__
 _JSON_CODES = frozenset({json.JSONEncoder.encode.__code__, json.JSONEncoder.iterencode.__code__})
@@ -277,8 +277,9 @@ class Signed(list):  # type: ignore[type-arg]
     def __init__(self, messages: list[dict[str, Any]], sigs: list[Any] | None = None,
                  chain: list[int] | None = None, root: Signed | None = None) -> None:
         super().__init__(messages)
-        self.sigs = signatures(messages) if sigs is None else sigs
-        self.chain = chain_of(self.sigs) if chain is None else chain
+        if sigs is None or chain is None:
+            sigs, chain = signed(messages)
+        self.sigs, self.chain = sigs, chain
         self.root = self if root is None else root
         self.wrappers: list[TracedMessage] | None = None  # the root's, made once
 
@@ -303,21 +304,43 @@ def wrapped(messages: list[dict[str, Any]]) -> list[TracedMessage]:
     """A ``TracedMessage`` per message. A wrapper holds no render's state (it reports to the
     run under way on its thread), so the wrapper of a message object at the same index is
     made once and serves every later request that re-sends that object."""
-    out: list[TracedMessage] = []
-    memo = _WRAPPERS
-    for i, (m, w) in enumerate(zip(messages, memo.get_many(messages), strict=True)):
+    hit = _WRAPPED.found(messages)
+    k, out = (0, list[TracedMessage]()) if hit is None else (hit[0], list(hit[1][: hit[0]]))
+    memo, rest = _WRAPPERS, messages[k:]
+    for i, (m, w) in enumerate(zip(rest, memo.get_many(rest), strict=True), k):
         if w is None or w._i != i:
             w = memo.put(m, TracedMessage(m, i))
         out.append(w)
+    _WRAPPED.keep(messages, tuple(out))
     return out
 
 
 _WRAPPERS = IdMemo()  # a message (not changed in place: proxy/memo.py) -> its wrapper
+_WRAPPED = PrefixMemo()  # messages -> their wrappers
 
 
-def chain_of(sigs: list[Any]) -> list[int]:
-    """Hashes of every prefix of the signatures (index i: the first i)."""
-    chain = [0]
+def chain_of(sigs: list[Any], chain: list[int] | None = None) -> list[int]:
+    """Hashes of every prefix of the signatures (index i: the first i); `chain`: those of the
+    signatures before these, carried on."""
+    chain = [0] if chain is None else chain
     for sig in sigs:
         chain.append(hash((chain[-1], sig)))
     return chain
+
+
+def signed(messages: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
+    """(``signatures``, ``chain_of`` them) of the messages: a history sent again carries on
+    from what was found for it."""
+    hit = _SIGNED.found(messages)
+    n, sigs, chain = 0, list[Any](), None
+    if hit is not None:
+        n, (old_sigs, old_chain) = hit
+        sigs, chain = list(old_sigs[:n]), list(old_chain[: n + 1])
+    rest = signatures(messages[n:])
+    sigs += rest
+    chain = chain_of(rest, chain)
+    _SIGNED.keep(messages, (tuple(sigs), tuple(chain)))
+    return sigs, chain
+
+
+_SIGNED = PrefixMemo()  # messages -> (their signatures, the chain)
