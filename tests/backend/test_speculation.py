@@ -223,10 +223,16 @@ def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
                  flash_attn=FLASH_ATTN, n_seq=2)
     try:
         w = Worker(eng, SPEC, shapes=Shapes("batched", False, ""))
-        # answers long enough that one slot still generates when the other's prefill ends
-        # (the prefills run one after the other, each beside the generating slot)
-        w.submit("a", ids, slot=0, gen=160)
-        w.submit("b", ids[:-3], slot=1, gen=160)
+        # the prompts live in their slots first, so that both answers start together: a cold
+        # prefill beside the other slot's answer can outlast it on a slow or loaded machine,
+        # and then no step holds both slots' rows
+        w.submit("a0", ids, slot=0, gen=1)
+        w.submit("b0", ids[:-3], slot=1, gen=1)
+        w.run("a0", ids, submit=False)
+        w.run("b0", ids[:-3], submit=False)
+        w.submit("a", ids, replace(COLD, keep_max=len(ids), live_ok=True), slot=0, gen=160)
+        w.submit("b", ids[:-3], replace(COLD, keep_max=len(ids) - 3, live_ok=True), slot=1,
+                 gen=160)
         a, done_a, _ = w.run("a", ids, submit=False)
         b, done_b, _ = w.run("b", ids, submit=False)
         w.stop()
