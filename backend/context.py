@@ -75,7 +75,8 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
          n_batch: int = 0, flash_attn: str = "off", type_k: str = "f16", type_v: str = "f16",
          swa_full: bool = True, n_threads_batch: int | None = None,
          placement: Mapping[str, Any] | None = None, n_seq: int = 1,
-         progress: Callable[[float], None] | None = None) -> Loaded:
+         progress: Callable[[float], None] | None = None, deterministic: str = "auto"
+         ) -> Loaded:
     """The model loaded and its context made; a ValueError that says what to change where
     llama.cpp refuses either."""
     if flash_attn not in FLASH_ATTN:
@@ -111,7 +112,8 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     memory = memory_of(model, swa_full)
     # what flash attention is, as llama.cpp gets it (`resolve_flash_attn`)
     fa = resolve_flash_attn(flash_attn, cpu_only=not gpus or n_gpu_layers == 0,
-                                         n_seq=n_seq, type_v=type_v, memory=memory)
+                            n_seq=n_seq, type_v=type_v, memory=memory,
+                            deterministic=deterministic)
     cp = llama_cpp.llama_context_default_params()
     n_batch = n_batch or default_batch(n_gpu_layers)
     # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
@@ -176,20 +178,24 @@ def backend_init() -> None:
 
 
 def resolve_flash_attn(flash_attn: str, *, cpu_only: bool, n_seq: int, type_v: str,
-                       memory: Memory) -> str:
-    """Flash attention as llama.cpp gets it: as given, except ``auto`` on a CPU with several
-    slots, which is ``off`` (llama.cpp's auto would turn it on) unless the V cache is quantized
-    (only flash attention reads one) or the memory is recurrent.
+                       memory: Memory, deterministic: str = "auto") -> str:
+    """Flash attention as llama.cpp gets it: as given, except ``auto`` with `--deterministic
+    on` on a CPU with several slots, which is ``off`` (llama.cpp's auto would turn it on)
+    unless the V cache is quantized (only flash attention reads one) or the memory is
+    recurrent.
 
     Why: with flash attention on, a CPU decodes a slot alone with other bits than beside other
-    slots (module rules), so decode steps of several slots never share a llama_decode; off, they
-    do on the quantized models measured, and a prefill or a lone decode step is as fast
-    (bench/results/issue20: the 1.1B Q4_K_M team at 0.95x llama-server's wall against 1.13x).
-    The decode check still decides (backend.selfcheck.check_decode). A recurrent or hybrid
-    model's decode steps differ batched either way (measured), so it keeps llama.cpp's choice;
-    on a GPU nobody has measured it yet."""
-    if flash_attn == "auto" and cpu_only and n_seq > 1 and memory.kind != "recurrent" \
-            and type_v in ("f32", "f16", "bf16"):
+    slots (module rules); off, decode steps of several slots share a llama_decode and each
+    slot's answer stays its own on the quantized models measured (the decode check still
+    decides: backend.selfcheck.check_decode). That is the cheapest way to `--deterministic on`
+    on a CPU (the fixed shape cost a lone slot's step 2.4x on an AMD EPYC). Otherwise it is a
+    bad trade: deep into a prompt flash attention off prefills up to 2x slower
+    (bench/results/issue41), and agents' prompts are deep, so `auto` and `off`, which let
+    answers depend on other sessions as llama-server does, keep llama.cpp's choice. A recurrent
+    or hybrid model's decode steps differ batched either way (measured), so it keeps llama.cpp's
+    choice; on a GPU nobody has measured it yet."""
+    if flash_attn == "auto" and deterministic == "on" and cpu_only and n_seq > 1 \
+            and memory.kind != "recurrent" and type_v in ("f32", "f16", "bf16"):
         return "off"
     return flash_attn
 

@@ -130,11 +130,12 @@ class Engine(States):
         placement: Mapping[str, Any] | None = None,
         n_seq: int = 1,
         progress: Callable[[float], None] | None = None,
+        deterministic: str = "auto",
     ) -> None:
         got = load(model_path, n_ctx, n_threads, n_gpu_layers, n_batch=n_batch,
                    flash_attn=flash_attn, type_k=type_k, type_v=type_v, swa_full=swa_full,
-                   n_threads_batch=n_threads_batch,
-                   placement=placement, n_seq=n_seq, progress=progress)
+                   n_threads_batch=n_threads_batch, placement=placement, n_seq=n_seq,
+                   progress=progress, deterministic=deterministic)
         self.model, self.ctx, self.memory, self.flash_attn = (got.model, got.ctx, got.memory,
                                                               got.flash_attn)
         self.n_threads, self.n_threads_batch = got.n_threads, got.n_threads_batch

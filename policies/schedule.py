@@ -5,7 +5,7 @@ steps of several slots are shaped.
                                               | None
     track(clock, active, tasks, now_s) -> Clock       the accounts in line with the slots' jobs
     charge(clock, step, seconds) -> Clock
-    choose_decode(deterministic, proof, slots) -> Shapes
+    choose_decode(deterministic, proof, slots, on_instead) -> Shapes
 
 Pure: the times are passed in (the worker measures each step), nothing here reads a clock.
 
@@ -106,8 +106,11 @@ def _cost(x: float) -> str:
     return f"{x:.2f}x" if x > 0 else "an unmeasured cost"
 
 
-def choose_decode(deterministic: Deterministic, proof: Proof, slots: int) -> Shapes:
-    """The decode shape for this worker (module docstring)."""
+def choose_decode(deterministic: Deterministic, proof: Proof, slots: int,
+                  on_instead: str = "") -> Shapes:
+    """The decode shape for this worker (module docstring). `on_instead`: what ``on`` would do
+    instead of this proof's shapes, where it runs otherwise (on a CPU with several slots and
+    flash attention ``auto``, ``on`` turns flash attention off: backend.context)."""
     if slots < 2:
         return Shapes("apart", True, "one slot: each answer is its own")
     batched_ok = proof.checked and not proof.batched
@@ -117,9 +120,9 @@ def choose_decode(deterministic: Deterministic, proof: Proof, slots: int) -> Sha
                                        "slot's answer the same as alone")
     depends = ("decode steps batched as they come: answers may depend on other sessions "
                "generating at the same time, as in llama-server")
-    on_costs = (f"the fixed shape, a lone slot's step at {_cost(proof.fixed_cost)}"
-                if fixed_ok else f"steps apart, at {_cost(proof.apart_cost)} the step time "
-                                 "of batching")
+    on_costs = on_instead or (
+        f"the fixed shape, a lone slot's step at {_cost(proof.fixed_cost)}" if fixed_ok else
+        f"steps apart, at {_cost(proof.apart_cost)} the step time of batching")
     if deterministic == "off":
         return Shapes("batched", False, f"{depends} (--deterministic off; --deterministic on "
                                         f"keeps each answer its own: {on_costs})")

@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from backend import keys, selfcheck
+from backend.context import resolve_flash_attn
 from backend.engine import Engine
 from backend.protocol import DecodeInfo, Loading, placement_note
 from backend.ramtier import RamTier
@@ -95,13 +96,28 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
                       n_batch=n_batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
                       type_v=spec.type_v, swa_full=spec.swa_full,
                       n_threads_batch=spec.threads_batch or None, placement=spec.placement,
-                      n_seq=spec.parallel, progress=progress)
+                      n_seq=spec.parallel, progress=progress,
+                      deterministic=spec.deterministic)
     if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
         return make(spec.batch)
     settings = {"batch": spec.batch, "threads": spec.threads, "threads_batch": spec.threads_batch,
-                "slots": min(spec.parallel, 2), "placement": spec.placement}
+                "slots": min(spec.parallel, 2), "placement": spec.placement,
+                "deterministic_on": spec.deterministic == "on"}  # flash attention auto off
     return measured_engine(measure_key(spec.identity, settings), spec.worker_id, make,
                            spec.batch, (spec.type_k, spec.type_v))
+
+
+def on_instead(spec: WorkerSpec, engine: Engine) -> str:
+    """What `--deterministic on` would do instead, where it would turn flash attention off
+    (backend.context.resolve_flash_attn); "" elsewhere."""
+    if spec.deterministic == "on" or engine.flash_attn == "off" or resolve_flash_attn(
+            spec.flash_attn, cpu_only=engine.placement.get("gpu_layers") == 0,
+            n_seq=spec.parallel, type_v=spec.type_v, memory=engine.memory,
+            deterministic="on") != "off":
+        return ""
+    return ("flash attention off on this CPU, where decode steps of several slots batch with "
+            "each answer its own if the start-up check proves it (else apart); a deep prompt "
+            "then prefills up to 2x slower")
 
 
 def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
@@ -180,7 +196,8 @@ class Boot:
             fingerprint = identity.fingerprint()
             key = verdict_key(spec, engine, fingerprint)
             checked, proof = exactness(engine, spec.worker_id, spec.exact_check, key)
-            shapes = choose_decode(spec.deterministic, proof, spec.parallel)
+            shapes = choose_decode(spec.deterministic, proof, spec.parallel,
+                                   on_instead(spec, engine))
             engine.decode_shape = shapes.decode
             ram = RamTier.from_mib(spec.cache_ram)
             tiers = Tiers(spec.cache_dir, fingerprint, ram, engine.prepare, lambda r, e: None,
@@ -204,7 +221,8 @@ class Boot:
                  os.path.basename(spec.model_path), time.monotonic() - self.started,
                  placement_note(engine.placement),
                  f"; flash attention {engine.flash_attn} ({spec.flash_attn} with several slots "
-                 "on a CPU: lets decode steps batch)" if engine.flash_attn != spec.flash_attn
+                 "on a CPU and --deterministic on: lets decode steps batch with each answer "
+                 "its own)" if engine.flash_attn != spec.flash_attn
                  else "")
         if spec.parallel > 1:
             log.info("worker %d: %s", spec.worker_id, shapes.note)

@@ -1,5 +1,7 @@
 """`--flash-attn auto` as a worker resolves it (`backend.context.resolve_flash_attn`): off on a
-CPU with several slots, where decode steps then batch exactly; llama.cpp's choice elsewhere."""
+CPU with several slots under `--deterministic on`, where decode steps then batch exactly;
+llama.cpp's choice elsewhere (with `auto` and `off` a deep prompt prefills up to 2x faster with
+it on, and answers may depend on other sessions anyway)."""
 
 from __future__ import annotations
 
@@ -23,4 +25,8 @@ PLAIN, WINDOW, RECURRENT = Memory("plain"), Memory("window", 512, True), Memory(
 def test_resolve_flash_attn(given: str, cpu_only: bool, slots: int, type_v: str, memory: Memory,
                             want: str) -> None:
     assert resolve_flash_attn(given, cpu_only=cpu_only, n_seq=slots, type_v=type_v,
-                              memory=memory) == want
+                              memory=memory, deterministic="on") == want
+    # auto and off: llama.cpp's own choice, whatever the slots
+    for deterministic in ("auto", "off"):
+        assert resolve_flash_attn(given, cpu_only=cpu_only, n_seq=slots, type_v=type_v,
+                                  memory=memory, deterministic=deterministic) == given

@@ -471,11 +471,14 @@ def test_a_restore_read_from_disk_never_stops_another_slot_generating(
 
 
 @pytest.mark.skipif(GPU_LAYERS != 0, reason="about a worker that computes on the CPU")
-def test_auto_flash_attention_is_off_with_several_slots_on_a_cpu() -> None:
-    """`--flash-attn auto` (the default) is off in a CPU worker with several slots, where it
-    lets decode steps batch exactly, and llama.cpp's own choice otherwise: one slot, a quantized
-    V cache (which needs flash attention), a recurrent memory. What it resolved to is in the
-    compute identity, so states of the other setting are a clean miss."""
+def test_auto_flash_attention_is_off_with_several_slots_on_a_cpu_under_deterministic_on(
+        ) -> None:
+    """`--flash-attn auto` (the default) with `--deterministic on` is off in a CPU worker with
+    several slots, where it lets decode steps batch exactly, and llama.cpp's own choice
+    otherwise: one slot, a quantized V cache (which needs flash attention), a recurrent memory
+    (`--deterministic auto` and `off` keep it everywhere: tests/backend/test_flash_attn.py).
+    What it resolved to is in the compute identity, so states of the other setting are a clean
+    miss."""
     shapes = {  # (model, slots, V cache) -> flash attention as llama.cpp gets it
         ("smollm2", 2, "f16"): "off",
         ("gemma3", 2, "f16"): "off",
@@ -486,7 +489,7 @@ def test_auto_flash_attention_is_off_with_several_slots_on_a_cpu() -> None:
     computes = {}
     for (name, slots, type_v), want in shapes.items():
         eng = Engine(model_file(name), SLOT_CTX * slots, 2, GPU_LAYERS, flash_attn="auto",
-                     type_k=type_v, type_v=type_v, n_seq=slots)
+                     type_k=type_v, type_v=type_v, n_seq=slots, deterministic="on")
         try:
             assert eng.flash_attn == want, (name, slots, type_v)
             computes[name, slots, type_v] = eng.compute

@@ -211,3 +211,15 @@ def test_choose_decode(asked: Deterministic, proof: Proof, slots: int, shape: st
         assert ("x" in got.note.split("--deterministic on")[1]) == (proof.checked or False)
     if shape == "apart" and slots > 1:
         assert "step time of batching" in got.note
+
+
+def test_what_on_would_do_instead_is_said_in_its_place() -> None:
+    """On a CPU with several slots and flash attention auto, `on` turns flash attention off
+    (backend.context.resolve_flash_attn): the note of `auto` and `off` says that, not the fixed
+    shape measured with flash attention on."""
+    instead = "flash attention off on this CPU, ..."
+    for asked in ("auto", "off"):
+        got = choose_decode(asked, FIXED_DEAR, 3, instead)  # type: ignore[arg-type]
+        assert got.note.endswith(instead + (")" if asked == "off" else ""))
+        assert "fixed shape" not in got.note
+    assert choose_decode("on", FIXED_DEAR, 3, instead).decode == "fixed"  # `on` runs as proven
