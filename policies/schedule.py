@@ -26,10 +26,16 @@ run's batches):
    a prompt's due time moves only with that measure, so short prompts arriving one after
    another hold a long one back only until it is due (no prompt waits without end), and two
    prompts never take turns batch by batch.
-2. The prefills, as one, and each slot that generates share the thread's *time*, not its turns:
-   whichever has used the least time runs its step. On a CPU a prefill batch costs ten or more
-   generated tokens, so turns would let an answer crawl at one token per batch. Ties go to the
-   generating slot that came first; the prefills win only with strictly less time used.
+2. The least served runs: each job's time counts from nothing when it came (its prefill batches
+   and its decode steps), and the prefill due first (rule 1) and each generating slot compete
+   by it; whichever has used the least time runs its step. Nobody knows how long an answer
+   will be, and this (least attained service, the textbook rule for jobs of unknown length)
+   serves short jobs at once without knowing them: a title call or a subagent's turn that
+   comes while an answer streams runs its prompt first, as llama-server's prefill-first
+   batches do, until it has had as much of the thread as that answer; from there they share
+   the thread's *time*, not its turns (on a CPU a prefill batch costs ten or more generated
+   tokens, so turns would let an answer crawl at one token per batch). Ties go to the
+   generating slot that came first; a prefill wins only with strictly less time used.
 3. A decode step takes the generating slot that has used the least, and with it every other
    slot whose token waits, where decode steps may share a llama_decode (`Shapes.decode` is not
    ``apart``); each of them is charged the step's time.
@@ -39,9 +45,8 @@ run's batches):
    waiting slots' tokens take a `Decode` of their own when theirs is the turn; otherwise every
    waiting slot's rows share one `Verify` (a slot without a draft has one row in it), as many as
    fit `rows_max` (the batch), in the order they came.
-5. A slot that arrives, and the prefills when one begins while none runs, start level with the
-   least time used by the others (`admit`, `begin_prefill`): never owed their past. A slot whose
-   prefill ends carries on from the prefills' count (`end_prefill`).
+5. A job is over when its slot's job changes (`track`): its time leaves with it, and the slot's
+   next job starts from nothing.
 
 **Decode shapes** (`choose_decode`). A cache hit is bit for bit a cold prefill's in every mode;
 what `--deterministic` chooses is whether a slot's *answer* may depend on what other slots
@@ -172,7 +177,7 @@ Step = Prefill | Decode | Verify
 
 @dataclass(frozen=True, slots=True)
 class Account:
-    used_s: float = 0.0  # its steps' time, counted from the least of the others' at its start
+    used_s: float = 0.0  # the time its job's steps took (rule 2)
     began_s: float = 0.0  # when its prefill began
     total: int = 0  # the tokens its prefill had then
     prefilling: bool = False
@@ -181,82 +186,38 @@ class Account:
 
 @dataclass(frozen=True, slots=True)
 class Clock:
-    """The scheduler's accounts: each slot's (in the order they came) and the prefills'."""
+    """The scheduler's accounts: each slot's job's, in the order they came."""
 
     accounts: Mapping[int, Account] = field(default_factory=dict)
-    prefills_used_s: float = 0.0
     per_token_s: float = 0.0  # seconds a prefilled token has taken lately (0: not measured)
-
-
-def _least(clock: Clock, without: int | None = None) -> float:
-    """The least time used by the prefills (if any) and the slots that do not prefill."""
-    used = [a.used_s for s, a in clock.accounts.items() if s != without and not a.prefilling]
-    if any(a.prefilling for s, a in clock.accounts.items() if s != without):
-        used.append(clock.prefills_used_s)
-    return min(used, default=0.0)
-
-
-def _with(clock: Clock, slot: int, account: Account) -> Clock:
-    return replace(clock, accounts={**clock.accounts, slot: account})
-
-
-def admit(clock: Clock, slot: int, run: str = "") -> Clock:
-    """A slot with a new job: level with the least of the others (rule 5)."""
-    return _with(clock, slot, Account(used_s=_least(clock, slot), run=run))
-
-
-def leave(clock: Clock, slot: int) -> Clock:
-    """A slot whose job is over."""
-    return replace(clock, accounts={s: a for s, a in clock.accounts.items() if s != slot})
-
-
-def begin_prefill(clock: Clock, slot: int, left: int, now_s: float) -> Clock:
-    """The slot begins to prefill `left` tokens: due from now (rule 1); the prefills start level
-    where none ran (rule 5)."""
-    if not any(a.prefilling for a in clock.accounts.values()):
-        clock = replace(clock, prefills_used_s=_least(clock, slot))
-    a = clock.accounts.get(slot, Account())
-    return _with(clock, slot, replace(a, began_s=now_s, total=left, prefilling=True))
-
-
-def end_prefill(clock: Clock, slot: int) -> Clock:
-    """Its prefill ended (or stopped): it carries on from the prefills' count (rule 5)."""
-    a = clock.accounts.get(slot, Account())
-    return _with(clock, slot, replace(a, used_s=clock.prefills_used_s, prefilling=False))
 
 
 def track(clock: Clock, active: Sequence[tuple[int, str]], tasks: Sequence[Task],
           now_s: float) -> Clock:
     """The accounts brought in line with the slots' jobs (`active`: (slot, run id), in the order
-    they came) and their tasks: a new job admitted (a slot's next job too), a prefill begun or
-    ended, a job gone (rules 1 and 5)."""
+    they came) and their tasks: a new job admitted from nothing (a slot's next job too), a
+    prefill begun (due from now) or ended, a job gone (rules 1, 2 and 5)."""
     runs = dict(active)
-    for slot in [s for s, a in clock.accounts.items() if runs.get(s) != a.run]:
-        clock = leave(clock, slot)
+    accounts = {s: a for s, a in clock.accounts.items() if runs.get(s) == a.run}
     for slot, run in active:
-        if slot not in clock.accounts:
-            clock = admit(clock, slot, run)
+        accounts.setdefault(slot, Account(run=run))
     prefilling = {t.slot: t.left for t in tasks if t.left > 0}
-    for slot, a in list(clock.accounts.items()):
-        if a.prefilling and slot not in prefilling:
-            clock = end_prefill(clock, slot)
-    for slot, left in prefilling.items():
-        if not clock.accounts[slot].prefilling:
-            clock = begin_prefill(clock, slot, left, now_s)
-    return clock
+    for slot, a in accounts.items():
+        if a.prefilling != (slot in prefilling):
+            accounts[slot] = replace(a, prefilling=False) if a.prefilling else \
+                replace(a, began_s=now_s, total=prefilling[slot], prefilling=True)
+    return replace(clock, accounts=accounts)
 
 
 def charge(clock: Clock, step: Step, seconds: float) -> Clock:
-    """The step took `seconds`: the prefills' time and the per-token estimate, or each decoding
-    slot's time."""
+    """The step took `seconds`: each of its slots' time, and of a prefill the per-token
+    estimate."""
     if isinstance(step, Prefill):
         per = seconds / step.n if step.n > 0 else 0.0
-        per_token = per if not clock.per_token_s else \
-            (1 - PER_TOKEN_WEIGHT) * clock.per_token_s + PER_TOKEN_WEIGHT * per
-        return replace(clock, prefills_used_s=clock.prefills_used_s + seconds,
-                       per_token_s=per_token)
+        clock = replace(clock, per_token_s=per if not clock.per_token_s else
+                        (1 - PER_TOKEN_WEIGHT) * clock.per_token_s + PER_TOKEN_WEIGHT * per)
     accounts = dict(clock.accounts)
-    for s in step.slots:
+    for s in (step.slot,) if isinstance(step, Prefill) else step.slots:
         a = accounts.get(s, Account())
         accounts[s] = replace(a, used_s=a.used_s + seconds)
     return replace(clock, accounts=accounts)
@@ -283,9 +244,9 @@ def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int
     prefills = [t for t in tasks if t.left > 0 and t.n > 0]
     waiting = sorted((t for t in tasks if t.waits), key=came)
     first = min(waiting, key=used, default=None)  # the first of the least used (rule 2)
-    if prefills and (first is None or clock.prefills_used_s < used(first)):
-        t = min(prefills, key=lambda t: (due_s(clock, t.slot), came(t)))
-        return Prefill(t.slot, t.n)
+    due = min(prefills, key=lambda t: (due_s(clock, t.slot), came(t)), default=None)
+    if due is not None and (first is None or used(due) < used(first)):
+        return Prefill(due.slot, due.n)
     if first is None:
         return None
     group = [first] if shapes.decode == "apart" else waiting

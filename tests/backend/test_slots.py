@@ -320,9 +320,10 @@ def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None
 
 
 def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str) -> None:
-    """Rule 2: the scheduler shares the compute thread's time, not its turns: a slot
-    generating beside one that prefills a long prompt ends its answer well before the prefill
-    ends (taking turns, 24 tokens took 27 of 28 batches)."""
+    """Rule 2: once a prompt that came has had as much of the compute thread as an answer in
+    flight, the two share the thread's time, not its turns: a slot generating beside one that
+    prefills a long prompt ends its answer well before the prefill ends (taking turns, 24
+    tokens took 27 of 28 batches)."""
     gen = 24
     p, q = _ids(name, SLOT_BATCH + 72, 5), _ids(name, 14 * SLOT_BATCH + 8, 6)
     eng = _engine(name, 2)

@@ -30,10 +30,9 @@ APART = Shapes("apart", True, "")
 AS_THEY_COME = Shapes("batched", False, "")  # --deterministic off
 
 
-def clock(per_token_s: float = 0.001, prefills_used_s: float = 0.0,
-          **accounts: Account) -> Clock:
+def clock(per_token_s: float = 0.001, **accounts: Account) -> Clock:
     """Accounts by slot ("s0", "s2", ...), in the order given: the order the jobs came."""
-    return Clock({int(k[1:]): a for k, a in accounts.items()}, prefills_used_s, per_token_s)
+    return Clock({int(k[1:]): a for k, a in accounts.items()}, per_token_s)
 
 
 def prefilling(began_s: float, total: int, used_s: float = 0.0) -> Account:
@@ -60,21 +59,27 @@ NEXT_CASES: list[tuple[str, list[Task], Clock, Shapes, Step | None]] = [
     ("two prefills due at once: the one that came first",
      [Task(1, left=100, n=100), Task(0, left=100, n=100)],
      clock(s1=prefilling(0.0, 100), s0=prefilling(0.0, 100)), BATCHED, Prefill(1, 100)),
-    # rule 2: the prefills, as one, and each generating slot share the thread's time
+    # rule 2: the least served runs, the prefill due first against each generating slot
     ("the generating slot has used less: its decode runs",
      [Task(0, left=900, n=128), Task(1, waits=True)],
-     clock(prefills_used_s=0.5, s0=prefilling(0, 900), s1=Account(0.4)), BATCHED, Decode((1,))),
-    ("the prefills have used less: a batch runs",
+     clock(s0=prefilling(0, 900, 0.5), s1=Account(0.4)), BATCHED, Decode((1,))),
+    ("the prefill has used less: a batch runs",
      [Task(0, left=900, n=128), Task(1, waits=True)],
-     clock(prefills_used_s=0.3, s0=prefilling(0, 900), s1=Account(0.4)), BATCHED,
-     Prefill(0, 128)),
+     clock(s0=prefilling(0, 900, 0.3), s1=Account(0.4)), BATCHED, Prefill(0, 128)),
     ("a tie goes to the generating slot",
      [Task(0, left=900, n=128), Task(1, waits=True)],
-     clock(prefills_used_s=0.4, s0=prefilling(0, 900), s1=Account(0.4)), BATCHED, Decode((1,))),
+     clock(s0=prefilling(0, 900, 0.4), s1=Account(0.4)), BATCHED, Decode((1,))),
+    ("a title call that came while an answer streams runs first",
+     [Task(0, waits=True), Task(1, left=200, n=128)],
+     clock(s0=Account(30.0), s1=prefilling(40.0, 200)), BATCHED, Prefill(1, 128)),
+    ("the prefill due first competes, not the least served of the prefills",
+     [Task(0, left=100, n=100), Task(1, waits=True), Task(2, left=900, n=128)],
+     clock(s0=prefilling(0.0, 2000, 3.0), s1=Account(2.0), s2=prefilling(1.9, 900)), BATCHED,
+     Decode((1,))),
     # rule 3: a decode step takes every waiting slot where steps may share a llama_decode
     ("batched: every waiting slot in one step",
      [Task(2, waits=True), Task(0, waits=True), Task(1, left=50, n=50)],
-     clock(prefills_used_s=9.0, s2=Account(0.2), s0=Account(0.1), s1=prefilling(0, 50)),
+     clock(s2=Account(0.2), s0=Account(0.1), s1=prefilling(0, 50, 9.0)),
      BATCHED, Decode((0, 2))),
     ("the fixed shape: every waiting slot too (the engine pads the others)",
      [Task(2, waits=True), Task(0, waits=True)], clock(s2=Account(0.2), s0=Account(0.1)),
@@ -122,15 +127,14 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
     from 0 s: 1.0 s), then it runs every batch until it ends. Serving the shortest first
     instead, the long one never ran here."""
     per_token, batch = 0.001, 100
-    clk = Clock({0: Account(0.0, 0.0, 1000, True, "long")}, 0.0, per_token)
+    clk = Clock({0: Account(0.0, 0.0, 1000, True, "long")}, per_token)
     left, now, order, short = 1000, 0.0, [], 0
     while left > 0 and now < 5.0:
         # a short prompt of 120 tokens always waits, arrived just now
         clk = track(clk, [(0, "long"), (1, "short")], [Task(0, left, batch), Task(1, 120, 120)],
                     now)
         if clk.accounts[1].began_s != now:  # a new short prompt each round
-            clk = Clock({**clk.accounts, 1: Account(0.0, now, 120, True, "short")},
-                        clk.prefills_used_s, per_token)
+            clk = Clock({**clk.accounts, 1: Account(0.0, now, 120, True, "short")}, per_token)
         step = next_step([Task(0, left, min(batch, left)), Task(1, 120, 120)], clk, BATCHED)
         assert isinstance(step, Prefill)
         now += step.n * per_token
@@ -144,34 +148,55 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
     assert short <= 1000 + 120, f"{short} tokens of short prompts ran first"
 
 
-def test_track_admits_level_begins_and_ends_prefills_and_lets_jobs_go() -> None:
-    # rule 4: a new job starts level with the least the others used, never owed their past
-    clk = Clock({0: Account(5.0, run="a")}, 0.0, 0.001)
+def test_track_admits_from_nothing_begins_and_ends_prefills_and_lets_jobs_go() -> None:
+    # rule 2: a new job's time counts from nothing, whatever the others used
+    clk = Clock({0: Account(5.0, run="a")}, 0.001)
     clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True)], now_s=10.0)
-    assert clk.accounts[1] == Account(5.0, run="b")
-    # its prefill begins while none runs: the prefills start level too, due from now
+    assert clk.accounts[1] == Account(0.0, run="b")
+    # its prefill begins: due from now
     clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True), Task(1, left=300, n=128)],
                 now_s=11.0)
-    assert (clk.prefills_used_s, clk.accounts[1]) == (5.0, Account(5.0, 11.0, 300, True, "b"))
+    assert clk.accounts[1] == Account(0.0, 11.0, 300, True, "b")
     clk = charge(clk, Prefill(1, 128), 0.25)
-    # its prefill ends: it carries on from the prefills' count
+    # its prefill ends: its time carries on into its answer
     clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True), Task(1, waits=True)],
                 now_s=12.0)
-    assert clk.accounts[1] == Account(5.25, 11.0, 300, False, "b")
+    assert clk.accounts[1] == Account(0.25, 11.0, 300, False, "b")
     # a job that ended leaves the accounts; the order of the others stays
     clk = track(clk, [(1, "b")], [Task(1, waits=True)], now_s=13.0)
     assert list(clk.accounts) == [1]
     # the slot's next job, come before the accounts were looked at: a new account, due from
     # its own start, not the ended job's (seen: a short prompt waited for a long one's end)
     clk = track(clk, [(1, "c")], [Task(1, left=900, n=128)], now_s=14.0)
-    assert clk.accounts[1].run == "c" and clk.accounts[1].began_s == 14.0
+    assert clk.accounts[1] == Account(0.0, 14.0, 900, True, "c")
+
+
+def test_a_job_that_comes_runs_until_it_has_had_as_much_as_an_answer_in_flight() -> None:
+    """Rule 2 over a run: an answer has streamed for 2 s when a subagent's prompt of 3,000
+    tokens comes (1 ms a token, batches of 500, decode steps of 40 ms). The prompt runs alone
+    until it has used the answer's 2 s, then they share the time: the answer's steps take about
+    as long as the prompt's last 1 s."""
+    clk = Clock({0: Account(2.0, run="answer")}, 0.001)
+    left, now, steps = 3000, 0.0, list[str]()
+    active = [(0, "answer"), (1, "subagent")]
+    while left > 0:
+        tasks = [Task(0, waits=True), Task(1, left, min(500, left))]
+        clk = track(clk, active, tasks, now)
+        step = next_step(tasks, clk, BATCHED)
+        seconds = step.n * 0.001 if isinstance(step, Prefill) else 0.04
+        clk, now = charge(clk, step, seconds), now + seconds
+        left -= step.n if isinstance(step, Prefill) else 0
+        steps.append("p" if isinstance(step, Prefill) else "d")
+    assert "".join(steps).startswith("pppp"), steps  # the first 2 s: its prompt alone
+    assert steps.count("d") == pytest.approx(0.5 / 0.04, abs=1), steps  # then the time shared
+    assert clk.accounts[1].used_s == pytest.approx(3.0)
 
 
 def test_charge() -> None:
     clk = charge(Clock({0: Account(1.0), 1: Account(2.0)}), Decode((0, 1)), 0.5)
     assert [a.used_s for a in clk.accounts.values()] == [1.5, 2.5], "each slot the step's time"
     clk = charge(clk, Prefill(0, 100), 0.2)
-    assert clk.prefills_used_s == 0.2 and clk.per_token_s == pytest.approx(0.002)
+    assert clk.accounts[0].used_s == 1.7 and clk.per_token_s == pytest.approx(0.002)
     clk = charge(clk, Prefill(0, 100), 0.1)  # a decaying mean of the batches' per-token time
     assert clk.per_token_s == pytest.approx(0.7 * 0.002 + 0.3 * 0.001)
 
