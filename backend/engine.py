@@ -208,9 +208,13 @@ class Engine(States):
 
     def floor(self, slot: int) -> int:
         """The shortest live prefix (other than none) the memory can cut this slot back to: 0
-        for plain attention, the whole live sequence for a recurrent state, and for a real
-        sliding window the first position whose window cells are all still there (real ones:
-        the cells a restore padded in front of a window snapshot are zeros, never attended to)."""
+        for plain attention, the whole live sequence for a recurrent state, and for a sliding
+        window the first position p whose window cells are all still there (real ones: the
+        cells a restore padded in front of a window snapshot are zeros, never attended to):
+        from ``p - n_swa``, the cells a cold run's state at p holds (llama.cpp writes a
+        sequence's cells from its last position's window on), which the next token's window
+        (from ``p - n_swa + 1``) is within. A state restored at n holds them from
+        ``n - n_swa``: it cuts back to n, as a verify's rejected drafts need."""
         q = self.seqs[slot]
         if self.memory.kind == "plain" or q.n_live == 0:
             return 0
@@ -219,7 +223,7 @@ class Engine(States):
         pos_min = max(int(llama_cpp.llama_memory_seq_pos_min(self.mem, q.id)), q.padded)
         if pos_min <= 0:
             return 0
-        return min(pos_min + self.memory.n_swa + 1, q.n_live)
+        return min(pos_min + self.memory.n_swa, q.n_live)
 
     def truncate(self, slot: int, n: int) -> int:
         """Keep exactly the slot's first n live tokens, or, where the memory refuses to cut

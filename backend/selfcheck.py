@@ -14,7 +14,13 @@ last logits:
 - ``restore``: each snapshot restored into an emptied state and extended to the prompt's end;
 - ``slot N restore`` (with several slots): the last snapshot, taken in slot 0, restored into
   the last slot and extended there (compared after moving the result back into slot 0, whose
-  sequence id the cold state carries).
+  sequence id the cold state carries);
+- ``verify`` (where the memory can be cut back, as speculation needs: not a recurrent state):
+  verify batches of `VERIFY_ROWS` rows (a waiting token and its draft, logits for every row,
+  as `backend.worker.verify` evaluates them; below a flash-attention tile and past one) after
+  the cold prompt, and the same after its state restored into slot 0 and into the last slot:
+  every row's logits compared bit for bit. With them a hit drafts, verifies and answers as its
+  cold run with speculation on (issue 47).
 
 A failure names the check and where the states first differ (`backend.layout`). The worker then
 serves without reuse and says so in `/health` (the proxy in `/props`, `/metrics` and its ready
@@ -175,6 +181,8 @@ def run(eng: Engine) -> Report:
     eng.truncate(0, 0)
     eng.prefill(0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     cold_state, cold_logits = bytes(eng.snapshot(0)), eng.last_logits(0)
+    verifies = eng.memory.kind != "recurrent"
+    cold_verify = _verify(eng, 0) if verifies else {}
 
     def compare(check: str, state: bytes, logits: np.ndarray) -> Row:
         where = layout.first_difference(cold_state, state, sections)
@@ -211,11 +219,41 @@ def run(eng: Engine) -> Report:
             rows.append(Row(f"slot {other} restore@{p}", False, f"the restore failed: {e}"))
         finally:
             eng.truncate(other, 0)
+    for slot in sorted({0, len(eng.seqs) - 1}) if verifies else ():
+        check = f"{f'slot {slot} ' if slot else ''}verify@{n}"
+        try:
+            eng.truncate(slot, 0)
+            eng.restore(slot, ids, cold_state)
+            got = _verify(eng, slot)
+            bad = [(r, i) for r, logits in cold_verify.items()
+                   for i, row in enumerate(logits) if got[r][i] != row]
+            rows.append(Row(check, not bad, f"a verify of {bad[0][0]} rows: row {bad[0][1]}'s "
+                                            "logits differ" if bad else ""))
+        except (RuntimeError, ValueError) as e:
+            rows.append(Row(check, False, f"the verify failed: {e}"))
+        finally:
+            eng.truncate(slot, 0)
     decode: Proof | None = None
     if len(eng.seqs) > 1:
         decode = check_decode(eng, [(ids, cold_state)] + [(ids[:p], snaps[p]) for p in points])
     eng.truncate(0, 0)
     return Report(all(r.ok for r in rows), tuple(rows), n, time.perf_counter() - t0, decode)
+
+
+VERIFY_ROWS = (2, 9, FA_TILE + 1)  # a verify's rows: a token and its draft (bounded by the batch)
+
+
+def _verify(eng: Engine, slot: int) -> dict[int, list[bytes]]:
+    """Each verify batch of `VERIFY_ROWS` on the slot's state, every row's logits, the state
+    cut back after each (rows -> the logits of each row)."""
+    n, out = eng.seqs[slot].n_live, {}
+    for rows in sorted({min(r, eng.n_batch, eng.n_ctx - n) for r in VERIFY_ROWS} - {0, 1}):
+        draft = random_ids(eng, rows, 23)
+        eng.evaluate([(slot, draft)], every=[slot])
+        out[rows] = [eng.last_logits(slot, i).tobytes() for i in range(rows)]
+        if eng.truncate(slot, n) != n:
+            raise RuntimeError("the memory refused to cut the verified rows back")
+    return out
 
 
 DECODE_LONG = 520  # tokens of the longest state in `check_decode`: a KV view past 512 cells

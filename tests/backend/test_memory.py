@@ -214,6 +214,14 @@ def test_a_window_restore_lays_each_position_in_the_cold_runs_cell() -> None:
     assert padded.positions == tuple(range(700))
     zero = bytes(padded.k[0].row_bytes)
     assert padded.k[0].cell_bytes(whole, 700, 0) == zero
+    # restored, it holds what the cold state at 700 holds from 700 - 512 on: the rows a verify
+    # adds after it cut back to 700 (behind it, its window would reach a zero-filled cell)
+    eng.truncate(0, 0)
+    eng.restore(0, prompt, state)
+    eng.evaluate([(0, prompt[:3])], every=[0])
+    assert eng.floor(0) == 700 and eng.truncate(0, 700) == 700
+    assert bytes(eng.snapshot(0)) == bytes(state)
+    assert eng.truncate(0, 699) == 0, "behind the window's first real cell: refused"
     eng.close()
 
 

@@ -1,7 +1,8 @@
 """The start-up self-check (issue 19) on each kind of memory, in this process: it passes on the
 suite's models with the default settings and with flash attention and a quantized KV cache, it
 refuses a real sliding window by rule, and an injected inexact restore (one bit of the loaded
-state flipped, PREFIXGATE_FAULT=restore-bit) is caught, named by cache, layer and cell."""
+state flipped, PREFIXGATE_FAULT=restore-bit) is caught, named by cache, layer and cell, and
+by the verify batches speculation runs after a restore where the flipped bit reaches them."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def test_the_self_check_proves_exact_reuse(name: str, settings: dict[str, str]) 
     checks = [r.check.split("@")[0] for r in report.rows]
     assert checks.count("restore") == 2
     assert checks.count("live") == (0 if name == "qwen35" else 1)
+    # a recurrent state cannot cut rejected drafts back: it never speculates
+    assert checks.count("verify") == (0 if name == "qwen35" else 1)
     # past the window and two batches (a window snapshot's padding is exercised), and past
     # three: 225 tokens at a batch of 64, 673 on Gemma 3's window of 512
     window = 512 if name == "gemma3" else 0
@@ -53,7 +56,13 @@ def test_an_inexact_restore_is_caught(name: str, monkeypatch: pytest.MonkeyPatch
     eng.close()
     assert not report.ok
     failed = [r for r in report.rows if not r.ok]
-    assert [r.check.split("@")[0] for r in failed] == ["restore", "restore"]
+    # a verify after the cold state restored (speculation's rows) fails where the flipped bit
+    # reaches its logits (on SmolLM2; not on Gemma 3's global layer)
+    verify = [r for r in failed if r.check.startswith("verify")]
+    assert [r.check.split("@")[0] for r in failed if r not in verify] == ["restore", "restore"]
+    assert all(r.detail.startswith("a verify of ") and r.detail.endswith("logits differ")
+               for r in verify), failed
+    assert verify or name != "smollm2", "the flipped bit changed no verify row's logits"
     # the flipped bit is the last K row of the first cache's first layer: position p - 1
     assert failed[0].detail.startswith("cache: layer 0 K differs"), failed[0].detail
     assert f"(position {first - 1})" in failed[0].detail

@@ -74,6 +74,7 @@ def test_concurrent_sessions_in_slots_answer_as_cold_runs(name: str, tmp_path: P
                 assert grown["cached"] >= 512, (grown, log)
         assert "worker=0.0" in log and "worker=0.1" in log, "both slots served"
         assert "2 slot(s)" in log and "exact reuse proven" in log and "slot 1 restore" in log
+        assert ("slot 1 verify" in log) == (MEMORY[name] != "recurrent"), log
         slots = json.loads(srv.get("/slots")[1])
         assert [s["slot"] for s in slots] == [0, 1]
         assert json.loads(srv.get("/props")[1])["total_slots"] == 2
