@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ubatch-size", type=int, default=0, help="-ub for every arm (default: "
-                   "each server's own: prefixgate's measured at start-up on a CPU, llama-server 512)")
+                   "each server's own: prefixgate's measured at start on a CPU, llama-server 512)")
     p.add_argument("--flash-attn", default="on", help="on | off | auto, for every arm "
                    "(llama-server's default, auto, turns it on where it can)")
     p.add_argument("--peer-defaults", action="store_true", help="llama-server with its own "
