@@ -29,7 +29,7 @@ from policies.ngram import NgramParams
 from policies.prefix import default_batch
 from policies.schedule import Shapes
 from policies.speculate import SpecConfig, VerifyCost
-from tests.models import FLASH_ATTN, GPU_LAYERS, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
 
 pytestmark = pytest.mark.model
 
@@ -249,11 +249,13 @@ def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
 MODEL_SPEC = SpecConfig(("draft-simple",), always=True, draft_n_max=4)
 
 
-def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(tmp_path: Path) -> None:
-    """The default model drafting for itself: its own KV per slot, prefilled with the prompt as a
-    cold run does (again after the target's hit), its greedy tokens verified; the answers and
-    the drafts of a cold run, a live hit and a restored hit are the same."""
-    name = "smollm2"
+@pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
+def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, tmp_path: Path
+                                                                    ) -> None:
+    """A model drafting for itself (plain attention, a sliding window; a recurrent state does
+    not draft): its own KV per slot, prefilled with the prompt as a cold run does (again after
+    the target's hit), its greedy tokens verified; the answers and the drafts of a cold run, a
+    live hit and a restored hit are the same."""
     ids = edit_ids(name)
     edge = (len(ids) - 1) // BATCH * BATCH
     ref = _engine(name)
