@@ -233,6 +233,7 @@ HOSTS ?=
 bench-hosts: $(STAMP)
 	$(if $(filter placement,$(HOSTS)),,$(BIN)/python -m bench.hosts)
 	$(if $(filter kill,$(HOSTS)),,$(BIN)/python -m bench.hosts_placement)
+	$(if $(filter kill,$(HOSTS)),,$(BIN)/python -m bench.hosts_placement --concurrent)
 
 .PHONY: bench-breakeven
 bench-breakeven: $(STAMP)

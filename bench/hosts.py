@@ -74,7 +74,11 @@ def serve(work: Path, name: str, threads: int, *extra: str) -> tuple[Proc, int]:
                  "--cache-dir", str(work / name / "cache"), "--n-ctx", "16384",
                  "--threads", str(threads), "--cache-ram", "0", *extra],
                 work / f"{name}.log")
-    wait_ready(port)
+    try:  # a first start measures the batch and checks exactness: minutes on 1 thread
+        wait_ready(port, 900)
+    except BaseException:
+        proc.stop()
+        raise
     return proc, port
 
 

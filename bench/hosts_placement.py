@@ -18,6 +18,11 @@ new sessions start halfway. Arms, in one run, nothing killed:
 Per arm: fresh prefill tokens (prompt minus reused), time to first token p50/p95, the requests
 without a header and their fresh tokens, where the reuse came from, and how many requests each
 host took. The target: the Dynamo arm's fresh prefill tokens within 1.1x one host's.
+
+`--concurrent`: the sessions at the same time, each its turns one after another (a new session
+starts once the main session has sent its turn where it starts), as a team's clients send them:
+where the router's load term meets its overlap term, and the wall time tells whether a second
+host carried load. Written to `placement-concurrent.md` and `.json`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -104,8 +110,56 @@ def wait_hosts(port: int, n: int, timeout_s: float = 120) -> None:
         time.sleep(0.3)
 
 
+def replay(port: int, trace: list[tuple[str, bool, int, Request]], names: dict[str, str],
+           concurrent: bool) -> list[dict[str, Any]]:
+    """Send the trace: in its order, or each session in a thread of its own (module docstring);
+    the results in the order they ended."""
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    main_sent: dict[int, threading.Event] = {}
+
+    def one(session: str, header: bool, turn: int, req: Request) -> None:
+        r = send(port, session, req.body, header)
+        r.update(turn=turn, header=header, host=names.get(r["host"], r["host"]))
+        with lock:
+            results.append(r)
+
+    if not concurrent:
+        for item in trace:
+            one(*item)
+        return results
+    sessions: dict[str, list[tuple[str, bool, int, Request]]] = {}
+    for item in trace:
+        sessions.setdefault(item[0], []).append(item)
+    main_sent.update({t: threading.Event() for _, _, t, _ in sessions["main"]})
+    errors: list[BaseException] = []
+
+    def run(items: list[tuple[str, bool, int, Request]]) -> None:
+        try:
+            start = items[0][2]
+            if items[0][0] != "main" and start in main_sent:
+                main_sent[start].wait(600)
+            for item in items:
+                if item[0] == "main":
+                    main_sent[item[2]].set()
+                one(*item)
+        except BaseException as e:  # noqa: BLE001 - reported after the join
+            errors.append(e)
+            for ev in main_sent.values():
+                ev.set()
+
+    threads = [threading.Thread(target=run, args=(items,)) for items in sessions.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def run_arm(arm: str, trace: list[tuple[str, bool, int, Request]], work: Path,
-            threads: int) -> dict[str, Any]:
+            threads: int, concurrent: bool = False) -> dict[str, Any]:
     procs: list[Proc] = []
     tag = arm.replace(" ", "-").replace("+", "")
     try:
@@ -149,12 +203,9 @@ def run_arm(arm: str, trace: list[tuple[str, bool, int, Request]], work: Path,
                               {"PG_LISTEN": f"127.0.0.1:{port}", "PG_HOST1": f"127.0.0.1:{p1}",
                                "PG_HOST2": f"127.0.0.1:{p2}", "PG_CHECK_INTERVAL": "500ms"}))
             time.sleep(2)
-        results = []
-        for session, header, turn, req in trace:
-            r = send(port, session, req.body, header)
-            r.update(turn=turn, header=header, host=names.get(r["host"], r["host"]))
-            results.append(r)
-        return summarize(arm, results)
+        t0 = time.perf_counter()
+        results = replay(port, trace, names, concurrent)
+        return {**summarize(arm, results), "wall_s": round(time.perf_counter() - t0, 1)}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -181,14 +232,17 @@ def markdown(res: dict[str, Any]) -> str:
              "prompt and tools shared", "",
              f"Model `{res['model']}`, {res['threads']} threads per host, on one machine "
              "(the hosts share its cores). Times in seconds.", "",
-             "| arm | requests | fresh prefill tokens | vs one host | TTFT p50 | TTFT p95 | "
-             "no-header requests | their fresh tokens | sources | per host |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             f"Sessions {'at the same time' if res.get('concurrent') else 'one request at a time'}"
+             ".", "",
+             "| arm | requests | wall s | fresh prefill tokens | vs one host | TTFT p50 | "
+             "TTFT p95 | no-header requests | their fresh tokens | sources | per host |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for a in res["arms"]:
         ratio = f"{a['fresh_tokens'] / one['fresh_tokens']:.2f}x" \
             if one and one["fresh_tokens"] else "-"
         lines.append(
-            f"| {a['arm']} | {a['requests']} | {a['fresh_tokens']} | {ratio} | "
+            f"| {a['arm']} | {a['requests']} | {a.get('wall_s', '-')} | {a['fresh_tokens']} | "
+            f"{ratio} | "
             f"{a['ttft_p50_s']} | {a['ttft_p95_s']} | {a['no_header_requests']} | "
             f"{a['no_header_fresh_tokens']} | {json.dumps(a['sources'])} | "
             f"{json.dumps(a['hosts'])} |")
@@ -203,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-sessions", type=int, default=2,
                    help="sessions that start halfway, the team's prompt and tools, no header")
     p.add_argument("--arms", default="", help=f"a comma-separated subset of: {', '.join(ARMS)}")
+    p.add_argument("--concurrent", action="store_true",
+                   help="the sessions at the same time (module docstring)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue44"))
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -215,14 +271,15 @@ def main(argv: list[str] | None = None) -> None:
               sub_turns=max(a.turns // 2, 1), tail_tokens=300, max_tokens=8)
     trace = make_trace(k, a.new_sessions)
     with tempfile.TemporaryDirectory(prefix="prefixgate-placement-") as tmp:
-        results = [run_arm(arm, trace, Path(tmp), a.threads) for arm in arms]
+        results = [run_arm(arm, trace, Path(tmp), a.threads, a.concurrent) for arm in arms]
     from proxy.config import default_model
 
     res = {"model": Path(default_model()).name, "threads": a.threads,
-           "requests": len(trace), "arms": results}
+           "requests": len(trace), "concurrent": a.concurrent, "arms": results}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "placement.json").write_text(json.dumps(res, indent=1))
-    (out / "placement.md").write_text(markdown(res))
+    stem = "placement-concurrent" if a.concurrent else "placement"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
 
 
