@@ -181,8 +181,12 @@ def run(eng: Engine) -> Report:
     eng.truncate(0, 0)
     eng.prefill(0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     cold_state, cold_logits = bytes(eng.snapshot(0)), eng.last_logits(0)
-    verifies = eng.memory.kind != "recurrent"
-    cold_verify = _verify(eng, 0) if verifies else {}
+    verifies, cold_verify, rows = eng.memory.kind != "recurrent", {}, list[Row]()
+    try:
+        cold_verify = _verify(eng, 0) if verifies else {}
+    except (RuntimeError, ValueError) as e:
+        verifies = False
+        rows.append(Row(f"verify@{n}", False, f"the cold verify failed: {e}"))
 
     def compare(check: str, state: bytes, logits: np.ndarray) -> Row:
         where = layout.first_difference(cold_state, state, sections)
@@ -194,7 +198,6 @@ def run(eng: Engine) -> Report:
         eng.prefill(slot, ids)
         return bytes(eng.snapshot(slot)), eng.last_logits(slot)
 
-    rows = []
     if eng.memory.kind != "recurrent":  # the live state is the cold run's: cut it back first
         cut = max(edges.floor(n // 2), edges.next(eng.floor(0) - 1)) or edges.next(0)
         if cut < n and eng.truncate(0, cut) == cut:
