@@ -1,6 +1,6 @@
 """What a worker measured once at start and keeps for the next start: a JSON file per measure
-and key beside the self-check's verdicts (`backend.selfcheck.verdicts_dir`), named by a key
-that changes with the model, the settings, the build and the machine (`selfcheck.verdict_key`).
+and key beside the self-check's verdicts (`backend.verdicts.verdicts_dir`), named by a key
+that changes with the model, the settings, the build and the machine (`verdicts.verdict_key`).
 
     recall(kind, key) -> dict | None     None where nothing (readable) was kept
     remember(kind, key, data)            atomically; a directory that cannot be written costs
@@ -24,7 +24,7 @@ log = logging.getLogger("prefixgate.worker")
 
 
 def _path(kind: str, key: str) -> Path:
-    from backend.selfcheck import verdicts_dir
+    from backend.verdicts import verdicts_dir
 
     return verdicts_dir().parent / kind / f"{key}.json"
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from backend import measured, selfcheck
+from backend import measured, selfcheck, verdicts
 from backend.engine import Engine
 from backend.keys import CacheIdentity
 from policies.prefix import (
@@ -126,9 +126,9 @@ def key(identity: CacheIdentity, settings: Mapping[str, Any]) -> str:
     """The measure's name: the model file and KV settings (the cache identity without its
     batch), the worker's `settings` that change a prefill's speed (the batch given, threads,
     where the weights go, whether flash attention may be turned off for several slots), the
-    build and the machine (`selfcheck.verdict_key`)."""
+    build and the machine (`verdicts.verdict_key`)."""
     identity = dataclasses.replace(identity, batch=0, compute="")
-    return selfcheck.verdict_key(identity.fingerprint(), {"measure": KIND, "version": VERSION,
+    return verdicts.verdict_key(identity.fingerprint(), {"measure": KIND, "version": VERSION,
                                                        **settings})
 
 

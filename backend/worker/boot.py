@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from backend import keys, selfcheck
+from backend import keys, selfcheck, verdicts
 from backend.context import resolve_flash_attn
 from backend.engine import Engine
 from backend.protocol import DecodeInfo, Loading, placement_note
@@ -121,7 +121,7 @@ def on_instead(spec: WorkerSpec, engine: Engine) -> str:
 
 
 def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
-    """The name of the self-check's verdict for this worker (`selfcheck.verdict_key`): its cache
+    """The name of the self-check's verdict for this worker (`verdicts.verdict_key`): its cache
     fingerprint and every other setting the engine runs with, as it resolved them; "" under a
     test's injected fault."""
     if os.environ.get("PREFIXGATE_FAULT"):
@@ -130,14 +130,14 @@ def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
                 "threads_batch": engine.n_threads_batch, "gpu_layers": spec.n_gpu_layers,
                 "flash_attn": engine.flash_attn, "batch": engine.n_batch,
                 "placement": spec.placement}
-    return selfcheck.verdict_key(fingerprint, settings)
+    return verdicts.verdict_key(fingerprint, settings)
 
 
 def exactness(engine: Engine, worker_id: int, check: bool, key: str = ""
               ) -> tuple[dict[str, Any], Proof]:
     """The start-up self-check's verdict, logged in one line, and what it proved of decode
     steps of several slots. Where it fails the worker reuses nothing. `key`: the verdict's name
-    (`selfcheck.verdict_key`); a passing verdict remembered under it stands for the check, a new
+    (`verdicts.verdict_key`); a passing verdict remembered under it stands for the check, a new
     one is remembered ("": neither)."""
     if not check:
         if engine.inexact:
@@ -145,13 +145,13 @@ def exactness(engine: Engine, worker_id: int, check: bool, key: str = ""
             return {"ok": False, "checked": False, "failure": engine.inexact}, Proof()
         log.info("worker %d: exactness not checked (--no-exact-check)", worker_id)
         return {"ok": True, "checked": False, "failure": ""}, Proof()
-    verdict = selfcheck.recall(key) if key and not engine.inexact else None
+    verdict = verdicts.recall(key) if key and not engine.inexact else None
     remembered = verdict is not None
     if verdict is None:
         report = selfcheck.run(engine)
         verdict = dict(report.to_wire())
         if key and report.ok:
-            selfcheck.remember(key, verdict)
+            verdicts.remember(key, verdict)
     proof = Proof() if verdict.get("decode") is None else \
         selfcheck.proof_from_wire(verdict["decode"])
     if verdict["ok"]:

@@ -1,4 +1,4 @@
-"""The self-check's remembered verdicts (backend.selfcheck: `verdict_key`, `recall`,
+"""The self-check's remembered verdicts (backend.verdicts: `verdict_key`, `recall`,
 `remember`): a passing verdict comes back as it was kept; anything else in its place (a
 truncated file, a failing verdict, fields of another shape) is ignored, so the worker checks
 again; a directory that cannot be written costs a check per start, never the start; only the
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from backend import selfcheck
+from backend import verdicts
 
 PASS = {"ok": True, "probe_tokens": 449, "seconds": 33.1, "failure": "",
         "checks": [{"check": "live@196", "ok": True, "detail": ""},
@@ -23,9 +23,9 @@ PASS = {"ok": True, "probe_tokens": 449, "seconds": 33.1, "failure": "",
 
 
 def test_a_kept_verdict_comes_back(tmp_path: Path) -> None:
-    assert selfcheck.recall("k", tmp_path) is None
-    selfcheck.remember("k", PASS, tmp_path)
-    got = selfcheck.recall("k", tmp_path)
+    assert verdicts.recall("k", tmp_path) is None
+    verdicts.remember("k", PASS, tmp_path)
+    got = verdicts.recall("k", tmp_path)
     assert got is not None and got["checked_at"] > 0
     assert {k: v for k, v in got.items() if k not in ("checked_at", "mac")} == PASS
     assert sorted(p.name for p in tmp_path.iterdir()) == [".key", "k.json"], \
@@ -43,22 +43,22 @@ def test_a_verdict_edited_by_hand_costs_a_check(tmp_path: Path, edit: Any,
                                                caplog: pytest.LogCaptureFixture) -> None:
     # issue 46: a hand-edited verdict file was taken; now it does not verify and the worker
     # checks again (the same holds for one copied from another machine: another key)
-    selfcheck.remember("k", {**PASS, "decode": {**PASS["decode"], "batched": "differs"}},
+    verdicts.remember("k", {**PASS, "decode": {**PASS["decode"], "batched": "differs"}},
                        tmp_path)
     path = tmp_path / "k.json"
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
     with caplog.at_level(logging.WARNING):
-        assert selfcheck.recall("k", tmp_path) is None
+        assert verdicts.recall("k", tmp_path) is None
     assert "does not verify" in caplog.text
 
 
 def test_a_verdict_from_another_machine_costs_a_check(tmp_path: Path) -> None:
-    selfcheck.remember("k", PASS, tmp_path / "a")
+    verdicts.remember("k", PASS, tmp_path / "a")
     (tmp_path / "b").mkdir()
-    selfcheck.remember("other", PASS, tmp_path / "b")  # b has a key of its own
+    verdicts.remember("other", PASS, tmp_path / "b")  # b has a key of its own
     (tmp_path / "b" / "k.json").write_text((tmp_path / "a" / "k.json").read_text())
-    assert selfcheck.recall("k", tmp_path / "a") is not None
-    assert selfcheck.recall("k", tmp_path / "b") is None
+    assert verdicts.recall("k", tmp_path / "a") is not None
+    assert verdicts.recall("k", tmp_path / "b") is None
 
 
 @pytest.mark.parametrize("text", [
@@ -72,10 +72,10 @@ def test_a_verdict_from_another_machine_costs_a_check(tmp_path: Path) -> None:
 ])
 def test_anything_else_is_ignored_and_said_once(tmp_path: Path, text: str,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    selfcheck.remember("other", PASS, tmp_path)  # the key exists: a file of its MAC is wanted
+    verdicts.remember("other", PASS, tmp_path)  # the key exists: a file of its MAC is wanted
     (tmp_path / "k.json").write_text(text)
     with caplog.at_level(logging.WARNING):
-        assert selfcheck.recall("k", tmp_path) is None
+        assert verdicts.recall("k", tmp_path) is None
     assert len(caplog.records) == 1 and "ignoring the remembered" in caplog.text
 
 
@@ -84,35 +84,35 @@ def test_an_unwritable_directory_costs_a_check_not_the_start(
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the directory should be
     with caplog.at_level(logging.WARNING):
-        selfcheck.remember("k", PASS, blocked / "selfcheck")
+        verdicts.remember("k", PASS, blocked / "selfcheck")
     assert "every start checks" in caplog.text
-    assert selfcheck.recall("k", blocked / "selfcheck") is None
+    assert verdicts.recall("k", blocked / "selfcheck") is None
 
 
 def test_only_the_most_recent_are_kept(tmp_path: Path) -> None:
-    for i in range(selfcheck.VERDICTS_KEPT + 3):
-        selfcheck.remember(f"k{i}", PASS, tmp_path)
+    for i in range(verdicts.VERDICTS_KEPT + 3):
+        verdicts.remember(f"k{i}", PASS, tmp_path)
         os.utime(tmp_path / f"k{i}.json", (i, i))  # in the order written
     kept = {p.stem for p in tmp_path.glob("*.json")}
-    assert len(kept) == selfcheck.VERDICTS_KEPT
-    assert {"k0", "k1", "k2"}.isdisjoint(kept) and f"k{selfcheck.VERDICTS_KEPT + 2}" in kept
+    assert len(kept) == verdicts.VERDICTS_KEPT
+    assert {"k0", "k1", "k2"}.isdisjoint(kept) and f"k{verdicts.VERDICTS_KEPT + 2}" in kept
 
 
 def test_the_key_names_the_fingerprint_and_every_setting() -> None:
     base = {"n_ctx": 4096, "slots": 3, "threads": 2, "flash_attn": "off", "placement": {}}
-    key = selfcheck.verdict_key(b"\x01" * 16, base)
-    assert key == selfcheck.verdict_key(b"\x01" * 16, dict(reversed(base.items())))
-    others = [selfcheck.verdict_key(b"\x02" * 16, base)] + [
-        selfcheck.verdict_key(b"\x01" * 16, {**base, name: value}) for name, value in
+    key = verdicts.verdict_key(b"\x01" * 16, base)
+    assert key == verdicts.verdict_key(b"\x01" * 16, dict(reversed(base.items())))
+    others = [verdicts.verdict_key(b"\x02" * 16, base)] + [
+        verdicts.verdict_key(b"\x01" * 16, {**base, name: value}) for name, value in
         [("n_ctx", 8192), ("slots", 1), ("threads", 4), ("flash_attn", "on"),
          ("placement", {"n_cpu_moe": 4})]]
     assert len({key, *others}) == len(others) + 1
 
 
 def test_the_key_names_the_kernels_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    key = selfcheck.verdict_key(b"\x01" * 16, {})
+    key = verdicts.verdict_key(b"\x01" * 16, {})
     monkeypatch.setenv("GGML_CUDA_FORCE_CUBLAS", "1")
-    assert selfcheck.verdict_key(b"\x01" * 16, {}) != key
+    assert verdicts.verdict_key(b"\x01" * 16, {}) != key
     monkeypatch.delenv("GGML_CUDA_FORCE_CUBLAS")
     monkeypatch.setenv("PREFIXGATE_LOG_LEVEL", "debug")  # not read by a kernel
-    assert selfcheck.verdict_key(b"\x01" * 16, {}) == key
+    assert verdicts.verdict_key(b"\x01" * 16, {}) == key
