@@ -305,7 +305,7 @@ class Pool:
         w.exact, w.exact_failure, w.decode = h.exact, h.exact_failure, h.decode
         w.borrows, w.boot_id = h.borrows, h.boot_id
         w.set_slots(h.slots)
-        w.placement, w.loading = dict(h.placement), None
+        w.placement = dict(h.placement)  # its loading progress stands until it is ready
         w.learn(h.costs)
 
     async def _first_contact(self, w: Worker) -> None:
@@ -338,7 +338,8 @@ class Pool:
 
     async def _set_ready(self, w: Worker, ready: bool, reason: str = "") -> None:
         async with self._cond:
-            w.ready, w.down_reason = ready, reason
+            # ready: loading is over; down: a restart reports its own from 0
+            w.ready, w.down_reason, w.loading = ready, reason, None
             if not ready:
                 w.forget()
             self._cond.notify_all()

@@ -90,13 +90,19 @@ def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
 
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
     """The worker's engine, as `serve` and `prefixgate doctor` load it; on a CPU, at the batch
-    and flash attention padding `backend.worker.batch` measures (where not given)."""
+    and flash attention padding `backend.worker.batch` measures (where not given). `progress`
+    follows the first load only: an engine made again at the batch measured (from the page
+    cache) must not send it back to 0."""
+    made = 0
+
     def make(n_batch: int) -> Engine:
+        nonlocal made
+        made += 1
         return Engine(spec.model_path, spec.n_ctx, spec.threads or None, spec.n_gpu_layers,
                       n_batch=n_batch, flash_attn=spec.flash_attn, type_k=spec.type_k,
                       type_v=spec.type_v, swa_full=spec.swa_full,
                       n_threads_batch=spec.threads_batch or None, placement=spec.placement,
-                      n_seq=spec.parallel, progress=progress,
+                      n_seq=spec.parallel, progress=progress if made == 1 else None,
                       deterministic=spec.deterministic)
     if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
         return make(spec.batch)
