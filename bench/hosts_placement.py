@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,6 @@ def replay(port: int, trace: list[tuple[str, bool, int, Request]], names: dict[s
     the results in the order they ended."""
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
-    main_sent: dict[int, threading.Event] = {}
 
     def one(session: str, header: bool, turn: int, req: Request) -> None:
         r = send(port, session, req.body, header)
@@ -131,30 +131,23 @@ def replay(port: int, trace: list[tuple[str, bool, int, Request]], names: dict[s
     sessions: dict[str, list[tuple[str, bool, int, Request]]] = {}
     for item in trace:
         sessions.setdefault(item[0], []).append(item)
-    main_sent.update({t: threading.Event() for _, _, t, _ in sessions["main"]})
-    errors: list[BaseException] = []
+    main_sent = {t: threading.Event() for _, _, t, _ in sessions["main"]}
 
     def run(items: list[tuple[str, bool, int, Request]]) -> None:
         try:
-            start = items[0][2]
-            if items[0][0] != "main" and start in main_sent:
-                main_sent[start].wait(600)
+            if items[0][0] != "main" and items[0][2] in main_sent:
+                main_sent[items[0][2]].wait(600)
             for item in items:
                 if item[0] == "main":
                     main_sent[item[2]].set()
                 one(*item)
-        except BaseException as e:  # noqa: BLE001 - reported after the join
-            errors.append(e)
-            for ev in main_sent.values():
+        except BaseException:
+            for ev in main_sent.values():  # no session waits on a main session that failed
                 ev.set()
+            raise
 
-    threads = [threading.Thread(target=run, args=(items,)) for items in sessions.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(len(sessions)) as pool:  # the first error raised after them all
+        list(pool.map(run, sessions.values()))
     return results
 
 

@@ -129,7 +129,7 @@ def key(identity: CacheIdentity, settings: Mapping[str, Any]) -> str:
     build and the machine (`verdicts.verdict_key`)."""
     identity = dataclasses.replace(identity, batch=0, compute="")
     return verdicts.verdict_key(identity.fingerprint(), {"measure": KIND, "version": VERSION,
-                                                       **settings})
+                                                      **settings})
 
 
 def _seconds(d: Any) -> dict[int, float]:
