@@ -104,10 +104,11 @@ $(CUDA_STAMP): | $(STAMP)
 serve: $(STAMP) $(if $(filter cuda,$(GPU)),$(CUDA_STAMP))
 	$(BIN)/prefixgate serve --host $(HOST) --port $(PORT) $(if $(GPU),-ngl all) $(ARGS)
 
-# two layers: the exact tables (no model process, seconds), then the real-model layer
+# two layers: the exact tables (no model process; pure Python, so on every core), then the
+# real-model layer alone (llama.cpp's threads collapse beside any other load)
 test: $(STAMP) fixtures
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -m "not slow and not e2e and not model" && \
+	$(BIN)/python -m pytest -q -n auto -m "not slow and not e2e and not model" && \
 	$(BIN)/python -m pytest -q -m "model and not slow and not e2e"; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 

@@ -163,10 +163,15 @@ def test_a_cut_the_memory_refuses_never_leaves_a_wrong_state(name: str,
 
 
 # Restore points: batch edges around the window's edge (Gemma 3: 512, at a batch of 64), the
-# first batch edges, and others; prompt ends: a batch edge, one before, one past. Every pair with
-# p < n. At 64: 64, 128, 448, 512, 576, 640, 1024; 1088, 1087, 1089, 700.
+# first batch edges, and others; prompt ends: a batch edge (from every point), one before and one
+# past (the last batch partial, or of one token: from the window's edge and the last point), and
+# one inside the window's reach (from the points around it). A restored state does not depend on
+# the end it is extended to, so every point against every end (27 extensions, 184 s of the suite
+# for two families on an AMD EPYC) proved no more than these 14. At 64: 64, 128, 448, 512, 576,
+# 640, 1024; 1088, 1087, 1089, 700.
 POINTS = tuple(k * A for k in (1, 2, 7, 8, 9, 10, 16))
-ENDS = (17 * A, 17 * A - 1, 17 * A + 1, 11 * A - 4)
+ENDS = {17 * A: POINTS, 17 * A - 1: (8 * A, 16 * A), 17 * A + 1: (8 * A, 16 * A),
+        11 * A - 4: (7 * A, 9 * A, 10 * A)}
 
 
 def test_a_restored_snapshot_extended_holds_the_cold_runs_state(
@@ -183,9 +188,9 @@ def test_a_restored_snapshot_extended_holds_the_cold_runs_state(
                 lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     assert sorted(snaps) == sorted(POINTS), "a stop only at a batch edge"
     failures = []
-    for n in ENDS:
+    for n, points in ENDS.items():
         _prefill_cold(ref, prompt[:n])
-        for p in (p for p in POINTS if p < n):
+        for p in points:
             eng.restore(0, prompt[:p], snaps[p])
             assert llama_cpp.llama_memory_seq_pos_max(eng.mem, 0) == p - 1
             eng.prefill(0, prompt[:n], [], lambda q: None)

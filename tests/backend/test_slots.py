@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -347,18 +348,23 @@ def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str)
         assert done["answer"] < done["long"], "the answer waited for the prefill"
 
 
-def _together(name: str, eng: Engine, prompts: list[list[int]], gen: int,
-              shapes: Shapes) -> tuple[list[tuple[list[bytes], list[int]]], Worker]:
-    """Each prompt generated alone in slot 0 of this engine, in the shape given, then all at
-    once (slot s the s-th). Returns (the logits and tokens of each alone, the worker)."""
-    want = []
-    for k, ids in enumerate(prompts):
-        w = Worker(eng, shapes)
-        w.submit(f"a{k}", ids, 0, gen)
-        w.wait(f"a{k}")
-        w.stop()
-        want.append((w.logits[0], w.tokens(f"a{k}")))
-        eng.truncate(0, 0)
+def _together(name: str, eng: Engine, prompts: list[list[int]], gen: int, shapes: Shapes,
+              alone: dict[str, list[tuple[list[bytes], list[int]]]] | None = None
+              ) -> tuple[list[tuple[list[bytes], list[int]]], Worker]:
+    """Each prompt generated alone in slot 0 of this engine, in the shape given (or as `alone`
+    holds them for that shape), then all at once (slot s the s-th). Returns (the logits and
+    tokens of each alone, the worker)."""
+    alone = {} if alone is None else alone
+    if shapes.decode not in alone:
+        alone[shapes.decode] = []
+        for k, ids in enumerate(prompts):
+            w = Worker(eng, shapes)
+            w.submit(f"a{k}", ids, 0, gen)
+            w.wait(f"a{k}")
+            w.stop()
+            alone[shapes.decode].append((w.logits[0], w.tokens(f"a{k}")))
+            eng.truncate(0, 0)
+    want = alone[shapes.decode]
     w = Worker(eng, shapes)
     for s, ids in enumerate(prompts):
         w.submit(f"s{s}", ids, s, gen)
@@ -367,10 +373,23 @@ def _together(name: str, eng: Engine, prompts: list[list[int]], gen: int,
     return want, w
 
 
+@pytest.fixture(scope="module")
+def checked(name: str) -> Iterator[tuple[Engine, selfcheck.Report, dict[str, list]]]:
+    """An engine of three slots, its start-up check, and what its prompts answer alone in each
+    decode shape (`_together`): one of each for both `--deterministic` modes."""
+    eng = Engine(model_file(name), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="off", n_seq=3)
+    try:
+        report = selfcheck.run(eng)
+        assert report.ok and report.decode is not None, report.failure
+        yield eng, report, {}
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("deterministic", ["on", "off"])
-def test_decode_steps_of_several_slots_as_deterministic_says(name: str,
-                                                            deterministic: Deterministic
-                                                            ) -> None:
+def test_decode_steps_of_several_slots_as_deterministic_says(
+        name: str, deterministic: Deterministic,
+        checked: tuple[Engine, selfcheck.Report, dict[str, list]]) -> None:
     """Rule 3, and `--deterministic` (policies.schedule.choose_decode). `on`: three slots
     generating at once get every logit and token each gets alone, their steps sharing a
     llama_decode where the start-up check proved it and apart where it did not. `off`: their
@@ -378,14 +397,12 @@ def test_decode_steps_of_several_slots_as_deterministic_says(name: str,
     the others, as in llama-server); a prefill is still the cold run's, so the first sample of
     each equals its first alone."""
     prompts = [_ids(name, 600, 11), _ids(name, 150, 12), _ids(name, 250, 13)]
-    eng = Engine(model_file(name), SLOT_CTX * 3, 2, GPU_LAYERS, flash_attn="off", n_seq=3)
-    try:
-        report = selfcheck.run(eng)
-        assert report.ok and report.decode is not None, report.failure
-        shapes = choose_decode(deterministic, report.decode, 3)
-        want, w = _together(name, eng, prompts, 48, shapes)
-    finally:
-        eng.close()
+    eng, report, alone = checked
+    assert report.decode is not None
+    shapes = choose_decode(deterministic, report.decode, 3)
+    want, w = _together(name, eng, prompts, 48, shapes, alone)
+    for s in range(3):
+        eng.truncate(s, 0)
     for s, ref in enumerate(want):
         if shapes.independent:
             assert (w.logits[s], w.tokens(f"s{s}")) == ref, \
