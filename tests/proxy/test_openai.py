@@ -7,11 +7,12 @@ import json
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.conftest import N_CTX, Server
+from tests.conftest import N_CTX, Server, running
 from tests.models import BATCH
 
 SYSTEM = (
@@ -203,9 +204,18 @@ def test_a_prefill_cut_short_by_the_client_is_kept_for_its_retry(server: Server)
     assert resp.usage.prompt_tokens_details.cached_tokens >= min(live, n - BATCH)
 
 
-def test_two_workers_serve_two_requests_concurrently(server: Server) -> None:
+@pytest.mark.model
+def test_two_workers_serve_two_requests_concurrently(tmp_path: Path) -> None:
     """The second request arrives while the first is generating: it goes to the other worker
-    and both run at once (each stream is read up to its first token before the next step)."""
+    and both run at once (each stream is read up to its first token before the next step).
+    A thread per worker: two workers of two threads each on two cores spin at llama.cpp's
+    barriers while both compute, and one step then took seconds (a closed stream held its
+    worker past 30 s in make test)."""
+    with running(tmp_path, "--workers", "2", "--threads", "1") as server:
+        _two_at_once(server)
+
+
+def _two_at_once(server: Server) -> None:
     messages = [{"role": "user", "content": "Write a long story about a cat."}]
     streams = []
     for _ in range(2):
