@@ -150,6 +150,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         "vram_weights_bytes": sum(a - b for a, b in zip(free0, free1, strict=True)),
         "vram_kv_bytes": sum(a - b for a, b in zip(free1, free2, strict=True)),
         "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(_rss() - rss1, 0),
+        "threads": max(threads),  # what it computes with at most (proxy.worker_link.cores_note)
     }
     pl = placement or {}
     # what computes the KV, for the cache identity: the CPU too where it computes layers

@@ -73,7 +73,7 @@ from proxy.kv_events import KvEvents, open_kv_events, publish_disk
 from proxy.metrics import Metrics
 from proxy.prompt import PromptBuilder
 from proxy.speculation import speculative_settings
-from proxy.worker_link import StartupError, loading_note
+from proxy.worker_link import StartupError, cores_note, loading_note
 from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")
@@ -179,6 +179,8 @@ async def props_json(app: web.Application) -> dict[str, Any]:
             if w.decode is not None}},
         # where each worker's model went (devices, weights, KV) and what its memory allows
         "placement": {str(w.worker_id): placement_note(w.placement) for w in pool.workers},
+        # CPU workers with more threads than the host has cores ("": none)
+        "cores": cores_note(pool.workers, os.cpu_count() or 1),
         "memory": {str(w.worker_id): w.memory for w in pool.workers},
         # what each worker measured prefill and restores to cost: decide restores only what
         # is faster than prefilling it (policies.costs)
@@ -344,6 +346,8 @@ async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None
              prompts.tok.kind, prompts.dialect.name,
              " with <think> reasoning" if prompts.dialect.think else "",
              f"; {placement}" if placement else "", time.perf_counter() - t0)
+    if note := cores_note(pool.workers, os.cpu_count() or 1):
+        log.warning("%s", note)
 
 
 async def _close(app: web.Application) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,3 +368,19 @@ def slot_views(slots: list[Slot], ids: list[int], tenant: str) -> list[SlotView]
                       and slots[j].worker is s.worker), default=0) if s.worker.borrows else 0
         views.append(s.view(i, ids, tenant, max(borrow, ram[id(s.worker)])))
     return views
+
+
+def cores_note(workers: Sequence[Worker], cores: int) -> str:
+    """One line where this host's CPU workers compute with more threads than it has cores
+    ("" where not): while two of them compute at once, llama.cpp's threads spin at its barriers
+    for cores the other holds, and a step can take many times longer (two workers of two
+    threads each on two cores: a short prompt waited 20 s for its first token beside another
+    worker's answer, against under a second alone)."""
+    cpu = [int(w.placement.get("threads", 0)) for w in workers
+           if not w.remote and w.placement and not w.placement.get("gpu_layers")]
+    if len(cpu) < 2 or sum(cpu) <= cores:
+        return ""
+    return (f"{len(cpu)} CPU workers of up to {max(cpu)} threads share {cores} cores: while "
+            f"several compute, each waits for cores the others hold and a step can take many "
+            f"times longer; serve sessions as --parallel slots of one worker, or give each "
+            f"worker --threads and --threads-batch {max(cores // len(cpu), 1)}")

@@ -4,6 +4,7 @@ worker processes on the default model."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.request
@@ -213,6 +214,16 @@ def test_two_workers_serve_two_requests_concurrently(tmp_path: Path) -> None:
     worker past 30 s in make test)."""
     with running(tmp_path, "--workers", "2", "--threads", "1") as server:
         _two_at_once(server)
+        assert bool(server.get_json("/props")["cores"]) == (2 > (os.cpu_count() or 1))
+
+
+def test_workers_whose_threads_outnumber_the_cores_are_said_once(server: Server) -> None:
+    """The shared server's two workers of two threads: on fewer than four cores the ready line
+    is followed by one line saying they wait for each other's cores, and /props says it."""
+    note = server.get_json("/props")["cores"]
+    assert bool(note) == (4 > (os.cpu_count() or 1))
+    if note:
+        assert server.log().count(note) == 1 and "--parallel" in note
 
 
 def _two_at_once(server: Server) -> None:

@@ -1,10 +1,11 @@
-"""`--workers N` on N GPUs: each local worker sees its own (CUDA_VISIBLE_DEVICES), a table."""
+"""`--workers N` on N GPUs: each local worker sees its own (CUDA_VISIBLE_DEVICES), a table; on a
+CPU, workers whose threads outnumber the cores are said (`cores_note`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.worker_link import worker_gpus
+from proxy.worker_link import Worker, cores_note, worker_gpus
 
 
 @pytest.mark.parametrize(
@@ -24,3 +25,29 @@ from proxy.worker_link import worker_gpus
 def test_each_worker_gets_its_own_gpu(visible: str | None, workers: int, worker_id: int,
                                       gpu_layers: int, expected: str | None) -> None:
     assert worker_gpus(visible, workers, worker_id, gpu_layers) == expected
+
+
+def _worker(i: int, threads: int, gpu_layers: int = 0, remote: bool = False) -> Worker:
+    w = Worker(i, "http://worker", socket_path=None if remote else f"/tmp/w{i}.sock")
+    w.placement = {"backend": "CPU", "gpu_layers": gpu_layers, "threads": threads}
+    return w
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "says"),
+    [
+        ([_worker(0, 2), _worker(1, 2)], 2, "--threads-batch 1"),  # 4 threads on 2 cores
+        ([_worker(0, 8), _worker(1, 8), _worker(2, 8)], 16, "--threads-batch 5"),
+        ([_worker(0, 2), _worker(1, 2)], 4, ""),  # a core per thread
+        ([_worker(0, 16)], 2, ""),  # one worker: its own threads, llama.cpp's choice
+        ([_worker(0, 2, 99), _worker(1, 2, 99)], 2, ""),  # on GPUs: the CPU threads wait
+        ([_worker(0, 2, remote=True), _worker(1, 2, remote=True)], 2, ""),  # other hosts
+        ([_worker(0, 2), _worker(1, 2, 99)], 2, ""),  # one CPU worker of the two
+    ],
+)
+def test_cpu_workers_that_share_the_cores_are_said(workers: list[Worker], cores: int,
+                                                  says: str) -> None:
+    note = cores_note(workers, cores)
+    assert (says in note) if says else note == "", note
+    if says:
+        assert f"share {cores} cores" in note and "--parallel" in note
