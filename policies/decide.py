@@ -242,9 +242,8 @@ def decide(
     hits = [h for h in stored.hits
             if (worker.cut_back or h.n_tokens <= keep_max) and h.n_tokens in edges]
     every = worker.batching.size <= 1
-    positions = stored.positions if worker.cut_back and every else frozenset(
-        p for p in stored.positions
-        if (worker.cut_back or p <= keep_max) and p in edges)  # entries it can use
+    positions = stored.positions if worker.cut_back and every else edges.among(
+        stored.positions, edges.n if worker.cut_back else keep_max)  # entries it can use
     disk_n = hits[0].n_tokens if hits else 0
     cached_n = min(max(live_n, disk_n), keep_max)
     planned = plan_saves(n, cached_n, scope, boundary, anchor_position(facts.message_starts),

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from policies.prefix import common_prefix_len
 from policies.scope import Scope
@@ -87,8 +87,9 @@ class SavePoint:
     reason: Reason
 
 
-@dataclass(frozen=True, slots=True)
-class MessageStart:
+class MessageStart(NamedTuple):
+    """Where a located message starts (a tuple: the proxy makes one per message per request)."""
+
     pos: int  # token position where the message starts
     role: str  # "system" | "user" | "assistant" | "tool" ...
 

@@ -165,6 +165,15 @@ class Edges:
             return False
         return p % self.size == 0 if self.points is None else self.floor(p) == p
 
+    def among(self, positions: frozenset[int], most: int) -> frozenset[int]:
+        """The ``positions`` that are edges, ``most`` at most (a set operation: a request's
+        stored positions number in the hundreds)."""
+        if self.points is None:
+            return frozenset(p for p in positions if 0 <= p <= min(most, self.n)
+                             and p % self.size == 0)
+        return positions.intersection(self.points[: bisect_right(self.points,
+                                                                 min(most, self.n))])
+
     def down(self, hi: int, lo: int) -> list[int]:
         """The edges ``p`` with ``lo < p <= hi``, longest first."""
         top = self.floor(hi)
@@ -208,7 +217,11 @@ class Batching:
         # looks back only): the walk resumes there, and only the new ids are searched
         recent = _RECENT_EDGES.setdefault(self, [])
         shared, points, best = 0, [0], -1
-        for i, (old, old_points) in enumerate(recent):
+        for i in range(len(recent) - 1, -1, -1):  # the newest first: likely this conversation
+            old, old_points = recent[i]
+            at = shared * ID_BYTES
+            if shared and old[at : at + ID_BYTES] != packed[at : at + ID_BYTES]:
+                continue  # it parts from this prompt where the best does: it cannot share more
             if (k := _common_packed(old, packed, 0)) > shared:
                 shared, points, best = k, old_points[: bisect_right(old_points, k)], i
         if best >= 0 and shared * ID_BYTES == len(recent[best][0]):

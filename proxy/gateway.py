@@ -28,7 +28,7 @@ import xxhash
 from backend.keys import prefix_keys
 from backend.shared import LOOKUP_TIMEOUT_S, SharedFault, SharedSkipped, SharedTier
 from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
-from policies.plan import CacheKnobs, MessageStart
+from policies.plan import CacheKnobs
 from policies.prefix import common_prefix_len
 from policies.ring import Ring
 from policies.scope import Scope, parse_scope
@@ -70,7 +70,7 @@ def knobs_of(cfg: Config) -> CacheKnobs:
 
 def facts_of(prep: Prepared, scope: Scope) -> Facts:
     r = prep.rendered
-    return Facts(r.ids, tuple(MessageStart(p, role) for p, role in r.message_starts), scope)
+    return Facts(r.ids, r.message_starts, scope)
 
 
 # the render thread's nice value over the process's: a request's preparation yields the CPU to

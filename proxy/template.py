@@ -55,6 +55,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from policies.plan import MessageStart
 from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, pack
 from proxy import resume, traced
 from proxy.resume import Run
@@ -87,7 +88,7 @@ class Rendered:
     # sorted token positions safe to cut at: message starts, role header ends where detectable,
     # the generation prompt's start, and len(ids)
     boundaries: tuple[int, ...]
-    message_starts: tuple[tuple[int, str], ...]  # (token position, role) per located message
+    message_starts: tuple[MessageStart, ...]  # (token position, role) per located message
 
 
 def _raise_exception(message: str) -> None:
@@ -270,8 +271,13 @@ def render_prompt(
     offsets = sorted({*starts.values(), *header_ends})
     segments, ids, reused, tokens = _tokenized(tok, run, text, equal)
     old_at: dict[int, int] = prior.get("positions", {})
-    token_at = {o: old_at[o] for o in offsets if o < reused and o in old_at}
-    rest = [o for o in offsets if o not in token_at]
+    below = offsets[: bisect.bisect_left(offsets, reused)]  # mapped as before, where known
+    if old_at.keys() >= set(below):
+        token_at = dict(zip(below, map(old_at.__getitem__, below), strict=True))
+    else:
+        token_at = {o: old_at[o] for o in below if o in old_at}
+    rest = offsets[len(below):] if len(token_at) == len(below) else \
+        [o for o in offsets if o not in token_at]
     if rest and rest[0] >= reused and reused:
         k = bisect.bisect_left(segments, reused, key=lambda s: s.start)
         token_at.update(zip(rest, (tokens + p for p in tok.token_positions(
@@ -284,12 +290,16 @@ def render_prompt(
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids = TokenIds((tok.bos_id, *ids), pack((tok.bos_id,)) + ids.packed)
         shift = 1
-    boundaries = sorted({token_at[o] + shift for o in offsets} | {len(ids)})
-    message_starts = tuple(
-        (token_at[starts[i]] + shift, str(plain[i].get("role", "")))
-        for i in sorted(starts)
-        if i < len(plain)
-    )
+    at = token_at.__getitem__
+    boundaries = sorted({*(map(shift.__add__, map(at, offsets)) if shift else map(at, offsets)),
+                         len(ids)})
+    located = sorted(i for i in starts if i < len(plain))
+    roles = prior.get("roles", [])[: run.common]
+    roles += [str(m.get("role", "")) for m in plain[len(roles):]]
+    run.memo["roles"] = roles
+    positions = map(at, map(starts.__getitem__, located))
+    message_starts = tuple(map(MessageStart, map(shift.__add__, positions) if shift else positions,
+                               map(roles.__getitem__, located)))
     return Rendered(text, ids, tuple(boundaries), message_starts)
 
 

@@ -151,6 +151,9 @@ def test_batch_edges_follow_the_rule_and_never_depend_on_what_comes_after(size: 
             [p for p in want if p <= cut]
         lo, hi = sorted(rng.sample(range(len(ids) + 2), 2))
         assert e.down(hi, lo) == [q for q in reversed(want) if lo < q <= hi]
+        stored = frozenset(rng.sample(range(-2, len(ids) + 3), min(len(ids) + 5, 40)) + want[:3])
+        for most in (hi, len(ids), len(ids) + 9):  # `among`: the membership test, as a set
+            assert e.among(stored, most) == {p for p in stored if p in e and p <= most}
 
 
 def test_batch_edges_fall_at_message_ends() -> None:
@@ -173,6 +176,7 @@ def test_without_end_ids_the_edges_are_the_batch_multiples() -> None:
         assert e.keep_max == keep_max(n, 64)
         assert all(e.floor(p) == aligned(p, 64) for p in range(n + 1))
         assert [p for p in range(n + 1) if p in e] == list(range(0, n + 1, 64))
+        assert e.among(frozenset(range(-64, n + 65)), n // 2) == set(range(0, n // 2 + 1, 64))
 
 
 def test_an_end_id_found_across_two_packed_ids_is_not_an_end() -> None:
