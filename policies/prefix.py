@@ -10,6 +10,8 @@ Rules:
   bisects that chunk with slice comparisons, and finishes the last few ids one by one: about
   ``L / CHUNK_TOKENS + log2(CHUNK_TOKENS)`` Python steps; each shared id is compared once in C.
   (Comparing the whole span first does not pay: on a mismatch it compares the shared part twice.)
+- Two texts are compared in place: ``str.startswith`` of the whole span, then bisected (about
+  30 us for two 180K-character bodies that part at their end, against about 100 us in chunks).
 - ``TokenIds``: a tuple of token ids that also carries ``packed``, the same ids as 4-byte native
   integers. Where both sides have it, ``common_prefix_len`` compares them with ``bytes.startswith``
   (memcmp, no copy; bisected only when they differ): about 5 us for two 32K-token prompts
@@ -85,11 +87,32 @@ def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
     return ids if isinstance(ids, tuple | str) else tuple(ids)
 
 
+def _common_text(a: str, b: str, start: int) -> int:
+    """``common_prefix_len`` of two texts: ``str.startswith`` over the whole span first, then
+    bisected (each step one slice of ``b`` compared in place in ``a``)."""
+    n = min(len(a), len(b))
+    lo = min(start, n)  # invariant: the first lo characters are equal
+    if a.startswith(b[lo:n], lo):
+        return n
+    hi = n  # invariant: the first hi characters are not all equal
+    while hi - lo > LINEAR_TOKENS:
+        mid = (lo + hi) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
     """Number of leading items ``a`` and ``b`` share: token ids, or characters of two texts;
     ``start``: a number of them known to be shared already."""
     if isinstance(a, TokenIds) and isinstance(b, TokenIds):
         return _common_packed(a.packed, b.packed, start)
+    if isinstance(a, str) and isinstance(b, str):
+        return _common_text(a, b, start)
     ta, tb = _as_tuple(a), _as_tuple(b)
     n = min(len(ta), len(tb))
     lo = min(start, n)  # invariant: ta[:lo] == tb[:lo]

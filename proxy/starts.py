@@ -15,6 +15,8 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any, Protocol
 
 from proxy import traced
@@ -83,10 +85,12 @@ def message_char_starts(
         known = _known_starts(run, text)
         if text.startswith(run.text):  # the definition of the generation prompt's start
             known[len(messages)] = len(run.text)
+        shapes = [shape_of(m) for m in messages] if shapes is None else shapes
+        firsts = run.memo["firsts"] = _shape_firsts(shapes, run.prior.get("firsts"), run.common)
         for candidate in _traced_starts(template, messages, tools, text, key, run, known):
             verified: dict[int, int] = {}
             starts = _checked(template, messages, tools, text, key, candidate, known, verified,
-                              shapes)
+                              shapes, firsts)
             if starts is not None:
                 run.memo["starts"] = (verified, text)
                 return starts
@@ -114,9 +118,10 @@ def _known_starts(run: Run, text: str) -> dict[int, int]:
     if "starts" not in run.prior or run.common == 0:
         return {}
     starts, old_text = run.prior["starts"]
-    known = {i: s for i, s in starts.items() if i <= run.common}
+    known = dict(starts) if max(starts, default=0) <= run.common else \
+        {i: s for i, s in starts.items() if i <= run.common}
     end = max(known.values(), default=0)
-    return known if text[:end] == old_text[:end] else {}
+    return known if text.startswith(old_text[:end]) else {}
 
 
 def _rendered_starts(
@@ -218,6 +223,7 @@ def _checked(
     known: dict[int, int] | None = None,
     verified: dict[int, int] | None = None,
     shapes: list[Any] | None = None,
+    firsts: tuple[list[int], int] | None = None,
 ) -> dict[int, int] | None:
     """``candidate``'s starts when they are in order and every sampled one (:func:`_samples`)
     equals the definition's answer (a rendering, or a start verified for the same messages in
@@ -226,11 +232,11 @@ def _checked(
     key = template.key_of(tools) if key is None else key
     known = known or {}
     verified = {} if verified is None else verified
-    starts = {i: c for i, c in enumerate(candidate) if c is not None}
+    starts = dict(compress(enumerate(candidate), map(is_not, candidate, repeat(None))))
     offsets = list(starts.values())
     if offsets != sorted(offsets):
         return None
-    for i in _samples(messages, shapes):
+    for i in _samples(messages, shapes, firsts):
         start = candidate[i]
         if start is not None and known.get(i) == start:
             verified[i] = start
@@ -239,31 +245,46 @@ def _checked(
             return None
         if start is not None:
             verified[i] = start
-    verified.update((i, s) for i, s in known.items() if starts.get(i) == s)
+    verified.update(known.items() & starts.items())  # the known starts the candidate has
     return starts
 
 
-def _samples(messages: Sequence[dict[str, Any]], shapes: list[Any] | None = None) -> list[int]:
+def _samples(messages: Sequence[dict[str, Any]], shapes: list[Any] | None = None,
+             firsts: tuple[list[int], int] | None = None) -> list[int]:
     """The positions whose traced start is checked by rendering: 0, the powers of two (the same
     as the conversation grows, so the next turn finds them in the prefix cache), the last two,
     and the first position of each pair of neighbouring message shapes (role, content type,
-    keys), up to ``_SHAPE_SAMPLES`` pairs."""
+    keys), up to ``_SHAPE_SAMPLES`` pairs (`firsts`: those positions, when known)."""
     n = len(messages)
     picks = {0, max(n - 1, 0), n}
     power = 1
     while power < n:
         picks.add(power)
         power *= 2
-    shapes = [shape_of(m) for m in messages] if shapes is None else shapes
-    seen: set[tuple[Any, Any]] = set()
-    for i in range(n + 1):
-        pair = (shapes[i - 1] if i else None, shapes[i] if i < n else None)
+    if firsts is None:
+        firsts = _shape_firsts([shape_of(m) for m in messages] if shapes is None else shapes)
+    picks.update(firsts[0])  # position n (where the last pair ends) is picked already
+    return sorted(picks)
+
+
+def _shape_firsts(shapes: list[Any], prior: tuple[list[int], int] | None = None,
+                  common: int = 0) -> tuple[list[int], int]:
+    """(the first position i of each pair of neighbouring shapes ``(shapes[i - 1] or None,
+    shapes[i])``, i < len(shapes), up to ``_SHAPE_SAMPLES`` pairs; how many were scanned).
+    `prior`: the same of a list whose first `common` shapes are these: only the rest is
+    scanned."""
+    firsts, upto = ([], 0) if prior is None else prior
+    upto = min(upto, common)
+    firsts = [i for i in firsts if i < upto]
+    seen = {(shapes[i - 1] if i else None, shapes[i]) for i in firsts}
+    for i in range(upto, len(shapes)) if len(seen) < _SHAPE_SAMPLES else ():
+        pair = (shapes[i - 1] if i else None, shapes[i])
         if pair not in seen:
             if len(seen) == _SHAPE_SAMPLES:
                 break
             seen.add(pair)
-            picks.add(i)
-    return sorted(picks)
+            firsts.append(i)
+    return firsts, len(shapes)
 
 
 def shape_of(message: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:

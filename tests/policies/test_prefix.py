@@ -68,6 +68,20 @@ def test_common_prefix_len(a: list[int], b: list[int], expected: int) -> None:
         assert common_prefix_len(pb, pa, start) == expected
 
 
+def test_common_prefix_len_of_texts_is_the_characters_they_share() -> None:
+    """Two texts (a body, a render) are compared in place, bisected: every mismatch position,
+    from any known shared start, as the character-by-character definition says."""
+    rng = random.Random(3)
+    base = "".join(rng.choice("ab\u00e9\U0001f600") for _ in range(300))
+    for at in range(len(base) + 1):
+        for other in (base[:at] + "x" + base[at + 1:], base[:at]):
+            want = next((i for i, (x, y) in enumerate(zip(base, other, strict=False))
+                         if x != y), min(len(base), len(other)))
+            for start in (0, want // 2, want):
+                assert common_prefix_len(base, other, start) == want
+                assert common_prefix_len(other, base, start) == want
+
+
 def test_common_prefix_len_every_mismatch_position_near_chunk_edges() -> None:
     # Every mismatch position across two chunks (and with fresh int objects, as a separately
     # tokenized prompt has) gives the same answer as the obvious element-wise definition.

@@ -15,9 +15,11 @@ import pytest
 from proxy.config import default_model
 from proxy.gguf import read_metadata
 from proxy.starts import (
+    _SHAPE_SAMPLES,
     _chain_keys,
     _checked,
     _rendered_starts,
+    _shape_firsts,
     _traced_starts,
     message_char_starts,
 )
@@ -189,3 +191,27 @@ def test_3000_messages_take_well_under_a_second_per_render() -> None:
     warm_s = time.perf_counter() - started
     assert len(r.message_starts) == 3000
     assert cold_s < 2.0 and warm_s < 2.0, (cold_s, warm_s)  # every prefix rendered: 19 s
+
+
+def test_shape_pairs_carried_from_the_turn_before_are_a_fresh_scans() -> None:
+    """The sampled shape pairs of a conversation that grows (or is edited back to `common`
+    shapes) are taken from the previous list's scan where they lie in the shared part: the
+    same positions as a scan of the whole list, whatever the edit."""
+    rng = random.Random(11)
+    shapes: list[Any] = []
+    firsts = _shape_firsts(shapes)
+    for _ in range(400):
+        common = len(shapes) if rng.random() < 0.7 else rng.randrange(len(shapes) + 1)
+        shapes = shapes[:common] + [rng.choice("abcdefghijklmnopqrstuvw")
+                                    for _ in range(rng.randrange(0, 6))]
+        firsts = _shape_firsts(shapes, firsts, common)
+        assert firsts == _shape_firsts(shapes)
+        seen, want = set(), []
+        for i in range(len(shapes)):
+            pair = (shapes[i - 1] if i else None, shapes[i])
+            if pair not in seen and len(seen) < _SHAPE_SAMPLES:
+                seen.add(pair)
+                want.append(i)
+            elif pair not in seen:
+                break
+        assert firsts[0] == want
