@@ -103,9 +103,19 @@ class PrefixMemo:
     @staticmethod
     def _shared(kept: list[tuple[list[Any], Any]], items: Sequence[Any]) -> list[int]:
         """Per remembered list, how many of its leading items are items' (the first that is not
-        the same object, found in C)."""
-        return [next(compress(count(), map(operator.is_not, old, items)),
-                     min(len(old), len(items))) for old, _ in kept]
+        the same object, found in C); -1 for one that shares no more than a list before it and
+        is longer than what it shares by more than one (neither found nor carried on: not
+        scanned, as it parts from `items` where the best so far does)."""
+        out, best, n = [], 0, len(items)
+        for old, _ in kept:
+            m = min(len(old), n)
+            if best and len(old) - 1 > best and (m <= best or old[best] is not items[best]):
+                out.append(-1)
+                continue
+            k = next(compress(count(), map(operator.is_not, old, items)), m)
+            out.append(k)
+            best = max(best, k)
+        return out
 
     def found(self, items: Sequence[Any]) -> tuple[int, Any] | None:
         kept = self._kept

@@ -9,6 +9,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 from aiohttp import web
@@ -49,7 +51,7 @@ from proxy.edge import (
     with_pings,
 )
 from proxy.errors import ApiError, BadRequest, openai_response
-from proxy.memo import IdMemo
+from proxy.memo import IdMemo, PrefixMemo
 from proxy.run import Run
 from proxy.run_state import Usage
 from proxy.speculation import totals
@@ -100,14 +102,13 @@ def parse_messages(raw: Any) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list of {role, content}",
                          param="messages")
-    out = []
-    media: list[str] = []
-    for i, (m, parsed) in enumerate(zip(raw, _PARSED.get_many(raw), strict=True)):
-        if parsed is None:  # else the same message as in a recent body (proxy/memo.py)
-            parsed = _PARSED.put(m, _message(m, i))
-        out.append(parsed[0])
-        media += parsed[1]
-    return tuple(out), tuple(media)
+    hit = _HISTORIES.found(raw)  # a recent body's messages, carried on (proxy/memo.py)
+    k, done = (0, []) if hit is None else (hit[0], list(hit[1][: hit[0]]))
+    rest = raw[k:]
+    for i, (m, parsed) in enumerate(zip(rest, _PARSED.get_many(rest), strict=True), k):
+        done.append(_PARSED.put(m, _message(m, i)) if parsed is None else parsed)
+    _HISTORIES.keep(raw, tuple(done))
+    return tuple(map(itemgetter(0), done)), tuple(chain.from_iterable(map(itemgetter(1), done)))
 
 
 def _message(m: Any, i: int) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -135,6 +136,7 @@ def _message(m: Any, i: int) -> tuple[dict[str, Any], tuple[str, ...]]:
 
 
 _PARSED = IdMemo()  # a body's message -> what parse_messages made of it; its tools likewise
+_HISTORIES = PrefixMemo()  # a body's messages -> what parse_messages made of each
 
 
 def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:

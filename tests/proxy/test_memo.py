@@ -66,6 +66,30 @@ def test_prefix_memo_lets_go_of_the_lists_a_new_one_carries_on() -> None:
     assert [kept for _, kept in memo._kept] == ["C", "ABD"]
 
 
+def test_prefix_memo_that_skips_lists_parting_early_finds_and_lets_go_as_a_full_scan() -> None:
+    """Lists that part from the new one where the best so far does are not scanned: what is
+    found and what is let go are those of scanning every list (sessions that take turns, edits
+    far back, repeats)."""
+    rng = random.Random(7)
+    pool = [object() for _ in range(3)]
+    memo = PrefixMemo(entries=5)
+    sessions: list[list[object]] = [[] for _ in range(4)]
+    for step in range(600):
+        i = rng.randrange(len(sessions))
+        cut = len(sessions[i]) if rng.random() < 0.5 else rng.randrange(len(sessions[i]) + 1)
+        items = sessions[i][:cut] + [rng.choice(pool) for _ in range(rng.randrange(0, 3))]
+        sessions[i] = items
+        kept = [(list(old), v) for old, v in memo._kept]
+        full = [next((j for j, (x, y) in enumerate(zip(old, items, strict=False)) if x is not y),
+                     min(len(old), len(items))) for old, _ in kept]
+        k = max(full, default=0)
+        assert memo.found(items) == ((k, kept[full.index(k)][1]) if k else None)
+        memo.keep(items, step)
+        carried = [v for (old, v), j in zip(kept, full, strict=True) if j < len(old) - 1]
+        assert [v for _, v in memo._kept] == \
+            ([step, *carried[: memo.entries - 1]] if items else [v for _, v in kept])
+
+
 def _history(rng: random.Random, n: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"role": "system", "content": "sys"}]
     for i in range(n):
