@@ -46,6 +46,8 @@ import logging
 import threading
 from collections import OrderedDict
 from datetime import datetime
+from itertools import compress, repeat
+from operator import is_
 from types import FrameType
 from typing import Any
 
@@ -387,9 +389,10 @@ class Runs:
             while len(self._runs) > self.max_runs:
                 _, old = self._runs.popitem(last=False)
                 index = self._index[old.key]
-                for h in old.chain:
-                    if index.get(h) is old:
-                        del index[h]
+                # its prefixes no later run holds (found in C: most are a later turn's now)
+                for h in list(compress(old.chain, map(is_, map(index.get, old.chain),
+                                                      repeat(old)))):
+                    index.pop(h, None)
                 if not index:
                     del self._index[old.key]
 
