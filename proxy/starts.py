@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import is_not
+from operator import is_not, itemgetter
 from typing import Any, Protocol
 
 from proxy import traced
@@ -307,12 +308,25 @@ def header_char_ends(
     text, equal to this one in its first `equal` characters, whose first `common` messages
     are these: a message among them searched for in the same span of the shared text is not
     searched again."""
-    ends = []
     before = before or {}
     located = sorted(starts)
-    for k, i in enumerate(located[:-1] if located and located[-1] == len(messages) else located):
-        begin = starts[i]
-        end = starts[located[k + 1]] if k + 1 < len(located) else len(text)
+    offsets = list(map(starts.__getitem__, located))  # ascending, as the starts are
+    if located and located[-1] == len(messages):
+        located.pop()  # the generation prompt: only where the last message ends
+    else:
+        offsets.append(len(text))
+    # the leading messages searched in the same span of the shared text before: taken as found
+    # then (every one of them, compared as lists in C; else each is looked at below)
+    m = min(bisect_left(located, common), bisect_right(offsets, equal, 1) - 1)
+    olds = list(map(before.get, located[:m], repeat(_NOT_FOUND)))
+    if list(map(itemgetter(0, 1), olds)) != list(zip(offsets[:m], offsets[1 : m + 1],
+                                                     strict=True)):
+        m, olds = 0, []
+    ats = list(map(itemgetter(2), olds))
+    if found is not None:
+        found.update(zip(located[:m], olds, strict=True))
+    for k in range(m, len(located)):
+        i, begin, end = located[k], offsets[k], offsets[k + 1]
         old = before.get(i)
         if old is not None and i < common and old[0] == begin and old[1] == end <= equal:
             at = old[2]
@@ -320,9 +334,11 @@ def header_char_ends(
             at = _header_end(messages[i], text, begin, end)
         if found is not None:
             found[i] = (begin, end, at)
-        if at is not None:
-            ends.append(at)
-    return ends
+        ats.append(at)
+    return list(compress(ats, map(is_not, ats, repeat(None))))
+
+
+_NOT_FOUND = (None, None, None)  # no span searched before
 
 
 def _header_end(message: dict[str, Any], text: str, begin: int, end: int) -> int | None:
