@@ -1,14 +1,15 @@
 """`make overhead-compare`: the proxy's cost per request before and after, in one run.
 
     python -m bench.overhead_compare [--base COMMIT] [--sizes 2000,8000,32000] [--reps 20]
-                                     [--rounds 2] [--out bench/results/issue23]
+                                     [--rounds 4] [--out bench/results/issue23]
 
 The commit `--base` is checked out in a temporary git worktree with this tree's
 bench/overhead.py and bench/prompts.py copied in, so both builds are measured by the same
 harness on the same requests; then `python -m bench.overhead` runs in each tree in turn,
 `--rounds` times (before, after, before, after: the machine's noise falls on both), and the
-median of the rounds' CPU medians is reported per stage. A stage the base build cannot time
-alone shows as "-".
+median of the rounds' CPU medians is reported per stage, with the ratio of each round's pair
+(its median and range: this machine's speed can move between rounds). A stage the base build
+cannot time alone shows as "-".
 """
 
 from __future__ import annotations
@@ -46,13 +47,23 @@ def cell(rows: list[dict[str, Any]], key: str) -> str:
     return f"{statistics.median(v[0] for v in values):.1f}"
 
 
+def ratio(before: list[dict[str, Any]], after: list[dict[str, Any]], key: str) -> str:
+    """after / before of each round (the two measured back to back), their median and range:
+    on a machine whose speed moves between rounds, the pairs say more than the medians."""
+    pairs = [a[key][0] / b[key][0] for b, a in zip(before, after, strict=True)
+             if a.get(key) is not None and b.get(key) is not None and b[key][0] > 0]
+    if not pairs:
+        return "-"
+    return f"{statistics.median(pairs):.2f}x ({min(pairs):.2f}-{max(pairs):.2f})"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.overhead_compare",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="783a131")
     p.add_argument("--sizes", default="2000,8000,32000")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "issue23"))
     a = p.parse_args(argv)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
@@ -73,27 +84,36 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            check=False, capture_output=True)
-    sizes = [int(s) for s in a.sizes.split(",")]
+    lines = markdown(results, a.base, head, a.reps, [int(s) for s in a.sizes.split(",")])
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead-compare.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "overhead-compare.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def markdown(results: dict[str, list[dict[str, Any]]], base: str, head: str, reps: int,
+             sizes: list[int]) -> list[str]:
+    rounds = len(results["after"])
     lines = [
-        "# Proxy overhead per request, before and after (issue 23)", "",
-        f"CPU ms per request, the median over {a.rounds} rounds (each the median of {a.reps} "
-        f"requests); before = {a.base}, after = {head}, measured alternately in one run by the "
+        "# Proxy overhead per request, before and after", "",
+        f"CPU ms per request, the median over {rounds} rounds (each the median of {reps} "
+        f"requests); before = {base}, after = {head}, measured alternately in one run by the "
         "same harness (bench/overhead.py) on the same requests: a synthetic agent session "
         "grown to the size, the history re-sent unchanged plus one new 300-token user turn. "
-        "Cold = a new conversation of that size in a fresh process state.", "",
-        "| prompt tokens | stage | before | after |", "|---:|---|---:|---:|"]
+        "Cold = a new conversation of that size in a fresh process state. After / before: "
+        "each round's pair (measured back to back), the median and the range.", "",
+        "| prompt tokens | stage | before | after | after / before |",
+        "|---:|---|---:|---:|---:|"]
     for k, size in enumerate(sizes):
         before = [res["sizes"][k] for res in results["before"]]
         after = [res["sizes"][k] for res in results["after"]]
         tokens = after[0]["prompt_tokens"]
         assert all(r["target_tokens"] == size for r in before + after)
         for key, label in STAGES:
-            lines.append(f"| {tokens} | {label} | {cell(before, key)} | {cell(after, key)} |")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead-compare.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "overhead-compare.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            lines.append(f"| {tokens} | {label} | {cell(before, key)} | {cell(after, key)} | "
+                         f"{ratio(before, after, key)} |")
+    return lines
 
 
 if __name__ == "__main__":
