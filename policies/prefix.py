@@ -66,15 +66,21 @@ class TokenIds(tuple[int, ...]):
 
 def _common_packed(a: bytes, b: bytes, start: int) -> int:
     """``common_prefix_len`` of two packed id sequences, in ids."""
-    n = min(len(a), len(b)) // ID_BYTES
-    lo = min(start, n)  # invariant: the first lo ids are equal
-    view = memoryview(b)
-    if a.startswith(view[lo * ID_BYTES : n * ID_BYTES], lo * ID_BYTES):
+    return _common_in_place(a, memoryview(b), start, ID_BYTES)
+
+
+def _common_in_place(a: Any, b: Any, start: int, unit: int) -> int:
+    """The leading units (of `unit` items) that `a` and `b` share, two bytes (`b` a view of
+    them: sliced without a copy) or two texts: ``startswith`` of the whole span first, then
+    bisected, each step one slice of `b` compared in place in `a`."""
+    n = min(len(a), len(b)) // unit
+    lo = min(start, n)  # invariant: the first lo units are equal
+    if a.startswith(b[lo * unit : n * unit], lo * unit):
         return n
-    hi = n  # invariant: the first hi ids are not all equal
+    hi = n  # invariant: the first hi units are not all equal
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a.startswith(view[lo * ID_BYTES : mid * ID_BYTES], lo * ID_BYTES):
+        if a.startswith(b[lo * unit : mid * unit], lo * unit):
             lo = mid
         else:
             hi = mid
@@ -87,32 +93,13 @@ def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
     return ids if isinstance(ids, tuple | str) else tuple(ids)
 
 
-def _common_text(a: str, b: str, start: int) -> int:
-    """``common_prefix_len`` of two texts: ``str.startswith`` over the whole span first, then
-    bisected (each step one slice of ``b`` compared in place in ``a``)."""
-    n = min(len(a), len(b))
-    lo = min(start, n)  # invariant: the first lo characters are equal
-    if a.startswith(b[lo:n], lo):
-        return n
-    hi = n  # invariant: the first hi characters are not all equal
-    while hi - lo > LINEAR_TOKENS:
-        mid = (lo + hi) // 2
-        if a.startswith(b[lo:mid], lo):
-            lo = mid
-        else:
-            hi = mid
-    while a[lo] == b[lo]:
-        lo += 1
-    return lo
-
-
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
     """Number of leading items ``a`` and ``b`` share: token ids, or characters of two texts;
     ``start``: a number of them known to be shared already."""
     if isinstance(a, TokenIds) and isinstance(b, TokenIds):
         return _common_packed(a.packed, b.packed, start)
     if isinstance(a, str) and isinstance(b, str):
-        return _common_text(a, b, start)
+        return _common_in_place(a, b, start, 1)
     ta, tb = _as_tuple(a), _as_tuple(b)
     n = min(len(ta), len(tb))
     lo = min(start, n)  # invariant: ta[:lo] == tb[:lo]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress, count, islice
 from typing import Any
 
@@ -123,6 +123,20 @@ class PrefixMemo:
         self._last = (items, kept, shared)  # for keep(items, ...) right after
         k = max(shared, default=0)
         return (k, kept[shared.index(k)][1]) if k else None
+
+    def carried(self, items: Sequence[Any], memo: IdMemo, make: Callable[[int, Any], Any]
+                ) -> list[Any]:
+        """Per item, `memo`'s value for it, made by ``make(index, item)`` where it has none:
+        the leading items a remembered list shares are taken from it, and only the rest are
+        looked up (the history a client re-sends, then its new turn). `items` is kept."""
+        hit = self.found(items)
+        k, done = (0, []) if hit is None else (hit[0], list(hit[1][: hit[0]]))
+        rest = items[k:]
+        for i, (item, value) in enumerate(zip(rest, memo.get_many(rest, _MISSING),
+                                              strict=True), k):
+            done.append(memo.put(item, make(i, item)) if value is _MISSING else value)
+        self.keep(items, tuple(done))
+        return done
 
     def keep(self, items: Sequence[Any], kept: Any) -> None:
         """`items` remembered first; a remembered list it carries on (all its items, or all but

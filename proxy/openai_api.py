@@ -102,12 +102,7 @@ def parse_messages(raw: Any) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list of {role, content}",
                          param="messages")
-    hit = _HISTORIES.found(raw)  # a recent body's messages, carried on (proxy/memo.py)
-    k, done = (0, []) if hit is None else (hit[0], list(hit[1][: hit[0]]))
-    rest = raw[k:]
-    for i, (m, parsed) in enumerate(zip(rest, _PARSED.get_many(rest), strict=True), k):
-        done.append(_PARSED.put(m, _message(m, i)) if parsed is None else parsed)
-    _HISTORIES.keep(raw, tuple(done))
+    done = _HISTORIES.carried(raw, _PARSED, lambda i, m: _message(m, i))
     return tuple(map(itemgetter(0), done)), tuple(chain.from_iterable(map(itemgetter(1), done)))
 
 

@@ -97,13 +97,8 @@ class Normalizer:
         return out
 
     def messages(self, messages: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
-        hit = self._histories.found(messages)
-        k, done = (0, []) if hit is None else (hit[0], list(hit[1][: hit[0]]))
-        rest = messages[k:]
-        memo = self._messages
-        for m, d in zip(rest, memo.get_many(rest, _NONE), strict=True):
-            done.append(memo.put(m, self._message(m)) if d is _NONE else d)
-        self._histories.keep(messages, tuple(done))  # per message: its normalized one, or None
+        # per message: its normalized one, or None
+        done = self._histories.carried(messages, self._messages, lambda _, m: self._message(m))
         return [d for d in done if d is not None]
 
     def _message(self, m: dict[str, Any]) -> dict[str, Any] | None:
