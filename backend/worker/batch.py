@@ -124,10 +124,18 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
 
 def key(identity: CacheIdentity, settings: Mapping[str, Any]) -> str:
     """The measure's name: the model file and KV settings (the cache identity without its
-    batch), the worker's `settings` that change a prefill's speed (the batch given, threads,
-    where the weights go, whether flash attention may be turned off for several slots), the
-    build and the machine (`verdicts.verdict_key`)."""
-    identity = dataclasses.replace(identity, batch=0, compute="")
+    batch, and with as much of one slot's context as the measure can use), the worker's
+    `settings` that change a prefill's speed (the batch given, threads, where the weights go,
+    whether flash attention may be turned off for several slots), the build and the machine
+    (`verdicts.verdict_key`).
+
+    Not the number of slots: the measure prefills slot 0 alone, in a KV stream of its own, so
+    `-np 1 -c 12288` and `-np 3 -c 36864` (one slot's context alike) share one measure and so
+    one batch. Measured apart, their readings fell either side of `policies.prefix.BATCH_GAIN`
+    on one machine (1.05x and 1.11x), chose 128 and 512, and the 128 prefilled 1.3% more of an
+    agent team (bench/results/issue41)."""
+    room = min(identity.n_ctx, BATCH_DEPTH + 2 * GPU_BATCH)  # beyond it the measure is the same
+    identity = dataclasses.replace(identity, batch=0, compute="", n_ctx=room)
     return verdicts.verdict_key(identity.fingerprint(), {"measure": KIND, "version": VERSION,
                                                       **settings})
 

@@ -106,11 +106,17 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
                       deterministic=spec.deterministic)
     if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
         return make(spec.batch)
-    settings = {"batch": spec.batch, "threads": spec.threads, "threads_batch": spec.threads_batch,
-                "slots": min(spec.parallel, 2), "placement": spec.placement,
-                "deterministic_on": spec.deterministic == "on"}  # flash attention auto off
-    return measured_engine(measure_key(spec.identity, settings), spec.worker_id, make,
-                           spec.batch, (spec.type_k, spec.type_v))
+    return measured_engine(measure_name(spec), spec.worker_id, make, spec.batch,
+                           (spec.type_k, spec.type_v))
+
+
+def measure_name(spec: WorkerSpec) -> str:
+    """The name the batch measure is remembered under (`backend.worker.batch.key`): the same
+    for any number of slots, unless several take flash attention off (`--deterministic on`)."""
+    return measure_key(spec.identity, {
+        "batch": spec.batch, "threads": spec.threads, "threads_batch": spec.threads_batch,
+        "placement": spec.placement,
+        "deterministic_on": spec.deterministic == "on" and spec.parallel > 1})
 
 
 def on_instead(spec: WorkerSpec, engine: Engine) -> str:

@@ -34,3 +34,25 @@ def test_the_measure_reads_the_padding_and_the_batch_within_the_slot(
     assert choose_batch(got["token_s"]) in (CPU_BATCH, GPU_BATCH)
     pad = choose_padding(got["pad_s"], got["depth"])
     assert pad.past in (0, 512)
+
+
+def test_one_measure_for_any_number_of_slots_of_the_same_context() -> None:
+    """`-np 1 -c 12288` and `-np 3 -c 36864` measure the same slot and share one measure (and so
+    one batch); several slots under `--deterministic on` may take flash attention off, and a
+    slot too short for the measure's depths reads other depths: each its own."""
+    from backend.worker.boot import WorkerSpec, measure_name
+    from proxy.cli import worker_spec
+    from proxy.config import Config
+
+    def name(**kw: object) -> str:
+        spec = worker_spec(Config(model=model_file("smollm2"), n_gpu_layers=0, **kw), 0)  # type: ignore[arg-type]
+        assert isinstance(spec, WorkerSpec)
+        return measure_name(spec)
+
+    one = name(parallel=1, n_ctx=12288)
+    assert name(parallel=3, n_ctx=3 * 12288) == name(parallel=2, n_ctx=2 * 12288) == one
+    assert name(parallel=1, n_ctx=65536) == one, "past the measure's depths a slot reads alike"
+    assert name(parallel=3, n_ctx=3 * 2048) != name(parallel=1, n_ctx=3 * 2048)
+    assert name(parallel=3, n_ctx=3 * 12288, deterministic="on") != one
+    assert name(parallel=1, n_ctx=12288, deterministic="on") == one
+    assert name(parallel=1, n_ctx=12288, threads=1) != one
