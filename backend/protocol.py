@@ -50,13 +50,16 @@ class Job:
     stop: tuple[str, ...]
     grammar: str | None  # GBNF constraining the output (forced tool calls)
     slot: int = 0  # which of the worker's sequences runs it (--parallel)
+    # seconds since the request came to the server (its parse, render and wait for a slot):
+    # the scheduler counts a prefill's due time from then (policies.schedule rule 1)
+    waited_s: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "slot": self.slot, "ids": list(self.ids),
                 "salt": self.salt.hex(),
                 "tenant": self.tenant, "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
-                "stop": list(self.stop), "grammar": self.grammar}
+                "stop": list(self.stop), "grammar": self.grammar, "waited_s": self.waited_s}
 
     @classmethod
     def from_wire(cls, d: Any) -> Job:
@@ -72,11 +75,14 @@ class Job:
                       plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
                       max_tokens=_check(d["max_tokens"], "int"),
                       stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),
-                      grammar=grammar, slot=_check(d["slot"], "int"))
+                      grammar=grammar, slot=_check(d["slot"], "int"),
+                      waited_s=float(_check(d["waited_s"], "float")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
         if job.slot < 0:
             raise ValueError(f"malformed job: slot {job.slot}")
+        if not 0 <= job.waited_s < float("inf"):
+            raise ValueError(f"malformed job: waited_s {job.waited_s}")
         if not 0 <= job.plan.keep_max <= keep_max(len(job.ids), 1):
             # the last prompt token is always evaluated: logits are not in a snapshot (the
             # worker rounds the rest down to its own batch edges)

@@ -19,9 +19,11 @@ slot's tokens in turn, kept exact: a prefill batch holds one sequence's tokens, 
 run's batches):
 
 1. The prefills are served as one: of them, the one *due* first runs its batch. A prefill is due
-   when it would end had it run alone from its start: ``began_s + total * per_token_s`` (its
-   tokens at the seconds a prefilled token has taken lately, the same for all;
-   `NOMINAL_TOKEN_S` until one was measured). Beside a long prompt a short one is due first and
+   when it would end had it run alone from when its request came: ``began_s + total *
+   per_token_s`` (its tokens at the seconds a prefilled token has taken lately, the same for
+   all; `NOMINAL_TOKEN_S` until one was measured; `began_s` when the request came to the server,
+   so its parse, its render and its wait for a slot count, and a later prefill of the same job
+   from when that began). Beside a long prompt a short one is due first and
    ends almost as soon as alone (a title's 200 tokens do not wait behind a subagent's 2,000);
    a prompt's due time moves only with that measure, so short prompts arriving one after
    another hold a long one back only until it is due (no prompt waits without end), and two
@@ -178,7 +180,7 @@ Step = Prefill | Decode | Verify
 @dataclass(frozen=True, slots=True)
 class Account:
     used_s: float = 0.0  # the time its job's steps took (rule 2)
-    began_s: float = 0.0  # when its prefill began
+    began_s: float = 0.0  # when its prefill began (its first: when its request came)
     total: int = 0  # the tokens its prefill had then
     prefilling: bool = False
     run: str = ""  # the job it accounts for (a slot's next job starts a new account)
@@ -192,20 +194,23 @@ class Clock:
     per_token_s: float = 0.0  # seconds a prefilled token has taken lately (0: not measured)
 
 
-def track(clock: Clock, active: Sequence[tuple[int, str]], tasks: Sequence[Task],
+def track(clock: Clock, active: Sequence[tuple[int, str, float]], tasks: Sequence[Task],
           now_s: float) -> Clock:
-    """The accounts brought in line with the slots' jobs (`active`: (slot, run id), in the order
-    they came) and their tasks: a new job admitted from nothing (a slot's next job too), a
-    prefill begun (due from now) or ended, a job gone (rules 1, 2 and 5)."""
-    runs = dict(active)
+    """The accounts brought in line with the slots' jobs (`active`: (slot, run id, when its
+    request came), in the order they came) and their tasks: a new job admitted from nothing (a
+    slot's next job too), a prefill begun (the job's first due from when its request came,
+    a later one from now) or ended, a job gone (rules 1, 2 and 5)."""
+    runs = {slot: run for slot, run, _ in active}
+    came = {slot: came_s for slot, _, came_s in active}
     accounts = {s: a for s, a in clock.accounts.items() if runs.get(s) == a.run}
-    for slot, run in active:
+    for slot, run, _ in active:
         accounts.setdefault(slot, Account(run=run))
     prefilling = {t.slot: t.left for t in tasks if t.left > 0}
     for slot, a in accounts.items():
         if a.prefilling != (slot in prefilling):
+            began = min(came.get(slot, now_s), now_s) if a.total == 0 else now_s
             accounts[slot] = replace(a, prefilling=False) if a.prefilling else \
-                replace(a, began_s=now_s, total=prefilling[slot], prefilling=True)
+                replace(a, began_s=began, total=prefilling[slot], prefilling=True)
     return replace(clock, accounts=accounts)
 
 

@@ -153,7 +153,8 @@ class Run:
     def job(self) -> Job:
         p = self.prep
         return Job(self.run_id, p.rendered.ids, self.salt, self.tenant, self.plan,
-                   p.req.sampling, p.max_tokens, p.req.stop, p.grammar)
+                   p.req.sampling, p.max_tokens, p.req.stop, p.grammar,
+                   waited_s=max(time.perf_counter() - p.arrived_s, 0.0))
 
     async def open(self) -> None:
         """Send the job and wait for its `Start`: any failure is known before a response is

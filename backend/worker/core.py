@@ -93,7 +93,7 @@ class _Job:
     limit: int  # reuse at most this many tokens
     mine: bool  # the live KV may be kept (the plan allows it, it is this tenant's)
     keep: int  # what the live KV holds of the prompt that it keeps
-    started_s: float
+    started_s: float  # when it came to the worker
     order: list[Candidate] = field(default_factory=list)  # what is left to try
     faults: list[Fault] = field(default_factory=list)
     pulled: list[Event] = field(default_factory=list)  # `Saved` of entries pulled
@@ -110,6 +110,7 @@ class _Job:
     matcher: StopMatcher = field(default_factory=lambda: StopMatcher(()))
     n_gen: int = 0
     token: int = -1  # the sampled token that waits for its decode
+    came_s: float = 0.0  # when its request came to the server (the worker's clock)
     drafts: SlotDrafts | None = None  # its speculation, while it generates
 
 
@@ -198,6 +199,7 @@ class Core:
         mine = plan.live_ok and self.exact and self.owners[slot] == (job.tenant, job.salt)
         keep = live_prefix(live, ids, edges, limit) if mine else 0
         j = _Job(job, ids, edges, limit, mine, keep, world.now_s)
+        j.came_s = world.now_s - job.waited_s
         j.saves = {s.n_tokens: s for s in plan.saves if self.exact and s.n_tokens in edges}
         self.jobs[slot] = j
         effects: list[Effect] = []

@@ -105,7 +105,8 @@ class Loop:
             except queue.Empty:
                 pass
             world = self._world()
-            self.clock = track(self.clock, [(s, j.job.run_id) for s, j in self.core.jobs.items()],
+            self.clock = track(self.clock, [(s, j.job.run_id, j.came_s)
+                                            for s, j in self.core.jobs.items()],
                                tasks, world.now_s)
             step = next_step(tasks, self.clock, self.shapes, self.engine.n_batch)
             if step is None:

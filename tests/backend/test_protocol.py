@@ -44,7 +44,8 @@ JOBS = [
     # A forced tool call: a grammar, stop strings, nested sampling values.
     Job(run_id="r1", ids=IDS, salt=b"\x5a" * 16, tenant="t" * 32, plan=PLAN,
         sampling={"temperature": 0.7, "top_k": 40, "seed": None, "logit_bias": {"5": -1.5}},
-        max_tokens=256, stop=("</tool>", "\n\nUser:"), grammar='root ::= "{" [^}]* "}"'),
+        max_tokens=256, stop=("</tool>", "\n\nUser:"), grammar='root ::= "{" [^}]* "}"',
+        waited_s=8.25),
     # The off plan keeping all it may (n - 1 on a worker of batch 1).
     Job(run_id="r2", ids=IDS, salt=b"", tenant="", plan=Plan((), (), 38, False, "off", None,
                                                              None),
@@ -89,6 +90,11 @@ def test_job_missing_field(field: str) -> None:
         ("stop", None),
         ("sampling", None),
         ("max_tokens", None),
+        # seconds the request waited: a finite count, from 0
+        ("waited_s", -1.0),
+        ("waited_s", 1e309),
+        ("waited_s", "8"),
+        ("waited_s", None),
     ],
 )
 def test_job_bad_value(field: str, value: Any) -> None:

@@ -20,6 +20,7 @@ from policies.schedule import (
     Verify,
     charge,
     choose_decode,
+    due_s,
     next_step,
     track,
 )
@@ -131,8 +132,8 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
     left, now, order, short = 1000, 0.0, [], 0
     while left > 0 and now < 5.0:
         # a short prompt of 120 tokens always waits, arrived just now
-        clk = track(clk, [(0, "long"), (1, "short")], [Task(0, left, batch), Task(1, 120, 120)],
-                    now)
+        clk = track(clk, [(0, "long", 0.0), (1, "short", now)],
+                    [Task(0, left, batch), Task(1, 120, 120)], now)
         if clk.accounts[1].began_s != now:  # a new short prompt each round
             clk = Clock({**clk.accounts, 1: Account(0.0, now, 120, True, "short")}, per_token)
         step = next_step([Task(0, left, min(batch, left)), Task(1, 120, 120)], clk, BATCHED)
@@ -151,24 +152,42 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
 def test_track_admits_from_nothing_begins_and_ends_prefills_and_lets_jobs_go() -> None:
     # rule 2: a new job's time counts from nothing, whatever the others used
     clk = Clock({0: Account(5.0, run="a")}, 0.001)
-    clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True)], now_s=10.0)
+    clk = track(clk, [(0, "a", 0.0), (1, "b", 10.0)], [Task(0, waits=True)], now_s=10.0)
     assert clk.accounts[1] == Account(0.0, run="b")
-    # its prefill begins: due from now
-    clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True), Task(1, left=300, n=128)],
-                now_s=11.0)
-    assert clk.accounts[1] == Account(0.0, 11.0, 300, True, "b")
+    # its prefill begins: due from when its request came
+    clk = track(clk, [(0, "a", 0.0), (1, "b", 10.0)],
+                [Task(0, waits=True), Task(1, left=300, n=128)], now_s=11.0)
+    assert clk.accounts[1] == Account(0.0, 10.0, 300, True, "b")
     clk = charge(clk, Prefill(1, 128), 0.25)
     # its prefill ends: its time carries on into its answer
-    clk = track(clk, [(0, "a"), (1, "b")], [Task(0, waits=True), Task(1, waits=True)],
-                now_s=12.0)
-    assert clk.accounts[1] == Account(0.25, 11.0, 300, False, "b")
+    clk = track(clk, [(0, "a", 0.0), (1, "b", 10.0)],
+                [Task(0, waits=True), Task(1, waits=True)], now_s=12.0)
+    assert clk.accounts[1] == Account(0.25, 10.0, 300, False, "b")
     # a job that ended leaves the accounts; the order of the others stays
-    clk = track(clk, [(1, "b")], [Task(1, waits=True)], now_s=13.0)
+    clk = track(clk, [(1, "b", 10.0)], [Task(1, waits=True)], now_s=13.0)
     assert list(clk.accounts) == [1]
     # the slot's next job, come before the accounts were looked at: a new account, due from
     # its own start, not the ended job's (seen: a short prompt waited for a long one's end)
-    clk = track(clk, [(1, "c")], [Task(1, left=900, n=128)], now_s=14.0)
+    clk = track(clk, [(1, "c", 14.0)], [Task(1, left=900, n=128)], now_s=14.0)
     assert clk.accounts[1] == Account(0.0, 14.0, 900, True, "c")
+
+
+def test_a_prompt_that_waited_for_a_slot_is_due_from_when_it_came() -> None:
+    """Two subagents' first turns come at once for the last free slot: one waits 8 s for a slot
+    while the other prefills, then a main turn of 400 tokens comes 2 s after it got one. Due
+    from when it came, the waiting subagent's 1,700 tokens run to their end first; due from
+    when its slot freed (as before), the later main turn went ahead of it (seen in
+    bench.team: the subagents' TTFT p95 1.49x llama-server's)."""
+    per_token = 0.005
+    clk = Clock({}, per_token)
+    active = [(0, "sub2", 0.0)]
+    clk = track(clk, active, [Task(0, left=1700, n=512)], now_s=8.0)
+    assert clk.accounts[0].began_s == 0.0, "its 8 s waiting for a slot count"
+    active.append((1, "main", 10.0))
+    tasks = [Task(0, left=1700 - 512, n=512), Task(1, left=400, n=400)]
+    clk = track(clk, active, tasks, now_s=10.0)
+    assert due_s(clk, 0) == 8.5 < due_s(clk, 1) == 12.0
+    assert next_step(tasks, clk, BATCHED) == Prefill(0, 512)
 
 
 def test_a_job_that_comes_runs_until_it_has_had_as_much_as_an_answer_in_flight() -> None:
@@ -178,7 +197,7 @@ def test_a_job_that_comes_runs_until_it_has_had_as_much_as_an_answer_in_flight()
     as long as the prompt's last 1 s."""
     clk = Clock({0: Account(2.0, run="answer")}, 0.001)
     left, now, steps = 3000, 0.0, list[str]()
-    active = [(0, "answer"), (1, "subagent")]
+    active = [(0, "answer", -2.0), (1, "subagent", 0.0)]
     while left > 0:
         tasks = [Task(0, waits=True), Task(1, left, min(500, left))]
         clk = track(clk, active, tasks, now)
