@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import llama_cpp
@@ -120,7 +123,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
     cp.kv_unified = False
     cores = os.cpu_count() or 1
-    cp.n_threads = n_threads or max(cores // 2, 1)
+    cp.n_threads = n_threads or default_threads()
     cp.n_threads_batch = n_threads_batch or n_threads or cores
     # as resolved: what the kernels run with (a self-check verdict is keyed on these)
     threads = int(cp.n_threads), int(cp.n_threads_batch)
@@ -199,6 +202,71 @@ def resolve_flash_attn(flash_attn: str, *, cpu_only: bool, n_seq: int, type_v: s
             and memory.kind != "recurrent" and type_v in ("f32", "f16", "bf16"):
         return "off"
     return flash_attn
+
+
+def default_threads() -> int:
+    """The decode threads where `-t` is not given: one per physical core, as llama-server's
+    default (llama.cpp's `common_cpu_get_num_math`: the distinct sets of thread siblings on
+    Linux, less a hybrid Intel's efficiency cores; the performance cores on a Mac), among the
+    CPUs this process may run on (a container's cpuset), less one where those cores are all the
+    CPUs there are.
+
+    Why one less there: llama.cpp's threads spin at their barriers, and the worker's own
+    threads (the reader that verifies a restore, the writer, the HTTP shell) and the proxy need
+    a CPU too. Where SMT siblings or efficiency cores are shown they run there; where every CPU
+    is a core of its own (a cloud VM's vCPUs, Arm servers) one thread sharing a core with them
+    slows every step several-fold. Measured on 2 AMD EPYC vCPUs (bench/results/issue41): one
+    decode thread gave 0.66x llama-server's tokens/s alone and two 0.95x, but with two a slot
+    generated at 3.06x its time per token while another restored a 1 GiB state (1 thread:
+    0.97x). So 2 such CPUs keep one decode thread; 16 get 15 where half the CPUs (the default
+    before) gave 8; a machine that shows its SMT siblings keeps one per physical core."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    cores = 0
+    if sys.platform == "darwin":
+        for name in ("hw.perflevel0.physicalcpu", "hw.physicalcpu"):
+            try:
+                cores = int(subprocess.run(["sysctl", "-n", name], capture_output=True,
+                                           text=True, timeout=5).stdout)
+                break
+            except (OSError, ValueError, subprocess.SubprocessError):
+                continue
+    cores = cores or physical_cores(allowed)
+    return max(cores - 1 if cores >= len(allowed) else cores, 1)
+
+
+def physical_cores(cpus: Iterable[int], root: Path = Path("/sys/devices")) -> int:
+    """The physical cores among `cpus` (Linux: the distinct thread sibling sets), less a hybrid
+    Intel's efficiency cores (`cpu_atom`: "efficiency cores harm lockstep threading", as
+    llama.cpp skips them); where the topology cannot be read, llama.cpp's fallback: the CPUs up
+    to 4, else half of them."""
+    cpus = list(cpus)
+    try:
+        atoms = _cpu_list((root / "cpu_atom" / "cpus").read_text())
+    except (OSError, ValueError):
+        atoms = set()
+    siblings = set()
+    for cpu in cpus:
+        if cpu in atoms:
+            continue
+        try:
+            path = root / "system" / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings"
+            siblings.add(path.read_text().strip())
+        except OSError:
+            siblings.clear()
+            break
+    if siblings:
+        return len(siblings)
+    return len(cpus) if len(cpus) <= 4 else len(cpus) // 2
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A sysfs CPU list ("0-3,8,10-11") as its CPUs."""
+    out: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def memory_of(model: Any, swa_full: bool) -> Memory:

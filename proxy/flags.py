@@ -20,7 +20,8 @@ HELP = {
     "workers": "worker processes",
     "n_ctx": "context tokens per worker, shared among its --parallel slots (0 = the model's "
              "trained context)",
-    "threads": "CPU threads per worker (0 = half the cores, -1 = every core)",
+    "threads": "CPU threads per worker (0 = one per physical core, less one where no SMT "
+               "sibling is shown; -1 = every core)",
     "n_gpu_layers": "layers on the GPU: N, all, or auto (the default: all where this build "
                     "can offload, CUDA or Metal; none on a CPU-only build)",
     "flash_attn": "flash attention: on | off | auto",
