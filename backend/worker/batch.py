@@ -48,6 +48,7 @@ log = logging.getLogger("prefixgate.worker")
 REPS = 2
 DEPTH = 2048  # tokens before the padded batches measured: where a short batch costs a tile
 BATCH_DEPTH = 4096  # before the batch's measure: agents' prompts are long, and the gap grows
+AFTER = 2 * GPU_BATCH  # the slot's room each depth leaves after it: the batches measured there
 PAD_ROWS = (16, 32, 48, FA_TILE)
 KIND = "batch"
 VERSION = 3  # of what is measured: another version measures again
@@ -74,7 +75,7 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
         return {}
 
     def room(d: int) -> int:
-        return max(min(d, eng.n_ctx - 2 * GPU_BATCH) // step * step, 0)
+        return max(min(d, eng.n_ctx - AFTER) // step * step, 0)
     depth, batch_depth = room(DEPTH), room(BATCH_DEPTH) if batch else 0
     ids = selfcheck.random_ids(eng, max(depth, batch_depth) + GPU_BATCH, 11)
     out: dict[str, Any] = {"depth": depth}
@@ -134,7 +135,7 @@ def key(identity: CacheIdentity, settings: Mapping[str, Any]) -> str:
     one batch. Measured apart, their readings fell either side of `policies.prefix.BATCH_GAIN`
     on one machine (1.05x and 1.11x), chose 128 and 512, and the 128 prefilled 1.3% more of an
     agent team (bench/results/issue41)."""
-    room = min(identity.n_ctx, BATCH_DEPTH + 2 * GPU_BATCH)  # beyond it the measure is the same
+    room = min(identity.n_ctx, BATCH_DEPTH + AFTER)  # beyond it the measure reads the same
     identity = dataclasses.replace(identity, batch=0, compute="", n_ctx=room)
     return verdicts.verdict_key(identity.fingerprint(), {"measure": KIND, "version": VERSION,
                                                       **settings})
