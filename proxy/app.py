@@ -3,11 +3,12 @@
 (openai_api.py, responses_api.py, anthropic_api.py, llama_api.py for llama-server's native
 endpoints, on the shared proxy/edge.py).
 
-`make_app(cfg)` opens, in `cleanup_ctx`, the prompt builder (the model's template and
-tokenizer: a template that cannot be used stops the start at once), then listens, and opens in
-the background the worker pool (the model file hashed; the first worker says what devices
-compute, which completes the cache identity), the disk cache (the LMDB index reconciled with
-the files) and the gateway, as llama-server does: until they are ready /health and
+`make_app(cfg)` starts, in `cleanup_ctx`, the worker pool (the model file hashed; the first
+worker says what devices compute, which completes the cache identity) and meanwhile opens the
+prompt builder (the model's template and tokenizer: a template that cannot be used stops the
+start at once, and the workers with it), then listens, and opens in the background, once the
+workers are ready, the disk cache (the LMDB index reconciled with the files) and the gateway,
+as llama-server does: until they are ready /health and
 /v1/health answer 503 {"status": "loading", "phase", "progress", "workers"} and every other
 path a 503 in its API's shape (`Loading`). A start that fails there stops the server with its
 one-line reason (`BOOT["error"]`, said by proxy.cli.serve). Shutdown closes them in reverse
@@ -275,18 +276,17 @@ KV_EVENTS = web.AppKey("kv_events", KvEvents)
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     t0 = time.perf_counter()
+    # the workers start loading while the template and tokenizer load here: neither needs the
+    # other, and a restart waits for the longer of the two, not for both
+    workers = asyncio.create_task(_open_pool(app))
     try:
-        prompts = await asyncio.to_thread(PromptBuilder.load, cfg.model_path,
-                                          cfg.volatile_patterns, cfg.volatile_blocks,
-                                          cfg.stable_layout, cfg.chat_template_file,
-                                          cfg.tool_dialect)
-    except GGUFError as e:  # the model changed under us since proxy.cli checked it
-        raise StartupError(f"the model {e}") from None
-    except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
-        where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
-        line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
-        raise StartupError(f"the chat template in {where} cannot be used:{line} {e}") from None
-    starting = asyncio.create_task(_open(app, prompts, t0))
+        prompts = await asyncio.to_thread(_load_prompts, cfg)
+    except BaseException:  # the start stops: no worker process is left behind
+        workers.cancel()
+        await asyncio.gather(workers, return_exceptions=True)
+        await _close(app)
+        raise
+    starting = asyncio.create_task(_open(app, prompts, workers, t0))
     yield
     starting.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -294,20 +294,44 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     await _close(app)
 
 
-async def _open(app: web.Application, prompts: PromptBuilder, t0: float) -> None:
+def _load_prompts(cfg: Config) -> PromptBuilder:
+    """The model's template and tokenizer; one that cannot be used is a StartupError (one
+    line)."""
+    try:
+        return PromptBuilder.load(cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
+                                  cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect)
+    except GGUFError as e:  # the model changed under us since proxy.cli checked it
+        raise StartupError(f"the model {e}") from None
+    except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
+        where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
+        line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
+        raise StartupError(f"the chat template in {where} cannot be used:{line} {e}") from None
+
+
+async def _open_pool(app: web.Application) -> Pool:
+    """The model file hashed, the workers started (they say what computes: the identity is
+    complete then)."""
+    cfg, boot = app[CONFIG], app[BOOT]
+    boot["phase"] = "hashing the model file"
+    identity = await asyncio.to_thread(cache_identity, cfg)
+    await asyncio.to_thread(identity.fingerprint)  # the hash, off the loop, once
+    boot["phase"] = "loading the model"
+    pool = Pool(cfg, identity)  # every worker must match
+    app[POOL] = pool
+    events = open_kv_events(cfg, pool)
+    if events is not None:
+        app[KV_EVENTS] = events
+    await pool.start()
+    return pool
+
+
+async def _open(app: web.Application, prompts: PromptBuilder, workers: asyncio.Task[Pool],
+                t0: float) -> None:
     """Everything after the listener is up: on a failure the server stops (BOOT["error"])."""
     cfg, boot = app[CONFIG], app[BOOT]
     try:
-        boot["phase"] = "hashing the model file"
-        identity = await asyncio.to_thread(cache_identity, cfg)
-        await asyncio.to_thread(identity.fingerprint)  # the hash, off the loop, once
-        boot["phase"] = "loading the model"
-        pool = Pool(cfg, identity)  # every worker must match
-        app[POOL] = pool
-        events = open_kv_events(cfg, pool)
-        if events is not None:
-            app[KV_EVENTS] = events
-        await pool.start()  # the workers say what computes: the identity is complete now
+        pool = await workers
+        events = app.get(KV_EVENTS)
         if cfg.disk_prefix_cache != "off":
             boot["phase"] = "reading the cache index"
             cfg.cache_path.mkdir(parents=True, exist_ok=True)

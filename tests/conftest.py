@@ -105,7 +105,7 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
                 return srv
             if while_loading is not None:
                 while_loading(srv)  # a failed check stops the server below, never leaks it
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"server not ready in {timeout_s} s:\n{srv.log()}")
     except BaseException:
         srv.stop()

@@ -259,7 +259,7 @@ class Boot:
 
     async def shutdown(self, app: web.Application) -> None:
         if self.worker is not None:
-            self.worker.closing = True
+            self.worker.close_streams()
 
     async def close(self, app: web.Application) -> None:
         """After the last stream: the compute loop ends after its step, the queued writes

@@ -70,8 +70,8 @@ class Worker:
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.runs: dict[str, _Run] = {}  # streaming runs
         self.active: dict[int, str] = {}  # slot -> the run it serves, until it ends
-        self.listeners: dict[asyncio.Queue[TierEvent], bool] = {}  # -> wants every tier
-        self.closing = False  # the server stops: event streams end
+        self.listeners: dict[asyncio.Queue[TierEvent | None], bool] = {}  # -> wants every tier
+        self.closing = False  # the server stops: event streams end (`close_streams`)
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.loop: Loop | None = None
 
@@ -105,6 +105,14 @@ class Worker:
         for q, every in self.listeners.items():
             if every or event.tier == "ram":
                 q.put_nowait(event)
+
+    def close_streams(self) -> None:
+        """The server stops: every event stream ends now. aiohttp waits for its handlers before
+        the process exits, and a stream that only polled would hold each stop (and each
+        restart) for up to a second."""
+        self.closing = True
+        for q in self.listeners:
+            q.put_nowait(None)
 
     # --- HTTP --------------------------------------------------------------------------------
 
@@ -197,7 +205,7 @@ class Worker:
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """The RAM tier's entries as they are, then every tier event, until the client goes."""
-        q: asyncio.Queue[TierEvent] = asyncio.Queue()
+        q: asyncio.Queue[TierEvent | None] = asyncio.Queue()
         every = request.query.get("all") == "1"
         self.listeners[q] = every
         self.tiers.every = any(self.listeners.values())
@@ -216,6 +224,8 @@ class Worker:
                     event = await asyncio.wait_for(q.get(), WATCH_S * 20)
                 except asyncio.TimeoutError:
                     continue
+                if event is None:  # close_streams
+                    break
                 await resp.write(encode_event(event))
         except (ConnectionError, RuntimeError):
             pass
