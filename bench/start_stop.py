@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import subprocess
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                    "training context): the KV both allocate and clear at start")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    if not shutil.which(args.llama_server):
+        raise SystemExit(f"no llama-server at {args.llama_server}: `make bench-team` builds it, "
+                         "or give --llama-server PATH")
     model = args.model or default_model()
     tmp = Path(tempfile.mkdtemp(prefix="prefixgate-start-stop-"))
     arms: dict[str, tuple[Path, list[str] | None]] = {"prefixgate": (ROOT, None)}
