@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import llama_cpp
 
+from backend.cpus import allowed_cpus, usable_cpus
 from backend.placement import apply as placement_params
 from backend.placement import check_gpu_layers, compute_identity, offload_devices
 from policies.prefix import default_batch
@@ -122,9 +123,8 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
     cp.kv_unified = False
-    cores = os.cpu_count() or 1
     cp.n_threads = n_threads or default_threads()
-    cp.n_threads_batch = n_threads_batch or n_threads or cores
+    cp.n_threads_batch = n_threads_batch or n_threads or usable_cpus()
     # as resolved: what the kernels run with (a self-check verdict is keyed on these)
     threads = int(cp.n_threads), int(cp.n_threads_batch)
     cp.flash_attn_type = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -220,8 +220,7 @@ def default_threads() -> int:
     generated at 3.06x its time per token while another restored a 1 GiB state (1 thread:
     0.97x). So 2 such CPUs keep one decode thread; 16 get 15 where half the CPUs (the default
     before) gave 8; a machine that shows its SMT siblings keeps one per physical core."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
+    allowed = allowed_cpus()
     cores = 0
     if sys.platform == "darwin":
         for name in ("hw.perflevel0.physicalcpu", "hw.physicalcpu"):

@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 
+from backend.cpus import usable_cpus
 from backend.index import Index
 from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
@@ -181,7 +182,7 @@ async def props_json(app: web.Application) -> dict[str, Any]:
         # where each worker's model went (devices, weights, KV) and what its memory allows
         "placement": {str(w.worker_id): placement_note(w.placement) for w in pool.workers},
         # CPU workers with more threads than the host has cores ("": none)
-        "cores": cores_note(pool.workers, os.cpu_count() or 1),
+        "cores": cores_note(pool.workers, usable_cpus()),
         "memory": {str(w.worker_id): w.memory for w in pool.workers},
         # what each worker measured prefill and restores to cost: decide restores only what
         # is faster than prefilling it (policies.costs)
@@ -370,7 +371,7 @@ async def _open(app: web.Application, prompts: PromptBuilder, workers: asyncio.T
              prompts.tok.kind, prompts.dialect.name,
              " with <think> reasoning" if prompts.dialect.think else "",
              f"; {placement}" if placement else "", time.perf_counter() - t0)
-    if note := cores_note(pool.workers, os.cpu_count() or 1):
+    if note := cores_note(pool.workers, usable_cpus()):
         log.warning("%s", note)
 
 

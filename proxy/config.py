@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from backend.cpus import usable_cpus
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
 from policies.schedule import DETERMINISTIC
@@ -470,7 +471,7 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         from proxy.gguf import trained_ctx
 
         cfg = dataclasses.replace(cfg, n_ctx=trained_ctx(cfg.model_path))
-    cores = os.cpu_count() or 1  # llama-server's -t -1: every core
+    cores = usable_cpus()  # llama-server's -t -1: every CPU (of a container's cpuset)
     cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
                               threads_batch=cores if cfg.threads_batch < 0 else cfg.threads_batch)
     from proxy.speculation import resolve

@@ -7,9 +7,14 @@ demand."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from backend.context import default_threads, physical_cores
+from proxy.worker_link import child_env
+
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def _sysfs(root: Path, siblings: list[str], atoms: str = "") -> Path:
@@ -49,3 +54,18 @@ def test_the_default_leaves_a_core_where_no_sibling_can_take_the_other_threads()
     cpus = len(os.sched_getaffinity(0))
     cores = physical_cores(sorted(os.sched_getaffinity(0)))
     assert default_threads() == max(cores - 1 if cores >= cpus else cores, 1)
+
+
+def test_the_thread_defaults_count_a_cpusets_cpus_not_the_hosts() -> None:
+    """In a process held to one CPU (as `docker run --cpuset-cpus 0` holds a container),
+    `-t -1` and `-tb -1` (llama-server's: every CPU) give 1, not the host's `os.cpu_count()`;
+    the prefill threads' default and the ready line's cores note count the same
+    (`backend.cpus.usable_cpus`)."""
+    one = min(os.sched_getaffinity(0))
+    code = ("from backend.cpus import usable_cpus; from proxy.cli import serve_config; "
+            "c = serve_config(['-t', '-1', '-tb', '-1']); "
+            "print(usable_cpus(), c.threads, c.threads_batch)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(ROOT),
+                         capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert out.stdout.split() == ["1", "1", "1"], out.stderr
