@@ -254,8 +254,7 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif f.name in ("volatile_patterns", "volatile_blocks"):
             p.add_argument("--" + f.name[:-1].replace("_", "-"), dest=f.name, action="append",
-                           default=None,
-                           help=help_)
+                           default=None, help=help_)
         elif f.name == "limits":
             p.add_argument("--limit", dest=f.name, action="append", default=None,
                            metavar="NAME=VALUE", help=help_)
