@@ -112,7 +112,9 @@ def health_json(app: web.Application) -> tuple[bool, dict[str, Any]]:
                for w in (pool.workers if pool is not None else [])]
     if boot["ready"] and pool is not None and pool.all_ready:
         return True, {"status": "ok", "workers": workers}
-    loading = [w["progress"] for w in workers if "progress" in w]
+    # a ready worker counts as loaded: once the last one is, the cache index and the gateway
+    # still open (it read 0 there, and moved backwards)
+    loading = [w.get("progress", 1.0) for w in workers]
     return False, {
         "status": "loading",
         "phase": boot["phase"] if not boot["ready"] else "a worker is (re)starting",

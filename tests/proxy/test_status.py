@@ -5,6 +5,7 @@ and the same page in a real headless browser (chromium) where one is installed."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -185,3 +186,28 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:
     assert page.title == f"prefixgate · {props['model']}"
     assert len(page.tables["slots"]) - 1 == props["total_slots"]
     assert "openai prompt=" in page.pre
+
+
+def test_loading_progress_holds_once_the_workers_are_ready() -> None:
+    """Between the last worker's ready and the server's (the cache index read, the gateway
+    opened), /health still says loading: its progress is 1, not 0 (it read 0 there, and went
+    backwards under a client polling every 50 ms)."""
+    from proxy.app import POOL, health_json
+    from proxy.config import Config
+    from proxy.edge import CONFIG
+    from proxy.worker_link import Worker
+    from proxy.workers import Pool
+
+    app = web.Application()
+    cfg = Config()
+    app[CONFIG] = cfg
+    app[BOOT] = {"phase": "reading the cache index", "ready": False, "error": ""}
+    pool = Pool(cfg)
+    pool.workers = [Worker(0, "http://w0", ready=True), Worker(1, "http://w1")]
+    app[POOL] = pool
+    ok, body = health_json(app)
+    assert not ok and body["progress"] == 0.5  # one loaded, one not begun
+    pool.workers[1].ready = True
+    ok, body = health_json(app)
+    assert not ok and (body["status"], body["progress"]) == ("loading", 1.0)
+    asyncio.run(pool.close())  # its temporary directory
