@@ -13,8 +13,7 @@ from pathlib import Path
 
 from backend.context import default_threads, physical_cores
 from proxy.worker_link import child_env
-
-ROOT = Path(__file__).resolve().parent.parent.parent
+from tests.conftest import ROOT
 
 
 def _sysfs(root: Path, siblings: list[str], atoms: str = "") -> Path:
