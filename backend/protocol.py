@@ -246,7 +246,9 @@ _PARSERS: dict[type, Callable[[Mapping[str, Any]], Any]] = {Start: _start,
 
 
 def encode_event(ev: Event) -> bytes:
-    body = {"event": _NAMES[type(ev)], **asdict(ev)}
+    # a token is the event sent most (one per generated token): its body without `asdict`
+    body = {"event": "token", "id": ev.id, "text": ev.text} if type(ev) is Token else \
+        {"event": _NAMES[type(ev)], **asdict(ev)}
     return json.dumps(body, ensure_ascii=False).encode() + b"\n"
 
 

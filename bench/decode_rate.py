@@ -1,15 +1,22 @@
 """`python -m bench.decode_rate`: the aggregate decode rate of several sessions generating at once
-(issue 41): prefixgate with `--parallel N` in each `--deterministic` mode against llama-server
-`-np N` built from the same llama.cpp, on the same model.
+(issue 41), or of one (`--slots 1`: what a lone agent's streamed answer gets, issue 47):
+prefixgate with `--parallel N` in each `--deterministic` mode against llama-server `-np N` built
+from the same llama.cpp, on the same model.
 
     python -m bench.decode_rate --model GGUF [--llama-server PATH] [--slots 3] [--tokens 192]
-        [--modes auto,on,off] [-ngl 99] [--out DIR]
+        [--modes auto,on,off] [-ngl 99] [--rounds 1] [--base DIR] [--out DIR]
 
 Each arm is started alone, warmed up with one request, then given N streaming chat requests at
-once (distinct short prompts, greedy, `--tokens` each). Its rate is the tokens the N streams
-received while all N were generating (from the last stream's first token to the first stream's
-last) over that window: decode only, no prefill. Reported beside each: the ratio to
-llama-server's rate in the same run. Run it alone on a quiet machine.
+once (distinct short prompts, greedy, `--tokens` each). Its rate is the sum of the streams' own:
+each stream's tokens after its first (from its `usage`: a chunk may carry several tokens, as
+prefixgate's do) over the time from its first content chunk to its last. Decode only, no
+prefill; the streams start together and run long enough to overlap (`window_s`: from the last
+stream's first chunk to the first stream's last). With `--rounds`, every arm runs once a round,
+in an order that turns each round, and each arm's ratio to llama-server is the median of the
+rounds' (each measured beside llama-server's of the same round: this machine's speed drifts more
+between minutes than the arms differ). `--base DIR`: another prefixgate checkout (e.g. `git
+worktree add /tmp/base HEAD~1`) as one more arm, in the first mode. Run it alone on a quiet
+machine.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import statistics
 import sys
 import threading
 import time
@@ -24,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.placement import uses_repack
-from bench.replay import free_port, http_get
+from bench.replay import ROOT, free_port, http_get
 from bench.team import Server
 
 # distinct prompts whose greedy answers run to 192 tokens and more on the default model (checked
@@ -35,11 +43,13 @@ PROMPTS = ["List every prime number you know, separated by commas.",
            "Count from one to three hundred in digits, separated by commas."]
 
 
-def _stream(port: int, body: dict[str, Any], times: list[float]) -> None:
-    """Each content chunk's arrival time (one generated token a chunk)."""
+def _stream(port: int, body: dict[str, Any], out: dict[str, Any]) -> None:
+    """The stream's first and last content chunks' arrival and its tokens (`usage`: a chunk
+    may carry several, as prefixgate's do)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(
+        {**body, "stream_options": {"include_usage": True}}).encode(),
+        headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
@@ -48,9 +58,12 @@ def _stream(port: int, body: dict[str, Any], times: list[float]) -> None:
         if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
             continue
         ev = json.loads(line[5:])
+        if ev.get("usage"):
+            out["tokens"] = ev["usage"]["completion_tokens"]
         delta = (ev.get("choices") or [{}])[0].get("delta") or {}
         if delta.get("content") or delta.get("reasoning_content"):
-            times.append(time.perf_counter())
+            out.setdefault("first", time.perf_counter())
+            out["last"] = time.perf_counter()
     conn.close()
 
 
@@ -59,21 +72,39 @@ def measure(port: int, slots: int, tokens: int) -> dict[str, Any]:
         return {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                 "max_tokens": n, "temperature": 0, "stream": True}
 
-    _stream(port, body(0, 8), [])  # warm up
-    streams: list[list[float]] = [[] for _ in range(slots)]
+    _stream(port, body(0, 8), {})  # warm up
+    streams: list[dict[str, Any]] = [{} for _ in range(slots)]
     threads = [threading.Thread(target=_stream, args=(port, body(i, tokens), streams[i]))
                for i in range(slots)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    start = max(s[0] for s in streams if s)
-    end = min(s[-1] for s in streams if s)
-    inside = sum(start <= t <= end for s in streams for t in s)
-    window = end - start
-    return {"tokens": [len(s) for s in streams], "window_s": round(window, 3),
-            "tokens_in_window": inside,
-            "tokens_per_s": round(inside / window, 2) if window > 0 else None}
+    # each stream's decode rate: the tokens after its first over the time from its first chunk
+    # to its last (the last comes with the answer's end, which is sent at once)
+    rates = [(s["tokens"] - 1) / (s["last"] - s["first"]) for s in streams
+             if s.get("tokens", 0) > 1 and s["last"] > s["first"]]
+    start = max(s["first"] for s in streams if "first" in s)
+    end = min(s["last"] for s in streams if "last" in s)
+    return {"tokens": [s.get("tokens", 0) for s in streams], "window_s": round(end - start, 3),
+            "stream_rates": [round(r, 2) for r in rates],
+            "tokens_per_s": round(sum(rates), 2) if len(rates) == slots else None}
+
+
+def table(rows: list[dict[str, Any]], arms: list[str], slots: int) -> str:
+    """Each arm's median rate and its ratio to llama-server's: the median of the rounds'."""
+    peer = {r["round"]: r["tokens_per_s"] for r in rows if r["arm"] == "llama-server"}
+    out = [f"| arm | tokens/s, {slots} generating at once (median) | x llama-server, median of "
+           "the rounds (least-most) |", "|---|---:|---:|"]
+    for arm in arms:
+        rates = [r["tokens_per_s"] for r in rows if r["arm"] == arm and r["tokens_per_s"]]
+        ratios = sorted(r["tokens_per_s"] / peer[r["round"]] for r in rows
+                        if r["arm"] == arm and r["tokens_per_s"] and peer.get(r["round"]))
+        ratio = f"{statistics.median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f})" \
+            if ratios else "-"
+        rate = f"{statistics.median(rates):.1f}" if rates else "-"
+        out.append(f"| {arm} | {rate} | {ratio} |")
+    return "\n" + "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -86,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--modes", default="auto,on,off")
     p.add_argument("-ngl", "--n-gpu-layers", default="0")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--base", type=Path, default=None, help="another prefixgate checkout")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     work = Path("/tmp/decode-rate")
@@ -102,30 +135,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sys.executable, "-m", "proxy.cli", "serve", "--model", a.model, "-c", ctx,
             "--parallel", str(a.slots), "-ngl", a.n_gpu_layers, *threads, "--deterministic",
             mode, "--cache-dir", str(work / "cache"), "--disk-prefix-cache", "off"]))
-    rows = []
-    for name, cmd in arms:
-        port = free_port()
-        srv = Server(name, [*cmd, "--host", "127.0.0.1", "--port", str(port)],
-                     work / f"{name.replace(' ', '-')}.log", port)
-        srv.start()
-        try:
-            row = {"arm": name, **measure(port, a.slots, a.tokens)}
-            if name != "llama-server":  # what the worker chose, in its own words
-                props = json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])
-                row["decode"] = props["deterministic"]["workers"].get("0", "")
-        finally:
-            srv.stop()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    peer = next((r["tokens_per_s"] for r in rows if r["arm"] == "llama-server"), None)
-    print(f"\n| arm | tokens/s, {a.slots} generating at once | x llama-server |\n|---|---:|---:|")
-    for r in rows:
-        ratio = f"{r['tokens_per_s'] / peer:.2f}x" if peer and r["tokens_per_s"] else "-"
-        print(f"| {r['arm']} | {r['tokens_per_s']} | {ratio} |")
-    result = {"model": a.model, "slots": a.slots, "tokens": a.tokens, "rows": rows}
+    if a.base:
+        mode = a.modes.split(",")[0]
+        arms.append((f"prefixgate {mode} (base)", next(c for n, c in arms
+                                                       if n == f"prefixgate {mode}")))
+    rows: list[dict[str, Any]] = []
+    for r in range(a.rounds):
+        for name, cmd in arms[r % len(arms):] + arms[:r % len(arms)]:
+            port = free_port()
+            srv = Server(name, [*cmd, "--host", "127.0.0.1", "--port", str(port)],
+                         work / f"{name.replace(' ', '-')}.log", port,
+                         root=a.base.resolve() if name.endswith("(base)") else ROOT)
+            srv.start()
+            try:
+                row = {"arm": name, "round": r, **measure(port, a.slots, a.tokens)}
+                if name != "llama-server":  # what the worker chose, in its own words
+                    props = json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])
+                    row["decode"] = props["deterministic"]["workers"].get("0", "")
+            finally:
+                srv.stop()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    md = table(rows, [n for n, _ in arms], a.slots)
+    print(md)
+    result = {"model": a.model, "slots": a.slots, "tokens": a.tokens, "rounds": a.rounds,
+              "rows": rows}
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "decode_rate.json").write_text(json.dumps(result, indent=1))
+        (a.out / "decode_rate.md").write_text(md.lstrip() + "\n")
     return result
 
 

@@ -37,6 +37,7 @@ import http.client
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -175,13 +176,41 @@ def _ratio(cost: dict[str, Any] | None, k: int) -> str:
     return "-"
 
 
+def peer_of(arm: str) -> str:
+    """The llama-server arm with the same drafts: `prefixgate:TYPE:all` drafts as llama-server's
+    `--spec-type TYPE` does (every draft verified); `prefixgate` against plain llama-server."""
+    spec = arm.partition(":")[2].partition(":")[0]
+    return f"llama-server:{spec}" if spec else "llama-server"
+
+
+def collapse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per workload and arm over the rounds: the median decode rate, and
+    `x_peer`, the median of the rounds' ratios to the llama-server arm with the same drafts
+    (each measured in the same round); the first round's answer and counts."""
+    rate = {(r["workload"], r["arm"], r.get("round", 0)): r["decode_tps"] for r in rows}
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["workload"], r["arm"])
+        if key in out:
+            continue
+        same = [x for x in rows if (x["workload"], x["arm"]) == key]
+        ratios = sorted(x["decode_tps"] / rate[(x["workload"], peer_of(x["arm"]),
+                                                 x.get("round", 0))] for x in same
+                        if rate.get((x["workload"], peer_of(x["arm"]), x.get("round", 0))))
+        out[key] = {**r, "decode_tps": statistics.median(x["decode_tps"] for x in same),
+                    "x_peer": ratios, "rounds": len(same)}
+    return list(out.values())
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
+    rows = collapse(rows)
     base = {r["workload"]: r for r in rows if r["arm"] == "prefixgate"}
     peers = {(r["workload"], r["arm"].removeprefix("llama-server")): r for r in rows
              if r["arm"].startswith("llama-server")}
-    out = ["| workload | arm | decode tok/s | vs its own none | drafted | accepted | verify 4 "
-           "/ 8 drafts (start) | answer vs none | answer vs llama-server |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| workload | arm | decode tok/s | vs its own none | x llama-server, same drafts "
+           "(median of rounds, least-most) | drafted | accepted | verify 4 / 8 drafts (start) "
+           "| answer vs none | answer vs llama-server |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         own = base.get(r["workload"]) if not r["arm"].startswith("llama-server") else \
             peers.get((r["workload"], ""))
@@ -193,9 +222,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "same" if r["content"] == base[r["workload"]]["content"] else "differs")
         same_peer = "-" if peer is None or peer is r else (
             "same" if r["content"] == peer["content"] else "differs")
+        x = r["x_peer"]
+        x_peer = "-" if r["arm"].startswith("llama-server") or not x else (
+            f"{statistics.median(x):.3f}x ({x[0]:.2f}-{x[-1]:.2f})")
         out.append(f"| {r['workload']} | {r['arm']} | {r['decode_tps']:.1f} | {vs_own} | "
-                   f"{r['drafted']} | {r['accepted']} | {_ratio(r['cost_at_start'], 4)} / "
-                   f"{_ratio(r['cost_at_start'], 8)} | {same_none} | {same_peer} |")
+                   f"{x_peer} | {r['drafted']} | {r['accepted']} | "
+                   f"{_ratio(r['cost_at_start'], 4)} / {_ratio(r['cost_at_start'], 8)} | "
+                   f"{same_none} | {same_peer} |")
     notes = sorted({r["note"] for r in rows if r["note"]})
     return "\n".join(out + [""] + [f"- {n}" for n in notes])
 
@@ -214,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="")
     p.add_argument("--draft-model", default="", help="a draft model of the model's vocabulary "
                    "(for the type draft-simple; default: the model itself)")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.model = args.model or default_model()
@@ -228,14 +262,18 @@ def main(argv: list[str] | None = None) -> None:
                          "builds it from the llama-cpp-python sdist, or pass --llama-server")
     work = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     prompts = render(args, work)
-    rows = [run(arm, w, prompts[w], args, work)
-            for w in args.workloads.split(",") for arm in arms]
+    rows = []
+    for r in range(args.rounds):  # each round every arm once, in an order that turns
+        for w in args.workloads.split(","):
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                rows.append({**run(arm, w, prompts[w], args, work), "round": r})
     print(markdown(rows))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "spec.json").write_text(json.dumps({"model": args.model, "threads": args.threads,
-                                                   "n_predict": args.n_predict, "rows": rows},
+                                                   "n_predict": args.n_predict,
+                                                   "rounds": args.rounds, "rows": rows},
                                                   indent=1))
         (out / "spec.md").write_text(markdown(rows) + "\n")
     shutil.rmtree(work, ignore_errors=True)

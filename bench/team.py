@@ -148,6 +148,7 @@ class Server:
     cmd: list[str]
     log_path: Path
     port: int
+    root: Path = ROOT  # the prefixgate tree it runs (another checkout: a `--base` arm)
     proc: subprocess.Popen[bytes] | None = None
     peak_rss: int = 0
     peak_children_rss: int = 0  # the workers, without the proxy process
@@ -164,8 +165,8 @@ class Server:
     def start(self, ready_path: str = "/health", timeout_s: float = 600) -> float:
         t0 = time.perf_counter()
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                     env=child_env(ROOT))
+        self.proc = subprocess.Popen(self.cmd, cwd=self.root, stdout=log,
+                                     stderr=subprocess.STDOUT, env=child_env(self.root))
         log.close()
         while http_get(f"http://127.0.0.1:{self.port}{ready_path}", 2.0)[0] != 200:
             if self.proc.poll() is not None or time.perf_counter() - t0 > timeout_s:

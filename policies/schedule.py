@@ -6,6 +6,7 @@ steps of several slots are shaped.
     track(clock, active, tasks, now_s) -> Clock       the accounts in line with the slots' jobs
     charge(clock, step, seconds) -> Clock
     choose_decode(deterministic, proof, slots, on_instead) -> Shapes
+    wake_now(token, first, step_s) -> bool     whether an event wakes the HTTP thread
 
 Pure: the times are passed in (the worker measures each step), nothing here reads a clock.
 
@@ -64,6 +65,15 @@ generate at the same moment (llama-server's, SGLang's and vLLM's default: it may
 
 Without a check (one slot, or `--no-exact-check`) nothing is proven: ``on`` runs apart, the
 others batch as they come.
+
+**Streams** (`wake_now`). Each wake of the worker's HTTP thread costs a wake-up, a write and
+the proxy's read and write, on the cores llama.cpp computes on, and the GIL the compute thread
+needs back when its step ends: on 2 cores a lone slot streamed 256 tokens at 0.89-0.92x
+llama-server's rate woken for each token (bench/results/issue47/stream.md). So a generated
+token other than an answer's first goes out at the HTTP thread's next beat (every `STREAM_S`
+while a run streams) instead; the first one (its time to first token), every other event, and
+every token after a step of `STREAM_S` or more (a large model on a CPU: a wake costs it little)
+wake it at once.
 """
 
 from __future__ import annotations
@@ -83,6 +93,7 @@ PER_TOKEN_WEIGHT = 0.3  # of the newest batch in the per-token estimate (a decay
 # cores a step of 3 rows cost 1.45x one row on a 1.1B f16 model and about 2x on its Q4_K_M
 # (bench/results/issue20, the twelfth round)
 FIXED_MAX_COST = 1.25
+STREAM_S = 0.025  # the HTTP thread's beat while a run streams: a token waits at most this
 
 
 # --- decode shapes ------------------------------------------------------------------------------
@@ -268,3 +279,9 @@ def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int
         rows += 1 + t.draft
         taken.append(t.slot)
     return Verify(tuple(sorted(taken)))
+
+
+def wake_now(token: bool, first: bool, step_s: float) -> bool:
+    """Whether a run's event wakes the HTTP thread now (`first`: the answer's first token;
+    `step_s`: the last decode or verify step's seconds) rather than waiting for its beat."""
+    return not token or first or step_s >= STREAM_S

@@ -53,6 +53,7 @@ from proxy.run_state import (
 from proxy.speculation import log_fields
 
 log = logging.getLogger("prefixgate")
+_NONE: Any = object()  # `pieces`: no item taken yet
 
 PROGRESS_LOG_S = 30.0  # a prefill running longer logs its progress this often
 
@@ -331,18 +332,27 @@ class Run:
     # --- the consumer side -----------------------------------------------------------------
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Generated text; ends at `Done`. Saves are committed in the background after."""
-        ended = False
+        """Generated text; ends at `Done`. Saves are committed in the background after. The
+        pieces that came together (the worker sends tokens a few at a time) are one."""
+        ended, item = False, _NONE
         try:
             while True:
-                item = await self._queue.get()
+                if item is _NONE:
+                    item = await self._queue.get()
                 if item is None:
                     ended = True
                     return
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
-                yield item
+                text, item = [item], _NONE
+                while not self._queue.empty():
+                    came = self._queue.get_nowait()
+                    if not isinstance(came, str):
+                        item = came
+                        break
+                    text.append(came)
+                yield "".join(text)
         finally:
             if not ended:  # the consumer stopped early: the client went away
                 await self.aclose()

@@ -6,7 +6,9 @@
   result applied at once, before the next effect: the logits of a step are sampled before any
   other llama_decode), then asks the scheduler for the next step (`policies.schedule`), runs it
   and applies its results. It waits for input only when no slot has compute to do, and then
-  says it rests (`resting`), which the writer waits for on a CPU.
+  says it rests (`resting`), which the writer waits for on a CPU. It hands each run's events to
+  the HTTP thread in order (`send`), waking it only where `policies.schedule.wake_now` says
+  (otherwise the HTTP thread takes them at its next beat).
 - **reader** (one): reads, verifies and prepares the disk and shared entries a job starts from
   (`Tiers.read`), so a restore of gigabytes never holds up the other slots' steps; only the load
   itself (a copy into the context) runs on the compute thread.
@@ -26,7 +28,7 @@ from typing import Any
 
 from backend import keys
 from backend.engine import Engine
-from backend.protocol import Event, Job
+from backend.protocol import Cancelled, Done, Error, Event, Job, Token
 from backend.worker.core import Core
 from backend.worker.messages import (
     Arrive,
@@ -43,16 +45,18 @@ from backend.worker.messages import (
 )
 from backend.worker.runner import Runner
 from backend.worker.tiers import Tiers
-from policies.schedule import Clock, Shapes, charge, next_step, track
+from policies.schedule import Clock, Decode, Shapes, Verify, charge, next_step, track, wake_now
 
 log = logging.getLogger("prefixgate.worker")
 
 
 class Loop:
     def __init__(self, engine: Engine, core: Core, tiers: Tiers, shapes: Shapes,
-                 emit: Callable[[str, Event], None]) -> None:
+                 send: Callable[[str, Event, bool], None]) -> None:
         self.engine, self.core, self.tiers, self.shapes = engine, core, tiers, shapes
-        self.emit = emit
+        self.send = send  # (run id, event, wake the HTTP thread now)
+        self.streaming: set[str] = set()  # runs whose first token went out
+        self.step_s = 0.0  # the last decode or verify step's seconds
         self.inbox: queue.SimpleQueue[Input | None] = queue.SimpleQueue()
         self.resting = threading.Event()  # set while no slot has compute to do
         self.resting.set()
@@ -120,9 +124,10 @@ class Loop:
                 slots = getattr(step, "slots", None) or (getattr(step, "slot", None),)
                 results = [Failed(s, "the worker failed on this job (its log says why)")
                            for s in slots if isinstance(s, int) and s in self.core.jobs]
-            self.clock = charge(self.clock, step,
-                                max((r.seconds for r in results if hasattr(r, "seconds")),
-                                    default=0.0))
+            seconds = max((r.seconds for r in results if hasattr(r, "seconds")), default=0.0)
+            self.clock = charge(self.clock, step, seconds)
+            if isinstance(step, Decode | Verify):
+                self.step_s = seconds
             for r in results:
                 self._apply(r)
 
@@ -141,7 +146,7 @@ class Loop:
 
     def _do(self, e: Effect) -> None:
         if isinstance(e, Emit):
-            self.emit(e.run_id, e.event)
+            self._emit(e.run_id, e.event)
         elif isinstance(e, Read):
             self.reader.submit(self._read, e)
         else:
@@ -154,6 +159,14 @@ class Loop:
                     slot, int) and slot in self.core.jobs else None
             if result is not None:
                 self._apply(result)
+
+    def _emit(self, run_id: str, event: Event) -> None:
+        first = isinstance(event, Token) and run_id not in self.streaming
+        if first:
+            self.streaming.add(run_id)
+        elif isinstance(event, Done | Cancelled | Error):
+            self.streaming.discard(run_id)
+        self.send(run_id, event, wake_now(isinstance(event, Token), first, self.step_s))
 
     # --- the reader and writer threads -------------------------------------------------------
 

@@ -17,6 +17,7 @@ cancels the run; nothing more is written to it then.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import uuid
@@ -49,6 +50,7 @@ from backend.worker.loop import Loop
 from backend.worker.tiers import Tiers
 from backend.worker.verify import report
 from policies.costs import Fit
+from policies.schedule import STREAM_S
 
 WATCH_S = 0.05  # how often a stream checks that its client is still there
 
@@ -74,28 +76,47 @@ class Worker:
         self.closing = False  # the server stops: event streams end (`close_streams`)
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.loop: Loop | None = None
+        # events from the compute thread, in order, until this thread delivers them
+        self.outbox: collections.deque[tuple[str, Event]] = collections.deque()
+        self.beat: asyncio.Task[None] | None = None  # delivers them while runs stream
 
     def start(self, shapes: Any) -> None:
         """Serve: the compute loop starts (events reach this event loop from its threads)."""
         self.aloop = asyncio.get_running_loop()
         self.tiers.emit = self.emit
         self.tiers.on_event = self.tier_event
-        self.loop = Loop(self.engine, self.core, self.tiers, shapes, self.emit)
+        self.loop = Loop(self.engine, self.core, self.tiers, shapes, self.send)
         self.loop.start()
 
     # --- from the worker's threads -----------------------------------------------------------
 
     def emit(self, run_id: str, event: Event) -> None:
-        assert self.aloop is not None
-        self.aloop.call_soon_threadsafe(self._deliver, run_id, event)
+        self.send(run_id, event, True)
 
-    def _deliver(self, run_id: str, event: Event) -> None:
-        run = self.runs.get(run_id)
-        if isinstance(event, Done | Cancelled | Error) and run is not None \
-                and self.active.get(run.slot) == run_id:
-            del self.active[run.slot]  # the slot takes a new job from now on
-        if run is not None:
+    def send(self, run_id: str, event: Event, wake: bool) -> None:
+        """A run's event to its stream, after those sent before it: now (`wake`), or at the
+        HTTP thread's next beat (`policies.schedule.wake_now`)."""
+        assert self.aloop is not None
+        self.outbox.append((run_id, event))
+        if wake:
+            self.aloop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        while self.outbox:
+            run_id, event = self.outbox.popleft()
+            run = self.runs.get(run_id)
+            if run is None:
+                continue
+            if isinstance(event, Done | Cancelled | Error) and self.active.get(run.slot) == run_id:
+                del self.active[run.slot]  # the slot takes a new job from now on
             run.events.put_nowait(event)
+
+    async def _beat(self) -> None:
+        """While runs stream: their events that did not wake this thread."""
+        while self.runs:
+            await asyncio.sleep(STREAM_S)
+            self._deliver()
+        self.beat = None
 
     def tier_event(self, event: TierEvent) -> None:
         assert self.aloop is not None
@@ -163,23 +184,30 @@ class Worker:
             self.active.pop(job.slot, None)
             self.runs.pop(job.run_id, None)
             raise
+        if self.beat is None:
+            self.beat = asyncio.create_task(self._beat())
         self.loop.arrive(job)
         watch = asyncio.create_task(self._watch(request, job.run_id))
         gone = False  # the proxy closed the stream: nothing more is written
         try:
             saves_seen, expected = 0, None  # `expected`: saves announced by done or cancelled
             while expected is None or saves_seen < expected:
-                event = await run.events.get()
-                if isinstance(event, Done | Cancelled):
-                    expected = event.pending_saves
-                elif isinstance(event, Saved | SaveFailed):
-                    saves_seen += 1
-                elif isinstance(event, Error):
-                    expected = saves_seen  # a failed run's pending writes are not awaited
+                events = [await run.events.get()]
+                while True:  # with those that came with it: one write
+                    event = events[-1]
+                    if isinstance(event, Done | Cancelled):
+                        expected = event.pending_saves
+                    elif isinstance(event, Saved | SaveFailed):
+                        saves_seen += 1
+                    elif isinstance(event, Error):
+                        expected = saves_seen  # a failed run's pending writes are not awaited
+                    if (expected is not None and saves_seen >= expected) or run.events.empty():
+                        break
+                    events.append(run.events.get_nowait())
                 gone = gone or request.transport is None or request.transport.is_closing()
                 if not gone:
                     try:
-                        await resp.write(encode_event(event))
+                        await resp.write(b"".join(map(encode_event, events)))
                     except (ConnectionError, RuntimeError):
                         gone = True
                         self.loop.cancel(job.run_id)

@@ -83,7 +83,8 @@ class Worker:
             decode(tokens)
 
         eng.sample, eng.decode = sampled, decoded  # type: ignore[method-assign]
-        self.loop = Loop(eng, core, tiers, shapes, self._emit)
+        self.loop = Loop(eng, core, tiers, shapes,
+                         lambda run, event, wake: self._emit(run, event))
         self.loop.start()
 
     def _emit(self, run: str, event: Event) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from policies.schedule import (
     NOMINAL_TOKEN_S,
+    STREAM_S,
     Account,
     Clock,
     Decode,
@@ -23,6 +24,7 @@ from policies.schedule import (
     due_s,
     next_step,
     track,
+    wake_now,
 )
 
 BATCHED = Shapes("batched", True, "")
@@ -267,3 +269,15 @@ def test_what_on_would_do_instead_is_said_in_its_place() -> None:
         assert got.note.endswith(instead + (")" if asked == "off" else ""))
         assert "fixed shape" not in got.note
     assert choose_decode("on", FIXED_DEAR, 3, instead).decode == "fixed"  # `on` runs as proven
+
+
+@pytest.mark.parametrize(("why", "token", "first", "step_s", "wake"), [
+    ("an answer's first token goes out at once (its time to first token)", True, True, 0.006,
+     True),
+    ("a later token waits for the HTTP thread's beat", True, False, 0.006, False),
+    ("done, a save, an error, a prefill: at once", False, False, 0.006, True),
+    ("after a step as long as the beat, each token at once", True, False, STREAM_S, True),
+    ("before any step was timed, a later token waits for the beat", True, False, 0.0, False),
+])
+def test_wake_now(why: str, token: bool, first: bool, step_s: float, wake: bool) -> None:
+    assert wake_now(token, first, step_s) is wake, why

@@ -351,6 +351,30 @@ async def test_saves_after_done_are_committed_and_a_broken_entry_is_dropped(
         await h.close()
 
 
+async def test_tokens_the_worker_sends_together_are_one_piece_and_a_failure_after_them_fails(
+        tmp_path: Path) -> None:
+    took_first = asyncio.Event()
+
+    async def script(resp: web.StreamResponse, cancelled: asyncio.Event) -> None:
+        await send(resp, Start(0, 0, 0.0, ()), Prefill(256), Token(7, "x"))
+        await asyncio.wait_for(took_first.wait(), 30)
+        # the worker's tokens held for its HTTP thread's beat: one write
+        await resp.write(b"".join(encode_event(Token(i, t)) for i, t in enumerate("abc")))
+        await resp.write(encode_event(Token(3, "d")) + encode_event(Error("the worker failed")))
+
+    async with fake_worker(script) as (_, url):
+        h = Harness(tmp_path / "cache", url)
+        run = await h.run()
+        got: list[str] = []
+        with pytest.raises(WorkerFailed, match="the worker failed"):
+            async for piece in run.pieces():
+                got.append(piece)
+                took_first.set()
+        assert got[0] == "x" and "".join(got) == "xabcd" and len(got) < 5
+        await h.settle()
+        await h.close()
+
+
 async def test_a_client_that_leaves_cancels_the_run_and_its_snapshot_is_kept(
         tmp_path: Path, entries: Callable[[Harness], dict[int, str]]) -> None:
     async def script(resp: web.StreamResponse, cancelled: asyncio.Event) -> None:
