@@ -142,6 +142,7 @@ class Engine(States):
         self.placement, self.compute, n_batch = got.placement, got.compute, got.n_batch
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self._pieces: dict[int, bytes] = {}  # `piece`: each token's bytes, once asked
         self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # one slot's context
         self.n_batch = n_batch
         # KV caches in a sequence state (backend.layout): a window's base and window caches, a
@@ -188,12 +189,15 @@ class Engine(States):
         """The bytes of one token (may be part of a UTF-8 character). Control tokens are
         written out (`<|channel|>`, `<｜tool▁calls▁begin｜>`): the tool dialects parse them;
         end-of-generation tokens never get here."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
-        return buf.raw[:n]
+        piece = self._pieces.get(token)
+        if piece is None:  # a vocabulary's pieces never change: each asked of llama.cpp once
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
 
     def _clear(self, q: Seq) -> None:
         """Empty this slot's sequence (the other slots keep theirs)."""

@@ -94,21 +94,19 @@ class Loop:
 
     def _main(self) -> None:
         while True:
-            tasks = self.core.tasks(self._world())
-            try:
-                while True:  # wait for input when there is no compute; else take what came
-                    if not tasks:
-                        self.resting.set()
-                    inp = self.inbox.get(block=not tasks)
-                    if inp is None:
-                        self.resting.set()
-                        return
-                    self.resting.clear()
-                    self._apply(inp)
-                    tasks = self.core.tasks(self._world())
-            except queue.Empty:
-                pass
             world = self._world()
+            tasks = self.core.tasks(world)
+            while not tasks or not self.inbox.empty():  # wait for input when there is no
+                if not tasks:  # compute; else take what came
+                    self.resting.set()
+                inp = self.inbox.get()
+                if inp is None:
+                    self.resting.set()
+                    return
+                self.resting.clear()
+                self._apply(inp)
+                world = self._world()
+                tasks = self.core.tasks(world)
             self.clock = track(self.clock, [(s, j.job.run_id, j.came_s)
                                             for s, j in self.core.jobs.items()],
                                tasks, world.now_s)
