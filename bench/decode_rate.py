@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             port = free_port()
             srv = Server(name, [*cmd, "--host", "127.0.0.1", "--port", str(port)],
                          work / f"{name.replace(' ', '-')}.log", port,
-                         root=a.base.resolve() if name.endswith("(base)") else ROOT)
+                         root=a.base.resolve() if name.endswith("(base)") else ROOT,
+                         sample_rss=False)
             srv.start()
             try:
                 row = {"arm": name, "round": r, **measure(port, a.slots, a.tokens)}

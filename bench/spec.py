@@ -146,7 +146,8 @@ def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[s
 def run(arm: str, workload: str, prompt: str, args: argparse.Namespace, work: Path
         ) -> dict[str, Any]:
     port = free_port()
-    srv = Server(arm, command(arm, args, port, work), work / f"{arm}-{workload}.log", port)
+    srv = Server(arm, command(arm, args, port, work), work / f"{arm}-{workload}.log", port,
+                 sample_rss=False)
     srv.start()
     try:
         r = _post(port, "/completion", {"prompt": prompt, "n_predict": args.n_predict,

@@ -149,6 +149,9 @@ class Server:
     log_path: Path
     port: int
     root: Path = ROOT  # the prefixgate tree it runs (another checkout: a `--base` arm)
+    # sample the memory every 100 ms (`_sample`): it asks each prefixgate worker's /health, which
+    # wakes that worker's HTTP thread; benches that time decode steps leave it off
+    sample_rss: bool = True
     proc: subprocess.Popen[bytes] | None = None
     peak_rss: int = 0
     peak_children_rss: int = 0  # the workers, without the proxy process
@@ -174,7 +177,8 @@ class Server:
                 raise RuntimeError(f"{self.arm} did not start:\n"
                                    + self.log_path.read_text(errors="replace")[-3000:])
             time.sleep(0.2)
-        threading.Thread(target=self._sample, daemon=True).start()
+        if self.sample_rss:
+            threading.Thread(target=self._sample, daemon=True).start()
         return time.perf_counter() - t0
 
     def _sample(self) -> None:
