@@ -52,6 +52,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from backend import buffers
+
 T = TypeVar("T")
 
 EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok
@@ -257,7 +259,7 @@ def _join(parts: Sequence[bytes | memoryview]) -> memoryview:
     1 GiB `b"".join` held it for 1.2 s, and the worker's compute thread with it, while the
     reader thread prepared a restore)."""
     arrays = [np.frombuffer(p, dtype=np.uint8) for p in parts]  # byte counts, whatever shape
-    out = np.empty(sum(a.size for a in arrays), dtype=np.uint8)
+    out = buffers.empty(sum(a.size for a in arrays))
     at = 0
     for a in arrays:
         out[at:at + a.size] = a

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp
 import numpy as np
 
-from backend import layout
+from backend import buffers, layout
 
 
 class States:
@@ -44,7 +44,7 @@ class States:
     def _snapshot_into(self, slot: int) -> tuple[np.ndarray, int]:
         q = self.seqs[slot]
         size = llama_cpp.llama_state_seq_get_size(self.ctx, q.id)
-        out = np.empty(size, dtype=np.uint8)
+        out = buffers.empty(size)  # its pages in at once: this is the llama thread
         dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         n = llama_cpp.llama_state_seq_get_data(self.ctx, dst, size, q.id)
         if len(self.seqs) > 1:  # kept in a one-slot context's form (backend.layout), in place
@@ -67,8 +67,8 @@ class States:
         if self.memory.kind == "plain":
             out, n = self._snapshot_into(slot)
             n = layout.first_cells_in_place(out, n, p)
-            out.resize(n + self.spare_bytes, refcheck=False)  # realloc: the cut cells' pages
-            return memoryview(out)[:n]  # go back; the room `prepare` needs stays
+            out = buffers.release_after(out, n + self.spare_bytes)  # the cut cells' pages go
+            return memoryview(out)[:n]  # back; the room `prepare` needs stays
         live_ids = self.live_ids(slot)
         whole = self.snapshot(slot)
         if self.truncate(slot, p) != p:

@@ -52,6 +52,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
+from backend import buffers
 from backend.keys import CacheKey
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ def read_state_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int
                 path,
             )
         _check_length(header, path)
-        buf = np.empty(header.state_len + spare, dtype=np.uint8)
+        buf = buffers.empty(header.state_len + spare)
         view, got = memoryview(buf)[: header.state_len], 0
         while got < header.state_len:
             n = f.readinto(view[got:])
