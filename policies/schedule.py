@@ -197,6 +197,9 @@ class Account:
     run: str = ""  # the job it accounts for (a slot's next job starts a new account)
 
 
+NEW = Account()
+
+
 @dataclass(frozen=True, slots=True)
 class Clock:
     """The scheduler's accounts: each slot's job's, in the order they came."""
@@ -214,15 +217,19 @@ def track(clock: Clock, active: Sequence[tuple[int, str, float]], tasks: Sequenc
     runs = {slot: run for slot, run, _ in active}
     came = {slot: came_s for slot, _, came_s in active}
     accounts = {s: a for s, a in clock.accounts.items() if runs.get(s) == a.run}
+    changed = len(accounts) != len(clock.accounts)
     for slot, run, _ in active:
-        accounts.setdefault(slot, Account(run=run))
+        if slot not in accounts:
+            accounts[slot], changed = Account(run=run), True
     prefilling = {t.slot: t.left for t in tasks if t.left > 0}
     for slot, a in accounts.items():
         if a.prefilling != (slot in prefilling):
             began = min(came.get(slot, now_s), now_s) if a.total == 0 else now_s
             accounts[slot] = replace(a, prefilling=False) if a.prefilling else \
                 replace(a, began_s=began, total=prefilling[slot], prefilling=True)
-    return replace(clock, accounts=accounts)
+            changed = True
+    # jobs that go on as they were (every generated token's step): the same clock
+    return Clock(accounts, clock.per_token_s) if changed else clock
 
 
 def charge(clock: Clock, step: Step, seconds: float) -> Clock:
@@ -234,9 +241,9 @@ def charge(clock: Clock, step: Step, seconds: float) -> Clock:
                         (1 - PER_TOKEN_WEIGHT) * clock.per_token_s + PER_TOKEN_WEIGHT * per)
     accounts = dict(clock.accounts)
     for s in (step.slot,) if isinstance(step, Prefill) else step.slots:
-        a = accounts.get(s, Account())
-        accounts[s] = replace(a, used_s=a.used_s + seconds)
-    return replace(clock, accounts=accounts)
+        a = accounts.get(s, NEW)
+        accounts[s] = Account(a.used_s + seconds, a.began_s, a.total, a.prefilling, a.run)
+    return Clock(accounts, clock.per_token_s)
 
 
 def due_s(clock: Clock, slot: int) -> float:

@@ -174,6 +174,19 @@ def test_track_admits_from_nothing_begins_and_ends_prefills_and_lets_jobs_go() -
     assert clk.accounts[1] == Account(0.0, 14.0, 900, True, "c")
 
 
+def test_track_keeps_the_clock_while_jobs_go_on_and_starts_a_lone_slots_next_job_anew(
+        ) -> None:
+    clk = Clock({0: Account(2.0, run="a"), 1: Account(1.0, run="b")}, 0.001)
+    same = track(clk, [(0, "a", 0.0), (1, "b", 1.0)],
+                 [Task(0, waits=True), Task(1, waits=True)], now_s=5.0)
+    assert same is clk  # every generated token's step: nothing to make again
+    # one slot, its next job come (still starting: no task yet): its own account, not the
+    # ended job's time
+    clk = Clock({0: Account(2.0, run="a")}, 0.001)
+    clk = track(clk, [(0, "b", 6.0)], [], now_s=6.0)
+    assert clk.accounts == {0: Account(run="b")}
+
+
 def test_a_prompt_that_waited_for_a_slot_is_due_from_when_it_came() -> None:
     """Two subagents' first turns come at once for the last free slot: one waits 8 s for a slot
     while the other prefills, then a main turn of 400 tokens comes 2 s after it got one. Due
