@@ -26,13 +26,14 @@ once without measuring each other):
 
 Reported per arm: wall time, TTFT p50/p95 per request class (main, subagent, background),
 fresh prefill tokens (prefixgate: prompt minus cached; llama-server: its `timings.prompt_n`),
-peak RSS of the server's process tree (sampled every 0.1 s), and for prefixgate where each main
-turn's cache came from (it must never be the disk because of a background request). The
-worker's peak RSS less the states it held in RAM at the same sample (its RAM tier and the
-snapshots queued for their files, read from its own /health: what `--cache-ram` budgets, as
-llama-server's does; and the states on their way between them and the slots, reported apart)
-is compared with the model file plus its KV (slot-ctx x 3 tokens x the
-bytes per token llama.cpp reports) plus 20%.
+peak RSS of the server's process tree (read from /proc every 0.1 s), and for prefixgate where
+each main turn's cache came from (it must never be the disk because of a background request).
+The worker's peak RSS less the states it held in RAM at that moment (its RAM tier and the
+snapshots queued for their files: what `--cache-ram` budgets, as llama-server's does; and the
+states on their way between them and the slots, reported apart), which the worker measures
+itself and gives in its /health (`writes`: `peak_unheld_bytes`, read once at the end), is
+compared with the model file plus its KV (slot-ctx x 3 tokens x the bytes per token llama.cpp
+reports) plus 20%. Nothing asks a worker anything while the trace runs.
 """
 
 from __future__ import annotations
@@ -149,20 +150,21 @@ class Server:
     log_path: Path
     port: int
     root: Path = ROOT  # the prefixgate tree it runs (another checkout: a `--base` arm)
-    # sample the memory every 100 ms (`_sample`): it asks each prefixgate worker's /health, which
-    # wakes that worker's HTTP thread; benches that time decode steps leave it off
+    # read the tree's memory from /proc every 100 ms (`_sample`); the workers' own peaks once,
+    # at the end (`worker_peaks`)
     sample_rss: bool = True
     proc: subprocess.Popen[bytes] | None = None
     peak_rss: int = 0
     peak_children_rss: int = 0  # the workers, without the proxy process
     peak_children_anon: int = 0  # of it, their own memory (not pages of a mapped file)
     # the workers' RSS less the states they hold in RAM at that moment (the RAM tier's entries
-    # and the snapshots queued for their files: --cache-ram's budget), the worst sample
+    # and the snapshots queued for their files: --cache-ram's budget), as the workers measured
+    # it (summed over workers: at most what they held beyond their states at any one moment)
     peak_children_unheld: int = 0
     peak_held: int = 0
     peak_moving: int = 0  # of it, states on their way between tiers and slots
-    # every sample (its clock, workers' RSS (the lower read), held), written beside the log
-    samples: list[tuple[float, int, int]] = field(default_factory=list)
+    # every sample (its clock, the workers' RSS), written beside the log
+    samples: list[tuple[float, int]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self, ready_path: str = "/health", timeout_s: float = 600) -> float:
@@ -183,28 +185,28 @@ class Server:
 
     def _sample(self) -> None:
         while not self._stop.is_set() and self.proc is not None:
-            # the workers' RSS read before and after what they hold: a state that leaves a tier
-            # is freed just after, so the lower of the two goes with what was held in between
             (rss, anon), (own, own_anon) = tree_rss(self.proc.pid), tree_rss(self.proc.pid, False)
-            both = [held_bytes(p) for p in tree(self.proc.pid) if p != self.proc.pid]
-            held, moving = sum(h for h, _ in both), sum(m for _, m in both)
-            after = tree_rss(self.proc.pid)[0] - tree_rss(self.proc.pid, False)[0]
-            workers, settled = max(rss - own, after), min(rss - own, after)
             self.peak_rss = max(self.peak_rss, rss)
-            self.peak_children_rss = max(self.peak_children_rss, workers)
+            self.peak_children_rss = max(self.peak_children_rss, rss - own)
             self.peak_children_anon = max(self.peak_children_anon, anon - own_anon)
-            self.peak_children_unheld = max(self.peak_children_unheld, settled - held)
-            self.peak_held = max(self.peak_held, held)
-            self.peak_moving = max(self.peak_moving, moving)
-            self.samples.append((time.time(), settled, held))
+            self.samples.append((time.time(), rss - own))
             time.sleep(0.1)
+
+    def worker_peaks(self) -> None:
+        """The workers' own peaks (`Tiers.measure`), summed over them: before `stop`."""
+        if self.proc is None:
+            return
+        peaks = [worker_writes(p) for p in tree(self.proc.pid) if p != self.proc.pid]
+        for attr, k in (("peak_children_unheld", "peak_unheld_bytes"),
+                        ("peak_held", "peak_held_bytes"), ("peak_moving", "peak_moving_bytes")):
+            setattr(self, attr, sum(int(w.get(k, 0)) for w in peaks))
 
     def stop(self) -> None:
         self._stop.set()
-        if self.samples:  # for a look at what the peak was: `clock rss held` per line, MiB
+        if self.samples:  # for a look at what the peak was: `clock rss` per line, MiB
             self.log_path.with_suffix(".rss").write_text("".join(
                 f"{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 100):02d} "
-                f"{r / 2**20:.0f} {h / 2**20:.0f}\n" for t, r, h in self.samples))
+                f"{r / 2**20:.0f}\n" for t, r in self.samples))
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -236,11 +238,10 @@ def tree_cpu(pid: int, children: bool = True) -> float:
     return total
 
 
-def held_bytes(pid: int) -> tuple[int, int]:
-    """The bytes of states a prefixgate worker process holds in RAM (its RAM tier's entries and
-    the snapshots queued for their files) or moves between its tiers and slots (a snapshot
-    being copied out of a slot, a read state until it is loaded: `moving_bytes`), from its own
-    /health on its socket; 0 for any other process. (All of them, of it those moving.)"""
+def worker_writes(pid: int) -> dict[str, Any]:
+    """A prefixgate worker process's `writes` from its own /health on its socket (its queued
+    and moving bytes, and its memory peaks: `backend.worker.tiers.PEAKS`); {} for any other
+    process."""
     with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if b"worker" not in args or b"--socket" not in args:
@@ -255,10 +256,8 @@ def held_bytes(pid: int) -> tuple[int, int]:
             info = json.loads(conn.getresponse().read())
         finally:
             conn.close()
-        w = info["writes"]
-        moving = int(w.get("moving_bytes", 0))
-        return int(info["cache_ram"]["used_bytes"]) + int(w["queued_bytes"]) + moving, moving
-    return 0, 0
+        return dict(info["writes"])
+    return {}
 
 
 def tree_rss(pid: int, children: bool = True) -> tuple[int, int]:
@@ -406,6 +405,7 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
         if arm != "llama-server":
             ram = json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])["cache_ram"]
             ram_bytes = sum(w.get("used_bytes", 0) for w in ram["workers"].values())
+            srv.worker_peaks()
     finally:
         srv.stop()
     by = {c: [r for r in results if r.cls == c] for c in CLASSES}

@@ -45,7 +45,17 @@ from backend.worker.messages import (
 )
 from backend.worker.runner import Runner
 from backend.worker.tiers import Tiers
-from policies.schedule import Clock, Decode, Shapes, Verify, charge, next_step, track, wake_now
+from policies.schedule import (
+    Clock,
+    Decode,
+    Prefill,
+    Shapes,
+    Verify,
+    charge,
+    next_step,
+    track,
+    wake_now,
+)
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -122,6 +132,8 @@ class Loop:
                 slots = getattr(step, "slots", None) or (getattr(step, "slot", None),)
                 results = [Failed(s, "the worker failed on this job (its log says why)")
                            for s in slots if isinstance(s, int) and s in self.core.jobs]
+            if isinstance(step, Prefill):  # a prefill's memory may grow (llama.cpp's buffers)
+                self.tiers.measure()
             seconds = max((r.seconds for r in results if hasattr(r, "seconds")), default=0.0)
             self.clock = charge(self.clock, step, seconds)
             if isinstance(step, Decode | Verify):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import threading
 import time
 import weakref
@@ -42,6 +43,19 @@ from backend.worker.messages import Held, Ids
 from policies.decide import Restore, Save
 
 log = logging.getLogger("prefixgate.worker")
+
+# the worker's memory peaks in /health's `writes`: beyond what it holds, what it holds, of it
+# what was on its way (`Tiers.measure`)
+PEAKS = ("peak_unheld_bytes", "peak_held_bytes", "peak_moving_bytes")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (/proc/self/statm); 0 where there is none to read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 # a state file waits at most this long for the compute thread to rest (CPU compute only), and
 # does not wait while this much is queued: a snapshot's memory is held until it is written
@@ -84,6 +98,7 @@ class Tiers:
     shared_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     writes: dict[str, float] = field(default_factory=lambda: {
         "queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0})
+    peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PEAKS, 0))
     queued: dict[bytes, _Queued] = field(default_factory=dict)  # key -> a state awaiting its file
     live: dict[int, TierEvent] = field(default_factory=dict)  # slot -> what it said last
     every: bool = False  # someone reads every tier's events (live, shared): GET /events?all=1
@@ -104,12 +119,28 @@ class Tiers:
         try:
             yield
         finally:
+            self.measure()  # the state and what it came from, both alive and counted
             with self.lock:
                 self._moving -= nbytes
 
     def moving_bytes(self) -> int:
         with self.lock:
             return self._moving + sum(n for _, n in self._reads())
+
+    def measure(self) -> None:
+        """The peaks of the worker's memory beyond the states it holds (RSS less the RAM tier,
+        the queue and the states on their way), of what it holds and of what was on its way,
+        for /health (`writes`): read where the two agree, at the end of a state's way (`moving`)
+        and of its write, and after a prefill step (its own figure, not a bench's sample: a
+        sample falls between a state leaving the count and its memory being freed)."""
+        rss = resident_bytes()
+        if not rss:
+            return
+        with self.lock:
+            moving = self._moving + sum(n for _, n in self._reads())
+            held = self.ram.used + int(self.writes["queued_bytes"]) + moving
+            for k, v in zip(PEAKS, (rss - held, held, moving), strict=True):
+                self.peaks[k] = max(self.peaks[k], v)
 
     def _reads(self) -> list[tuple[weakref.ref[Any], int]]:
         """The read states not yet let go (under the lock)."""
@@ -241,6 +272,7 @@ class Tiers:
             self.emit(run_id, SaveFailed(len(ids), key.hex(), save.reason, e.reason, str(e)))
             return
         finally:  # written (the proxy commits it now) or failed: no longer restored from here
+            self.measure()  # still queued, still alive
             with self.lock:
                 self.writes["queued_bytes"] -= state.nbytes
                 self.queued.pop(bytes(key), None)
@@ -279,8 +311,11 @@ class Tiers:
         if self.shared is not None:  # the pulls are counted here, publishing by the tier
             tier = self.shared.stats()
             shared = {k: tier.get(k, 0) + self.shared_stats.get(k, 0) for k in {*tier, *STATS}}
+        with self.lock:
+            peaks = dict(self.peaks)
         return {"ram": self.ram.stats(), "writes": {**self.writes,
-                                                     "moving_bytes": self.moving_bytes()},
+                                                     "moving_bytes": self.moving_bytes(),
+                                                     **peaks},
                 "shared": shared}
 
 

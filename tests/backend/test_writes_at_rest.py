@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -78,6 +79,13 @@ def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess
     assert health["writes"]["queued_bytes"] == 0 and health["writes"]["moving_bytes"] == 0
     if saved[0][0] < t0 + WRITE_REST_S:
         assert health["writes"]["at_rest"] == at_rest + 1
+    # the worker measured its own memory (bench.team reads it): it held the snapshot queued
+    # for its file at least, and its memory beyond what it held is more than the model's
+    # mapped weights and within its process's peak
+    w = health["writes"]
+    assert w["peak_held_bytes"] >= 0.9 * saved[0][1].size_bytes  # the state, while queued
+    assert 0 < w["peak_moving_bytes"] <= w["peak_held_bytes"]
+    assert model_bytes() < w["peak_unheld_bytes"] <= peak_rss(health["pid"])
     # the file is whole: the other slot restores it
     file = saved[0][1]
     again: list[tuple[float, Event]] = []
@@ -85,6 +93,18 @@ def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess
                                                         file.file),)), again)
     start = again[0][1]
     assert isinstance(start, Start) and start.restored == 4 * BATCH and not start.faults
+
+
+def peak_rss(pid: int) -> int:
+    """A process's resident memory at its peak (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(x for x in f if x.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def model_bytes() -> int:
+    from proxy.config import default_model
+
+    return os.path.getsize(default_model())
 
 
 def tokens(seen: list[tuple[float, Event]]) -> list[int | None]:
