@@ -197,7 +197,7 @@ class Account:
     run: str = ""  # the job it accounts for (a slot's next job starts a new account)
 
 
-NEW = Account()
+_UNUSED = Account()  # a slot's account before its first step
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +241,7 @@ def charge(clock: Clock, step: Step, seconds: float) -> Clock:
                         (1 - PER_TOKEN_WEIGHT) * clock.per_token_s + PER_TOKEN_WEIGHT * per)
     accounts = dict(clock.accounts)
     for s in (step.slot,) if isinstance(step, Prefill) else step.slots:
-        a = accounts.get(s, NEW)
+        a = accounts.get(s, _UNUSED)
         accounts[s] = Account(a.used_s + seconds, a.began_s, a.total, a.prefilling, a.run)
     return Clock(accounts, clock.per_token_s)
 
