@@ -105,8 +105,9 @@ class Tiers:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _next_ref: int = 0
     # states on their way into a tier or a slot, counted in `moving_bytes` (no tier budgets
-    # them yet): a snapshot llama.cpp is copying out of a slot, a file being read, and a read
-    # state until the slot has loaded it and dropped it (a weak reference to its buffer)
+    # them yet): a snapshot llama.cpp is copying out of a slot, a file being read, a read
+    # state until the slot has loaded it and dropped it, and a written state until it is freed
+    # (a weak reference to its buffer)
     _moving: int = 0
     _read: list[tuple[weakref.ref[Any], int]] = field(default_factory=list)
 
@@ -143,7 +144,8 @@ class Tiers:
                 self.peaks[k] = max(self.peaks[k], v)
 
     def _reads(self) -> list[tuple[weakref.ref[Any], int]]:
-        """The read states not yet let go (under the lock)."""
+        """The read states not yet let go, and the written ones not yet freed (under the
+        lock)."""
         self._read = [(r, n) for r, n in self._read if r() is not None]
         return self._read
 
@@ -276,6 +278,10 @@ class Tiers:
             with self.lock:
                 self.writes["queued_bytes"] -= state.nbytes
                 self.queued.pop(bytes(key), None)
+                # on its way out, counted as moving until its buffer is freed: this call's
+                # caller lets it go only after it returns
+                with contextlib.suppress(TypeError):  # a buffer without weak references
+                    self._reads().append((weakref.ref(state.obj), state.nbytes))
         self.emit(run_id, Saved(len(ids), key.hex(), save.reason,
                                 str(path.relative_to(self.cache_dir)), size, checksum,
                                 time.perf_counter() - t0))
