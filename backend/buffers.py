@@ -56,7 +56,7 @@ _populates = _advise is not None  # until the kernel refuses the advice (before 
 def empty(n: int) -> np.ndarray:
     """A writable uint8 array of n bytes, its pages in memory where the kernel can do it."""
     global _populates
-    if n < POPULATE_MIN or not _populates or not _FLAGS:
+    if n < POPULATE_MIN or not _populates:
         return np.empty(n, dtype=np.uint8)
     try:
         m = mmap.mmap(-1, n, flags=_FLAGS)

@@ -109,7 +109,7 @@ class Tiers:
     # state until the slot has loaded it and dropped it, and a written state until it is freed
     # (a weak reference to its buffer)
     _moving: int = 0
-    _read: list[tuple[weakref.ref[Any], int]] = field(default_factory=list)
+    _unfreed: list[tuple[weakref.ref[Any], int]] = field(default_factory=list)
 
     @contextlib.contextmanager
     def moving(self, nbytes: int) -> Iterator[None]:
@@ -126,7 +126,12 @@ class Tiers:
 
     def moving_bytes(self) -> int:
         with self.lock:
-            return self._moving + sum(n for _, n in self._reads())
+            return self._moving_now()
+
+    def _moving_now(self) -> int:
+        """`moving_bytes` (under the lock)."""
+        self._unfreed = [(r, n) for r, n in self._unfreed if r() is not None]
+        return self._moving + sum(n for _, n in self._unfreed)
 
     def measure(self) -> None:
         """The peaks of the worker's memory beyond the states it holds (RSS less the RAM tier,
@@ -138,16 +143,10 @@ class Tiers:
         if not rss:
             return
         with self.lock:
-            moving = self._moving + sum(n for _, n in self._reads())
+            moving = self._moving_now()
             held = self.ram.used + int(self.writes["queued_bytes"]) + moving
             for k, v in zip(PEAKS, (rss - held, held, moving), strict=True):
                 self.peaks[k] = max(self.peaks[k], v)
-
-    def _reads(self) -> list[tuple[weakref.ref[Any], int]]:
-        """The read states not yet let go, and the written ones not yet freed (under the
-        lock)."""
-        self._read = [(r, n) for r, n in self._read if r() is not None]
-        return self._read
 
     # --- the compute thread ------------------------------------------------------------------
 
@@ -227,7 +226,7 @@ class Tiers:
             with self.moving(_file_size(path)):
                 n, state = store.read_state_into(path, self.fingerprint, job.ids, self.spare)
                 with self.lock:  # counted until the slot has loaded it and let it go
-                    self._reads().append((weakref.ref(state), state.nbytes))
+                    self._unfreed.append((weakref.ref(state), state.nbytes))
             if n != r.n_tokens:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                  f"{r.n_tokens}")
@@ -281,7 +280,7 @@ class Tiers:
                 # on its way out, counted as moving until its buffer is freed: this call's
                 # caller lets it go only after it returns
                 with contextlib.suppress(TypeError):  # a buffer without weak references
-                    self._reads().append((weakref.ref(state.obj), state.nbytes))
+                    self._unfreed.append((weakref.ref(state.obj), state.nbytes))
         self.emit(run_id, Saved(len(ids), key.hex(), save.reason,
                                 str(path.relative_to(self.cache_dir)), size, checksum,
                                 time.perf_counter() - t0))
