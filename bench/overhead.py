@@ -313,15 +313,14 @@ def markdown(res: dict[str, Any]) -> str:
 
     for r in res["sizes"]:
         w = r["worker"]
-        est = "" if w["measured"] else " (estimated)"
+        est = "" if w is None or w["measured"] else " (estimated)"
         lines.append(
             f"| {r['prompt_tokens']} | {r.get('stored_entries', '-')} | "
             f"{r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
             f"{ms(r['prepare_ms'])} | {ms(r['messages_ms'])} | {ms(r['render_prompt_ms'])} | "
             f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {ms(r.get('anthropic_ms'))} | "
-            f"{w['worker_ms']:.0f}{est} | "
-            f"{r['proxy_fraction_of_worker']:.3%} | "
-            f"{r['proxy_fraction_of_worker_idle']:.3%} | "
+            + (f"{w['worker_ms']:.0f}{est} | {r['proxy_fraction_of_worker']:.3%} | "
+               f"{r['proxy_fraction_of_worker_idle']:.3%} | " if w else "- | - | - | ") +
             f"**{r['proxy_ms'][0] / floor_ms(r, rate):.2%}** | {ms(r['cold_prepare_ms'])} |")
     lines += ["", "All times in ms. proxy / worker: the proxy's CPU time against the worker's "
               "wall time as measured (on a loaded machine the worker's wall time is inflated); "
@@ -342,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="2000,8000,32000")
     p.add_argument("--worker-sizes", default="2000",
-                   help="sizes whose worker time is measured on the model (the rest estimated)")
+                   help="sizes whose worker time is measured on the model (the rest "
+                   "estimated); none: the proxy alone")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--entries", type=int, default=0,
                    help="fill the cache with this many more entries first (e.g. 10000)")
@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown(res))
         return
     sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
-    measured_sizes = {int(s) for s in a.worker_sizes.split(",") if s.strip()}
+    measured_sizes = {int(s) for s in a.worker_sizes.split(",")
+                      if s.strip() and s.strip() != "none"}
     rows = []
     for size in sizes:
         print(f"proxy stages at {size} tokens ...", file=sys.stderr)
@@ -372,9 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     ref_size = max(workers) if workers else None
     for r in rows:
         w = workers.get(r["target_tokens"])
+        if w is None and ref_size is None:  # --worker-sizes none: the proxy alone
+            r["worker"] = r["proxy_fraction_of_worker"] = r["proxy_fraction_of_worker_idle"] = None
+            continue
         if w is None:
-            if ref_size is None:
-                raise SystemExit("--worker-sizes names no size to take the rates from")
             ref = workers[ref_size]
             tail = r["uncached_tail_tokens"] + 2
             pre = tail / ref["prefill_tok_s"] * 1e3

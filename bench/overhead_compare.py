@@ -34,7 +34,7 @@ STAGES = [("parse_ms", "parse (limits + API)"), ("prepare_ms", "prepare"),
 
 def run(tree: Path, sizes: str, reps: int, out: Path) -> dict[str, Any]:
     subprocess.run([sys.executable, "-m", "bench.overhead", "--sizes", sizes, "--reps",
-                    str(reps), "--worker-sizes", sizes.split(",")[0], "--out", str(out)],
+                    str(reps), "--worker-sizes", "none", "--out", str(out)],
                    cwd=tree, check=True, stdout=subprocess.DEVNULL)
     res: dict[str, Any] = json.loads((out / "overhead.json").read_text())
     return res
