@@ -101,7 +101,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         keep.append(llama_cpp.llama_progress_callback(report))
         mp.progress_callback = keep[-1]
     free0 = [d["free"] for d in gpus]
-    rss0 = _rss()
+    rss0 = resident_bytes()
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
     del keep
     # what to do when the GPU is full (llama-server's --fit finds the layers that fit
@@ -112,7 +112,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     if not model:
         raise ValueError(f"llama.cpp could not load the model {model_path}{full}")
     free1 = [d["free"] for d in offload_devices()]
-    rss1 = _rss()
+    rss1 = resident_bytes()
     memory = memory_of(model, swa_full)
     # what flash attention is, as llama.cpp gets it (`resolve_flash_attn`)
     fa = resolve_flash_attn(flash_attn, cpu_only=not gpus or n_gpu_layers == 0,
@@ -152,7 +152,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         "weights_bytes": int(llama_cpp.llama_model_size(model)),
         "vram_weights_bytes": sum(a - b for a, b in zip(free0, free1, strict=True)),
         "vram_kv_bytes": sum(a - b for a, b in zip(free1, free2, strict=True)),
-        "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(_rss() - rss1, 0),
+        "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(resident_bytes() - rss1, 0),
         "threads": max(threads),  # what it computes with at most (proxy.worker_link.cores_note)
     }
     pl = placement or {}
@@ -277,7 +277,7 @@ def memory_of(model: Any, swa_full: bool) -> Memory:
     return Memory("plain")
 
 
-def _rss() -> int:
+def resident_bytes() -> int:
     """This process's resident bytes (0 where /proc is missing)."""
     try:
         with open("/proc/self/statm") as f:

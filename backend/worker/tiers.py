@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import threading
 import time
 import weakref
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from backend import keys, store
+from backend.context import resident_bytes
 from backend.protocol import Event, Fault, Job, Saved, SaveFailed, TierEvent
 from backend.ramtier import RamTier
 from backend.shared import STATS, SharedFault, SharedTier
@@ -48,14 +48,6 @@ log = logging.getLogger("prefixgate.worker")
 # what was on its way (`Tiers.measure`)
 PEAKS = ("peak_unheld_bytes", "peak_held_bytes", "peak_moving_bytes")
 
-
-def resident_bytes() -> int:
-    """This process's resident memory (/proc/self/statm); 0 where there is none to read."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * mmap.PAGESIZE
-    except (OSError, ValueError, IndexError):
-        return 0
 
 # a state file waits at most this long for the compute thread to rest (CPU compute only), and
 # does not wait while this much is queued: a snapshot's memory is held until it is written
