@@ -75,7 +75,14 @@ def test_a_snapshot_is_written_once_the_llama_thread_rests(worker: WorkerProcess
     # or for WRITE_REST_S at most
     assert next(t for t, e in saving if isinstance(e, Done)) < done_long
     assert saved[0][0] >= min(done_long, t0 + WRITE_REST_S) - 0.05
-    health = json.loads(http_get(worker.url + "/health")[1])
+    # a written state stays counted as moving until its buffer is freed, which the writer's
+    # caller does just after the write that sent `saved` returns: a moment to let it go
+    deadline = time.monotonic() + 5.0
+    while True:
+        health = json.loads(http_get(worker.url + "/health")[1])
+        if health["writes"]["moving_bytes"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert health["writes"]["queued_bytes"] == 0 and health["writes"]["moving_bytes"] == 0
     if saved[0][0] < t0 + WRITE_REST_S:
         assert health["writes"]["at_rest"] == at_rest + 1
