@@ -10,7 +10,13 @@ was given, greedy: `edit` (a 42-line file in the prompt, "rewrite it renaming on
 an edit that copies the file), `patch` (the same file, "write the unified diff"), `log` (a
 quoted log, "quote every ERROR line, then explain"). Each is rendered once by prefixgate's
 `/apply-template` and sent as that text to `/completion` of both servers, so both evaluate the
-same tokens.
+same tokens, in the same batches: prefixgate's cold run ends a prefill batch at the prompt's last
+message end (so that the next turn reuses its state exactly), where llama-server fills its
+batches to `-ub`, and a batch of other rows computes other bits, so on the same tokens the two
+greedy answers part (on this model within a few tokens). Each llama-server arm therefore first
+prefills the prompt up to prefixgate's last batch edge (`n_predict` 0, `cache_prompt`), then
+asks the whole prompt, which evaluates the rest as one batch, and runs with prefixgate's batch
+size (`-ub`): both compute the same bits, and with the same drafts give the same answer.
 
 Arms, one after the other, each on a fresh server for each workload (llama.cpp's ngram-mod keeps
 its table across requests, prefixgate's drafts are each request's own: a fresh server drafts the
@@ -40,6 +46,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +119,18 @@ def _post(port: int, path: str, body: dict[str, Any], timeout_s: float = 1800) -
         conn.close()
 
 
-def render(args: argparse.Namespace, work: Path) -> dict[str, str]:
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # as prefixgate renders it
+    ids: list[int]  # its tokens
+    edge: int  # prefixgate's last prefill batch edge before its end (0: none)
+
+
+def render(args: argparse.Namespace, work: Path) -> tuple[dict[str, Prompt], int]:
+    """Each workload's prompt, and prefixgate's batch size on this machine."""
+    from bench.simulate import model_ends
+    from policies.prefix import Batching
+
     port = free_port()
     srv = Server("render", [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model,
                             "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx),
@@ -120,8 +138,15 @@ def render(args: argparse.Namespace, work: Path) -> dict[str, str]:
                             "--disk-prefix-cache", "off"], work / "render.log", port)
     srv.start()
     try:
-        return {name: _post(port, "/apply-template", {"messages": msgs})["prompt"]
-                for name, msgs in workloads().items()}
+        batch = int(json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])["ubatch_size"])
+        batching = Batching(batch, model_ends(args.model))
+        out = {}
+        for name, msgs in workloads().items():
+            text = _post(port, "/apply-template", {"messages": msgs})["prompt"]
+            ids = _post(port, "/tokenize", {"content": text, "add_special": True})["tokens"]
+            edge = batching.edges(ids).floor(len(ids) - 1)
+            out[name] = Prompt(text, ids, edge)
+        return out, batch
     finally:
         srv.stop()
 
@@ -134,8 +159,8 @@ def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[s
         spec = ["--spec-type", kind, *model] if kind else []
         repack = [] if uses_repack("auto") else ["--no-repack"]
         return [args.llama_server, "-m", args.model, "-c", str(args.ctx), "-np", "1",
-                "-t", str(args.threads), *spec, *repack, "--host", "127.0.0.1", "--port",
-                str(port)]
+                "-t", str(args.threads), "-ub", str(args.batch), *spec, *repack, "--host",
+                "127.0.0.1", "--port", str(port)]
     spec = ["--spec-type", kind or "none", *model] + (["--spec-stop", "off"] if every else [])
     return [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, "--host",
             "127.0.0.1", "--port", str(port), "-c", str(args.ctx), "--threads",
@@ -143,15 +168,26 @@ def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[s
             "--disk-prefix-cache", "off"]
 
 
-def run(arm: str, workload: str, prompt: str, args: argparse.Namespace, work: Path
+def run(arm: str, workload: str, prompt: Prompt, args: argparse.Namespace, work: Path
         ) -> dict[str, Any]:
     port = free_port()
     srv = Server(arm, command(arm, args, port, work), work / f"{arm}-{workload}.log", port,
                  sample_rss=False)
     srv.start()
     try:
-        r = _post(port, "/completion", {"prompt": prompt, "n_predict": args.n_predict,
-                                        "temperature": 0, "cache_prompt": False})
+        if arm.startswith("llama-server"):  # prefixgate's batches (module docstring)
+            if prompt.edge:
+                _post(port, "/completion", {"prompt": prompt.ids[: prompt.edge],
+                                            "n_predict": 0, "cache_prompt": True})
+            r = _post(port, "/completion", {"prompt": prompt.ids, "n_predict": args.n_predict,
+                                            "temperature": 0, "cache_prompt": True})
+            if r["timings"]["prompt_n"] != len(prompt.ids) - prompt.edge:
+                raise RuntimeError(f"{arm}: llama-server evaluated {r['timings']['prompt_n']} "
+                                   f"of {len(prompt.ids)} prompt tokens after priming "
+                                   f"{prompt.edge}: not prefixgate's batches")
+        else:
+            r = _post(port, "/completion", {"prompt": prompt.text, "n_predict": args.n_predict,
+                                            "temperature": 0, "cache_prompt": False})
         props = {} if arm.startswith("llama-server") else json.loads(
             http_get(f"http://127.0.0.1:{port}/props")[1])
     finally:
@@ -262,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"llama-server not found ({args.llama_server}); `make bench-spec` "
                          "builds it from the llama-cpp-python sdist, or pass --llama-server")
     work = Path(tempfile.mkdtemp(prefix="bench-spec-"))
-    prompts = render(args, work)
+    prompts, args.batch = render(args, work)
     rows = []
     for r in range(args.rounds):  # each round every arm once, in an order that turns
         for w in args.workloads.split(","):
