@@ -53,13 +53,17 @@ class Job:
     # seconds since the request came to the server (its parse, render and wait for a slot):
     # the scheduler counts a prefill's due time from then (policies.schedule rule 1)
     waited_s: float = 0.0
+    # whether its client reads the answer as it comes; false: tokens go out with the end
+    # (policies.schedule.wake_now)
+    stream: bool = True
 
     def to_wire(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "slot": self.slot, "ids": list(self.ids),
                 "salt": self.salt.hex(),
                 "tenant": self.tenant, "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
-                "stop": list(self.stop), "grammar": self.grammar, "waited_s": self.waited_s}
+                "stop": list(self.stop), "grammar": self.grammar, "waited_s": self.waited_s,
+                "stream": self.stream}
 
     @classmethod
     def from_wire(cls, d: Any) -> Job:
@@ -76,7 +80,8 @@ class Job:
                       max_tokens=_check(d["max_tokens"], "int"),
                       stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),
                       grammar=grammar, slot=_check(d["slot"], "int"),
-                      waited_s=float(_check(d["waited_s"], "float")))
+                      waited_s=float(_check(d["waited_s"], "float")),
+                      stream=_check(d["stream"], "bool"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
         if job.slot < 0:

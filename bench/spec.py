@@ -29,11 +29,12 @@ same for both):
   (`--no-repack` on a CPU with AMX, as prefixgate lays the weights out there).
 The type `draft-simple` drafts with `--draft-model` (`-md`; the model itself by default).
 
-Reported per arm and workload: decode tokens/s (`timings.predicted_per_second`, the same
-measure on both), drafted and accepted tokens (`draft_n`, `draft_n_accepted`), the verify cost
-prefixgate measured at start (a verify of 1 + k rows over one step, per k) and while serving,
-and the answer compared with prefixgate's without drafts and with llama-server's arm of the
-same type. Printed as markdown; the JSON goes to --out.
+Reported per arm and workload: decode tokens/s (`timings.predicted_n` over `predicted_ms`, the
+same measure on both; an answer that ended at the end-of-generation token counts it, as
+llama-server's `predicted_n` does), drafted and accepted tokens (`draft_n`,
+`draft_n_accepted`), the verify cost prefixgate measured at start (a verify of 1 + k rows over
+one step, per k) and while serving, and the answer compared with prefixgate's without drafts
+and with llama-server's arm of the same type. Printed as markdown; the JSON goes to --out.
 """
 
 from __future__ import annotations
@@ -194,8 +195,12 @@ def run(arm: str, workload: str, prompt: Prompt, args: argparse.Namespace, work:
         srv.stop()
     t = r["timings"]
     spec = props.get("speculation", {}).get("workers", {}).get("0", {})
-    return {"arm": arm, "workload": workload, "tokens": t["predicted_n"],
-            "decode_tps": t["predicted_per_second"], "drafted": t.get("draft_n", 0),
+    # llama-server counts the end-of-generation token it sampled among the predicted ones,
+    # prefixgate (as OpenAI's usage) does not: counted here for both, over the same interval
+    tokens = t["predicted_n"] + (not arm.startswith("llama-server") and r["stop_type"] == "eos")
+    return {"arm": arm, "workload": workload, "tokens": tokens,
+            "decode_tps": tokens / t["predicted_ms"] * 1000 if t["predicted_ms"] else 0.0,
+            "drafted": t.get("draft_n", 0),
             "accepted": t.get("draft_n_accepted", 0), "content": r["content"],
             "cost_at_start": spec.get("cost_at_start"),
             "cost_running": spec.get("cost_running"), "note": spec.get("note", "")}

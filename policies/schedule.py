@@ -73,7 +73,10 @@ llama-server's rate woken for each token (bench/results/issue47/stream.md). So a
 token other than an answer's first goes out at the HTTP thread's next beat (every `STREAM_S`
 while a run streams) instead; the first one (its time to first token), every other event, and
 every token after a step of `STREAM_S` or more (a large model on a CPU: a wake costs it little)
-wake it at once.
+wake it at once. A run whose client does not stream (`Job.stream` false: the answer goes out
+whole) wakes it for no token at all, and starts no beat: its tokens go with its end, and a
+lone non-streamed answer decodes with the cores left to llama.cpp alone (on 2 cores the beat's
+wakes cost a lone slot about 2.5% of its decode rate: bench/results/issue47/quiet.md).
 """
 
 from __future__ import annotations
@@ -288,7 +291,8 @@ def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int
     return Verify(tuple(sorted(taken)))
 
 
-def wake_now(token: bool, first: bool, step_s: float) -> bool:
+def wake_now(token: bool, first: bool, step_s: float, streamed: bool = True) -> bool:
     """Whether a run's event wakes the HTTP thread now (`first`: the answer's first token;
-    `step_s`: the last decode or verify step's seconds) rather than waiting for its beat."""
-    return not token or first or step_s >= STREAM_S
+    `step_s`: the last decode or verify step's seconds; `streamed`: its client reads the answer
+    as it comes) rather than waiting for its beat, or for its end where it is not streamed."""
+    return not token or (streamed and (first or step_s >= STREAM_S))

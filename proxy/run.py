@@ -155,7 +155,7 @@ class Run:
         p = self.prep
         return Job(self.run_id, p.rendered.ids, self.salt, self.tenant, self.plan,
                    p.req.sampling, p.max_tokens, p.req.stop, p.grammar,
-                   waited_s=max(time.perf_counter() - p.arrived_s, 0.0))
+                   waited_s=max(time.perf_counter() - p.arrived_s, 0.0), stream=p.req.stream)
 
     async def open(self) -> None:
         """Send the job and wait for its `Start`: any failure is known before a response is

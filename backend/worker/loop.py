@@ -66,6 +66,7 @@ class Loop:
         self.engine, self.core, self.tiers, self.shapes = engine, core, tiers, shapes
         self.send = send  # (run id, event, wake the HTTP thread now)
         self.streaming: set[str] = set()  # runs whose first token went out
+        self.quiet: set[str] = set()  # runs whose client does not stream (`Job.stream`)
         self.step_s = 0.0  # the last decode or verify step's seconds
         self.inbox: queue.SimpleQueue[Input | None] = queue.SimpleQueue()
         self.resting = threading.Event()  # set while no slot has compute to do
@@ -143,6 +144,8 @@ class Loop:
 
     def _apply(self, inp: Input) -> None:
         """Apply an input and do its effects, each result applied at once (depth first)."""
+        if isinstance(inp, Arrive) and not inp.job.stream:
+            self.quiet.add(inp.job.run_id)
         try:
             effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive)))
         except Exception:  # a bug: that job fails, the worker lives on
@@ -174,9 +177,12 @@ class Loop:
         first = isinstance(event, Token) and run_id not in self.streaming
         if first:
             self.streaming.add(run_id)
-        elif isinstance(event, Done | Cancelled | Error):
+        streamed = run_id not in self.quiet
+        if isinstance(event, Done | Cancelled | Error):
             self.streaming.discard(run_id)
-        self.send(run_id, event, wake_now(isinstance(event, Token), first, self.step_s))
+            self.quiet.discard(run_id)
+        self.send(run_id, event, wake_now(isinstance(event, Token), first, self.step_s,
+                                          streamed))
 
     # --- the reader and writer threads -------------------------------------------------------
 

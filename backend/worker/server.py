@@ -58,6 +58,7 @@ WATCH_S = 0.05  # how often a stream checks that its client is still there
 @dataclass(slots=True)
 class _Run:
     slot: int
+    stream: bool  # its client reads the answer as it comes (the beat delivers its tokens)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
 
@@ -112,8 +113,9 @@ class Worker:
             run.events.put_nowait(event)
 
     async def _beat(self) -> None:
-        """While runs stream: their events that did not wake this thread."""
-        while self.runs:
+        """While runs stream: their events that did not wake this thread (a run that does not
+        stream has its tokens taken with its end: `policies.schedule.wake_now`)."""
+        while any(r.stream for r in self.runs.values()):
             await asyncio.sleep(STREAM_S)
             self._deliver()
         self.beat = None
@@ -175,7 +177,7 @@ class Worker:
             return web.json_response({"error": f"slot {job.slot} is running a job"},
                                      status=409)
         assert self.loop is not None
-        run = self.runs[job.run_id] = _Run(job.slot)
+        run = self.runs[job.run_id] = _Run(job.slot, job.stream)
         self.active[job.slot] = job.run_id
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -184,7 +186,7 @@ class Worker:
             self.active.pop(job.slot, None)
             self.runs.pop(job.run_id, None)
             raise
-        if self.beat is None:
+        if self.beat is None and job.stream:
             self.beat = asyncio.create_task(self._beat())
         self.loop.arrive(job)
         watch = asyncio.create_task(self._watch(request, job.run_id))

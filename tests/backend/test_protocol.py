@@ -49,7 +49,7 @@ JOBS = [
     # The off plan keeping all it may (n - 1 on a worker of batch 1).
     Job(run_id="r2", ids=IDS, salt=b"", tenant="", plan=Plan((), (), 38, False, "off", None,
                                                              None),
-        sampling={"temperature": 0.0}, max_tokens=1, stop=(), grammar=None),
+        sampling={"temperature": 0.0}, max_tokens=1, stop=(), grammar=None, stream=False),
     # No grammar, no stop strings, an empty prompt: nothing to keep.
     Job(run_id="", ids=(), salt=b"", tenant="", plan=Plan((), (), 0, True, "off", None, None),
         sampling={},
@@ -237,7 +237,7 @@ def test_invalid_line(line: bytes) -> None:
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "7"), ("max_tokens", True), ("ids", "123"), ("stop", "</s>"),
     ("run_id", None), ("sampling", [["temperature", 0]]), ("salt", 5), ("salt", "not hex"),
-    ("tenant", None),
+    ("tenant", None), ("stream", 0), ("stream", "false"), ("stream", None),
 ])
 def test_job_values_are_not_coerced(field: str, value: Any) -> None:
     with pytest.raises(ValueError):

@@ -62,6 +62,7 @@ class Worker:
     def __init__(self, eng: Engine, shapes: Shapes | None = None, cache: Path | None = None,
                  fault: str = "") -> None:
         self.eng, self.events = eng, []  # type: list[tuple[float, str, Event]]
+        self.wakes: list[tuple[str, Event, bool]] = []  # what woke the HTTP thread at once
         self.logits: dict[int, list[bytes]] = {s: [] for s in range(len(eng.seqs))}
         self.steps: list[int] = []  # the slots of each decode step
         self.lock, self.ended = threading.Lock(), threading.Condition()
@@ -84,21 +85,22 @@ class Worker:
 
         eng.sample, eng.decode = sampled, decoded  # type: ignore[method-assign]
         self.loop = Loop(eng, core, tiers, shapes,
-                         lambda run, event, wake: self._emit(run, event))
+                         lambda run, event, wake: self._emit(run, event, wake))
         self.loop.start()
 
-    def _emit(self, run: str, event: Event) -> None:
+    def _emit(self, run: str, event: Event, wake: bool = True) -> None:
         with self.lock:
             self.events.append((time.perf_counter(), run, event))
+            self.wakes.append((run, event, wake))
         if isinstance(event, Done) or type(event).__name__ in ("Cancelled", "Error"):
             with self.ended:
                 self.finished.add(run)
                 self.ended.notify_all()
 
     def submit(self, run: str, ids: list[int], slot: int, gen: int = GEN,
-               plan: Plan = COLD) -> None:
+               plan: Plan = COLD, stream: bool = True) -> None:
         self.loop.arrive(Job(run, tuple(ids), b"", "", plan, {"temperature": 0.0}, gen, (),
-                             None, slot))
+                             None, slot, stream=stream))
 
     def wait(self, *runs: str, timeout_s: float = 600) -> None:
         with self.ended:
@@ -548,3 +550,29 @@ def test_a_step_that_raises_fails_its_job_and_the_worker_serves_the_next() -> No
         assert w.tokens("good") == want[1]
     finally:
         eng.close()
+
+
+def test_an_answer_that_is_not_streamed_wakes_the_http_thread_only_at_its_end() -> None:
+    """A job whose client takes the answer whole (`Job.stream` false) computes what a streamed
+    one does, and none of its tokens wakes the worker's HTTP thread (each wake takes a core
+    from llama.cpp on a small machine): they go with its end, which wakes it; a streamed
+    answer's first token wakes it at once (its time to first token)."""
+    name = MODELS[0]
+    p = _ids(name, SLOT_BATCH + 20, 6)
+    eng = _engine(name, 1)
+    try:
+        w = Worker(eng)
+        w.submit("whole", p, 0, gen=8, stream=False)
+        w.wait("whole", timeout_s=120)
+        eng.truncate(0, 0)
+        w.submit("streamed", p, 0, gen=8)
+        w.wait("streamed", timeout_s=120)
+        w.stop()
+    finally:
+        eng.close()
+    assert w.tokens("whole") == w.tokens("streamed") and len(w.tokens("whole")) >= 2
+    whole = [(e, wake) for r, e, wake in w.wakes if r == "whole"]
+    assert [wake for e, wake in whole if isinstance(e, Token)] == [False] * len(w.tokens("whole"))
+    assert isinstance(whole[-1][0], Done) and whole[-1][1]
+    streamed = [wake for r, e, wake in w.wakes if r == "streamed" and isinstance(e, Token)]
+    assert streamed[0] is True

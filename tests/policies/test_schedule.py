@@ -294,3 +294,14 @@ def test_what_on_would_do_instead_is_said_in_its_place() -> None:
 ])
 def test_wake_now(why: str, token: bool, first: bool, step_s: float, wake: bool) -> None:
     assert wake_now(token, first, step_s) is wake, why
+
+
+@pytest.mark.parametrize(("why", "token", "first", "step_s", "wake"), [
+    ("its first token waits for its end", True, True, 0.006, False),
+    ("a later token too", True, False, 0.006, False),
+    ("after a long step too: nobody reads it before the end", True, False, STREAM_S * 4, False),
+    ("its end, a save, an error, a prefill: at once", False, False, 0.006, True),
+])
+def test_a_run_that_does_not_stream_wakes_only_for_what_is_not_a_token(
+        why: str, token: bool, first: bool, step_s: float, wake: bool) -> None:
+    assert wake_now(token, first, step_s, streamed=False) is wake, why
