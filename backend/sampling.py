@@ -7,6 +7,12 @@ chain built from them (the stop-string matcher is backend.stops).
   0) or top-k, typical, top-p, min-p, temperature and a seeded draw. A grammar llama.cpp cannot
   parse gives a NULL sampler: a ValueError when the chain is built, never a sample through it
   (a SIGSEGV that kills the worker). Free it with `close()`.
+- Greedy with nothing before it (no grammar, penalties that change nothing), a sample is the
+  first greatest logit, which is what llama.cpp's greedy sampler picks: read off the logits in
+  place, without the chain's copy of the whole vocabulary into its candidates (about 50 us of a
+  token's 7 ms on the 135M model on 2 cores; a penalty sampler with neutral values neither
+  changes a logit nor keeps a state that matters). A row whose greatest logit is not a number
+  goes through the chain, which ignores such logits.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from functools import partial
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 PENALTY_LAST_N = 64  # tokens the repetition penalties look back (llama-cpp-python's default)
 
@@ -57,6 +64,9 @@ class Sampler:
             add(g)
         if s.temperature <= 0:
             add(llama_cpp.llama_sampler_init_greedy())
+            neutral = (s.repeat_penalty == 1.0 and s.frequency_penalty == 0.0
+                       and s.presence_penalty == 0.0)
+            self.argmax = n_vocab if neutral and not grammar else 0
         else:
             add(llama_cpp.llama_sampler_init_top_k(s.top_k))
             add(llama_cpp.llama_sampler_init_typical(1.0, 1))
@@ -67,9 +77,17 @@ class Sampler:
             add(llama_cpp.llama_sampler_init_dist(seed))
         self.chain: Any = chain
 
+    argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
+
     def sample(self, ctx: Any, row: int) -> int:
         """A token drawn from row `row` of the context's last logits (and accepted into the
         chain's state: penalties, grammar)."""
+        if self.argmax:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row),
+                                           shape=(self.argmax,))
+            token = int(logits.argmax())
+            if logits[token] == logits[token]:  # not NaN
+                return token
         return int(llama_cpp.llama_sampler_sample(self.chain, ctx, row))
 
     def close(self) -> None:
