@@ -82,9 +82,9 @@ class Sampler:
     def sample(self, ctx: Any, row: int) -> int:
         """A token drawn from row `row` of the context's last logits (and accepted into the
         chain's state: penalties, grammar)."""
-        if self.argmax:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row),
-                                           shape=(self.argmax,))
+        ptr = llama_cpp.llama_get_logits_ith(ctx, row) if self.argmax else None
+        if ptr:  # (NULL: llama.cpp refused the row; the chain says so as it does)
+            logits = np.ctypeslib.as_array(ptr, shape=(self.argmax,))
             token = int(logits.argmax())
             if logits[token] == logits[token]:  # not NaN
                 return token
