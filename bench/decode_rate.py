@@ -3,7 +3,7 @@
 prefixgate with `--parallel N` in each `--deterministic` mode against llama-server `-np N` built
 from the same llama.cpp, on the same model.
 
-    python -m bench.decode_rate --model GGUF [--llama-server PATH] [--slots 3] [--tokens 192]
+    python -m bench.decode_rate [--model GGUF] [--llama-server PATH] [--slots 3] [--tokens 192]
         [--modes auto,on,off] [-ngl 99] [--rounds 1] [--base DIR] [--out DIR]
 
 Each arm is started alone, warmed up with one request, then given N streaming chat requests at
@@ -34,6 +34,7 @@ from typing import Any
 from backend.placement import uses_repack
 from bench.replay import ROOT, free_port, http_get
 from bench.team import Server
+from proxy.config import default_model
 
 # distinct prompts whose greedy answers run to 192 tokens and more on the default model (checked
 # on llama-server: an answer that ends early leaves no window where all N generate)
@@ -110,7 +111,7 @@ def table(rows: list[dict[str, Any]], arms: list[str], slots: int) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.decode_rate",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default="", help="a GGUF (default: the embedded model)")
     p.add_argument("--llama-server", default="")
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--tokens", type=int, default=192)
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--base", type=Path, default=None, help="another prefixgate checkout")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    a.model = a.model or default_model()
     work = Path("/tmp/decode-rate")
     work.mkdir(exist_ok=True)
     ctx = str(a.slots * 4096)
