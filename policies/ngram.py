@@ -85,6 +85,8 @@ def _matches(a: Tokens, key: Sequence[int], lo: int, hi: int) -> npt.NDArray[np.
         return np.empty(0, dtype=np.intp)
     js = np.flatnonzero(a[lo:hi + 1] == key[0]) + lo
     for k in range(1, len(key)):
+        if not len(js):  # no candidate left (the usual case: each test is a numpy call)
+            break
         js = js[a[js + k] == key[k]]
     return js
 
