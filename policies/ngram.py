@@ -92,9 +92,20 @@ def _matches(a: Tokens, key: Sequence[int], lo: int, hi: int) -> npt.NDArray[np.
 
 
 def _last_match(a: Tokens, key: Sequence[int], lo: int, hi: int) -> int:
-    """The largest j in [lo, hi] where the key starts, else 0 (llama.cpp's "no match")."""
-    js = _matches(a, key, lo, hi)
-    return int(js[-1]) if len(js) else 0
+    """The largest j in [lo, hi] where the key starts, else 0 (llama.cpp's "no match"): the
+    tokens' bytes searched from the end in C (a hit between two tokens' bytes is skipped)."""
+    if hi < lo:
+        return 0
+    w = a.itemsize
+    raw, sub = a.tobytes(), np.asarray(key, dtype=a.dtype).tobytes()
+    end = (hi + len(key)) * w
+    while True:
+        at = raw.rfind(sub, lo * w, end)
+        if at < 0:
+            return 0
+        if at % w == 0:
+            return at // w
+        end = at + len(sub) - 1
 
 
 @dataclass(slots=True)
@@ -123,6 +134,14 @@ class NgramSimple:
 
     def accept(self, n_accepted: int) -> None:
         pass
+
+
+def _map_slot(ngram: Sequence[int]) -> int:
+    """common_ngram_map_hash of one n-gram, mod the key_map's size."""
+    h = 0
+    for t in ngram:
+        h = (h * MAP_MUL + t) & 0xFFFFFFFF
+    return h % MAP_HASH_SIZE
 
 
 def _map_hash(a: Tokens, js: npt.NDArray[np.intp], n: int) -> npt.NDArray[np.uint32]:
@@ -162,6 +181,7 @@ class NgramMap:
     key_map_last: int = 0
     begin_n: int = 0  # size_last_begin
     keys: list[_Key] = field(default_factory=list)
+    found: dict[tuple[int, ...], int] = field(default_factory=dict)  # a key's n-gram -> its index
     last: tuple[int, int] | None = None  # (key, value) of the last draft
 
     def __post_init__(self) -> None:
@@ -175,6 +195,12 @@ class NgramMap:
         written, in that order, wins)."""
         if hi <= lo:
             return
+        if hi - lo <= 4:  # a step's one new n-gram: no numpy call
+            for j in range(hi, lo, -1):
+                slot = _map_slot(a[j:j + self.size_n].tolist())
+                if self.key_map[slot] == 0:
+                    self.key_map[slot] = j
+            return
         js = np.arange(hi, lo, -1, dtype=np.intp)
         h = _map_hash(a, js, self.size_n)
         first_h, first_i = np.unique(h, return_index=True)
@@ -187,10 +213,8 @@ class NgramMap:
         if cur < 2 * n + m:
             return []
         key = [*a[cur - n + 1:].tolist(), last]
-        k = np.asarray(key, dtype=np.intc)
         pos = 0
-        slot = int(_map_hash(k, np.zeros(1, dtype=np.intp), n)[0])
-        at = int(self.key_map[slot])
+        at = int(self.key_map[_map_slot(key)])
         if at != 0 and at < cur - n - m - 1 and a[at:at + n].tolist() == key:
             pos = at
         if pos == 0 and self.begin_n > n + m + 1:
@@ -203,10 +227,9 @@ class NgramMap:
         self.key_map_last = max(cur - n - m - 1, self.key_map_last)
         if pos == 0:
             return []
-        i_key = next((i for i, e in enumerate(self.keys) if a[e.idx:e.idx + n].tolist() == key),
-                     None)
+        i_key = self.found.get(tuple(key))
         if i_key is None:
-            i_key = len(self.keys)
+            i_key = self.found[tuple(key)] = len(self.keys)
             self.keys.append(_Key(pos, values=[_Value(0, 0, m) for _ in range(MAP_VALUES)]))
         e = self.keys[i_key]
         e.num = min(e.num + 1, MAP_COUNT_MAX)
@@ -249,12 +272,12 @@ def _mod_index(a: Tokens, n: int) -> npt.NDArray[np.uint64]:
     return h % np.uint64(MOD_SIZE)
 
 
-def _mod_slot(ngram: Sequence[int]) -> int:
-    """common_ngram_mod::idx of one n-gram."""
+def _mod_hash(ngram: Sequence[int]) -> int:
+    """common_ngram_mod's hash of one n-gram, before its slot (`% MOD_SIZE`)."""
     h = 0
     for t in ngram:
         h = (h * MOD_MUL + t) & 0xFFFFFFFFFFFFFFFF
-    return h % MOD_SIZE
+    return h
 
 
 @dataclass(slots=True)
@@ -297,15 +320,19 @@ class NgramMod:
             self._add(context, self.i_last, cur - n)
             self.i_last = cur - n
         window = [*context[cur - n + 1:].tolist(), last]
+        # the window's hash, rolled one token on per drafted token (the same hash: it is a
+        # polynomial mod 2^64)
+        h, top, mask = _mod_hash(window), pow(MOD_MUL, n - 1, 1 << 64), 0xFFFFFFFFFFFFFFFF
         out: list[int] = []
         for i in range(self.n_max):
-            token = self.table.get(_mod_slot(window[i:i + n]))
+            token = self.table.get(h % MOD_SIZE)
             if token is None:
                 if i < self.n_min:
                     return []
                 break
             out.append(token)
             window.append(token)
+            h = ((h - window[i] * top) * MOD_MUL + token) & mask
         self.n_draft_last = len(out)
         return out
 

@@ -66,6 +66,19 @@ def test_drafts(why: str, drafter: Drafter, want: list[list[int]]) -> None:
     assert steps(drafter, A, 8) == want
 
 
+def test_the_last_match_is_the_last_whole_token_match() -> None:
+    # tokens whose bytes also match across two tokens' edge (256 = bytes 00 01 00 00): such a
+    # hit is skipped, as every test of whole tokens would
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        a = rng.choice(np.asarray([0, 1, 256, 65536, 1 << 24], dtype=np.intc), 40)
+        key = [int(t) for t in a[rng.integers(0, 37):][:rng.integers(1, 4)]]
+        lo, hi = int(rng.integers(0, 20)), int(rng.integers(0, 40 - len(key)))
+        want = max((j for j in range(lo, hi + 1) if a[j:j + len(key)].tolist() == key),
+                   default=0)
+        assert ngram._last_match(a, key, lo, hi) == want, (a.tolist(), key, lo, hi)
+
+
 def test_ngram_mod_empties_its_table_after_five_low_rounds() -> None:
     d = NgramMod(2, 1, 4)
     d.begin(np.asarray(A, dtype=np.intc))
