@@ -7,8 +7,9 @@ and whether a slot drafts at all (the stop rule).
     Chain.accept(n_accepted)
     accepted(draft, sampled) -> n           the target's acceptance
     VerifyCost                              a verify of r rows over one step, measured
-    draft_len(stats, n, cost, always, n_gen)    -> (k, stats): the stop rule
-    after(stats, k, m, n_gen) -> Stats      a slot's record after a verify of k, m accepted
+    draft_len(stats, n, cost, always, n_gen, run=r)    -> (k, stats): the stop rule
+    after(stats, k, m, n_gen, run=r) -> Stats   a slot's record after a verify of k, m accepted
+    shadowed(stats, j, hit, first) -> Stats     ... after a plain step checked a draft turned down
 
 **Drafts** depend only on the tokens: the slot's context (prompt and generated so far) and the
 sampled token that waits for its step (policies.ngram: llama.cpp's n-gram drafters, each
@@ -29,19 +30,31 @@ position (an n-gram's), accepting it with probability p(d) and drawing from the 
 is exactly the standard speculative-sampling rule (min(1, p/q) with q a point mass), and the
 seeded draws are the ones a run without drafts makes.
 
-**The stop rule** (`draft_len`): a verify of k drafts costs `VerifyCost.ratio(1 + k)` steps and
-yields on average `E(a, k) = 1 + a + ... + a^k` tokens at per-token acceptance `a` (a draft
-model's k tokens cost k of its own steps more). A slot
-verifies the k that yields the most tokens per step, and none where that is not
-`1 + MARGIN` tokens a step. `a` is the slot's own, decayed by DECAY per verify from a prior of
-PRIOR_A worth PRIOR_TRIALS trials. Where even a draft that is always accepted cannot pay (a tiny
-model on a CPU, where a verify of k costs about k steps), nothing is drafted. After
-REJECT_RUN verifies in a row that accepted nothing, or a draft the rule turned down, the slot
-pauses for PAUSE_TOKENS generated tokens, doubled each time up to PAUSE_MAX, and tries again.
-After a turned-down draft, trying again is a probe: the next draft is verified as if the slot
-accepted PROBE_A of its tokens, so its acceptance is measured, not left at the prior that
-turned it down (at the prior alone, a type whose drafts would pay 2x was never verified once).
-A probe costs at most one verify per pause.
+**The stop rule** (`draft_len`): a verify of k drafts costs `VerifyCost.ratio(1 + k)` steps (a
+draft model's k tokens cost k of its own steps more) and yields on average 1 + S(1) + ... +
+S(k) tokens, S(i) the chance that the draft's first i tokens are all accepted. A slot verifies
+the k that yields the most tokens per step, and none where that is not `1 + MARGIN` tokens a
+step. Where even a draft that is always accepted cannot pay (a tiny model on a CPU, where a
+verify of k costs about k steps), nothing is drafted.
+
+S is read off the slot's own record as a run: drafts are right in stretches (a copied line, a
+quoted block) and wrong between them, so the chance that the next token is rejected is kept per
+position in the current run of tokens the drafts had right (BUCKETS: the 1st, the 2nd, the
+3rd-4th, ... the 33rd-64th, the rest), not as one acceptance for every token. A draft made 20
+tokens into such a run is priced at the run's 21st position onwards. Each bucket's rate is its
+decayed counts (DECAY per draft recorded) over a prior carried from the bucket before it
+(PRIOR_DEEP positions' worth; the first bucket's is PRIOR_A over PRIOR_TRIALS), so a position
+the slot has not reached yet is priced as the deepest it has, and more data moves it at once.
+
+**Every n-gram draft is measured, verified or not.** A draft the rule turns down is a shadow:
+the tokens the plain steps make next are compared with it (`shadowed`), as a verify would have
+compared them (for temperature > 0, a plain step's draw equals the draft's token with the
+probability a verify accepts it). So a slot's record follows its answer without spending a
+verify on a probe, and drafting restarts as soon as the answer starts to copy. A draft
+model's tokens exist only where a verify runs, so a draft model's slot that is turned down, or
+whose REJECT_RUN verifies in a row accepted nothing, pauses for PAUSE_TOKENS generated tokens
+(doubled each time up to PAUSE_MAX) and then probes: its next draft is verified as if PROBE_A
+of its tokens were accepted. A probe costs at most one verify per pause.
 
 Everything the rule reads but the cost depends on the request's tokens; the cost is the
 worker's start-up measurement, fixed for its life (backend.worker.speculation), so a cache hit
@@ -53,8 +66,10 @@ Pure: no I/O, clock or logging.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 from policies.ngram import NGRAM_TYPES, Drafter, NgramParams, Tokens, make, n_max
@@ -73,9 +88,10 @@ NOT_BUILT = {
 }
 
 MARGIN = 0.05  # a verify must promise this much more than one token a step
-DECAY = 0.8  # weight of a slot's older verifies in its acceptance after each new one
-PRIOR_A, PRIOR_TRIALS = 0.5, 2.0  # its acceptance before any verify
-REJECT_RUN = 3  # verifies in a row that accepted nothing pause the slot
+DECAY = 0.9  # weight of a slot's older drafts in its record after each new one
+PRIOR_A, PRIOR_TRIALS = 0.5, 2.0  # a run's first draft token's acceptance before any draft
+PRIOR_DEEP = 1.5  # positions' worth of the bucket before's rate each bucket starts from
+REJECT_RUN = 3  # a draft model's verifies in a row that accepted nothing pause the slot
 PAUSE_TOKENS, PAUSE_MAX = 16, 256  # generated tokens a pause lasts, doubling
 PROBE_A = 0.8  # the acceptance a probe's length is chosen for
 
@@ -230,20 +246,49 @@ class VerifyCost:
         return cls(rows, tuple(float(x) for x in d["ratios"]), float(d.get("draft_step", 0.0)))
 
 
+# a draft's tokens, by their position in the run of tokens the drafts had right (1-based),
+# fall in these buckets, each with its own rejection rate: the 1st, the 2nd, the 3rd-4th, ...,
+# the 33rd-64th, then the rest
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # verify lengths the rule weighs
+_ZEROS = (0.0,) * (len(BUCKETS) + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """One request's record of its verifies (the stop rule's inputs)."""
+    """One request's record of its drafts, verified or shadowed (the stop rule's inputs)."""
 
-    hits: float = PRIOR_A * PRIOR_TRIALS  # decayed accepted drafts
-    trials: float = PRIOR_TRIALS  # decayed drafts examined (accepted + the first rejected)
-    rejects: int = 0  # verifies in a row that accepted nothing
+    reached: tuple[float, ...] = _ZEROS  # per bucket, decayed: draft tokens examined there
+    rejected: tuple[float, ...] = _ZEROS  # ... and of them rejected
+    rejects: int = 0  # verifies in a row that accepted nothing (a draft model's)
     pause_until: int = 0  # no drafting before this many generated tokens
     pause: int = PAUSE_TOKENS  # the next pause's length
     probe: bool = False  # a draft was turned down: the next, after the pause, is verified
 
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.trials
+    def rates(self) -> list[float]:
+        """Per bucket, the chance that a draft token there is rejected (module rules)."""
+        out, rate, weight = [], 1 - PRIOR_A, PRIOR_TRIALS
+        for reached, rejected in zip(self.reached, self.rejected, strict=True):
+            rate = (rejected + weight * rate) / (reached + weight)
+            weight = PRIOR_DEEP
+            out.append(rate)
+        return out
+
+    def yields(self, lengths: Sequence[int], run: int = 0) -> list[float]:
+        """For each k of `lengths` (ascending), the tokens a verify of k drafts yields on
+        average, `run` tokens into a run the drafts had right: 1 + S(1) + ... + S(k)."""
+        rates = self.rates()
+        out, y, s, at = [], 1.0, 1.0, run  # at: the run positions summed so far
+        for k in lengths:
+            while at < run + k:
+                b = bisect_left(BUCKETS, at + 1)
+                end = min(run + k, BUCKETS[b]) if b < len(BUCKETS) else run + k
+                keep, c = 1 - rates[b], end - at
+                y += s * c if keep >= 1 else s * keep * (1 - keep ** c) / (1 - keep)
+                s *= keep ** c
+                at = end
+            out.append(y)
+        return out
 
 
 def expected(a: float, k: int) -> float:
@@ -252,28 +297,38 @@ def expected(a: float, k: int) -> float:
 
 
 def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen: int,
-              per_draft: float = 0.0) -> tuple[int, Stats]:
+              per_draft: float = 0.0, shadowed: bool = True, run: int = 0
+              ) -> tuple[int, Stats]:
     """How many of a draft of n tokens to verify (module rules; 0: one plain step), and the
-    slot's record after the choice (a draft turned down pauses it). `per_draft`: what making
-    each drafted token costs, in steps (a draft model's step; 0 for an n-gram's)."""
+    slot's record after the choice. `per_draft`: what making each drafted token costs, in
+    steps (a draft model's step; 0 for an n-gram's). `shadowed`: a draft turned down is
+    compared with the tokens that come instead, as an n-gram's is; one that is not (a draft
+    model's) pauses the slot. `run`: tokens in a row the slot's drafts had right."""
     if always or n <= 0:
         return max(n, 0), stats
     if n_gen < stats.pause_until:
         return 0, stats
     if cost is None:
         return n, stats
+    lengths = [k for k in _LENGTHS if k < n] + [n]
 
-    def best(a: float) -> tuple[float, int]:
-        return max((expected(a, k) / (cost.ratio(1 + k) + k * per_draft), k)
-                   for k in range(1, n + 1))
+    def per_step(k: int) -> float:
+        return _ratio(cost, 1 + k) + k * per_draft
     if stats.probe:
-        return best(PROBE_A)[1], replace(stats, probe=False)
-    pays, k = best(stats.acceptance)
+        return max((expected(PROBE_A, k) / per_step(k), k) for k in lengths)[1], \
+            replace(stats, probe=False)
+    pays, k = max((y / per_step(k), k) for y, k in zip(stats.yields(lengths, run), lengths,
+                                                       strict=True))
     if pays > 1 + MARGIN:
         return k, stats
-    if not cost.can_pay(n, per_draft):
+    if shadowed or not cost.can_pay(n, per_draft):
         return 0, stats
     return 0, replace(paused(stats, n_gen), probe=True)
+
+
+@lru_cache(maxsize=1024)
+def _ratio(cost: VerifyCost, r: int) -> float:
+    return cost.ratio(r)
 
 
 def paused(stats: Stats, n_gen: int) -> Stats:
@@ -281,12 +336,40 @@ def paused(stats: Stats, n_gen: int) -> Stats:
     return replace(stats, pause_until=n_gen + stats.pause, pause=min(stats.pause * 2, PAUSE_MAX))
 
 
-def after(stats: Stats, k: int, m: int, n_gen: int) -> Stats:
-    """The record after a verify of k drafts of which m were accepted (`n_gen`: tokens
-    generated after it)."""
-    examined = min(m + 1, k)
-    s = replace(stats, hits=DECAY * stats.hits + m, trials=DECAY * stats.trials + examined)
+def _recorded(stats: Stats, run: int, examined: int, rejected_at: int | None, decay: bool
+              ) -> Stats:
+    """`stats` with run positions run+1..run+examined examined, the one at `rejected_at`
+    rejected; `decay`: a new draft's record begins (the older ones weigh DECAY less)."""
+    reached = [DECAY * r for r in stats.reached] if decay else list(stats.reached)
+    rejected = [DECAY * r for r in stats.rejected] if decay else list(stats.rejected)
+    at, last = run, run + examined
+    while at < last:
+        b = bisect_left(BUCKETS, at + 1)
+        end = min(last, BUCKETS[b]) if b < len(BUCKETS) else last
+        reached[b] += end - at
+        at = end
+    if rejected_at is not None:
+        rejected[bisect_left(BUCKETS, rejected_at)] += 1
+    return Stats(tuple(reached), tuple(rejected), stats.rejects, stats.pause_until, stats.pause,
+                 stats.probe)
+
+
+def shadowed(stats: Stats, j: int, hit: bool, first: bool) -> Stats:
+    """The record after a plain step compared the token it made with a draft turned down: the
+    draft's token at run position j (1-based) was right (`hit`) or not; `first`: the draft's
+    first token (its record begins)."""
+    return _recorded(stats, j - 1, 1, None if hit else j, first)
+
+
+def after(stats: Stats, k: int, m: int, n_gen: int, run: int = 0, shadowed: bool = True
+          ) -> Stats:
+    """The record after a verify of k drafts of which m were accepted, `run` tokens into a run
+    the drafts had right (`n_gen`: tokens generated after it; `shadowed`: an n-gram's draft,
+    which never pauses the slot)."""
+    s = _recorded(stats, run, min(m + 1, k), run + m + 1 if m < k else None, True)
     if m > 0:
         return replace(s, rejects=0, pause=PAUSE_TOKENS)
     s = replace(s, rejects=s.rejects + 1)
-    return paused(replace(s, rejects=0), n_gen) if s.rejects >= REJECT_RUN else s
+    if shadowed or s.rejects < REJECT_RUN:
+        return s
+    return paused(replace(s, rejects=0), n_gen)

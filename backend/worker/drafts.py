@@ -25,6 +25,7 @@ from policies.speculate import (
     after,
     draft_len,
     room,
+    shadowed,
 )
 
 
@@ -53,6 +54,12 @@ class SlotDrafts:
     stats: Stats = field(default_factory=Stats)
     source: str = ""  # the waiting draft's drafter
     draft: list[int] = field(default_factory=list)  # the waiting draft, verified next step
+    # an n-gram draft turned down, compared with the tokens plain steps make instead, and how
+    # many of them it was compared with so far (policies.speculate: shadows)
+    shadow: list[int] = field(default_factory=list)
+    shadowed: int = 0
+    run: int = 0  # tokens in a row the drafts had right, up to the waiting one
+    verified_last: bool = False  # the waiting token came out of a verify
     totals: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted,
     # verifies]
 
@@ -66,6 +73,16 @@ class SlotDrafts:
         """The draft to verify beside `last` (the sampled token waiting for its step): `live`
         is every token the slot evaluated, `left` the tokens the answer may still generate."""
         self.source, self.draft = "", []
+        if self.shadow:  # one plain step since it was made: `last` is that step's token
+            hit = last == self.shadow[self.shadowed]
+            self.shadowed += 1
+            self.stats = shadowed(self.stats, self.run + 1, hit, self.shadowed == 1)
+            self.run = self.run + 1 if hit else 0
+            if not hit or self.shadowed == len(self.shadow):
+                self.shadow, self.shadowed = [], 0
+        elif not self.verified_last:
+            self.run = 0  # a plain step no draft foretold
+        self.verified_last = False
         if not self.spec.config.always and n_gen < self.stats.pause_until:
             return self.draft  # paused: the drafters are not asked
         n_room = room(len(live), n_ctx or len(live) + self.spec.n_batch + 2, left,
@@ -74,16 +91,21 @@ class SlotDrafts:
         cost = self.spec.cost
         k, self.stats = draft_len(self.stats, len(draft), cost, self.spec.config.always, n_gen,
                                   cost.draft_step if cost is not None and source == MODEL
-                                  else 0.0)
+                                  else 0.0, source != MODEL, self.run)
         if k > 0:
             self.source, self.draft = source, draft[:k]
+            self.shadow, self.shadowed = [], 0
+        elif draft and not self.shadow and source != MODEL:
+            self.shadow = draft
         return self.draft
 
     def verified(self, k: int, m: int, n_gen: int) -> None:
         """The waiting draft was verified, k tokens of it (a draft model's: as many as it
         made), and m accepted."""
         self.chain.accept(m)
-        self.stats = after(self.stats, k, m, n_gen)
+        self.stats = after(self.stats, k, m, n_gen, self.run, self.source != MODEL)
+        self.run = self.run + m if m == k else 0
+        self.verified_last = True
         t = self.totals.setdefault(self.source, [0, 0, 0])
         t[0], t[1], t[2] = t[0] + k, t[1] + m, t[2] + 1
         self.source, self.draft = "", []

@@ -4,11 +4,15 @@ tests/backend/test_speculation.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from policies.ngram import NgramParams
 from policies.speculate import (
+    BUCKETS,
+    DECAY,
     MARGIN,
     MODEL_TOKEN,
     PAUSE_MAX,
@@ -23,6 +27,7 @@ from policies.speculate import (
     expected,
     parse_types,
     room,
+    shadowed,
 )
 
 
@@ -120,58 +125,119 @@ def test_expected_tokens() -> None:
     assert expected(1.0, 4) == 5.0
 
 
-@pytest.mark.parametrize(("why", "stats", "n", "cost", "always", "n_gen", "want"), [
-    ("always: every draft, as llama-server", Stats(), 6, CPU, True, 0, (6, Stats())),
-    ("no cost measured: every draft", Stats(), 6, None, False, 0, (6, Stats())),
-    # on a GPU at the prior acceptance 0.5 a sixth draft adds less than it costs: five,
-    # 1.97 tokens for 1.075 steps
-    ("a GPU: the most tokens a step", Stats(), 6, GPU, False, 0, (5, Stats())),
-    ("a GPU and a slot that accepts nine in ten: the whole draft",
-     Stats(hits=9.0, trials=10.0), 6, GPU, False, 0, (6, Stats(9.0, 10.0))),
-    # 1 + 0.05 + ... tokens never pay 1.02 steps and the margin
-    ("a slot that accepts little pauses", Stats(hits=0.1, trials=10.0), 6, GPU, False, 40,
-     (0, Stats(0.1, 10.0, pause_until=40 + PAUSE_TOKENS, pause=2 * PAUSE_TOKENS,
-               probe=True))),
-    # after a turned-down draft's pause, a probe: the draft verified as at acceptance 0.8, so
-    # the slot's acceptance is measured (at the prior alone a type never drafted once)
-    ("after the pause, a probe", Stats(0.1, 10.0, pause_until=56, pause=32, probe=True), 6,
-     GPU, False, 56, (6, Stats(0.1, 10.0, pause_until=56, pause=32))),
-    ("while paused, nothing", Stats(pause_until=50), 6, GPU, False, 49,
-     (0, Stats(pause_until=50))),
+# the verify cost bench.spec measured for ngram-simple with the default model on the 2-core EPYC
+EPYC = VerifyCost((1, 2, 4, 8, 16, 32, 49), (1.0, 2.0, 3.1, 4.4, 7.5, 14.2, 21.6))
+NO = (0.0,) * (len(BUCKETS) + 1)
+
+
+def record(*runs: tuple[int, int]) -> Stats:
+    """The record of shadows, each (tokens it had right, then 1: one wrong | 0: it ended)."""
+    s = Stats()
+    for right, wrong in runs:
+        for j in range(1, right + wrong + 1):
+            s = shadowed(s, j, j <= right, j == 1)
+    return s
+
+
+COPY = record((48, 0))  # a 48-token draft the answer copied whole
+NOVEL = record(*[(0, 1)] * 5)  # five drafts wrong at once
+
+
+def test_rates_start_from_the_bucket_before() -> None:
+    assert Stats().rates() == [0.5] * len(NO), "the prior: one token in two"
+    assert Stats().yields([0, 1, 2, 3]) == [1.0, 1.5, 1.75, 1.875]
+    assert Stats().yields([2, 5]) == pytest.approx([1.75, 1.96875])
+    # one bucket measured, the rest carry its rate: rejected 1 of 10, over the prior's 1 of 2
+    s = Stats(reached=(10.0, *NO[1:]), rejected=(1.0, *NO[1:]))
+    assert s.rates() == pytest.approx([2 / 12] * len(NO))
+    # a copied run: the deeper its positions, the surer the next (1st: 1 over the prior's 2)
+    assert COPY.reached == (1.0, 1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 0.0)
+    assert COPY.rejected == NO
+    assert COPY.rates()[0] == pytest.approx(1 / 3) and COPY.rates()[6] < 0.001
+    # priced from the run's position: 20 tokens in, the next 8 are all but sure
+    assert COPY.yields([8], run=20)[0] > 8.95
+    assert COPY.yields([8])[0] == pytest.approx(4.815, abs=0.001), "at a run's start, less sure"
+
+
+@pytest.mark.parametrize(("why", "stats", "n", "cost", "always", "n_gen", "run", "shadowed",
+                          "want"), [
+    ("always: every draft, as llama-server", Stats(), 6, CPU, True, 0, 0, True, (6, Stats())),
+    ("no cost measured: every draft", Stats(), 6, None, False, 0, 0, True, (6, Stats())),
+    # on a GPU at the prior one in two, six drafts: 1.984 tokens for 1.0875 steps
+    ("a GPU: the most tokens a step", Stats(), 6, GPU, False, 0, 0, True, (6, Stats())),
     ("a CPU where a row costs a step: nothing, never paused (nothing to learn)",
-     Stats(hits=10.0, trials=10.0), 7, CPU, False, 0, (0, Stats(10.0, 10.0))),
+     COPY, 7, CPU, False, 0, 20, False, (0, COPY)),
+    # where a verify of k costs about k/2 steps, a draft pays only inside a copied run
+    ("this CPU, no record: nothing", Stats(), 48, EPYC, False, 0, 0, True, (0, Stats())),
+    ("this CPU, the start of a run: nothing", COPY, 48, EPYC, False, 0, 0, True, (0, COPY)),
+    ("this CPU, 8 tokens into a copied run: the whole draft", COPY, 48, EPYC, False, 0, 8,
+     True, (48, COPY)),
+    ("this CPU, novel text: nothing", NOVEL, 48, EPYC, False, 0, 8, True, (0, NOVEL)),
+    # an n-gram's draft turned down is a shadow: the slot never pauses, its record goes on
+    ("a GPU, novel text, an n-gram: nothing, not paused", NOVEL, 6, EPYC, False, 40, 0, True,
+     (0, NOVEL)),
+    # a draft model's tokens are made only for a verify: turned down, the slot pauses
+    ("a draft model turned down pauses", NOVEL, 6, EPYC, False, 40, 0, False,
+     (0, replace(NOVEL, pause_until=40 + PAUSE_TOKENS, pause=2 * PAUSE_TOKENS, probe=True))),
+    # after the pause, a probe: the draft verified as at acceptance 0.8, so the slot's record
+    # is measured again (at the record alone a draft model would never draft again)
+    ("after the pause, a probe", replace(NOVEL, pause_until=56, pause=32, probe=True), 6,
+     GPU, False, 56, 0, False, (6, replace(NOVEL, pause_until=56, pause=32))),
+    ("while paused, nothing", Stats(pause_until=50), 6, GPU, False, 49, 0, False,
+     (0, Stats(pause_until=50))),
 ])
 def test_draft_len(why: str, stats: Stats, n: int, cost: VerifyCost | None, always: bool,
-                   n_gen: int, want: tuple[int, Stats]) -> None:
-    assert draft_len(stats, n, cost, always, n_gen) == want
+                   n_gen: int, run: int, shadowed: bool, want: tuple[int, Stats]) -> None:
+    assert draft_len(stats, n, cost, always, n_gen, shadowed=shadowed, run=run) == want
 
 
 def test_a_draft_models_steps_count_in_the_cost() -> None:
-    # accepting nine in ten, a draft model whose step costs half the model's pays best for
-    # three drafts (3.44 tokens for 1.05 + 1.5 steps), where free n-gram drafts pay for all six
-    good = Stats(hits=9.0, trials=10.0)
+    # eleven in twelve accepted, a draft model whose step costs half the model's pays best for
+    # three drafts, where free n-gram drafts pay for all six
+    good = Stats(reached=(10.0, *NO[1:]), rejected=NO)
+    assert good.rates()[0] == pytest.approx(1 / 12)
     assert draft_len(good, 6, GPU, False, 0, per_draft=0.5)[0] == 3
     assert draft_len(good, 6, GPU, False, 0)[0] == 6
 
 
 def test_the_margin_turns_down_a_draft_that_barely_pays() -> None:
     even = VerifyCost((1, 2), (1.0, 1.0 + 1 / (1 + MARGIN)))
-    assert draft_len(Stats(hits=10.0, trials=10.0), 1, even, False, 0)[0] == 0
+    sure = Stats(reached=(1e9, *NO[1:]), rejected=NO)
+    assert sure.yields([1])[0] == pytest.approx(2.0)
+    assert draft_len(sure, 1, even, False, 0)[0] == 0
 
 
-def test_after_a_verify() -> None:
+def test_the_record_of_a_verify() -> None:
     s = after(Stats(), 4, 2, 10)  # two accepted, the third examined and rejected
-    assert (s.hits, s.trials, s.rejects) == (pytest.approx(0.8 + 2), pytest.approx(1.6 + 3), 0)
-    s = after(Stats(), 4, 4, 10)  # all accepted: four examined
-    assert s.trials == pytest.approx(1.6 + 4)
-    # a run of rejections pauses the slot, each pause twice the last, up to PAUSE_MAX
+    assert (s.reached, s.rejected, s.rejects) == ((1.0, 1.0, 1.0, *NO[3:]),
+                                                  (0.0, 0.0, 1.0, *NO[3:]), 0)
+    s = after(Stats(), 8, 8, 10, run=4)  # all accepted, 4 tokens into a run: positions 5-12
+    assert (s.reached, s.rejected) == ((0.0, 0.0, 0.0, 4.0, 4.0, *NO[5:]), NO)
+    s = after(s, 2, 0, 12, run=12)  # the next verify: older records weigh DECAY
+    assert s.reached == pytest.approx((0.0, 0.0, 0.0, 4 * DECAY, 4 * DECAY + 1, *NO[5:]))
+    assert s.rejected == (0.0, 0.0, 0.0, 0.0, 1.0, *NO[5:])
+    # a shadow's record: each of its tokens as the step that checks it comes; the first
+    # begins the draft's record
+    s = shadowed(shadowed(Stats(), 1, True, True), 2, False, False)
+    assert (s.reached, s.rejected) == ((1.0, 1.0, *NO[2:]), (0.0, 1.0, *NO[2:]))
+
+
+def test_a_draft_models_rejections_pause_it_an_n_grams_do_not() -> None:
+    # a run of rejections pauses a draft model's slot, each pause twice the last, up to
+    # PAUSE_MAX
     s = Stats()
     for gen in (1, 2):
-        s = after(s, 3, 0, gen)
+        s = after(s, 3, 0, gen, shadowed=False)
         assert s.rejects == gen and s.pause_until == 0
-    s = after(s, 3, 0, 3)
+    s = after(s, 3, 0, 3, shadowed=False)
     assert (s.rejects, s.pause_until, s.pause) == (0, 3 + PAUSE_TOKENS, 2 * PAUSE_TOKENS)
     for _ in range(10):
-        s = after(after(after(s, 3, 0, 9), 3, 0, 9), 3, 0, 9)
+        for _ in range(3):
+            s = after(s, 3, 0, 9, shadowed=False)
     assert s.pause == PAUSE_MAX
-    assert after(s, 3, 1, 9).pause == PAUSE_TOKENS, "an accepted draft ends the backing off"
+    assert after(s, 3, 1, 9, shadowed=False).pause == PAUSE_TOKENS, \
+        "an accepted draft ends the backing off"
+    s = Stats()
+    for gen in range(10):
+        s = after(s, 3, 0, gen)  # an n-gram's: its shadows measure it, it never pauses
+    assert s.pause_until == 0
