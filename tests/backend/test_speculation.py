@@ -42,6 +42,9 @@ APART = Shapes("apart", True, "")
 SPEC = SpecConfig(("ngram-simple", "ngram-mod"),
                   NgramParams(simple_size_n=4, simple_size_m=8, mod_n_match=3, mod_n_min=1,
                               mod_n_max=6), always=True)
+# the verify cost bench.spec measured for ngram-simple with the default model on a 2-core EPYC:
+# under the stop rule, drafts pay only inside a run of tokens the drafts had right
+EPYC = VerifyCost((1, 2, 4, 8, 16, 32, 49), (1.0, 2.0, 3.1, 4.4, 7.5, 14.2, 21.6))
 FILE = "\n".join(f"def step_{i}(state, value):\n    total = state.count + value * {i}\n"
                  f"    return total if total > {i * 3} else state.count" for i in range(14))
 
@@ -72,12 +75,18 @@ class Worker:
     """The worker's compute loop over `eng` in this process, speculation as `spec` says."""
 
     def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None,
-                 shapes: Shapes = APART, model: DraftModel | None = None) -> None:
+                 shapes: Shapes = APART, model: DraftModel | None = None,
+                 rule: VerifyCost | None = None, gen: int = GEN) -> None:
+        """`rule`: the stop rule on, at this verify cost (else `spec` as it says); `gen`: the
+        tokens an answer may have."""
+        self.gen = gen
         self.eng, self.events = eng, []  # type: list[tuple[str, Event]]
         self.ended, self.finished = threading.Condition(), set()  # type: ignore[var-annotated]
         tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
                       self._emit)
         self.spec = resolve(spec, eng, "", 0, model) if spec.on else None
+        if rule is not None and self.spec is not None:
+            self.spec = replace(self.spec, config=replace(spec, always=False), cost=rule)
         core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
                     eng.n_ctx, spec=self.spec)
         eng.decode_shape = shapes.decode
@@ -102,10 +111,10 @@ class Worker:
                 self.ended.notify_all()
 
     def submit(self, run: str, ids: list[int], plan: Plan = COLD,
-               sampling: dict[str, object] | None = None, slot: int = 0, gen: int = GEN
-               ) -> None:
+               sampling: dict[str, object] | None = None, slot: int = 0,
+               gen: int | None = None) -> None:
         self.loop.arrive(Job(run, tuple(ids), b"", "", plan, sampling or {"temperature": 0.0},
-                             gen, (), None, slot))
+                             self.gen if gen is None else gen, (), None, slot))
 
     def run(self, run: str, ids: list[int], plan: Plan = COLD,
             sampling: dict[str, object] | None = None, slot: int = 0,
@@ -130,17 +139,22 @@ def name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def test_every_hit_answers_as_its_cold_run_with_speculation_on(name: str, tmp_path: Path
-                                                               ) -> None:
+@pytest.mark.parametrize("rule", [None, EPYC], ids=["every draft", "the stop rule"])
+def test_every_hit_answers_as_its_cold_run_with_speculation_on(
+        name: str, rule: VerifyCost | None, tmp_path: Path) -> None:
     """A cold run in a fresh context, then in another: the same prompt cold, again as a live
-    hit, and restored from a state file at a batch edge; greedy and seeded at temperature 0.8.
-    Each answers token for token as the cold run and drafts and accepts as many tokens."""
+    hit, and restored from a state file at a batch edge; greedy and seeded at temperature 0.8
+    with every draft verified, greedy under the stop rule (its shadows and runs: a function of
+    the tokens). Each answers token for token as the cold run and drafts and accepts as many
+    tokens."""
     ids = edit_ids(name)
     edge = (len(ids) - 1) // BATCH * BATCH
-    for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 7}):
+    samplings = [{"temperature": 0.0}] + ([{"temperature": 0.8, "seed": 7}] if rule is None
+                                          else [])
+    for sampling in samplings:
         ref = _engine(name)
         try:
-            w = Worker(ref, SPEC)
+            w = Worker(ref, SPEC, rule=rule, gen=GEN if rule is None else 64)
             want, cold, _ = w.run("cold", ids, sampling=sampling)
             w.stop()
         finally:
@@ -148,7 +162,7 @@ def test_every_hit_answers_as_its_cold_run_with_speculation_on(name: str, tmp_pa
         eng = _engine(name)
         try:
             key, path, size = _stored(eng, ids[:edge], tmp_path)
-            w = Worker(eng, SPEC, cache=tmp_path)
+            w = Worker(eng, SPEC, cache=tmp_path, rule=rule, gen=GEN if rule is None else 64)
             again, first, _ = w.run("again", ids, sampling=sampling)
             live, hit, start = w.run("live", ids, replace(COLD, keep_max=edge, live_ok=True),
                                      sampling)
