@@ -18,6 +18,10 @@
 #   rate    bench.decode_rate on the 1.1B Q4_K_M: 3 slots generating at once, tokens/s of
 #           prefixgate --deterministic auto, on and off against llama-server -np 3 (issue 41:
 #           auto at least 0.9x)
+#   spec    bench.spec on the 1.1B Q4_K_M (issue 47): n-gram drafts and a draft model (the small
+#           random llama) against llama-server with the same types, the verify cost on this GPU;
+#           then bench.spec_replay: that cost on the answers the real model gave on a CPU
+#           (bench/results/issue47), what they would gain here
 #   team    bench.team on the 1.1B Q4_K_M model: 1 worker with 3 slots against llama-server -np 3
 #   decode  bench.decode_batch: batched versus alone decode steps, bit for bit and ms per step
 #   tests   the exactness suite (engines and servers, slots included) on all three families
@@ -25,11 +29,12 @@
 # Each stage is bounded by the time left of BUDGET (from the start) and skipped when too little
 # is left; a stage that finished is remembered in $BUILD/done, so a second call on the same
 # machine goes on where the first stopped (the llama-server build runs on between calls).
-# OUT_DIR gets one file per stage (the device tool brings back 8).
+# OUT_DIR gets one file per stage, the build, models and llama-server's build together in
+# setup.txt, and timeline.txt: 8 files (the device tool brings back 8).
 set -uo pipefail
 self=$(realpath "$0")
 export carry=$(realpath "$1") out=$(realpath -m "${2:-$1/out}")
-stages=${3:-build,server,models,doctor,rate,team,decode,tests}
+stages=${3:-build,server,models,doctor,rate,spec,team,decode,tests}
 export build=${BUILD:-/tmp/prefixgate-gpu-build}
 export site=${SITE:-/tmp/site}  # where the carried wheels and the built library go
 export models=$build/models PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
@@ -123,6 +128,15 @@ rate() {
     --out /tmp/rate
 }
 
+spec() {
+  wait_server || return 1
+  python3 -m bench.spec --llama-server "$(cat "$build/llama-server.path")" \
+    --model "$models/tiny-q4_k_m.gguf" -ngl 99 --threads 8 --workloads edit,patch \
+    --spec-types ngram-simple,draft-simple --draft-model "$models/llama.gguf" --out /tmp/spec &&
+    python3 -m bench.spec_replay bench/results/issue47/spec-shadows.json \
+      bench/results/issue47/spec-1130.json --costs /tmp/spec/spec.json
+}
+
 team() {
   wait_server || return 1
   python3 -m bench.team --llama-server "$(cat "$build/llama-server.path")" \
@@ -151,10 +165,11 @@ stage() {  # NAME LEAST_SECONDS: run it under the time left, unless it finished 
   (( l >= least )) || { say "$name: skipped, $l s left (it needs $least)"; return 0; }
   say "$name: start ($l s left)"
   local s=$(date +%s) rc
-  timeout -k 5 "$l" bash "$self" "$carry" "$out" "$stages" --stage "$name" \
-    >> "$out/$name.txt" 2>&1
+  local file=$out/$name.txt
+  [[ $name == build || $name == models ]] && file=$out/setup.txt
+  timeout -k 5 "$l" bash "$self" "$carry" "$out" "$stages" --stage "$name" >> "$file" 2>&1
   rc=$?
-  tail -4 "$out/$name.txt"
+  tail -4 "$file"
   say "$name: exit $rc after $(( $(date +%s) - s )) s"
   (( rc == 0 )) && touch "$build/done/$name"
 }
@@ -170,8 +185,9 @@ fi
 stage models 30
 stage doctor 30
 stage rate 60
+stage spec 90
 stage team 60
 stage decode 30
 stage tests 60
-cp "$build/server.log" "$out/server.txt" 2>/dev/null || true
+{ echo "### llama-server's build"; cat "$build/server.log"; } >> "$out/setup.txt" 2>/dev/null || true
 say "done"

@@ -3,7 +3,7 @@ and llama-server side by side, with and without drafts.
 
     python -m bench.spec [--llama-server PATH] [--spec-types ngram-simple,ngram-mod]
         [--workloads edit,patch,log] [--n-predict 256] [--threads 2] [--model GGUF]
-        [--draft-model GGUF] [--arms ...] [--out DIR]
+        [--draft-model GGUF] [-ngl N] [--arms ...] [--out DIR]
 
 Workloads (built here, the same text every time), each an agent's answer that repeats what it
 was given, greedy: `edit` (a 42-line file in the prompt, "rewrite it renaming one function":
@@ -160,13 +160,22 @@ def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[s
         spec = ["--spec-type", kind, *model] if kind else []
         repack = [] if uses_repack("auto") else ["--no-repack"]
         return [args.llama_server, "-m", args.model, "-c", str(args.ctx), "-np", "1",
-                "-t", str(args.threads), "-ub", str(args.batch), *spec, *repack, "--host",
-                "127.0.0.1", "--port", str(port)]
+                "-t", str(args.threads), "-ub", str(args.batch), *spec, *repack, *gpu(args, kind),
+                "--host", "127.0.0.1", "--port", str(port)]
     spec = ["--spec-type", kind or "none", *model] + (["--spec-stop", "off"] if every else [])
     return [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, "--host",
             "127.0.0.1", "--port", str(port), "-c", str(args.ctx), "--threads",
-            str(args.threads), *spec, "--cache-dir", str(work / f"cache-{arm}"),
-            "--disk-prefix-cache", "off"]
+            str(args.threads), *spec, *gpu(args, kind), "--cache-dir",
+            str(work / f"cache-{arm}"), "--disk-prefix-cache", "off"]
+
+
+def gpu(args: argparse.Namespace, kind: str) -> list[str]:
+    """The layers offloaded, the model's and the draft model's (`-ngl`, `-ngld`), the same
+    option for both servers."""
+    if not args.gpu_layers:
+        return []
+    return ["-ngl", str(args.gpu_layers)] + (["-ngld", str(args.gpu_layers)]
+                                               if kind == "draft-simple" else [])
 
 
 def run(arm: str, workload: str, prompt: Prompt, args: argparse.Namespace, work: Path
@@ -287,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--model", default="")
+    p.add_argument("-ngl", "--gpu-layers", type=int, default=0,
+                   help="layers offloaded to the GPU, both servers' (and the draft model's)")
     p.add_argument("--draft-model", default="", help="a draft model of the model's vocabulary "
                    "(for the type draft-simple; default: the model itself)")
     p.add_argument("--rounds", type=int, default=1)

@@ -1,7 +1,8 @@
 """The stop rule replayed on the answers a `make bench-spec` run recorded (issue 47): tokens a
 step under the rule and with every draft verified, on the same tokens.
 
-    python -m bench.spec_replay RESULT.json [RESULT.json ...] [--tree DIR] [--out FILE.md]
+    python -m bench.spec_replay RESULT.json [RESULT.json ...] [--costs RESULT.json]
+        [--tree DIR] [--out FILE.md]
 
 Why: a verify computes other bits than one-token steps, so the greedy answer depends on which
 drafts were verified, and two stop rules measured side by side each run on their own answer
@@ -14,8 +15,9 @@ drafts cost each step (measured apart), and that a rule's own answer may copy mo
 
 Every distinct answer of the files' rows (prefixgate's and llama-server's, any arm) is replayed
 under each n-gram type the files measured a cost for, its prompt rendered as bench.spec renders
-it. `--tree`: replay another checkout's rule (a worktree of an older commit), imported from
-there.
+it. `--costs`: the verify costs of another run instead (a GPU's: what the same answers would
+gain where a verify costs about one step). `--tree`: replay another checkout's rule (a worktree
+of an older commit), imported from there.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def replay(prompt: list[int], answer: list[int], spec: Any, n_ctx: int = 1 << 20
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+")
+    p.add_argument("--costs", default="", help="a result whose verify costs to replay with")
     p.add_argument("--tree", default="", help="a checkout whose rule to replay")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -69,21 +72,22 @@ def main(argv: list[str] | None = None) -> None:
                for name, msgs in workloads().items()}
     costs: dict[str, VerifyCost] = {}
     answers: dict[tuple[str, str], list[int]] = {}
-    for path in args.results:
+    for path in ([args.costs] if args.costs else []) + args.results:
         data = json.loads(Path(path).read_text())
         for r in data["rows"]:
             server, _, rest = r["arm"].partition(":")
             kind = rest.partition(":")[0]
-            if server == "prefixgate" and kind.startswith("ngram") and r.get("cost_at_start"):
+            if server == "prefixgate" and kind.startswith("ngram") and r.get("cost_at_start") \
+                    and (path == args.costs or not args.costs):
                 costs.setdefault(kind, VerifyCost.from_wire(r["cost_at_start"]))
-            if r.get("content") and r["workload"] in prompts:
+            if r.get("content") and r["workload"] in prompts and path != args.costs:
                 ids = list(builder.tok.encode(r["content"]))
                 if r["tokens"] < data.get("n_predict", 256) and builder.tok.eos_id is not None:
                     ids.append(builder.tok.eos_id)  # it ended at the end of generation
                 answers.setdefault((r["workload"], r["content"]), ids)
     lines = [f"Replayed with the rule of {args.tree or 'this checkout'} on "
              f"{', '.join(args.results)}: tokens a step over plain decode (a verify of r rows "
-             f"at the start cost those runs measured).", "",
+             f"at the start cost {args.costs or 'those runs'} measured).", "",
              "| answer | tokens | type | stop rule | drafted / accepted | every draft | "
              "drafted / accepted |", "|---|---:|---|---:|---:|---:|---:|"]
     means: dict[str, list[tuple[float, float]]] = {}
