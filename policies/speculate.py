@@ -37,17 +37,6 @@ the k that yields the most tokens per step, and none where that is not `1 + MARG
 step. Where even a draft that is always accepted cannot pay (a tiny model on a CPU, where a
 verify of k costs about k steps), nothing is drafted.
 
-**Beside other slots** that generate at the same time, a verify costs them too: it pays where
-the tokens of all of them per second grow by MARGIN, not this slot's alone (`others`: the other
-slots generating; `beside`: how the worker's decode steps run, `Beside`). With R = others + 1
-slots, a step of their R waiting tokens costs ratio(R) for R tokens. A verify that shares that
-step (`shared`: decode steps batched as they come) costs ratio(R + k) for R - 1 + yield tokens;
-one that runs alone and the others' step after it (`after`: batched steps proven independent, a
-verify alone) costs ratio(1 + k) + ratio(R - 1). Where every slot steps alone (`apart`), the
-others' tokens cost what they cost without the draft, and the rule is the lone slot's. So on a
-CPU, where rows cost about half a step each, three slots batching verify only drafts the answer
-is copying at length, and on a GPU, where rows cost little, they verify as one slot does.
-
 S is read off the slot's own record as a run: drafts are right in stretches (a copied line, a
 quoted block) and wrong between them, so the chance that the next token is rejected is kept per
 position in the current run of tokens the drafts had right (BUCKETS: the 1st, the 2nd, the
@@ -81,7 +70,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any
 
 from policies.ngram import NGRAM_TYPES, Drafter, NgramParams, Tokens, make, n_max
 
@@ -307,25 +296,14 @@ def expected(a: float, k: int) -> float:
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-Beside = Literal["apart", "after", "shared"]  # how a verify runs beside other slots' decodes
-
-
-def beside_of(decode: str, independent: bool) -> Beside:
-    """How a verify runs beside the other slots' decodes, as policies.schedule.next_step
-    composes steps: every slot alone (`apart`), alone before the others' batched step where
-    batched steps are proven independent (`after`), else in their step (`shared`)."""
-    return "apart" if decode == "apart" else "after" if independent else "shared"
-
-
 def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen: int,
-              per_draft: float = 0.0, shadowed: bool = True, run: int = 0, others: int = 0,
-              beside: Beside = "apart") -> tuple[int, Stats]:
+              per_draft: float = 0.0, shadowed: bool = True, run: int = 0
+              ) -> tuple[int, Stats]:
     """How many of a draft of n tokens to verify (module rules; 0: one plain step), and the
     slot's record after the choice. `per_draft`: what making each drafted token costs, in
     steps (a draft model's step; 0 for an n-gram's). `shadowed`: a draft turned down is
     compared with the tokens that come instead, as an n-gram's is; one that is not (a draft
-    model's) pauses the slot. `run`: tokens in a row the slot's drafts had right. `others`:
-    the other slots generating now, and `beside`: how a verify runs beside them."""
+    model's) pauses the slot. `run`: tokens in a row the slot's drafts had right."""
     if always or n <= 0:
         return max(n, 0), stats
     if n_gen < stats.pause_until:
@@ -336,20 +314,11 @@ def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen
 
     def per_step(k: int) -> float:
         return _ratio(cost, 1 + k) + k * per_draft
-
-    def gain(y: float, k: int) -> float:
-        """Tokens a second with the verify over tokens a second without it (module rules)."""
-        if not others or beside == "apart":
-            return y / per_step(k)
-        r = others + 1
-        took = _ratio(cost, r + k) + k * per_draft if beside == "shared" else \
-            per_step(k) + _ratio(cost, others)
-        return (y + others) / took / (r / _ratio(cost, r))
     if stats.probe:
-        return max((gain(expected(PROBE_A, k), k), k) for k in lengths)[1], \
+        return max((expected(PROBE_A, k) / per_step(k), k) for k in lengths)[1], \
             replace(stats, probe=False)
-    pays, k = max((gain(y, k), k) for y, k in zip(stats.yields(lengths, run), lengths,
-                                                  strict=True))
+    pays, k = max((y / per_step(k), k) for y, k in zip(stats.yields(lengths, run), lengths,
+                                                       strict=True))
     if pays > 1 + MARGIN:
         return k, stats
     if shadowed or not cost.can_pay(n, per_draft):

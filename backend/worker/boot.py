@@ -40,7 +40,7 @@ from backend.worker.tiers import Tiers
 from backend.worker.verify import cost_key, resolve
 from policies.prefix import measured_at_start
 from policies.schedule import Deterministic, Proof, Shapes, choose_decode
-from policies.speculate import SpecConfig, beside_of
+from policies.speculate import SpecConfig
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -218,10 +218,9 @@ class Boot:
                 tiers.shared = SharedTier(spec.shared_tier, fingerprint)
             core = Core(len(engine.seqs), engine.batching, engine.memory.kind == "plain",
                         ram.budget, bool(checked["ok"]), engine.n_ctx,
-                        spec=replace(resolve(spec.spec, engine,
-                                             cost_key(key, spec.spec, spec.spec_draft_model),
-                                             spec.worker_id, draft_model(spec, engine)),
-                                     beside=beside_of(shapes.decode, shapes.independent)))
+                        spec=resolve(spec.spec, engine, cost_key(key, spec.spec,
+                                                                 spec.spec_draft_model),
+                                     spec.worker_id, draft_model(spec, engine)))
             worker = Worker(engine, core, tiers,
                             DecodeInfo(shapes.decode, shapes.independent, spec.deterministic,
                                        shapes.note),

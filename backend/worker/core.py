@@ -354,10 +354,8 @@ class Core:
         """A token that waits for its step gets the draft to verify beside it, if any."""
         if j.drafts is not None and self.jobs.get(slot) is j and j.phase == "waits":
             live = world.slots[slot]
-            others = sum(k is not j and k.phase in ("generate", "waits")
-                         for k in self.jobs.values())
             j.drafts.propose(live.ids[: live.n_live], j.token, j.n_gen,
-                             j.job.max_tokens - j.n_gen, self.n_ctx, others)
+                             j.job.max_tokens - j.n_gen, self.n_ctx)
         return []
 
     def _verified(self, slot: int, j: _Job, v: Verified, world: World) -> list[Effect]:

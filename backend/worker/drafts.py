@@ -18,7 +18,6 @@ from typing import Any
 from backend.worker.messages import Ids
 from policies.speculate import (
     MODEL,
-    Beside,
     Chain,
     SpecConfig,
     Stats,
@@ -38,8 +37,6 @@ class Speculation:
     drafts: bool  # this memory drafts (a recurrent state cannot be cut back: it does not)
     note: str  # in one sentence, for the ready line and /props
     model: Any = None  # the draft model of draft-simple (backend.worker.draft_model)
-    beside: Beside = "apart"  # how a verify runs beside other slots' decodes (the worker's
-    # decode shapes: policies.speculate)
 
     @property
     def on(self) -> bool:
@@ -72,11 +69,9 @@ class SlotDrafts:
         chain.begin(prompt)
         return cls(spec, chain)
 
-    def propose(self, live: Ids, last: int, n_gen: int, left: int, n_ctx: int,
-                others: int = 0) -> list[int]:
+    def propose(self, live: Ids, last: int, n_gen: int, left: int, n_ctx: int) -> list[int]:
         """The draft to verify beside `last` (the sampled token waiting for its step): `live`
-        is every token the slot evaluated, `left` the tokens the answer may still generate,
-        `others` the other slots generating now."""
+        is every token the slot evaluated, `left` the tokens the answer may still generate."""
         self.source, self.draft = "", []
         if self.shadow:  # one plain step since it was made: `last` is that step's token
             hit = last == self.shadow[self.shadowed]
@@ -96,8 +91,7 @@ class SlotDrafts:
         cost = self.spec.cost
         k, self.stats = draft_len(self.stats, len(draft), cost, self.spec.config.always, n_gen,
                                   cost.draft_step if cost is not None and source == MODEL
-                                  else 0.0, source != MODEL, self.run, others,
-                                  self.spec.beside)
+                                  else 0.0, source != MODEL, self.run)
         if k > 0:
             self.source, self.draft = source, draft[:k]
             self.shadow, self.shadowed = [], 0

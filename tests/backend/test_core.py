@@ -42,7 +42,7 @@ from policies.ngram import NgramParams
 from policies.prefix import Batching
 from policies.schedule import Task
 from policies.sources import Candidate
-from policies.speculate import SpecConfig, VerifyCost
+from policies.speculate import SpecConfig
 
 SALT, OTHER = b"s" * 16, b"o" * 16
 IDS = tuple(range(100, 140))  # 40 tokens: edges 8, 16, 24, 32; keep_max 32
@@ -338,24 +338,3 @@ def test_a_verify_ends_the_answer_where_a_stop_string_matches() -> None:
     done = next(e.event for e in fx if isinstance(e, Emit) and isinstance(e.event, Done))
     assert (done.finish_reason, done.stop, done.n_gen) == ("stop_sequence", "bc", 3)
     assert c.jobs == {}
-
-
-def test_a_slot_beside_another_generating_drafts_for_both_slots_tokens() -> None:
-    """The stop rule is told how many other slots generate: on a GPU-like cost, at the prior,
-    a lone slot verifies its draft; beside a slot generating, a verify alone before the other's
-    step (`after`) does not pay, one in the other's step (`shared`) does."""
-    gpu = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.02, 1.05, 1.1, 1.3))
-    for beside, other, want in (("after", False, [101, 102, 103]), ("after", True, []),
-                                ("shared", True, [101, 102, 103])):
-        spec = replace(SPEC, config=replace(SPEC.config, always=False), cost=gpu,
-                       beside=beside)
-        c = Core(2, Batching(8), True, 1 << 30, True, n_ctx=64, spec=spec)
-        w = world(holding(REPEATS), holding(REPEATS))
-        if other:  # slot 1's answer under way: its token waits for its step
-            c.apply(Arrive(replace(job(slot=1, run="o", max_tokens=9), ids=REPEATS)), w)
-            c.apply(Stepped(1, 0.1), w)
-            c.apply(Sampled(1, 7, b"x", False), w)
-        c.apply(Arrive(replace(job(max_tokens=9), ids=REPEATS)), w)
-        c.apply(Stepped(0, 0.1), w)
-        c.apply(Sampled(0, 100, b"a", False), w)
-        assert c.draft(0) == want, (beside, other)

@@ -17,14 +17,12 @@ from policies.speculate import (
     MODEL_TOKEN,
     PAUSE_MAX,
     PAUSE_TOKENS,
-    Beside,
     Chain,
     SpecConfig,
     Stats,
     VerifyCost,
     accepted,
     after,
-    beside_of,
     draft_len,
     expected,
     parse_types,
@@ -191,38 +189,6 @@ def test_rates_start_from_the_bucket_before() -> None:
 def test_draft_len(why: str, stats: Stats, n: int, cost: VerifyCost | None, always: bool,
                    n_gen: int, run: int, shadowed: bool, want: tuple[int, Stats]) -> None:
     assert draft_len(stats, n, cost, always, n_gen, shadowed=shadowed, run=run) == want
-
-
-@pytest.mark.parametrize(("why", "stats", "n", "cost", "run", "beside", "want"), [
-    # on a GPU at the prior, a verify alone before the others' step costs them a whole step:
-    # nothing; sharing their step, rows cost little: four drafts
-    ("a GPU, a verify alone before the others' step", Stats(), 6, GPU, 0, "after", 0),
-    ("a GPU, a verify in the others' step", Stats(), 6, GPU, 0, "shared", 4),
-    ("a GPU, every slot alone: as a lone slot", Stats(), 6, GPU, 0, "apart", 6),
-    # this CPU, a short run: alone it pays for four drafts (3.1 steps for 3.2 tokens); before
-    # the others' step it does not, in their step rows cost less (3.4 steps for 4.4 tokens
-    # where 2.55 gave 3)
-    ("this CPU, a short run, alone before the others", "short", 48, EPYC, 2, "after", 0),
-    ("this CPU, a short run, in the others' step", "short", 48, EPYC, 2, "shared", 4),
-    ("this CPU, a short run, every slot alone", "short", 48, EPYC, 2, "apart", 4),
-    # a copy pays beside the others too
-    ("this CPU, a copy, alone before the others", COPY, 48, EPYC, 8, "after", 48),
-    ("this CPU, a copy, in the others' step", COPY, 48, EPYC, 8, "shared", 48),
-])
-def test_a_verify_beside_two_other_slots(why: str, stats: Stats | str, n: int,
-                                         cost: VerifyCost, run: int, beside: Beside,
-                                         want: int) -> None:
-    s = record((6, 1), (6, 1)) if stats == "short" else stats
-    assert isinstance(s, Stats)
-    assert draft_len(s, n, cost, False, 0, run=run, others=2, beside=beside)[0] == want
-    if beside == "apart":  # every slot alone: the lone slot's rule
-        assert draft_len(s, n, cost, False, 0, run=run)[0] == want
-
-
-def test_the_verify_beside_others_as_next_step_composes_it() -> None:
-    assert beside_of("apart", True) == "apart" and beside_of("apart", False) == "apart"
-    assert beside_of("batched", True) == "after" and beside_of("fixed", True) == "after"
-    assert beside_of("batched", False) == "shared"
 
 
 def test_a_draft_models_steps_count_in_the_cost() -> None:
