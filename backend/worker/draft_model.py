@@ -10,13 +10,16 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   for every token from id 5 on. Otherwise the worker does not start, and says why in one line.
 - **Its KV follows the slot's tokens, and its drafts the tokens alone.** At a job's first draft
   its sequence keeps what it holds of the prompt only at a batch edge of the prompt, exactly (the
-  engine's rules: the prompt's cold-run batches) and prefills the rest as a cold run does; from
-  then on it evaluates the slot's accepted tokens and the waiting one, then drafts one token at
-  a time (its argmax, as llama.cpp's top-k 10 sampler takes its first; `p_min`: none less
-  likely than that among those ten); at the next draft it keeps what it holds of the slot's
-  tokens and evaluates the rest. So a job's drafts are a function of its prompt and answer,
-  and a cache hit of the target drafts what its cold run drafted. Its states are never stored:
-  a hit of the target prefills the draft model's prompt again (a small model's prefill).
+  engine's rules: the prompt's cold-run batches), or takes more of it from another slot's
+  sequence that holds it so (a copy of exact cells: what a cold prefill computes; a subagent
+  beside its main session shares the system prompt and tools), and prefills the rest as a cold
+  run does; from then on it evaluates the slot's accepted tokens and the waiting one, then
+  drafts one token at a time (its argmax, as llama.cpp's top-k 10 sampler takes its first;
+  `p_min`: none less likely than that among those ten); at the next draft it keeps what it
+  holds of the slot's tokens and evaluates the rest. So a job's drafts are a function of its
+  prompt and answer, and a cache hit of the target drafts what its cold run drafted. Its states
+  are never stored: a hit of the target from RAM or disk prefills the draft model's prompt again
+  (a small model's prefill) where no slot's sequence holds it.
 - **Memory.** A recurrent or hybrid draft model cannot be cut back after a draft: refused.
 """
 
@@ -61,6 +64,7 @@ class DraftModel:
     n_vocab: int  # the target's: no draft token past it
     path: str
     begun: dict[int, str] = field(default_factory=dict)  # slot -> the run its KV follows
+    copied: int = 0  # prompt tokens taken from another slot's sequence instead of prefilled
 
     @classmethod
     def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
@@ -85,12 +89,24 @@ class DraftModel:
         self.engine.close()
 
     def _begin(self, slot: int, prompt: Sequence[int]) -> None:
-        """The slot's sequence holds exactly the prompt, as a cold prefill computes it."""
+        """The slot's sequence holds exactly the prompt, as a cold prefill computes it: what
+        it holds of it at a batch edge kept, or more of it copied from another slot's sequence
+        (a subagent's draft beside its main session's: the same system prompt and tools), the
+        rest prefilled."""
         eng = self.engine
-        ids, q = list(prompt), eng.seqs[slot]
-        edges = eng.batching.edges(ids)
-        live = Live(q.ids, q.n_live, q.exact_n, eng.floor(slot), 0)
-        eng.truncate(slot, live_prefix(live, np.asarray(ids, dtype=np.intc), edges))
+        ids = list(prompt)
+        edges, a = eng.batching.edges(ids), np.asarray(ids, dtype=np.intc)
+
+        def held(s: int) -> int:
+            q = eng.seqs[s]
+            return live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(s), 0), a, edges)
+        own = held(slot)
+        src = max(range(len(eng.seqs)), key=lambda s: (held(s) if s != slot else -1, -s))
+        n = held(src) if src != slot else 0
+        if n > own and eng.copy(src, slot, n) == n:
+            self.copied += n
+        else:
+            eng.truncate(slot, own)
         eng.prefill(slot, ids, edges=edges)
 
     def draft(self, slot: int, run: str, prompt: Sequence[int], context: Sequence[int],

@@ -306,6 +306,30 @@ def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, t
     assert drafted["accepted"] > drafted["drafted"] // 2, drafted
 
 
+def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
+    """Two slots: the same prompt answered in slot 0, then in slot 1 (cold for the target).
+    The draft model's sequence of slot 1 takes the prompt from slot 0's, up to its last batch
+    edge, and prefills only the rest; the drafts and the answer are slot 0's, as a cold run's."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+                 flash_attn=FLASH_ATTN, n_seq=2)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        w = Worker(eng, MODEL_SPEC, model=model)
+        first, done0, _ = w.run("a", ids, slot=0)
+        assert model.copied == 0
+        second, done1, _ = w.run("b", ids, slot=1)
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    edge = eng.batching.edges(ids).floor(len(ids))
+    assert 0 < edge and model.copied == edge, (model.copied, edge)
+    assert (second, done1.draft) == (first, done0.draft)
+    assert done0.draft["draft-simple"]["accepted"] > 0
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
     eng = _engine("smollm2")
     try:
