@@ -30,27 +30,41 @@ from pathlib import Path
 from typing import Any
 
 
-def replay(prompt: list[int], answer: list[int], spec: Any, n_ctx: int = 1 << 20
-           ) -> tuple[float, int, int]:
-    """(tokens a step over plain decode, drafted, accepted) of `answer` after `prompt`."""
+def drive(prompt: list[int], answer: list[int], spec: Any, left: int | None = None,
+          n_ctx: int = 1 << 20) -> tuple[Any, list[tuple[int, int, int]]]:
+    """`answer` generated after `prompt` as the worker's core steps a slot: each step verifies
+    the draft proposed beside the waiting token, or is one plain step. (the slot's
+    `SlotDrafts`, per verify: tokens generated before it, drafts verified, accepted); `left`:
+    the tokens the answer may still generate at every step (None: what is left of `answer`)."""
     import numpy as np
 
     from backend.worker.drafts import SlotDrafts
     from policies.speculate import accepted
 
     d = SlotDrafts.start(spec, np.asarray(prompt, dtype=np.intc))
-    g, steps, drafted, kept = 0, 0.0, 0, 0
+    g, verifies = 0, []
     while g < len(answer) - 1:
         live = np.asarray(prompt + answer[:g], dtype=np.intc)
-        draft = d.propose(live, answer[g], g + 1, len(answer) - g - 1, n_ctx)
+        draft = d.propose(live, answer[g], g + 1, len(answer) - g - 1 if left is None else left,
+                          n_ctx)
         if draft:
             m = accepted(draft, answer[g + 1: g + 1 + len(draft)])
-            steps += spec.cost.ratio(1 + len(draft))
+            verifies.append((g + 1, len(draft), m))
             d.verified(len(draft), m, g + 2 + m)
-            drafted, kept, g = drafted + len(draft), kept + m, g + m + 1
+            g += m + 1
         else:
-            steps, g = steps + 1, g + 1
-    return (len(answer) - 1) / steps if steps else 1.0, drafted, kept
+            g += 1
+    return d, verifies
+
+
+def replay(prompt: list[int], answer: list[int], spec: Any) -> tuple[float, int, int]:
+    """(tokens a step over plain decode, drafted, accepted) of `answer` after `prompt`: a
+    verify of r rows costs `spec.cost.ratio(r)` steps, a plain step one."""
+    _, verifies = drive(prompt, answer, spec)
+    plain = len(answer) - 1 - sum(m + 1 for _, _, m in verifies)
+    steps = plain + sum(spec.cost.ratio(1 + k) for _, k, _ in verifies)
+    return ((len(answer) - 1) / steps if steps else 1.0, sum(k for _, k, _ in verifies),
+            sum(m for _, _, m in verifies))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -297,11 +297,11 @@ def expected(a: float, k: int) -> float:
 
 
 def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen: int,
-              per_draft: float = 0.0, shadowed: bool = True, run: int = 0
+              per_draft: float = 0.0, shadows: bool = True, run: int = 0
               ) -> tuple[int, Stats]:
     """How many of a draft of n tokens to verify (module rules; 0: one plain step), and the
     slot's record after the choice. `per_draft`: what making each drafted token costs, in
-    steps (a draft model's step; 0 for an n-gram's). `shadowed`: a draft turned down is
+    steps (a draft model's step; 0 for an n-gram's). `shadows`: a draft turned down is
     compared with the tokens that come instead, as an n-gram's is; one that is not (a draft
     model's) pauses the slot. `run`: tokens in a row the slot's drafts had right."""
     if always or n <= 0:
@@ -321,7 +321,7 @@ def draft_len(stats: Stats, n: int, cost: VerifyCost | None, always: bool, n_gen
                                                        strict=True))
     if pays > 1 + MARGIN:
         return k, stats
-    if shadowed or not cost.can_pay(n, per_draft):
+    if shadows or not cost.can_pay(n, per_draft):
         return 0, stats
     return 0, replace(paused(stats, n_gen), probe=True)
 
@@ -350,8 +350,7 @@ def _recorded(stats: Stats, run: int, examined: int, rejected_at: int | None, de
         at = end
     if rejected_at is not None:
         rejected[bisect_left(BUCKETS, rejected_at)] += 1
-    return Stats(tuple(reached), tuple(rejected), stats.rejects, stats.pause_until, stats.pause,
-                 stats.probe)
+    return replace(stats, reached=tuple(reached), rejected=tuple(rejected))
 
 
 def shadowed(stats: Stats, j: int, hit: bool, first: bool) -> Stats:
@@ -361,15 +360,15 @@ def shadowed(stats: Stats, j: int, hit: bool, first: bool) -> Stats:
     return _recorded(stats, j - 1, 1, None if hit else j, first)
 
 
-def after(stats: Stats, k: int, m: int, n_gen: int, run: int = 0, shadowed: bool = True
+def after(stats: Stats, k: int, m: int, n_gen: int, run: int = 0, shadows: bool = True
           ) -> Stats:
     """The record after a verify of k drafts of which m were accepted, `run` tokens into a run
-    the drafts had right (`n_gen`: tokens generated after it; `shadowed`: an n-gram's draft,
+    the drafts had right (`n_gen`: tokens generated after it; `shadows`: an n-gram's draft,
     which never pauses the slot)."""
     s = _recorded(stats, run, min(m + 1, k), run + m + 1 if m < k else None, True)
     if m > 0:
         return replace(s, rejects=0, pause=PAUSE_TOKENS)
     s = replace(s, rejects=s.rejects + 1)
-    if shadowed or s.rejects < REJECT_RUN:
+    if shadows or s.rejects < REJECT_RUN:
         return s
     return paused(replace(s, rejects=0), n_gen)

@@ -97,12 +97,11 @@ class DraftModel:
         ids = list(prompt)
         edges, a = eng.batching.edges(ids), np.asarray(ids, dtype=np.intc)
 
-        def held(s: int) -> int:
-            q = eng.seqs[s]
-            return live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(s), 0), a, edges)
-        own = held(slot)
-        src = max(range(len(eng.seqs)), key=lambda s: (held(s) if s != slot else -1, -s))
-        n = held(src) if src != slot else 0
+        held = [live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(s), 0), a, edges)
+                for s, q in enumerate(eng.seqs)]  # per slot: the prompt it holds so
+        src = max((s for s in range(len(held)) if s != slot), key=held.__getitem__,
+                  default=slot)
+        own, n = held[slot], held[src]
         if n > own and eng.copy(src, slot, n) == n:
             self.copied += n
         else:

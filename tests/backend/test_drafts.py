@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from backend.worker.drafts import SlotDrafts, Speculation
+from bench.spec_replay import drive
 from policies.ngram import NgramParams
-from policies.speculate import SpecConfig, VerifyCost, accepted
+from policies.speculate import SpecConfig, VerifyCost
 
 # the verify cost bench.spec measured for ngram-simple with the default model on the 2-core EPYC
 EPYC = VerifyCost((1, 2, 4, 8, 16, 32, 49), (1.0, 2.0, 3.1, 4.4, 7.5, 14.2, 21.6))
@@ -17,21 +18,10 @@ EPYC = VerifyCost((1, 2, 4, 8, 16, 32, 49), (1.0, 2.0, 3.1, 4.4, 7.5, 14.2, 21.6
 
 def answer(prompt: list[int], tokens: list[int], spec: Speculation
            ) -> tuple[SlotDrafts, list[tuple[int, int, int]]]:
-    """`tokens` generated after `prompt` as the core steps a slot: each step verifies the
-    draft proposed beside the waiting token, or is one plain step. (tokens generated before
-    it, drafts verified, accepted) per verify."""
-    d = SlotDrafts.start(spec, np.asarray(prompt, dtype=np.intc))
-    g, verifies = 0, []
-    while g < len(tokens) - 1:
-        live = np.asarray(prompt + tokens[:g], dtype=np.intc)
-        draft = d.propose(live, tokens[g], g + 1, 1000, 4096)
-        if draft:
-            m = accepted(draft, tokens[g + 1: g + 1 + len(draft)])
-            verifies.append((g + 1, len(draft), m))
-            d.verified(len(draft), m, g + 2 + m)
-            g += m + 1
-        else:
-            g += 1
+    """`tokens` generated after `prompt` as the core steps a slot (bench.spec_replay.drive):
+    (tokens generated before it, drafts verified, accepted) per verify."""
+    d, verifies = drive(prompt, tokens, spec, left=1000, n_ctx=4096)
+    assert isinstance(d, SlotDrafts)
     return d, verifies
 
 

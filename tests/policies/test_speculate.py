@@ -159,7 +159,7 @@ def test_rates_start_from_the_bucket_before() -> None:
     assert COPY.yields([8])[0] == pytest.approx(4.815, abs=0.001), "at a run's start, less sure"
 
 
-@pytest.mark.parametrize(("why", "stats", "n", "cost", "always", "n_gen", "run", "shadowed",
+@pytest.mark.parametrize(("why", "stats", "n", "cost", "always", "n_gen", "run", "shadows",
                           "want"), [
     ("always: every draft, as llama-server", Stats(), 6, CPU, True, 0, 0, True, (6, Stats())),
     ("no cost measured: every draft", Stats(), 6, None, False, 0, 0, True, (6, Stats())),
@@ -187,8 +187,8 @@ def test_rates_start_from_the_bucket_before() -> None:
      (0, Stats(pause_until=50))),
 ])
 def test_draft_len(why: str, stats: Stats, n: int, cost: VerifyCost | None, always: bool,
-                   n_gen: int, run: int, shadowed: bool, want: tuple[int, Stats]) -> None:
-    assert draft_len(stats, n, cost, always, n_gen, shadowed=shadowed, run=run) == want
+                   n_gen: int, run: int, shadows: bool, want: tuple[int, Stats]) -> None:
+    assert draft_len(stats, n, cost, always, n_gen, shadows=shadows, run=run) == want
 
 
 def test_a_draft_models_steps_count_in_the_cost() -> None:
@@ -227,15 +227,15 @@ def test_a_draft_models_rejections_pause_it_an_n_grams_do_not() -> None:
     # PAUSE_MAX
     s = Stats()
     for gen in (1, 2):
-        s = after(s, 3, 0, gen, shadowed=False)
+        s = after(s, 3, 0, gen, shadows=False)
         assert s.rejects == gen and s.pause_until == 0
-    s = after(s, 3, 0, 3, shadowed=False)
+    s = after(s, 3, 0, 3, shadows=False)
     assert (s.rejects, s.pause_until, s.pause) == (0, 3 + PAUSE_TOKENS, 2 * PAUSE_TOKENS)
     for _ in range(10):
         for _ in range(3):
-            s = after(s, 3, 0, 9, shadowed=False)
+            s = after(s, 3, 0, 9, shadows=False)
     assert s.pause == PAUSE_MAX
-    assert after(s, 3, 1, 9, shadowed=False).pause == PAUSE_TOKENS, \
+    assert after(s, 3, 1, 9, shadows=False).pause == PAUSE_TOKENS, \
         "an accepted draft ends the backing off"
     s = Stats()
     for gen in range(10):
