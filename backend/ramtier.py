@@ -15,6 +15,8 @@ Rules:
   larger than the whole budget is not kept.
 - An entry whose ids another entry's ids extend is superseded: putting the longer one drops the
   shorter; putting a shorter one beside a longer one keeps only the longer.
+- An entry may hold a draft model's state of the same tokens beside the target's (llama-server's
+  prompt cache keeps both): its size, budget and eviction count both.
 - A restored entry leaves the tier (the slot holds it live now; it comes back when it gives way
   again). An entry a prompt shares only part of stays: the worker restores it and cuts its copy
   back (`backend.worker.core`).
@@ -42,10 +44,14 @@ class RamEntry:
     created_s: float
     last_used_s: float
     hits: int = 0
+    # a draft model's state of the same slot (backend.worker.draft_model), for exactly the
+    # first `draft_n` of `ids`; none: 0 and empty
+    draft_n: int = 0
+    draft: memoryview = memoryview(b"")
 
     @property
     def size(self) -> int:
-        return len(self.state)
+        return len(self.state) + len(self.draft)
 
     def view(self, key: int) -> EntryView:
         return EntryView(key.to_bytes(8, "big"), len(self.ids), self.size, "live",
@@ -74,12 +80,15 @@ class RamTier:
         return self.budget < 0 or 0 < nbytes <= self.budget
 
     def put(self, salt: bytes, tenant: str, ids: np.ndarray, state: memoryview,
-            now_s: float | None = None) -> tuple[int | None, list[tuple[int, RamEntry]]]:
-        """(the new entry's key, None where it is not kept; the entries it dropped)."""
+            now_s: float | None = None, draft: tuple[int, memoryview] | None = None
+            ) -> tuple[int | None, list[tuple[int, RamEntry]]]:
+        """(the new entry's key, None where it is not kept; the entries it dropped).
+        `draft`: (n, a draft model's state of the first n ids), kept with it."""
         if not self.on or len(ids) == 0:
             return None, []
         now = time.time() if now_s is None else now_s
-        if 0 < self.budget < len(state):
+        draft_n, draft_state = draft if draft is not None else (0, memoryview(b""))
+        if 0 < self.budget < len(state) + len(draft_state):
             self.counts["too_big"] += 1
             return None, []
         dropped: list[tuple[int, RamEntry]] = []
@@ -95,8 +104,10 @@ class RamTier:
             dropped.append((k, self._drop(k)))
             self.counts["superseded"] += 1
         key, self._next = self._next, self._next + 1
-        self.entries[key] = RamEntry(salt, tenant, np.array(ids, dtype=np.intc), state, now, now)
-        self.used += len(state)
+        entry = RamEntry(salt, tenant, np.array(ids, dtype=np.intc), state, now, now,
+                         draft_n=draft_n, draft=draft_state)
+        self.entries[key] = entry
+        self.used += entry.size
         self.counts["put"] += 1
         if self.budget > 0:
             for k in sorted((k for k in self.entries if k != key),

@@ -3,7 +3,9 @@ same vocabulary in the same worker, its own context with a sequence per slot, wh
 tokens are the draft a slot's verify step checks (backend.worker.verify).
 
     DraftModel.load(path, target, ...)    a ValueError in one line where it cannot draft
-    DraftModel.draft(slot, run, prompt, context, last, k) -> tokens
+    DraftModel.draft(slot, run, owner, prompt, context, last, k) -> tokens
+    DraftModel.give_way(slot, owner, ids) -> (n, state)   beside the target's RAM entry
+    DraftModel.restore(slot, owner, ids, state)          with it
 
 - **Compatible vocabularies only** (llama.cpp's common_speculative_are_compatible): the same
   vocabulary type, the same BOS and EOS use and ids, sizes within 128 tokens, and the same text
@@ -17,9 +19,15 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   drafts one token at a time (its argmax, as llama.cpp's top-k 10 sampler takes its first;
   `p_min`: none less likely than that among those ten); at the next draft it keeps what it
   holds of the slot's tokens and evaluates the rest. So a job's drafts are a function of its
-  prompt and answer, and a cache hit of the target drafts what its cold run drafted. Its states
-  are never stored: a hit of the target from RAM or disk prefills the draft model's prompt again
-  (a small model's prefill) where no slot's sequence holds it.
+  prompt and answer, and a cache hit of the target drafts what its cold run drafted.
+- **Its state goes with the target's into the RAM tier** (as llama-server's prompt cache keeps
+  both): when a slot's live state gives way (`give_way`), the sequence's exact part of the same
+  tokens, cut back to its own batch edge, joins the RAM entry, counted in its size and budget;
+  a restore of that entry loads it back (`restore`). A hit from disk or the shared tier, which
+  hold the target's states only, prefills the draft model's prompt again (a small model's
+  prefill) where no slot's sequence or RAM entry holds it.
+- **Owners.** A sequence serves only jobs of the (tenant, salt) that filled it, as the target's
+  live KV does: none is kept or copied across tenants or cache salts.
 - **Memory.** A recurrent or hybrid draft model cannot be cut back after a draft: refused.
 """
 
@@ -34,6 +42,9 @@ import numpy as np
 
 from backend.engine import Engine
 from backend.worker.messages import Live, live_prefix
+from policies.prefix import Edges
+
+Owner = tuple[str, bytes]  # (tenant, cache salt) of the job whose tokens a sequence holds
 
 VOCAB_MAX_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_FROM = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
@@ -64,7 +75,16 @@ class DraftModel:
     n_vocab: int  # the target's: no draft token past it
     path: str
     begun: dict[int, str] = field(default_factory=dict)  # slot -> the run its KV follows
-    copied: int = 0  # prompt tokens taken from another slot's sequence instead of prefilled
+    owners: dict[int, Owner] = field(default_factory=dict)  # slot -> whose tokens it holds
+    # prompt tokens at a job's first draft: kept in the slot's sequence (restored with the
+    # target's RAM entry, or left by its previous job), copied from another slot's, prefilled
+    prompt: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("kept", "restored", "copied", "prefilled"), 0))
+    restored: dict[int, int] = field(default_factory=dict)  # slot -> tokens a load put there
+
+    @property
+    def copied(self) -> int:
+        return self.prompt["copied"]
 
     @classmethod
     def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
@@ -88,33 +108,67 @@ class DraftModel:
     def close(self) -> None:
         self.engine.close()
 
-    def _begin(self, slot: int, prompt: Sequence[int]) -> None:
+    def _held(self, slot: int, ids: np.ndarray, edges: Edges) -> int:
+        """Tokens of the prompt `ids` the slot's sequence holds exactly, at a batch edge."""
+        eng, q = self.engine, self.engine.seqs[slot]
+        return live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(slot), 0), ids, edges)
+
+    def _begin(self, slot: int, owner: Owner, prompt: Sequence[int]) -> None:
         """The slot's sequence holds exactly the prompt, as a cold prefill computes it: what
-        it holds of it at a batch edge kept, or more of it copied from another slot's sequence
-        (a subagent's draft beside its main session's: the same system prompt and tools), the
-        rest prefilled."""
+        it holds of it at a batch edge kept (its previous job's, or restored with the target's
+        RAM entry), or more of it copied from another slot's sequence of the same owner (a
+        subagent's draft beside its main session's: the same system prompt and tools), the rest
+        prefilled."""
         eng = self.engine
         ids = list(prompt)
         edges, a = eng.batching.edges(ids), np.asarray(ids, dtype=np.intc)
-
-        held = [live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(s), 0), a, edges)
-                for s, q in enumerate(eng.seqs)]  # per slot: the prompt it holds so
+        held = [self._held(s, a, edges) if self.owners.get(s) == owner else 0
+                for s in range(len(eng.seqs))]  # per slot: the prompt it holds so
         src = max((s for s in range(len(held)) if s != slot), key=held.__getitem__,
                   default=slot)
         own, n = held[slot], held[src]
         if n > own and eng.copy(src, slot, n) == n:
-            self.copied += n
+            self.prompt["copied"] += n
         else:
-            eng.truncate(slot, own)
+            n = eng.truncate(slot, own)
+            restored = min(n, self.restored.get(slot, 0))
+            self.prompt["restored"] += restored
+            self.prompt["kept"] += n - restored
+        self.restored.pop(slot, None)
+        self.owners[slot] = owner
+        self.prompt["prefilled"] += len(ids) - n
         eng.prefill(slot, ids, edges=edges)
 
-    def draft(self, slot: int, run: str, prompt: Sequence[int], context: Sequence[int],
-              last: int, k: int, p_min: float) -> list[int]:
+    def give_way(self, slot: int, owner: Owner, ids: np.ndarray) -> tuple[int, memoryview] | None:
+        """(n, the state) of the longest prefix of `ids` (the tokens of the target's state
+        that gives way) the slot's sequence holds exactly at one of its batch edges, cut back
+        to it; None where it holds none of them for this owner."""
+        eng = self.engine
+        if self.owners.get(slot) != owner:
+            return None
+        n = self._held(slot, ids, eng.batching.edges(ids.tolist()))
+        if n == 0 or eng.truncate(slot, n) != n:
+            return None
+        self.begun.pop(slot, None)  # its answer is cut: a next draft begins again
+        return n, eng.snapshot(slot)
+
+    def restore(self, slot: int, owner: Owner, ids: np.ndarray, state: memoryview) -> None:
+        """The sequence state `give_way` made, for exactly `ids`, loaded into the slot's
+        sequence (the target restored its RAM entry there); a ValueError where llama.cpp
+        refuses it (the sequence is then empty)."""
+        self.begun.pop(slot, None)
+        self.owners.pop(slot, None)
+        self.engine.restore_held(slot, ids, state)
+        self.owners[slot] = owner
+        self.restored[slot] = len(ids)
+
+    def draft(self, slot: int, run: str, owner: Owner, prompt: Sequence[int],
+              context: Sequence[int], last: int, k: int, p_min: float) -> list[int]:
         """Up to k greedy tokens after `context` (the slot's evaluated tokens: the prompt and
         the answer so far) and `last` (its sampled token, waiting for the step)."""
         eng = self.engine
         if self.begun.get(slot) != run:
-            self._begin(slot, prompt)
+            self._begin(slot, owner, prompt)
             self.begun[slot] = run
         q = eng.seqs[slot]
         held, now = q.ids[: q.n_live], np.asarray(context, dtype=np.intc)
@@ -122,7 +176,7 @@ class DraftModel:
         differ = np.flatnonzero(held[:n] != now[:n])
         keep = eng.truncate(slot, int(differ[0]) if len(differ) else n)
         if keep < len(prompt):  # never expected (plain attention cuts back anywhere)
-            self._begin(slot, prompt)
+            self._begin(slot, owner, prompt)
             keep = len(prompt)
         pending = [*now[keep:].tolist(), last]
         while len(pending) > eng.n_batch:  # the answer's tokens it has not seen, in batches

@@ -19,6 +19,7 @@ on the compute thread only, decides nothing, and reports each result as the core
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ from backend.worker.verify import verify
 from policies.costs import Fit
 from policies.schedule import Decode, Prefill, Step, Verify
 
+log = logging.getLogger("prefixgate.worker")
+
 Write = Callable[[str, keys.CacheKey, Snapshot, tuple[int, ...], memoryview, str], None]
 
 
@@ -73,11 +76,15 @@ class Runner:
         elif isinstance(e, GiveWay):
             if eng.truncate(e.slot, e.n) == e.n:
                 q = eng.seqs[e.slot]
+                ids = q.ids[: e.n].copy()
+                model = core.spec.model if core.spec is not None else None
                 with self.tiers.moving(eng.state_bytes(e.slot)):  # until made (then held)
                     state = eng.snapshot(e.slot)
-                self.tiers.give_way(e.salt, e.tenant, q.ids[: e.n].copy(), state)
+                    draft = None if model is None else \
+                        model.give_way(e.slot, (e.tenant, e.salt), ids)
+                self.tiers.give_way(e.salt, e.tenant, ids, state, draft)
         elif isinstance(e, Load):
-            return self._load(e)
+            return self._load(e, core)
         elif isinstance(e, Snapshot):
             return self._snapshot(e, core.jobs[e.slot].job)
         elif isinstance(e, StartSampling):
@@ -97,7 +104,7 @@ class Runner:
                 self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
         return None
 
-    def _load(self, e: Load) -> Loaded:
+    def _load(self, e: Load, core: Core) -> Loaded:
         eng, c, t = self.engine, e.candidate, time.perf_counter()
         try:
             if c.tier == "slot":
@@ -115,6 +122,7 @@ class Runner:
                                   Fault("missing", f"the {c.tier} state left its tier", ""))
                 if c.tier == "ram":  # read by this thread only: its form made in place
                     eng.restore_held(e.slot, got[0], got[1])
+                    self._load_draft(e.slot, h, core)
                 else:  # a queued write, which the writer thread reads: copied for the load
                     with self.tiers.moving(len(got[1])):
                         eng.restore(e.slot, got[0], got[1])
@@ -125,6 +133,20 @@ class Runner:
             return Loaded(e.slot, e.run_id, c, 0, time.perf_counter() - t,
                           Fault("corrupt", f"the {c.tier} state did not load: {ex}", ""))
         return Loaded(e.slot, e.run_id, c, kept, time.perf_counter() - t)
+
+    def _load_draft(self, slot: int, h: Held, core: Core) -> None:
+        """The draft model's state kept with a RAM entry, into the slot's draft sequence (its
+        first draft keeps what the prompt shares of it); one that does not load is a miss there:
+        that job's draft model prefills its prompt."""
+        model = core.spec.model if core.spec is not None else None
+        got = None if model is None else self.tiers.draft(h)
+        if model is None or got is None:
+            return
+        try:
+            model.restore(slot, (h.tenant, h.salt), got[0], got[1])
+        except ValueError as ex:  # never expected: the state was this worker's own
+            log.warning("worker: a draft model state did not load (%s): its prompt is "
+                        "prefilled", ex)
 
     def _snapshot(self, e: Snapshot, job: Job) -> Snapshotted:
         eng, q = self.engine, self.engine.seqs[e.slot]

@@ -173,9 +173,16 @@ class Tiers:
             self.live[ev.ref] = ev
             self.on_event(ev)
 
-    def give_way(self, salt: bytes, tenant: str, ids: Ids, state: memoryview) -> None:
-        """A live state that gave way enters the RAM tier (what it drops leaves it)."""
-        key, dropped = self.ram.put(salt, tenant, ids, state)
+    def draft(self, h: Held) -> tuple[Ids, memoryview] | None:
+        """A RAM entry's draft model state (ids, bytes), or None where it has none."""
+        e = self.ram.entries.get(h.ref) if h.tier == "ram" else None
+        return None if e is None or not e.draft_n else (e.ids[: e.draft_n], e.draft)
+
+    def give_way(self, salt: bytes, tenant: str, ids: Ids, state: memoryview,
+                 draft: tuple[int, memoryview] | None = None) -> None:
+        """A live state that gave way enters the RAM tier (what it drops leaves it), with
+        the draft model's state of its first n tokens where there is one (`draft`)."""
+        key, dropped = self.ram.put(salt, tenant, ids, state, draft=draft)
         for k, e in dropped:
             self.on_event(TierEvent("removed", "ram", k, e.salt.hex(), e.tenant, len(e.ids)))
         if key is not None:

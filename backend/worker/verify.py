@@ -63,8 +63,9 @@ def _model_draft(eng: Engine, core: Core, slot: int, places: int) -> list[int]:
     spec = core.spec
     assert spec is not None and spec.model is not None
     j, q = core.jobs[slot], eng.seqs[slot]
-    got: list[int] = spec.model.draft(slot, j.job.run_id, j.job.ids, q.ids[: q.n_live],
-                                      core.waiting(slot), places, spec.config.draft_p_min)
+    got: list[int] = spec.model.draft(slot, j.job.run_id, core.owners[slot], j.job.ids,
+                                      q.ids[: q.n_live], core.waiting(slot), places,
+                                      spec.config.draft_p_min)
     return got if len(got) >= spec.config.draft_n_min else []
 
 
@@ -223,4 +224,6 @@ def report(spec: Speculation | None, core: Core, running: Any) -> dict[str, Any]
                              for r in (1, 2, 4, 8, 16, 32, 64)} if one > 0 else None,
             "steps_measured": running.n,
             "sources": {s: {"drafted": d, "accepted": a, "verifies": v}
-                        for s, (d, a, v) in sorted(dict(core.drafted).items())}}
+                        for s, (d, a, v) in sorted(dict(core.drafted).items())},
+            **({"draft_model_prompt": dict(spec.model.prompt)} if spec.model is not None
+               else {})}

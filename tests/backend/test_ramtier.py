@@ -61,3 +61,22 @@ def test_off_keeps_nothing() -> None:
     tier.put(SALT, "t", ids(128), state(100))
     assert not tier.on and tier.stats()["entries"] == 0
     assert RamTier.from_mib(-1).budget < 0 and RamTier.from_mib(2).budget == 2 << 20
+
+
+def test_a_draft_models_state_counts_in_the_entry_and_the_budget() -> None:
+    """An entry holding a draft model's state beside the target's (as llama-server's prompt
+    cache does) weighs both: in its size, the tier's use, the budget's evictions and
+    `too_big`; both leave with it."""
+    tier = RamTier(3000)
+    tier.put(SALT, "t", ids(1024, 1), state(1000), now_s=0.0, draft=(1024, state(500)))
+    (e,) = tier.entries.values()
+    assert (e.size, e.draft_n, tier.used) == (1500, 1024, 1500)
+    tier.put(SALT, "t", ids(64, 2), state(1000), now_s=0.0, draft=(64, state(500)))
+    assert tier.used == 3000 and len(tier.entries) == 2, "within the budget: both kept"
+    tier.put(SALT, "t", ids(512, 3), state(100), now_s=0.0)  # 3100 > 3000: the 64 goes
+    assert sorted(len(e.ids) for e in tier.entries.values()) == [512, 1024]
+    assert tier.used == 1600 and tier.stats()["evicted"] == 1
+    tier.put(SALT, "t", ids(2048, 5), state(2000), draft=(2048, state(1001)))
+    assert tier.stats()["too_big"] == 1, "the two together are larger than the budget"
+    assert tier.take(SALT, "t", ids(2000, 1), 4096) is not None
+    assert tier.used == 100, "the draft model's state left with its entry"

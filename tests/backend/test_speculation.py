@@ -76,18 +76,19 @@ class Worker:
 
     def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None,
                  shapes: Shapes = APART, model: DraftModel | None = None,
-                 rule: VerifyCost | None = None, gen: int = GEN) -> None:
+                 rule: VerifyCost | None = None, gen: int = GEN, ram: int = 0) -> None:
         """`rule`: the stop rule on, at this verify cost (else `spec` as it says); `gen`: the
-        tokens an answer may have."""
+        tokens an answer may have; `ram`: the RAM tier's budget in bytes (-1 no limit)."""
         self.gen = gen
         self.eng, self.events = eng, []  # type: list[tuple[str, Event]]
         self.ended, self.finished = threading.Condition(), set()  # type: ignore[var-annotated]
-        tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0), eng.prepare,
+        self.ram = RamTier(ram)
+        tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, self.ram, eng.prepare,
                       self._emit)
         self.spec = resolve(spec, eng, "", 0, model) if spec.on else None
         if rule is not None and self.spec is not None:
             self.spec = replace(self.spec, config=replace(spec, always=False), cost=rule)
-        core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
+        core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", ram, True,
                     eng.n_ctx, spec=self.spec)
         eng.decode_shape = shapes.decode
         # the rows of each llama_decode: (slot, tokens) per row, and the slots of every row's logits
@@ -328,6 +329,52 @@ def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
     assert 0 < edge and model.copied == edge, (model.copied, edge)
     assert (second, done1.draft) == (first, done0.draft)
     assert done0.draft["draft-simple"]["accepted"] > 0
+
+
+def test_a_draft_models_state_goes_with_the_targets_into_the_ram_tier() -> None:
+    """One slot and a RAM tier: a prompt answered, then another takes the slot (the first
+    gives way into RAM with its draft model's sequence), then the first again, restored from
+    RAM: the draft model restores its prompt with it and prefills only what lies past the
+    entry, and the drafts and the answer are the first run's (a cold run's). A job of another
+    tenant never keeps, restores or copies a draft model's sequence."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
+    other = list(vocab.tokenize(("Another file, unrelated:\n" + FILE[::-1]).encode(),
+                                add_bos=False))
+    eng = _engine(name)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        w = Worker(eng, MODEL_SPEC, model=model, ram=-1)
+        first, done1, _ = w.run("a", ids)
+        assert model.prompt["prefilled"] == len(ids) and not w.ram.entries
+        w.run("b", other)
+        (entry,) = w.ram.entries.values()  # the first prompt's state gave way, with its draft's
+        edge = eng.batching.edges(ids).floor(len(ids))
+        assert len(entry.ids) == entry.draft_n == edge, (len(entry.ids), entry.draft_n, edge)
+        assert entry.size == len(entry.state) + len(entry.draft) and len(entry.draft) > 0
+        before = dict(model.prompt)
+        again, done2, start = w.run("a again", ids, replace(COLD, keep_max=len(ids),
+                                                            live_ok=True))
+        assert start.ram == edge and start.tier == "ram", start
+        got = {k: model.prompt[k] - before[k] for k in before}
+        assert got == {"kept": 0, "restored": edge, "copied": 0,
+                       "prefilled": len(ids) - edge}, got
+        # another tenant's job of the same prompt: the target and its draft model start cold
+        w.loop.arrive(Job("c", tuple(ids), b"", "carol", replace(COLD, keep_max=len(ids),
+                                                                 live_ok=True),
+                          {"temperature": 0.0}, GEN, (), None, 0))
+        before = dict(model.prompt)
+        other_tenant, done3, _ = w.run("c", ids, submit=False)
+        got = {k: model.prompt[k] - before[k] for k in before}
+        assert got == {"kept": 0, "restored": 0, "copied": 0, "prefilled": len(ids)}, got
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    assert (again, done2.draft) == (first, done1.draft)
+    assert (other_tenant, done3.draft) == (first, done1.draft)
+    assert done1.draft["draft-simple"]["accepted"] > 0
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
