@@ -1,0 +1,142 @@
+"""A session comes back to the one slot after another took it, with a draft model (issue 47):
+what its turn costs when the draft model's state came back from RAM with the model's, side by
+side with llama-server, whose prompt cache keeps both too.
+
+    python -m bench.spec_return [--llama-server PATH] [--base REV_TREE] [--rounds 2]
+        [--lines 60] [--max-tokens 64] [--model GGUF] [--draft-model GGUF] [--out FILE]
+
+Each arm on a fresh server, `-np 1`, `--cache-ram 4096`, `--spec-type draft-simple -md` (the
+model itself by default), every draft verified (`--spec-stop off` on prefixgate, as llama-server
+drafts), greedy, not streamed, three chat requests in a row: `a1` (a file of `--lines` lines to
+edit), `b` (another session's prompt, which takes the slot: a1's state gives way into RAM),
+`a2` (a1, its answer and a new request: the returning turn). Reported per arm: each request's
+wall seconds, and for prefixgate where the draft model's prompt came from at each job's first
+draft (`/props` speculation: kept, restored with the RAM entry, copied from another slot,
+prefilled). `--base`: a checkout of another prefixgate revision as one more arm (`base`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.replay import ROOT, free_port
+from bench.team import Server
+
+
+def file_text(lines: int) -> str:
+    return "\n".join(f"def step_{i}(state, value):\n    total = state.count + value * {i}\n"
+                     f"    return total if total > {i * 3} else state.count"
+                     for i in range(lines // 3))
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[str]:
+    common = ["-c", "16384", "-np", "1", "-md", args.draft_model, "--port", str(port)]
+    if arm == "llama-server":
+        return [args.llama_server, "-m", args.model, *common, "-t", str(args.threads),
+                "--spec-type", "draft-simple", "--cache-ram", "4096", "--host", "127.0.0.1"]
+    return [sys.executable, "-m", "proxy.cli", "serve", "--model", args.model, *common,
+            "--threads", str(args.threads), "--spec-type", "draft-simple", "--spec-stop", "off",
+            "--cache-ram", "4096", "--host", "127.0.0.1", "--cache-dir",
+            str(work / f"cache-{arm}"), "--disk-prefix-cache", "off"]
+
+
+def run(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    port = free_port()
+    root = Path(args.base) if arm == "base" else ROOT
+    srv = Server(arm, command(arm, args, port, work), work / f"{arm}.log", port, root=root,
+                 sample_rss=False)
+    srv.start()
+    try:
+        a = [{"role": "system", "content": "You edit code."},
+             {"role": "user", "content": f"File app.py:\n{file_text(args.lines)}\n\n"
+                                         "Rename step_3 to advance and print the whole file."}]
+        b = [{"role": "system", "content": "You summarize."},
+             {"role": "user", "content": "Summarize this log:\n" + file_text(args.lines)[::-1]}]
+        out: dict[str, Any] = {"arm": arm}
+        for name in ("a1", "b", "a2"):
+            msgs = b if name == "b" else a if name == "a1" else [
+                *a, {"role": "assistant", "content": out["a1"]["text"]},
+                {"role": "user", "content": "Now rename step_4 too."}]
+            t = time.perf_counter()
+            r = _post(port, "/v1/chat/completions", {"messages": msgs, "temperature": 0,
+                                                     "max_tokens": args.max_tokens})
+            out[name] = {"s": round(time.perf_counter() - t, 3),
+                         "prompt": r["usage"]["prompt_tokens"],
+                         "text": r["choices"][0]["message"]["content"]}
+        if arm != "llama-server":
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=30) as p:
+                spec = json.loads(p.read()).get("speculation", {}).get("workers", {})
+            out["draft_prompt"] = next(iter(spec.values()), {}).get("draft_model_prompt")
+        return out
+    finally:
+        srv.stop()
+
+
+def markdown(rows: list[dict[str, Any]], cmd: str) -> str:
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    med = {a: {k: statistics.median(r[k]["s"] for r in rows if r["arm"] == a)
+               for k in ("a1", "b", "a2")} for a in arms}
+    out = [f"`{cmd}`, {len(rows) // len(arms)} round(s), each arm on a fresh server; wall "
+           "seconds, the median of the rounds.", "",
+           "| arm | a1 (first turn) | b (another session) | **a2 (the return)** | a2 prompt "
+           "tokens | the draft model's prompt tokens at a2 (kept / restored / copied / "
+           "prefilled, all three turns) | a2 answer as prefixgate's |", "|---|---|---|---|---|---|---|"]
+    ref = next((r["a2"]["text"] for r in rows if r["arm"] == "prefixgate"), None)
+    for a in arms:
+        last = [r for r in rows if r["arm"] == a][-1]
+        d = last.get("draft_prompt") or {}
+        dp = " / ".join(str(d.get(k, "-")) for k in ("kept", "restored", "copied", "prefilled")) \
+            if d else "-"
+        same = "-" if ref is None or a == "prefixgate" else \
+            "same" if last["a2"]["text"] == ref else "differs"
+        out.append(f"| {a} | {med[a]['a1']:.2f} | {med[a]['b']:.2f} | **{med[a]['a2']:.2f}** | "
+                   f"{last['a2']['prompt']} | {dp} | {same} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from proxy.config import default_model
+
+    p = argparse.ArgumentParser(prog="python -m bench.spec_return",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
+    p.add_argument("--base", default="", help="another prefixgate checkout, as the arm `base`")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--lines", type=int, default=180)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="")
+    p.add_argument("--draft-model", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    args.model = args.model or default_model()
+    args.draft_model = args.draft_model or args.model
+    arms = ["prefixgate", *(["base"] if args.base else []),
+            *(["llama-server"] if args.llama_server else [])]
+    work = Path(tempfile.mkdtemp(prefix="bench-spec-return-"))
+    rows = [run(arm, args, work) for _ in range(args.rounds) for arm in arms]
+    text = markdown(rows, "python -m bench.spec_return " + " ".join(argv or sys.argv[1:]))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
