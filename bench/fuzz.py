@@ -63,6 +63,7 @@ import http.client
 import json
 import queue
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -82,6 +83,7 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from proxy.config import default_model  # noqa: E402
 from proxy.limits import LIMITS  # noqa: E402
 from tests.conftest import Server, running  # noqa: E402
 
@@ -963,15 +965,15 @@ def campaign(port: int, n: int, seed: int, clients: int,
 
 
 @contextlib.contextmanager
-def serving(tmp: Path) -> Iterator[Server]:
-    """The server under test (SERVER_ARGS), its log under `tmp`, its disk cache in memory
-    (/dev/shm) where there is one: a snapshot save fsyncs, and on a busy shared disk single
-    saves took 16 s. The cache is removed afterwards."""
+def serving(tmp: Path, extra: tuple[str, ...] = ()) -> Iterator[Server]:
+    """The server under test (SERVER_ARGS, then `extra`), its log under `tmp`, its disk cache
+    in memory (/dev/shm) where there is one: a snapshot save fsyncs, and on a busy shared disk
+    single saves took 16 s. The cache is removed afterwards."""
     shm = Path("/dev/shm")
     cache = Path(tempfile.mkdtemp(prefix="prefixgate-fuzz-", dir=shm)) if shm.is_dir() \
         else tmp / "cache"
     try:
-        with running(tmp, *SERVER_ARGS, cache_dir=cache) as srv:
+        with running(tmp, *SERVER_ARGS, *extra, cache_dir=cache) as srv:
             yield srv
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -1060,11 +1062,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8,
                    help="concurrent clients (more than one: refusals go on while the one "
                         "worker generates)")
+    p.add_argument("--server-args", default="",
+                   help="more options for the server under test, e.g. \"-np 2 -md MODEL\" "
+                        "(MODEL: the default model's file)")
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="prefixgate-fuzz-"))
+    extra = tuple(a.replace("MODEL", default_model()) for a in shlex.split(args.server_args))
     print(f"prefixgate fuzz: {args.requests} requests, seed {args.seed}, {args.clients} "
-          f"clients; server log under {tmp}", flush=True)
-    with serving(tmp) as srv:
+          f"clients{', server ' + ' '.join(extra) if extra else ''}; server log under {tmp}",
+          flush=True)
+    with serving(tmp, extra) as srv:
         before = reference(srv.port)
 
         def progress(t: Tally) -> None:
