@@ -236,7 +236,8 @@ class Run:
 
     async def _drop(self, fx: Drop) -> None:
         self.deps.metrics.faults.labels(fx.fault.reason).inc()
-        log.warning("cache fault (%s), entry dropped: %s", fx.fault.reason, fx.fault.message)
+        log.warning("cache fault (%s)%s: %s", fx.fault.reason,
+                    ", entry dropped" if fx.key is not None else "", fx.fault.message)
         if fx.key is not None and self.deps.cache is not None:
             try:
                 await self.deps.cache.write(self.deps.cache.drop, fx.key)
