@@ -16,7 +16,8 @@ Rules:
 - An entry whose ids another entry's ids extend is superseded: putting the longer one drops the
   shorter; putting a shorter one beside a longer one keeps only the longer.
 - An entry may hold a draft model's state of the same tokens beside the target's (llama-server's
-  prompt cache keeps both): its size, budget and eviction count both.
+  prompt cache keeps both): its size, budget and eviction count both; where the two together
+  are larger than the whole budget, the target's is kept alone.
 - A restored entry leaves the tier (the slot holds it live now; it comes back when it gives way
   again). An entry a prompt shares only part of stays: the worker restores it and cuts its copy
   back (`backend.worker.core`).
@@ -88,7 +89,9 @@ class RamTier:
             return None, []
         now = time.time() if now_s is None else now_s
         draft_n, draft_state = draft if draft is not None else (0, memoryview(b""))
-        if 0 < self.budget < len(state) + len(draft_state):
+        if 0 < self.budget < len(state) + len(draft_state):  # the draft model's state goes
+            draft_n, draft_state = 0, memoryview(b"")  # first: it is the cheaper to prefill
+        if 0 < self.budget < len(state):
             self.counts["too_big"] += 1
             return None, []
         dropped: list[tuple[int, RamEntry]] = []

@@ -78,7 +78,9 @@ class Runner:
                 q = eng.seqs[e.slot]
                 ids = q.ids[: e.n].copy()
                 model = core.spec.model if core.spec is not None else None
-                with self.tiers.moving(eng.state_bytes(e.slot)):  # until made (then held)
+                size = eng.state_bytes(e.slot) + (
+                    model.engine.state_bytes(e.slot) if model is not None else 0)
+                with self.tiers.moving(size):  # until made (then held)
                     state = eng.snapshot(e.slot)
                     draft = None if model is None else \
                         model.give_way(e.slot, (e.tenant, e.salt), ids)

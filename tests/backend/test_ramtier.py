@@ -76,7 +76,11 @@ def test_a_draft_models_state_counts_in_the_entry_and_the_budget() -> None:
     tier.put(SALT, "t", ids(512, 3), state(100), now_s=0.0)  # 3100 > 3000: the 64 goes
     assert sorted(len(e.ids) for e in tier.entries.values()) == [512, 1024]
     assert tier.used == 1600 and tier.stats()["evicted"] == 1
-    tier.put(SALT, "t", ids(2048, 5), state(2000), draft=(2048, state(1001)))
-    assert tier.stats()["too_big"] == 1, "the two together are larger than the budget"
     assert tier.take(SALT, "t", ids(2000, 1), 4096) is not None
     assert tier.used == 100, "the draft model's state left with its entry"
+    tier.put(SALT, "t", ids(2048, 5), state(2000), draft=(2048, state(1001)))
+    e = tier.entries[max(tier.entries)]
+    assert (e.size, e.draft_n, tier.stats()["too_big"]) == (2000, 0, 0), \
+        "the two together are larger than the budget: the model's state is kept alone"
+    tier.put(SALT, "t", ids(4096, 6), state(3001), draft=(4096, state(1)))
+    assert tier.stats()["too_big"] == 1 and len(tier.entries) == 2
