@@ -24,11 +24,11 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.replay import ROOT, free_port
+from bench.replay import ROOT, free_port, http_get
+from bench.spec import _post
 from bench.team import Server
 
 
@@ -36,14 +36,6 @@ def file_text(lines: int) -> str:
     return "\n".join(f"def step_{i}(state, value):\n    total = state.count + value * {i}\n"
                      f"    return total if total > {i * 3} else state.count"
                      for i in range(lines // 3))
-
-
-def _post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        out: dict[str, Any] = json.loads(r.read())
-    return out
 
 
 def command(arm: str, args: argparse.Namespace, port: int, work: Path) -> list[str]:
@@ -81,8 +73,8 @@ def run(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                          "prompt": r["usage"]["prompt_tokens"],
                          "text": r["choices"][0]["message"]["content"]}
         if arm != "llama-server":
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=30) as p:
-                spec = json.loads(p.read()).get("speculation", {}).get("workers", {})
+            props = json.loads(http_get(f"http://127.0.0.1:{port}/props")[1])
+            spec = props.get("speculation", {}).get("workers", {})
             out["draft_prompt"] = next(iter(spec.values()), {}).get("draft_model_prompt")
         return out
     finally:

@@ -82,10 +82,6 @@ class DraftModel:
         ("kept", "restored", "copied", "prefilled"), 0))
     restored: dict[int, int] = field(default_factory=dict)  # slot -> tokens a load put there
 
-    @property
-    def copied(self) -> int:
-        return self.prompt["copied"]
-
     @classmethod
     def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
              ) -> DraftModel:

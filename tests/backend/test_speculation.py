@@ -319,14 +319,14 @@ def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
     try:
         w = Worker(eng, MODEL_SPEC, model=model)
         first, done0, _ = w.run("a", ids, slot=0)
-        assert model.copied == 0
+        assert model.prompt["copied"] == 0
         second, done1, _ = w.run("b", ids, slot=1)
         w.stop()
     finally:
         model.close()
         eng.close()
     edge = eng.batching.edges(ids).floor(len(ids))
-    assert 0 < edge and model.copied == edge, (model.copied, edge)
+    assert 0 < edge and model.prompt["copied"] == edge, (model.prompt, edge)
     assert (second, done1.draft) == (first, done0.draft)
     assert done0.draft["draft-simple"]["accepted"] > 0
 
