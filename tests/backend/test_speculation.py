@@ -331,13 +331,14 @@ def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
     assert done0.draft["draft-simple"]["accepted"] > 0
 
 
-def test_a_draft_models_state_goes_with_the_targets_into_the_ram_tier() -> None:
+@pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
+def test_a_draft_models_state_goes_with_the_targets_into_the_ram_tier(name: str) -> None:
     """One slot and a RAM tier: a prompt answered, then another takes the slot (the first
     gives way into RAM with its draft model's sequence), then the first again, restored from
     RAM: the draft model restores its prompt with it and prefills only what lies past the
     entry, and the drafts and the answer are the first run's (a cold run's). A job of another
-    tenant never keeps, restores or copies a draft model's sequence."""
-    name = "smollm2"
+    tenant never keeps, restores or copies a draft model's sequence. Plain attention and a
+    full-size sliding window (whose restore pads the window's masked cells back)."""
     ids = edit_ids(name)
     vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
     other = list(vocab.tokenize(("Another file, unrelated:\n" + FILE[::-1]).encode(),
