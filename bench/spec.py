@@ -106,7 +106,7 @@ def workloads() -> dict[str, list[dict[str, str]]]:
     }
 
 
-def _post(port: int, path: str, body: dict[str, Any], timeout_s: float = 1800) -> Any:
+def post_json(port: int, path: str, body: dict[str, Any], timeout_s: float = 1800) -> Any:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         conn.request("POST", path, json.dumps(body).encode(), {"Content-Type":
@@ -143,8 +143,8 @@ def render(args: argparse.Namespace, work: Path) -> tuple[dict[str, Prompt], int
         batching = Batching(batch, model_ends(args.model))
         out = {}
         for name, msgs in workloads().items():
-            text = _post(port, "/apply-template", {"messages": msgs})["prompt"]
-            ids = _post(port, "/tokenize", {"content": text, "add_special": True})["tokens"]
+            text = post_json(port, "/apply-template", {"messages": msgs})["prompt"]
+            ids = post_json(port, "/tokenize", {"content": text, "add_special": True})["tokens"]
             edge = batching.edges(ids).floor(len(ids) - 1)
             out[name] = Prompt(text, ids, edge)
         return out, batch
@@ -187,16 +187,16 @@ def run(arm: str, workload: str, prompt: Prompt, args: argparse.Namespace, work:
     try:
         if arm.startswith("llama-server"):  # prefixgate's batches (module docstring)
             if prompt.edge:
-                _post(port, "/completion", {"prompt": prompt.ids[: prompt.edge],
+                post_json(port, "/completion", {"prompt": prompt.ids[: prompt.edge],
                                             "n_predict": 0, "cache_prompt": True})
-            r = _post(port, "/completion", {"prompt": prompt.ids, "n_predict": args.n_predict,
+            r = post_json(port, "/completion", {"prompt": prompt.ids, "n_predict": args.n_predict,
                                             "temperature": 0, "cache_prompt": True})
             if r["timings"]["prompt_n"] != len(prompt.ids) - prompt.edge:
                 raise RuntimeError(f"{arm}: llama-server evaluated {r['timings']['prompt_n']} "
                                    f"of {len(prompt.ids)} prompt tokens after priming "
                                    f"{prompt.edge}: not prefixgate's batches")
         else:
-            r = _post(port, "/completion", {"prompt": prompt.text, "n_predict": args.n_predict,
+            r = post_json(port, "/completion", {"prompt": prompt.text, "n_predict": args.n_predict,
                                             "temperature": 0, "cache_prompt": False})
         props = {} if arm.startswith("llama-server") else json.loads(
             http_get(f"http://127.0.0.1:{port}/props")[1])

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay import ROOT, free_port, http_get
-from bench.spec import _post
+from bench.spec import post_json
 from bench.team import Server
 
 
@@ -67,7 +67,7 @@ def run(arm: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 *a, {"role": "assistant", "content": out["a1"]["text"]},
                 {"role": "user", "content": "Now rename step_4 too."}]
             t = time.perf_counter()
-            r = _post(port, "/v1/chat/completions", {"messages": msgs, "temperature": 0,
+            r = post_json(port, "/v1/chat/completions", {"messages": msgs, "temperature": 0,
                                                      "max_tokens": args.max_tokens})
             out[name] = {"s": round(time.perf_counter() - t, 3),
                          "prompt": r["usage"]["prompt_tokens"],
