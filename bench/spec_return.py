@@ -89,7 +89,8 @@ def markdown(rows: list[dict[str, Any]], cmd: str) -> str:
            "seconds, the median of the rounds.", "",
            "| arm | a1 (first turn) | b (another session) | **a2 (the return)** | a2 prompt "
            "tokens | the draft model's prompt tokens at a2 (kept / restored / copied / "
-           "prefilled, all three turns) | a2 answer as prefixgate's |", "|---|---|---|---|---|---|---|"]
+           "prefilled, all three turns) | a2 answer as prefixgate's |",
+           "|---|---|---|---|---|---|---|"]
     ref = next((r["a2"]["text"] for r in rows if r["arm"] == "prefixgate"), None)
     for a in arms:
         last = [r for r in rows if r["arm"] == a][-1]
