@@ -280,15 +280,24 @@ class Stats:
         rates = self.rates()
         out, y, s, at = [], 1.0, 1.0, run  # at: the run positions summed so far
         for k in lengths:
-            while at < run + k:
-                b = bisect_left(BUCKETS, at + 1)
-                end = min(run + k, BUCKETS[b]) if b < len(BUCKETS) else run + k
-                keep, c = 1 - rates[b], end - at
+            for b, c in _spans(at, run + k):
+                keep = 1 - rates[b]
                 y += s * c if keep >= 1 else s * keep * (1 - keep ** c) / (1 - keep)
                 s *= keep ** c
-                at = end
+            at = run + k
             out.append(y)
         return out
+
+
+def _spans(at: int, last: int) -> list[tuple[int, int]]:
+    """Run positions at+1..last by bucket: (the bucket, how many of them fall in it)."""
+    out = []
+    while at < last:
+        b = bisect_left(BUCKETS, at + 1)
+        end = min(last, BUCKETS[b]) if b < len(BUCKETS) else last
+        out.append((b, end - at))
+        at = end
+    return out
 
 
 def expected(a: float, k: int) -> float:
@@ -342,12 +351,8 @@ def _recorded(stats: Stats, run: int, examined: int, rejected_at: int | None, de
     rejected; `decay`: a new draft's record begins (the older ones weigh DECAY less)."""
     reached = [DECAY * r for r in stats.reached] if decay else list(stats.reached)
     rejected = [DECAY * r for r in stats.rejected] if decay else list(stats.rejected)
-    at, last = run, run + examined
-    while at < last:
-        b = bisect_left(BUCKETS, at + 1)
-        end = min(last, BUCKETS[b]) if b < len(BUCKETS) else last
-        reached[b] += end - at
-        at = end
+    for b, c in _spans(run, run + examined):
+        reached[b] += c
     if rejected_at is not None:
         rejected[bisect_left(BUCKETS, rejected_at)] += 1
     return replace(stats, reached=tuple(reached), rejected=tuple(rejected))
