@@ -56,6 +56,7 @@ from backend.worker.messages import (
     Cut,
     Effect,
     Emit,
+    Filling,
     Finish,
     GiveWay,
     Ids,
@@ -187,6 +188,8 @@ class Core:
             return self._sampled(inp.slot, j, inp, world) + self._propose(inp.slot, j, world)
         if isinstance(inp, Verified):
             return self._verified(inp.slot, j, inp, world)
+        if isinstance(inp, Filling):
+            return []  # its token and draft wait for the next verify
         return [Emit(j.job.run_id, Error(inp.message)), *self._finish(inp.slot)]
 
     def _arrive(self, job: Job, world: World) -> list[Effect]:

@@ -15,7 +15,8 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   engine's rules: the prompt's cold-run batches), or takes more of it from another slot's
   sequence that holds it so (a copy of exact cells: what a cold prefill computes; a subagent
   beside its main session shares the system prompt and tools), and prefills the rest as a cold
-  run does; from then on it evaluates the slot's accepted tokens and the waiting one, then
+  run does, one batch a step (the other slots' steps go on between; the slot's token waits for
+  its first draft, so a hit drafts what its cold run drafted); from then on it evaluates the slot's accepted tokens and the waiting one, then
   drafts one token at a time (its argmax, as llama.cpp's top-k 10 sampler takes its first;
   `p_min`: none less likely than that among those ten); at the next draft it keeps what it
   holds of the slot's tokens and evaluates the rest. So a job's drafts are a function of its
@@ -81,6 +82,8 @@ class DraftModel:
     prompt: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("kept", "restored", "copied", "prefilled"), 0))
     restored: dict[int, int] = field(default_factory=dict)  # slot -> tokens a load put there
+    # slot -> (the prompt, its batch edges) while its sequence is prefilled, a batch a step
+    filling: dict[int, tuple[list[int], Edges]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
@@ -110,14 +113,15 @@ class DraftModel:
         return live_prefix(Live(q.ids, q.n_live, q.exact_n, eng.floor(slot), 0), ids, edges)
 
     def _begin(self, slot: int, owner: Owner, prompt: Sequence[int]) -> None:
-        """The slot's sequence holds exactly the prompt, as a cold prefill computes it: what
-        it holds of it at a batch edge kept (its previous job's, or restored with the target's
-        RAM entry), or more of it copied from another slot's sequence of the same owner (a
-        subagent's draft beside its main session's: the same system prompt and tools), the rest
-        prefilled."""
+        """The slot's sequence starts the prompt as a cold prefill computes it: what it holds
+        of it at a batch edge kept (its previous job's, or restored with the target's RAM
+        entry), or more of it copied from another slot's sequence of the same owner (a
+        subagent's draft beside its main session's: the same system prompt and tools); the rest
+        is prefilled by `_fill`, a batch a step."""
         eng = self.engine
         ids = list(prompt)
         edges, a = eng.batching.edges(ids), np.asarray(ids, dtype=np.intc)
+        self.filling[slot] = (ids, edges)
         held = [self._held(s, a, edges) if self.owners.get(s) == owner else 0
                 for s in range(len(eng.seqs))]  # per slot: the prompt it holds so
         src = max((s for s in range(len(held)) if s != slot), key=held.__getitem__,
@@ -133,7 +137,21 @@ class DraftModel:
         self.restored.pop(slot, None)
         self.owners[slot] = owner
         self.prompt["prefilled"] += len(ids) - n
-        eng.prefill(slot, ids, edges=edges)
+
+    def _fill(self, slot: int) -> bool:
+        """One batch more of the prompt `_begin` started, in the cold run's batches; whether
+        the sequence holds all of it now. A batch a step: the other slots' steps go on between
+        (a 2,200-token prompt in one step held every other slot 5.6 s), and the slot's token
+        waits for its first draft meanwhile, so a hit drafts and verifies what its cold run
+        did."""
+        ids, edges = self.filling[slot]
+        q = self.engine.seqs[slot]
+        if q.n_live < len(ids):
+            self.engine.prefill_batch(slot, ids, edges.next(q.n_live))
+        if q.n_live < len(ids):
+            return False
+        del self.filling[slot]
+        return True
 
     def give_way(self, slot: int, owner: Owner, ids: np.ndarray) -> tuple[int, memoryview] | None:
         """(n, the state) of the longest prefix of `ids` (the tokens of the target's state
@@ -146,6 +164,7 @@ class DraftModel:
         if n == 0 or eng.truncate(slot, n) != n:
             return None
         self.begun.pop(slot, None)  # its answer is cut: a next draft begins again
+        self.filling.pop(slot, None)
         return n, eng.snapshot(slot)
 
     def restore(self, slot: int, owner: Owner, ids: np.ndarray, state: memoryview) -> None:
@@ -153,19 +172,23 @@ class DraftModel:
         sequence (the target restored its RAM entry there); a ValueError where llama.cpp
         refuses it (the sequence is then empty)."""
         self.begun.pop(slot, None)
+        self.filling.pop(slot, None)
         self.owners.pop(slot, None)
         self.engine.restore_held(slot, ids, state)
         self.owners[slot] = owner
         self.restored[slot] = len(ids)
 
     def draft(self, slot: int, run: str, owner: Owner, prompt: Sequence[int],
-              context: Sequence[int], last: int, k: int, p_min: float) -> list[int]:
+              context: Sequence[int], last: int, k: int, p_min: float) -> list[int] | None:
         """Up to k greedy tokens after `context` (the slot's evaluated tokens: the prompt and
-        the answer so far) and `last` (its sampled token, waiting for the step)."""
+        the answer so far) and `last` (its sampled token, waiting for the step); None while
+        the sequence's prompt is being prefilled (a batch of it done: the token waits)."""
         eng = self.engine
         if self.begun.get(slot) != run:
             self._begin(slot, owner, prompt)
             self.begun[slot] = run
+        if slot in self.filling and not self._fill(slot):
+            return None
         q = eng.seqs[slot]
         held, now = q.ids[: q.n_live], np.asarray(context, dtype=np.intc)
         n = min(len(held), len(now))
@@ -173,7 +196,8 @@ class DraftModel:
         keep = eng.truncate(slot, int(differ[0]) if len(differ) else n)
         if keep < len(prompt):  # never expected (plain attention cuts back anywhere)
             self._begin(slot, owner, prompt)
-            keep = len(prompt)
+            self._fill(slot)
+            return None
         pending = [*now[keep:].tolist(), last]
         while len(pending) > eng.n_batch:  # the answer's tokens it has not seen, in batches
             eng.evaluate([(slot, pending[: eng.n_batch])])

@@ -5,7 +5,7 @@ plain frozen values, no I/O.
   applied.
 - Inputs: a job arrived or was cancelled, or the result of an effect came back (`Loaded`,
   `ReadDone`, `Stepped`, `Sampled`, `Snapshotted`, `Failed`), or a verify step's samples
-  (`Verified`).
+  (`Verified`) or its batch of a draft model's prompt (`Filling`).
 - Effects, each on the thread it belongs to (`backend.worker.loop`): `Emit` an event to a run's
   stream; on the compute thread `GiveWay`, `Load`, `Cut`, `Snapshot`, `StartSampling`, `Sample`,
   `Finish`; on the reader thread `Read`.
@@ -147,6 +147,15 @@ class Verified:
 
 
 @dataclass(frozen=True, slots=True)
+class Filling:
+    """A verify step prefilled a batch of the slot's draft model's prompt instead (`seconds`:
+    the step's); its token waits for its first draft."""
+
+    slot: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshotted:
     run_id: str
     queued: bool  # a write began (false: the same state waits for its file already)
@@ -159,7 +168,7 @@ class Failed:
 
 
 Input = (Arrive | CancelRun | Loaded | ReadDone | Stepped | Sampled | Snapshotted | Failed
-         | Verified)
+         | Verified | Filling)
 
 
 # --- what the core asks for ---------------------------------------------------------------------

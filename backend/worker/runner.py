@@ -34,6 +34,7 @@ from backend.worker.messages import (
     Cut,
     Effect,
     Failed,
+    Filling,
     Finish,
     GiveWay,
     Held,
@@ -176,10 +177,12 @@ class Runner:
         """Evaluate the step; each slot's result (its share of the time, or its failure)."""
         eng, t = self.engine, time.perf_counter()
         if isinstance(step, Verify):
-            rows = sum(1 + len(core.draft(s)) for s in step.slots)
             results = verify(eng, self.samplers, step, core)
-            self._measured(rows, max((r.seconds for r in results
-                                      if isinstance(r, Stepped | Verified)), default=0.0))
+            if not any(isinstance(r, Filling) for r in results):  # a verify alone, measured
+                self._measured(sum(1 + len(r.draft) if isinstance(r, Verified) else 1
+                                   for r in results if isinstance(r, Stepped | Verified)),
+                               max((r.seconds for r in results
+                                    if isinstance(r, Stepped | Verified)), default=0.0))
             return results
         if isinstance(step, Prefill):
             slots = [step.slot]

@@ -45,7 +45,7 @@ from backend.sampling import Sampler
 from backend.worker.core import Core
 from backend.worker.draft_model import DraftModel
 from backend.worker.drafts import Speculation
-from backend.worker.messages import Failed, Input, Sampled, Stepped, Verified
+from backend.worker.messages import Failed, Filling, Input, Sampled, Stepped, Verified
 from policies.schedule import Verify
 from policies.speculate import MODEL_TOKEN, SpecConfig, VerifyCost
 
@@ -58,15 +58,16 @@ COMPARED = " Greedy answers can differ from --spec-type none's (a verify compute
            "than one-token steps); a cache hit answers as its cold run."
 
 
-def _model_draft(eng: Engine, core: Core, slot: int, places: int) -> list[int]:
-    """A draft model's tokens for a draft of `places` (backend.worker.draft_model)."""
+def _model_draft(eng: Engine, core: Core, slot: int, places: int) -> list[int] | None:
+    """A draft model's tokens for a draft of `places` (backend.worker.draft_model); None
+    while it prefills the prompt, a batch a step."""
     spec = core.spec
     assert spec is not None and spec.model is not None
     j, q = core.jobs[slot], eng.seqs[slot]
-    got: list[int] = spec.model.draft(slot, j.job.run_id, core.owners[slot], j.job.ids,
-                                      q.ids[: q.n_live], core.waiting(slot), places,
-                                      spec.config.draft_p_min)
-    return got if len(got) >= spec.config.draft_n_min else []
+    got = spec.model.draft(slot, j.job.run_id, core.owners[slot], j.job.ids,
+                           q.ids[: q.n_live], core.waiting(slot), places,
+                           spec.config.draft_p_min)
+    return got if got is None or len(got) >= spec.config.draft_n_min else []
 
 
 def verify(eng: Engine, samplers: Mapping[int, Sampler], step: Verify, core: Core
@@ -74,16 +75,24 @@ def verify(eng: Engine, samplers: Mapping[int, Sampler], step: Verify, core: Cor
     t = time.perf_counter()
     drafts = {s: core.draft(s) for s in step.slots}
     out: list[Input] = []
+    filling = []
     for s, d in list(drafts.items()):
         if d and d[0] == MODEL_TOKEN:
             try:
-                drafts[s] = _model_draft(eng, core, s, len(d))
+                got = _model_draft(eng, core, s, len(d))
             except (RuntimeError, ValueError) as ex:  # the draft model failed: that job fails
                 out.append(Failed(s, f"the draft model: {type(ex).__name__}: {ex}"))
                 del drafts[s]
+                continue
+            if got is None:  # a batch of its prompt done: the token waits
+                filling.append(s)
+                del drafts[s]
+            else:
+                drafts[s] = got
     slots = list(drafts)
     if not slots:
-        return out
+        dt = time.perf_counter() - t
+        return [*out, *(Filling(s, dt) for s in filling)]
     before = {s: eng.seqs[s].n_live for s in slots}
     try:
         eng.evaluate([(s, [core.waiting(s), *drafts[s]]) for s in slots],
@@ -91,6 +100,7 @@ def verify(eng: Engine, samplers: Mapping[int, Sampler], step: Verify, core: Cor
     except (RuntimeError, ValueError) as ex:
         return [*out, *(Failed(s, f"{type(ex).__name__}: {ex}") for s in slots)]
     dt = time.perf_counter() - t
+    out += [Filling(s, dt) for s in filling]
     for s in slots:
         draft = drafts[s]
         if not draft:

@@ -20,6 +20,7 @@ from backend.worker.messages import (
     Cut,
     Emit,
     Failed,
+    Filling,
     Finish,
     GiveWay,
     Held,
@@ -325,6 +326,13 @@ def test_a_draft_is_verified_and_its_samples_taken_in_order() -> None:
     assert done.n_gen == 4 and done.draft == {
         "ngram-simple": {"drafted": 3, "accepted": 2, "verifies": 1}}
     assert c.drafted == {"ngram-simple": [3, 2, 1]}, "the worker's totals"
+
+
+def test_a_batch_of_a_draft_models_prompt_leaves_the_token_and_its_draft_waiting() -> None:
+    c = drafting()
+    before = (c.tasks(world(holding(REPEATS), EMPTY)), c.waiting(0), c.draft(0))
+    assert c.apply(Filling(0, 0.3), world(holding(REPEATS), EMPTY)) == []
+    assert (c.tasks(world(holding(REPEATS), EMPTY)), c.waiting(0), c.draft(0)) == before
 
 
 def test_a_verify_ends_the_answer_where_a_stop_string_matches() -> None:

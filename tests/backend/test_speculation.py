@@ -8,6 +8,7 @@ rules are exact tables in tests/policies/test_speculate.py and test_ngram.py."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -329,6 +330,76 @@ def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
     assert 0 < edge and model.prompt["copied"] == edge, (model.prompt, edge)
     assert (second, done1.draft) == (first, done0.draft)
     assert done0.draft["draft-simple"]["accepted"] > 0
+
+
+GEN_LONG = 640  # slot 0's answer: long enough to go on through slot 1's prefills
+
+
+def test_a_draft_model_prefills_a_prompt_a_batch_a_step_beside_another_slot() -> None:
+    """Two slots, each answer its own (apart): slot 0 generates while slot 1's job begins with
+    a prompt of several batches. The draft model prefills slot 1's prompt one batch a step
+    (before, all of it in one step, every other slot stopped meanwhile), and slot 0's steps go
+    on between those batches; both answers and their drafts are their runs' alone."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
+    count = list(vocab.tokenize(b"Count from 1 to 500, one number a line:\n1\n2\n3\n",
+                                add_bos=False))
+    alone = {}
+    for slot, prompt in ((0, count), (1, ids)):
+        eng = _engine(name)
+        model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+        try:
+            w = Worker(eng, MODEL_SPEC, model=model, gen=GEN_LONG)
+            got, done, _ = w.run(f"alone{slot}", prompt)
+            alone[slot] = (got, done.draft)
+            w.stop()
+        finally:
+            model.close()
+            eng.close()
+    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+                 flash_attn=FLASH_ATTN, n_seq=2)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    timeline: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+    evaluate = model.engine.evaluate
+
+    def drafted(rows, pads=(), every=(), fill=0):  # type: ignore[no-untyped-def]
+        timeline.append(("draft", tuple((s, len(t)) for s, t in rows)))
+        return evaluate(rows, pads, every, fill)
+
+    model.engine.evaluate = drafted  # type: ignore[method-assign]
+    try:
+        w = Worker(eng, MODEL_SPEC, model=model, gen=GEN_LONG)
+        target = w.eng.evaluate
+
+        def stepped(rows, pads=(), every=(), fill=0):  # type: ignore[no-untyped-def]
+            timeline.append(("target", tuple((s, len(t)) for s, t in rows)))
+            return target(rows, pads, every, fill)
+
+        w.eng.evaluate = stepped  # type: ignore[method-assign]
+        w.submit("a", count, slot=0)
+        deadline = time.monotonic() + 600  # slot 0 generates before slot 1's job comes
+        while sum(1 for r, e in w.events if r == "a" and isinstance(e, Token)) < 4:
+            assert time.monotonic() < deadline and "a" not in w.finished
+            time.sleep(0.01)
+        w.submit("b", ids, slot=1)
+        a = w.run("a", count, submit=False)
+        b = w.run("b", ids, submit=False)
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    assert (a[0], a[1].draft) == alone[0] and (b[0], b[1].draft) == alone[1]
+    # slot 1's prompt in the draft model: its batches, and slot 0's steps between them
+    ones = [i for i, (who, rows) in enumerate(timeline) if who == "draft" and rows[0][0] == 1]
+    first = next(i for i in ones if timeline[i][1][0][1] == 1)  # its first draft's step
+    fills = [i for i in ones if i < first]
+    assert sum(timeline[i][1][0][1] for i in fills) == len(ids) and len(fills) >= 3, \
+        (len(fills), len(ids))
+    for i, j in zip(fills, fills[1:], strict=False):
+        between = [rows for who, rows in timeline[i + 1:j] if who == "target"]
+        assert any(s == 0 for rows in between for s, _ in rows), \
+            f"slot 0 made no step between two of slot 1's draft batches ({i}, {j})"
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
