@@ -47,7 +47,9 @@ run's batches):
    each slot's answer is its own (`Shapes.independent`), a verify runs alone, and the other
    waiting slots' tokens take a `Decode` of their own when theirs is the turn; otherwise every
    waiting slot's rows share one `Verify` (a slot without a draft has one row in it), as many as
-   fit `rows_max` (the batch), in the order they came.
+   fit `rows_max` (the batch), in the order they came. A slot whose draft model prefills its
+   prompt (`Task.fills`: a batch a verify step, its token waiting) takes its verify steps
+   alone, so the others' tokens do not wait for its batches nor are charged their time.
 5. A job is over when its slot's job changes (`track`): its time leaves with it, and the slot's
    next job starts from nothing.
 
@@ -169,6 +171,7 @@ class Task:
     n: int = 0  # tokens of its next prefill batch
     waits: bool = False  # its generated token waits for its decode
     draft: int = 0  # tokens drafted to verify beside it (policies.speculate)
+    fills: bool = False  # its draft model prefills its prompt, a batch a verify step
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +278,8 @@ def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int
         return Prefill(due.slot, due.n)
     if first is None:
         return None
-    group = [first] if shapes.decode == "apart" else waiting
+    group = [first] if shapes.decode == "apart" or first.fills else \
+        [t for t in waiting if not t.fills]
     if not any(t.draft for t in group):
         return Decode(tuple(sorted(t.slot for t in group)))
     if shapes.independent:  # rule 4: a verify alone

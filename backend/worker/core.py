@@ -113,6 +113,7 @@ class _Job:
     token: int = -1  # the sampled token that waits for its decode
     came_s: float = 0.0  # when its request came to the server (the worker's clock)
     drafts: SlotDrafts | None = None  # its speculation, while it generates
+    fills: bool = False  # its draft model prefills its prompt (a `Filling` came, no step yet)
 
 
 @dataclass(slots=True)
@@ -148,7 +149,8 @@ class Core:
                 out.append(Task(slot, len(j.ids) - n_live, j.edges.next(n_live) - n_live))
             elif j.phase == "waits":
                 out.append(Task(slot, waits=True,
-                                draft=len(j.drafts.draft) if j.drafts is not None else 0))
+                                draft=len(j.drafts.draft) if j.drafts is not None else 0,
+                                fills=j.fills))
         return out
 
     def waiting(self, slot: int) -> int:
@@ -183,13 +185,16 @@ class Core:
         if isinstance(inp, Loaded):
             return self._loaded(inp.slot, j, inp, world)
         if isinstance(inp, Stepped):
+            j.fills = False
             return self._stepped(inp.slot, j, inp.seconds, world)
         if isinstance(inp, Sampled):
             return self._sampled(inp.slot, j, inp, world) + self._propose(inp.slot, j, world)
         if isinstance(inp, Verified):
+            j.fills = False
             return self._verified(inp.slot, j, inp, world)
-        if isinstance(inp, Filling):
-            return []  # its token and draft wait for the next verify
+        if isinstance(inp, Filling):  # its token and draft wait, its next verify alone
+            j.fills = True
+            return []
         return [Emit(j.job.run_id, Error(inp.message)), *self._finish(inp.slot)]
 
     def _arrive(self, job: Job, world: World) -> list[Effect]:

@@ -16,11 +16,12 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   sequence that holds it so (a copy of exact cells: what a cold prefill computes; a subagent
   beside its main session shares the system prompt and tools), and prefills the rest as a cold
   run does, one batch a step (the other slots' steps go on between; the slot's token waits for
-  its first draft, so a hit drafts what its cold run drafted); from then on it evaluates the slot's accepted tokens and the waiting one, then
-  drafts one token at a time (its argmax, as llama.cpp's top-k 10 sampler takes its first;
-  `p_min`: none less likely than that among those ten); at the next draft it keeps what it
-  holds of the slot's tokens and evaluates the rest. So a job's drafts are a function of its
-  prompt and answer, and a cache hit of the target drafts what its cold run drafted.
+  its first draft, so a hit drafts what its cold run drafted); from then on it evaluates the
+  slot's accepted tokens and the waiting one, then drafts one token at a time (its argmax, as
+  llama.cpp's top-k 10 sampler takes its first; `p_min`: none less likely than that among
+  those ten); at the next draft it keeps what it holds of the slot's tokens and evaluates the
+  rest. So a job's drafts are a function of its prompt and answer, and a cache hit of the
+  target drafts what its cold run drafted.
 - **Its state goes with the target's into the RAM tier** (as llama-server's prompt cache keeps
   both): when a slot's live state gives way (`give_way`), the sequence's exact part of the same
   tokens, cut back to its own batch edge, joins the RAM entry, counted in its size and budget;

@@ -330,9 +330,13 @@ def test_a_draft_is_verified_and_its_samples_taken_in_order() -> None:
 
 def test_a_batch_of_a_draft_models_prompt_leaves_the_token_and_its_draft_waiting() -> None:
     c = drafting()
-    before = (c.tasks(world(holding(REPEATS), EMPTY)), c.waiting(0), c.draft(0))
     assert c.apply(Filling(0, 0.3), world(holding(REPEATS), EMPTY)) == []
-    assert (c.tasks(world(holding(REPEATS), EMPTY)), c.waiting(0), c.draft(0)) == before
+    assert c.tasks(world(holding(REPEATS), EMPTY)) == [Task(0, waits=True, draft=3, fills=True)]
+    assert (c.waiting(0), c.draft(0)) == (100, [101, 102, 103])
+    samples = (Sampled(0, 101, b"b", False), Sampled(0, 7, b"d", False))
+    c.apply(Verified(0, 0.2, samples, (101, 102, 103)), world(holding(REPEATS + (100, 101)),
+                                                              EMPTY))
+    assert not any(t.fills for t in c.tasks(world(holding(REPEATS + (100, 101)), EMPTY)))
 
 
 def test_a_verify_ends_the_answer_where_a_stop_string_matches() -> None:

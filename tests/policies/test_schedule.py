@@ -105,6 +105,17 @@ NEXT_CASES: list[tuple[str, list[Task], Clock, Shapes, Step | None]] = [
     ("batched as they come: every waiting slot's rows in one verify",
      [Task(2, waits=True), Task(0, waits=True, draft=3), Task(1, waits=True, draft=4)],
      clock(s2=Account(0.1), s0=Account(0.2), s1=Account(0.3)), AS_THEY_COME, Verify((0, 1, 2))),
+    ("a slot whose draft model fills its prompt verifies alone, when it has used the least",
+     [Task(2, waits=True), Task(0, waits=True, draft=3, fills=True), Task(1, waits=True,
+                                                                           draft=4)],
+     clock(s2=Account(0.2), s0=Account(0.1), s1=Account(0.3)), AS_THEY_COME, Verify((0,))),
+    ("... and the others share their steps without it",
+     [Task(2, waits=True), Task(0, waits=True, draft=3, fills=True), Task(1, waits=True,
+                                                                           draft=4)],
+     clock(s2=Account(0.1), s0=Account(0.2), s1=Account(0.3)), AS_THEY_COME, Verify((1, 2))),
+    ("... a decode, where none of them has a draft",
+     [Task(2, waits=True), Task(0, waits=True, draft=3, fills=True), Task(1, waits=True)],
+     clock(s2=Account(0.1), s0=Account(0.2), s1=Account(0.3)), AS_THEY_COME, Decode((1, 2))),
 ]
 
 
