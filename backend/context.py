@@ -79,10 +79,11 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
          n_batch: int = 0, flash_attn: str = "off", type_k: str = "f16", type_v: str = "f16",
          swa_full: bool = True, n_threads_batch: int | None = None,
          placement: Mapping[str, Any] | None = None, n_seq: int = 1,
-         progress: Callable[[float], None] | None = None, deterministic: str = "auto"
-         ) -> Loaded:
+         progress: Callable[[float], None] | None = None, deterministic: str = "auto",
+         outputs: int = 0) -> Loaded:
     """The model loaded and its context made; a ValueError that says what to change where
-    llama.cpp refuses either."""
+    llama.cpp refuses either. `outputs`: the most rows with logits one llama_decode asks for
+    (0: the whole batch; `policies.prefix.outputs_max`)."""
     if flash_attn not in FLASH_ATTN:
         raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
     for t in (type_k, type_v):
@@ -123,6 +124,10 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     # n_ctx is shared among the slots, as llama-server's -c with -np; one KV stream each
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
     cp.kv_unified = False
+    # its compute buffer holds logits for this many rows (llama.cpp's default: the batch, which
+    # at 512 rows of a 152K vocabulary is 297 MiB of a GPU's memory; llama-server asks the
+    # slots' rows of a verify, as here)
+    cp.n_outputs_max = outputs
     cp.n_threads = n_threads or default_threads()
     cp.n_threads_batch = n_threads_batch or n_threads or usable_cpus()
     # as resolved: what the kernels run with (a self-check verdict is keyed on these)

@@ -131,11 +131,13 @@ class Engine(States):
         n_seq: int = 1,
         progress: Callable[[float], None] | None = None,
         deterministic: str = "auto",
+        outputs: int = 0,
     ) -> None:
+        outputs = max(outputs, n_seq) if outputs else 0  # llama.cpp asks a row per sequence
         got = load(model_path, n_ctx, n_threads, n_gpu_layers, n_batch=n_batch,
                    flash_attn=flash_attn, type_k=type_k, type_v=type_v, swa_full=swa_full,
                    n_threads_batch=n_threads_batch, placement=placement, n_seq=n_seq,
-                   progress=progress, deterministic=deterministic)
+                   progress=progress, deterministic=deterministic, outputs=outputs)
         self.model, self.ctx, self.memory, self.flash_attn = (got.model, got.ctx, got.memory,
                                                               got.flash_attn)
         self.n_threads, self.n_threads_batch = got.n_threads, got.n_threads_batch
@@ -145,6 +147,9 @@ class Engine(States):
         self._pieces: dict[int, bytes] = {}  # `piece`: each token's bytes, once asked
         self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # one slot's context
         self.n_batch = n_batch
+        # the most rows with logits a llama_decode may ask for: llama.cpp aborts the process on
+        # more (`output_reserve`), so `evaluate` refuses them first
+        self.outputs = outputs or n_batch
         # KV caches in a sequence state (backend.layout): a window's base and window caches, a
         # hybrid's attention cache, none for a pure recurrent model
         self.caches = {"plain": 1, "window": 2}.get(
@@ -270,12 +275,17 @@ class Engine(States):
         `fixed` decode). `fill`: rows repeating the one row's last token after it, dropped
         after (`policies.prefix.Padding`). `exact_n` is the caller's (`prefill_batch`):
         generated tokens are never exact. A failed decode cuts each row's slot back to what it
-        held (or, where the memory cannot, none) and raises."""
+        held (or, where the memory cannot, none) and raises; more rows with logits than the
+        context was made for (`outputs`) raise before anything is evaluated."""
         b, i, rows_of = self._batch, 0, {}
         entries = [*((self.seqs[s], t) for s, t in rows),
                    *((self.seqs[s], [rows[0][1][-1]]) for s in pads)]
         # checked before a row is written: llama.cpp's batch holds n_batch rows, no more
         assert sum(len(t) for _, t in entries) + fill <= self.n_batch, "more rows than a batch"
+        if len(entries) > self.outputs or every and sum(
+                len(t) if q.id in every else 1 for q, t in entries) > self.outputs:
+            raise RuntimeError(f"a llama_decode of more rows with logits than the context "
+                               f"was made for ({self.outputs})")
         for q, tokens in sorted(entries, key=lambda e: e[0].id):
             assert tokens and q.n_live + len(tokens) <= self.n_ctx
             want = q.id in every

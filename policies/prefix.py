@@ -312,6 +312,16 @@ FA_TILE = 64  # ggml's CPU flash attention takes query rows 64 at a time (GGML_F
 # decode step
 
 
+def outputs_max(n_seq: int, n_draft: int) -> int:
+    """The most rows with logits one llama_decode of the worker asks for, what llama.cpp sizes
+    its compute buffer's logits for (`n_outputs_max`; its default, the whole batch, took
+    297 MiB at 512 rows of a 152K vocabulary, on a GPU every byte of it): each slot's waiting
+    token and a draft of up to `n_draft` in one verify, and the self-check's longest verify
+    (`FA_TILE` + 1 rows of one slot). llama-server asks its slots' rows the same way
+    (`common_speculative_get_output_limits`)."""
+    return max(n_seq * (1 + n_draft), FA_TILE + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Padding:
     """Which prefill batches a CPU worker with flash attention pads to `FA_TILE` rows: those of

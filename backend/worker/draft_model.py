@@ -93,7 +93,7 @@ class DraftModel:
         where it cannot draft for the target."""
         eng = Engine(path, target.n_ctx * len(target.seqs), threads, n_gpu_layers,
                      n_batch=target.n_batch, flash_attn=target.flash_attn,
-                     n_seq=len(target.seqs),
+                     n_seq=len(target.seqs), outputs=len(target.seqs),  # a row each
                      placement={"repack": "on" if target.placement.get("repack") else "off"})
         why = incompatible(target, eng)
         if not why and eng.memory.kind == "recurrent":

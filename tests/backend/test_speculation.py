@@ -27,7 +27,7 @@ from backend.worker.tiers import Tiers
 from backend.worker.verify import resolve
 from policies.decide import Plan, Restore
 from policies.ngram import NgramParams
-from policies.prefix import default_batch
+from policies.prefix import default_batch, outputs_max
 from policies.schedule import Shapes
 from policies.speculate import SpecConfig, VerifyCost
 from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
@@ -67,8 +67,12 @@ def edit_ids(name: str) -> list[int]:
     return list(vocab.tokenize(text.encode(), add_bos=False))
 
 
-def _engine(name: str) -> Engine:
-    return Engine(model_file(name), N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+def _engine(name: str, spec: SpecConfig, n_seq: int = 1) -> Engine:
+    """The engine as the worker makes it for `spec`: its rows with logits a llama_decode may
+    ask for bounded as the worker's are (`policies.prefix.outputs_max`), so every verify the
+    tests run fits them."""
+    return Engine(model_file(name), n_seq * N_CTX, 2, GPU_LAYERS, n_batch=BATCH, n_seq=n_seq,
+                  outputs=outputs_max(n_seq, spec.n_max),
                   flash_attn=FLASH_ATTN)
 
 
@@ -154,14 +158,14 @@ def test_every_hit_answers_as_its_cold_run_with_speculation_on(
     samplings = [{"temperature": 0.0}] + ([{"temperature": 0.8, "seed": 7}] if rule is None
                                           else [])
     for sampling in samplings:
-        ref = _engine(name)
+        ref = _engine(name, SPEC)
         try:
             w = Worker(ref, SPEC, rule=rule, gen=GEN if rule is None else 64)
             want, cold, _ = w.run("cold", ids, sampling=sampling)
             w.stop()
         finally:
             ref.close()
-        eng = _engine(name)
+        eng = _engine(name, SPEC)
         try:
             key, path, size = _stored(eng, ids[:edge], tmp_path)
             w = Worker(eng, SPEC, cache=tmp_path, rule=rule, gen=GEN if rule is None else 64)
@@ -195,7 +199,7 @@ def test_the_kv_holds_exactly_the_answers_tokens_after_verifies() -> None:
     prefill's of the same prompt... for the prompt: generated tokens are never exact."""
     name = "smollm2"
     ids = edit_ids(name)
-    eng = _engine(name)
+    eng = _engine(name, SPEC)
     try:
         w = Worker(eng, SPEC)
         got, done, _ = w.run("r", ids)
@@ -209,12 +213,40 @@ def test_the_kv_holds_exactly_the_answers_tokens_after_verifies() -> None:
         eng.close()
 
 
+def test_an_engine_made_for_fewer_rows_with_logits_computes_the_same_bits_and_refuses_more(
+        ) -> None:
+    """The worker's engine sizes llama.cpp's logits for the rows a llama_decode of its may ask
+    (`outputs_max`), not the whole batch (297 MiB at 512 rows of a 152K vocabulary). A verify
+    within them computes what an engine made for the whole batch computes, bit for bit; one
+    past them is a RuntimeError before anything is evaluated (llama.cpp would abort the
+    process), and the engine goes on."""
+    name, rows = "smollm2", 12
+    got = []
+    for outputs in (0, rows):
+        eng = Engine(model_file(name), N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
+                     flash_attn=FLASH_ATTN, outputs=outputs)
+        try:
+            ids = edit_ids(name)
+            eng.prefill(0, ids[:-rows - 1])
+            n = eng.seqs[0].n_live
+            if outputs:
+                with pytest.raises(RuntimeError, match="more rows with logits"):
+                    eng.evaluate([(0, ids[n:n + rows + 1])], every=[0])
+                assert eng.seqs[0].n_live == n
+            eng.evaluate([(0, ids[n:n + rows])], every=[0])
+            got.append(([eng.last_logits(0, i).tobytes() for i in range(rows)],
+                        bytes(eng.snapshot(0))))
+        finally:
+            eng.close()
+    assert got[0] == got[1]
+
+
 def test_the_stop_rule_drafts_nothing_where_a_verify_cannot_pay() -> None:
     """A verify cost where k drafts cost k + 1 steps (a tiny model on a CPU): no slot drafts,
     and the answer is the one without speculation, bit for bit (the same one-token steps)."""
     name = "smollm2"
     ids = edit_ids(name)
-    eng = _engine(name)
+    eng = _engine(name, SPEC)
     try:
         w = Worker(eng, SpecConfig())
         want, _, _ = w.run("plain", ids)
@@ -236,8 +268,7 @@ def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
     holds exactly its prompt and answer after."""
     name = "smollm2"
     ids = edit_ids(name)
-    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
-                 flash_attn=FLASH_ATTN, n_seq=2)
+    eng = _engine(name, SPEC, 2)
     try:
         w = Worker(eng, SPEC, shapes=Shapes("batched", False, ""))
         # the prompts live in their slots first, so that both answers start together: a cold
@@ -275,7 +306,7 @@ def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, t
     live hit and a restored hit are the same."""
     ids = edit_ids(name)
     edge = (len(ids) - 1) // BATCH * BATCH
-    ref = _engine(name)
+    ref = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), ref, GPU_LAYERS, 2)
     try:
         w = Worker(ref, MODEL_SPEC, model=model)
@@ -284,7 +315,7 @@ def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, t
     finally:
         model.close()
         ref.close()
-    eng = _engine(name)
+    eng = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:
         key, path, size = _stored(eng, ids[:edge], tmp_path)
@@ -314,8 +345,7 @@ def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
     edge, and prefills only the rest; the drafts and the answer are slot 0's, as a cold run's."""
     name = "smollm2"
     ids = edit_ids(name)
-    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
-                 flash_attn=FLASH_ATTN, n_seq=2)
+    eng = _engine(name, MODEL_SPEC, 2)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:
         w = Worker(eng, MODEL_SPEC, model=model)
@@ -347,7 +377,7 @@ def test_a_draft_model_prefills_a_prompt_a_batch_a_step_beside_another_slot() ->
                                 add_bos=False))
     alone = {}
     for slot, prompt in ((0, count), (1, ids)):
-        eng = _engine(name)
+        eng = _engine(name, MODEL_SPEC)
         model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
         try:
             w = Worker(eng, MODEL_SPEC, model=model, gen=GEN_LONG)
@@ -357,8 +387,7 @@ def test_a_draft_model_prefills_a_prompt_a_batch_a_step_beside_another_slot() ->
         finally:
             model.close()
             eng.close()
-    eng = Engine(model_file(name), 2 * N_CTX, 2, GPU_LAYERS, n_batch=BATCH,
-                 flash_attn=FLASH_ATTN, n_seq=2)
+    eng = _engine(name, MODEL_SPEC, 2)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     timeline: list[tuple[str, tuple[tuple[int, int], ...]]] = []
     evaluate = model.engine.evaluate
@@ -414,7 +443,7 @@ def test_a_draft_models_state_goes_with_the_targets_into_the_ram_tier(name: str)
     vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
     other = list(vocab.tokenize(("Another file, unrelated:\n" + FILE[::-1]).encode(),
                                 add_bos=False))
-    eng = _engine(name)
+    eng = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:
         w = Worker(eng, MODEL_SPEC, model=model, ram=-1)
@@ -450,7 +479,7 @@ def test_a_draft_models_state_goes_with_the_targets_into_the_ram_tier(name: str)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
-    eng = _engine("smollm2")
+    eng = _engine("smollm2", SPEC)
     try:
         with pytest.raises(ValueError) as e:
             DraftModel.load(model_file("gemma3"), eng, GPU_LAYERS, 2)

@@ -18,6 +18,7 @@ from policies.prefix import (
     choose_padding,
     common_prefix_len,
     keep_max,
+    outputs_max,
     pack,
 )
 
@@ -259,3 +260,10 @@ def test_a_padding_takes_the_short_batches_past_its_position() -> None:
 def test_the_padding_starts_where_a_short_batch_costs_a_tile(seconds: dict[int, float],
                                                              least: int) -> None:
     assert choose_padding(seconds, 2048) == (Padding(least, 2048) if least else Padding())
+
+
+def test_the_rows_with_logits_cover_every_slots_verify_and_the_self_checks() -> None:
+    assert outputs_max(1, 0) == FA_TILE + 1, "the self-check's longest verify"
+    assert outputs_max(4, 0) == FA_TILE + 1
+    assert outputs_max(3, 64) == 3 * 65, "each slot's token and a draft of 64"
+    assert outputs_max(200, 0) == 200, "a row each in a decode step of every slot"
