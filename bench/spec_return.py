@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,31 +105,42 @@ def markdown(rows: list[dict[str, Any]], cmd: str) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from proxy.config import default_model
-
-    p = argparse.ArgumentParser(prog="python -m bench.spec_return",
-                                description=__doc__.split("\n")[0])
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The options this bench and bench.spec_share share (their arms, model and rounds)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     p.add_argument("--base", default="", help="another prefixgate checkout, as the arm `base`")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--lines", type=int, default=180)
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="")
     p.add_argument("--draft-model", default="")
     p.add_argument("--out", default="")
-    args = p.parse_args(argv)
+    return p
+
+
+def run_arms(args: argparse.Namespace, prog: str, argv: list[str] | None,
+             run_one: Callable[[str, argparse.Namespace, Path], dict[str, Any]],
+             table: Callable[[list[dict[str, Any]], str], str]) -> None:
+    """Each arm (prefixgate, `--base`, llama-server) on a fresh server, round after round; the
+    table printed, the rows written to `--out`."""
+    from proxy.config import default_model
+
     args.model = args.model or default_model()
     args.draft_model = args.draft_model or args.model
     arms = ["prefixgate", *(["base"] if args.base else []),
             *(["llama-server"] if args.llama_server else [])]
-    work = Path(tempfile.mkdtemp(prefix="bench-spec-return-"))
-    rows = [run(arm, args, work) for _ in range(args.rounds) for arm in arms]
-    text = markdown(rows, "python -m bench.spec_return " + " ".join(argv or sys.argv[1:]))
-    print(text)
+    work = Path(tempfile.mkdtemp(prefix=f"{prog.replace('.', '-')}-"))
+    rows = [run_one(arm, args, work) for _ in range(args.rounds) for arm in arms]
+    print(table(rows, f"python -m {prog} " + " ".join(argv or sys.argv[1:])))
     if args.out:
         Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser("python -m bench.spec_return", __doc__)
+    p.add_argument("--max-tokens", type=int, default=64)
+    run_arms(p.parse_args(argv), "bench.spec_return", argv, run, markdown)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from typing import Any
 
 from bench.replay import ROOT, free_port
 from bench.spec import post_json
-from bench.spec_return import file_text
+from bench.spec_return import file_text, parser, run_arms
 from bench.team import Server
 
 LINES = "Line 1\nLine 2\nLine 3\nLine 4\n"  # the model goes on with Line 5, 6, ...
@@ -126,30 +124,9 @@ def markdown(rows: list[dict[str, Any]], cmd: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from proxy.config import default_model
-
-    p = argparse.ArgumentParser(prog="python -m bench.spec_share",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
-    p.add_argument("--base", default="", help="another prefixgate checkout, as the arm `base`")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--lines", type=int, default=180)
+    p = parser("python -m bench.spec_share", __doc__)
     p.add_argument("--answer", type=int, default=1500)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default="")
-    p.add_argument("--draft-model", default="")
-    p.add_argument("--out", default="")
-    args = p.parse_args(argv)
-    args.model = args.model or default_model()
-    args.draft_model = args.draft_model or args.model
-    arms = ["prefixgate", *(["base"] if args.base else []),
-            *(["llama-server"] if args.llama_server else [])]
-    work = Path(tempfile.mkdtemp(prefix="bench-spec-share-"))
-    rows = [run(arm, args, work) for _ in range(args.rounds) for arm in arms]
-    text = markdown(rows, "python -m bench.spec_share " + " ".join(argv or sys.argv[1:]))
-    print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+    run_arms(p.parse_args(argv), "bench.spec_share", argv, run, markdown)
 
 
 if __name__ == "__main__":
