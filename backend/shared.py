@@ -62,6 +62,7 @@ import hmac
 import logging
 import mmap
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -400,8 +401,10 @@ class SharedTier:
         written: list[str] = []
         try:
             with open(path, "rb") as f, _mapped(f) as m:
-                offsets = shared_parts.cuts(m)
-                spans = list(zip(offsets, [*offsets[1:], len(m)], strict=True))
+                # the model's state: a draft model's twin after it stays local
+                end = min(store.model_state_end(m), len(m))
+                offsets = shared_parts.cuts(m, end)
+                spans = list(zip(offsets, [*offsets[1:], end], strict=True))
                 names = [self._digest(m[a:b]) for a, b in spans]
                 pipe = self._redis.pipeline(transaction=False)
                 unique = list(dict.fromkeys(names))
@@ -421,13 +424,14 @@ class SharedTier:
                         pipe.execute()
                         sent, batch = sent + batch, 0
                 pipe.execute()
-                size, file_digest = len(m), hashlib.blake2b(m, digest_size=32).digest()
+                with memoryview(m) as whole, whole[:end] as part:
+                    size, file_digest = end, hashlib.blake2b(part, digest_size=32).digest()
             fields = {"n_tokens": str(n_tokens), "size": str(size), "chunks": str(len(names)),
                       "parts": ",".join(names), "tenant": self.tag(tenant),
                       "checksum": str(checksum), "published_s": str(int(time.time()))}
             self._redis.hset(self._entry(key), mapping={
                 **fields, "mac": self._mac(key, fields, file_digest)})
-        except (OSError, ValueError) as e:  # evicted locally before its turn, most likely
+        except (OSError, ValueError, struct.error) as e:  # evicted locally first, likely
             raise SharedFault(f"the file cannot be read: {e}") from None
         except redis.ResponseError as e:  # refused: OOM under maxmemory, most likely
             self._on_refused(written, e)

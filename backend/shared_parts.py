@@ -30,14 +30,15 @@ GROUP_TOKENS = 256  # cells per part of a block (LMCache's chunk size)
 MAX_PART_BYTES = 8 << 20  # Redis strings stay far below their 512 MB limit
 
 
-def cuts(buf: bytes | memoryview) -> list[int]:
-    """The offsets where the parts of the state file `buf` begin, ascending, 0 first."""
-    size = len(buf)
+def cuts(buf: bytes | memoryview, size: int | None = None) -> list[int]:
+    """The offsets where the parts of the state file `buf` (its first `size` bytes: a draft
+    model's twin after the model's state is not cut) begin, ascending, 0 first."""
+    size = len(buf) if size is None else size
     at = {0}
     try:
         state = store.header_bytes(store.tokens_in_header(buf))
         if state < size:
-            for s in layout.parse(memoryview(buf)[state:], 1).sections:
+            for s in layout.parse(memoryview(buf)[state:size], 1).sections:
                 at |= _section_cuts(s, state)
     except (ValueError, struct.error):
         pass  # not a state this parses: fixed-size parts only

@@ -78,6 +78,24 @@ class States:
         self.restore(slot, live_ids, whole)
         return part
 
+    def snapshot_first(self, slot: int, p: int) -> memoryview | None:
+        """A snapshot of exactly the first p tokens of this slot's live state, which holds them
+        as a cold prefill computes them (``p <= exact_n``), past which it may hold others (a
+        draft model's sequence holds the answer after its prompt); the live state untouched.
+        Plain attention: the snapshot cut to its first p cells, as `snapshot_behind` does.
+        Otherwise None, unless p is all it holds (a window's later cells change what a snapshot
+        at p holds, and cutting it back would lose them)."""
+        q = self.seqs[slot]
+        assert 0 < p <= q.exact_n, (p, q.exact_n)
+        if p == q.n_live:
+            return self.snapshot(slot)
+        if self.memory.kind != "plain" or p < self.floor(slot):
+            return None
+        out, n = self._snapshot_into(slot)
+        n = layout.first_cells_in_place(out, n, p)
+        out = buffers.release_after(out, n + self.spare_bytes)
+        return memoryview(out)[:n]
+
     def state_bytes(self, slot: int) -> int:
         """The size of a slot's state, without copying it."""
         return int(llama_cpp.llama_state_seq_get_size(self.ctx, self.seqs[slot].id))

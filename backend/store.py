@@ -12,6 +12,16 @@ Layout (little-endian)::
     checksum   u64       xxh3_64 over every header field above, the ids, and the state
     state      state_len bytes
 
+and, where a draft model's state of the same tokens goes with it (its *twin*: a worker with
+`-md` keeps the draft model's KV beside the model's, as llama-server's prompt cache does)::
+
+    magic      4 bytes   b"PGDT"
+    fingerprint 16 bytes the draft model and its configuration
+    n_tokens   u32       it holds KV for exactly the first n_tokens of the ids above
+    state_len  u64
+    checksum   u64       xxh3_64 over the twin's fields above and its state
+    state      state_len bytes
+
 Rules:
 
 - A file is written to a temp file named ``.tmp-*`` in its final directory, fsynced, renamed
@@ -25,6 +35,10 @@ Rules:
 - Verify before trust: :func:`read_state_file` checks magic, version, fingerprint, length,
   checksum, and that the stored ids equal the prompt's first n ids. Every failure is a
   :class:`CacheFault` with a reason from :data:`FAULT_REASONS`; callers treat it as a miss.
+- A twin is read apart (:func:`read_twin_into`), verified the same way, and only by a worker
+  whose draft model its fingerprint names. The model's state, its checksum and everything that
+  reads it (the index, the shared tier, which publishes the model's part alone) do not depend
+  on it; a bad twin costs the draft model's prefill, never the model's state.
 - The state is read once, into one buffer: a 700 MB state must not be held twice in memory.
 - Only the worker process reads and writes state bytes; the proxy sees paths, sizes, checksums.
 """
@@ -74,6 +88,8 @@ FAULT_REASONS: tuple[FaultReason, ...] = (
 _FIXED = struct.Struct("<4sHH16sI")  # magic, version, flags, fingerprint, n_tokens
 _STATE_LEN = struct.Struct("<Q")
 _CHECKSUM = struct.Struct("<Q")
+TWIN_MAGIC = b"PGDT"
+_TWIN = struct.Struct("<4s16sIQQ")  # magic, fingerprint, n_tokens, state_len, checksum
 _VERIFY_CHUNK_BYTES = 8 << 20
 _MISMATCH_CONTEXT = 4  # tokens shown either side of the first mismatching token
 
@@ -102,6 +118,16 @@ class StateHeader:
     checksum: int  # xxh3_64 as stored in the file
     state_offset: int  # where the state bytes start
     file_size_bytes: int  # size of the file on disk; state_offset + state_len when complete
+    # (and a twin's header and state after it, where the file has one)
+
+
+@dataclass(frozen=True, slots=True)
+class Twin:
+    """A draft model's state of the first `n_tokens` ids of the model's state it goes with."""
+
+    fingerprint: bytes
+    n_tokens: int
+    state: bytes | bytearray | memoryview
 
 
 def header_bytes(n_tokens: int) -> int:
@@ -126,8 +152,10 @@ def write_state_file(
     fp: bytes,
     ids: Sequence[int],
     state: bytes | bytearray | memoryview,
+    twin: Twin | None = None,
 ) -> tuple[Path, int, int]:
-    """Write the state for ``ids`` durably under ``key``; return (path, size_bytes, checksum).
+    """Write the state for ``ids`` durably under ``key`` (with a draft model's `twin` after
+    it); return (path, size_bytes, checksum: the model's state's).
 
     Any OSError (ENOSPC, EIO, permissions) becomes ``CacheFault("io")`` with no temp file left.
     """
@@ -141,6 +169,12 @@ def write_state_file(
     hasher.update(body)
     checksum = hasher.intdigest()
     head += _CHECKSUM.pack(checksum)
+    parts: list[bytes | memoryview] = [head, body]
+    if twin is not None:
+        if len(twin.fingerprint) != FINGERPRINT_SIZE_BYTES or not 0 < twin.n_tokens <= len(ids):
+            raise ValueError(f"a twin of {twin.n_tokens} tokens cannot go with {len(ids)}")
+        twin_body = memoryview(twin.state).cast("B")
+        parts += [_twin_head(twin.fingerprint, twin.n_tokens, twin_body), twin_body]
 
     tmp: Path | None = None
     try:
@@ -148,9 +182,9 @@ def write_state_file(
         final.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = _create_temp(final.parent, final.stem)
         with open(fd, "wb") as f:
-            if not _write_direct(f.fileno(), (head, body)):
-                f.write(head)
-                f.write(body)
+            if not _write_direct(f.fileno(), parts):
+                for part in parts:
+                    f.write(part)
                 f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -163,7 +197,14 @@ def write_state_file(
             with contextlib.suppress(OSError):
                 tmp.unlink()
         raise CacheFault("io", f"could not write state file {final}: {e}", final) from e
-    return final, len(head) + body.nbytes, checksum
+    return final, sum(memoryview(p).nbytes for p in parts), checksum
+
+
+def _twin_head(fp: bytes, n_tokens: int, body: memoryview) -> bytes:
+    fields = _TWIN.pack(TWIN_MAGIC, fp, n_tokens, body.nbytes, 0)[: -_CHECKSUM.size]
+    hasher = xxhash.xxh3_64(fields)
+    hasher.update(body)
+    return fields + _CHECKSUM.pack(hasher.intdigest())
 
 
 def read_state_file(path: Path, fp: bytes, prompt_ids: Sequence[int]) -> tuple[int, bytes]:
@@ -188,7 +229,7 @@ def read_state_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int
                 f"running {bytes(fp).hex()}",
                 path,
             )
-        _check_length(header, path)
+        _check_length(header, path, f)
         buf = buffers.empty(header.state_len + spare)
         view, got = memoryview(buf)[: header.state_len], 0
         while got < header.state_len:
@@ -198,7 +239,7 @@ def read_state_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int
             got += n
     hasher = xxhash.xxh3_64(head)
     hasher.update(view)
-    _check_checksum(header, hasher.intdigest(), path)
+    _check_checksum(header.checksum, hasher.intdigest(), path)
     _check_tokens(head, header, prompt_ids, path)
     return header.n_tokens, buf
 
@@ -213,18 +254,69 @@ def verify_file(path: Path) -> None:
     """Check structure, length and checksum without a prompt; streams the state in chunks."""
     with _open(path) as f:
         header, head = _read_head(f, path)
-        _check_length(header, path)
-        hasher = xxhash.xxh3_64(head)
-        buf = bytearray(min(_VERIFY_CHUNK_BYTES, max(header.state_len, 1)))
-        view = memoryview(buf)
-        left = header.state_len
-        while left:
-            got = f.readinto(view[: min(left, len(buf))])
-            if not got:
+        twin = _check_length(header, path, f)
+        f.seek(header.state_offset)
+        _check_checksum(header.checksum, _hashed(f, head, header.state_len, path), path)
+        if twin is not None:
+            f.seek(twin.state_offset - _TWIN.size)
+            fields = _read_exact(f, _TWIN.size, path, "twin's header")[: -_CHECKSUM.size]
+            _check_checksum(twin.checksum, _hashed(f, fields, twin.state_len, path), path)
+
+
+def _hashed(f: io.BufferedReader, head: bytes, n: int, path: Path) -> int:
+    """xxh3_64 of `head` and the next `n` bytes of `f`, streamed in chunks."""
+    hasher = xxhash.xxh3_64(head)
+    buf = bytearray(min(_VERIFY_CHUNK_BYTES, max(n, 1)))
+    view = memoryview(buf)
+    while n:
+        got = f.readinto(view[: min(n, len(buf))])
+        if not got:
+            raise CacheFault("truncated", f"{path}: file shrank while being read", path)
+        hasher.update(view[:got])
+        n -= got
+    return hasher.intdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class TwinHeader:
+    fingerprint: bytes
+    n_tokens: int
+    state_len: int
+    checksum: int
+    state_offset: int
+
+
+def read_twin_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int = 0
+                   ) -> tuple[int, np.ndarray] | None:
+    """(n_tokens, the state) of the file's twin (`read_state_into`'s checks, the token ids
+    those of the model's state it goes with), read into a new uint8 array with `spare` bytes
+    free after it; None where the file has no twin or one of another draft model (`fp`)."""
+    with _open(path) as f:
+        header, head = _read_head(f, path)
+        twin = _check_length(header, path, f)
+        if twin is None or twin.fingerprint != fp:
+            return None
+        f.seek(twin.state_offset)
+        buf = buffers.empty(twin.state_len + spare)
+        view, got = memoryview(buf)[: twin.state_len], 0
+        while got < twin.state_len:
+            n = f.readinto(view[got:])
+            if not n:
                 raise CacheFault("truncated", f"{path}: file shrank while being read", path)
-            hasher.update(view[:got])
-            left -= got
-    _check_checksum(header, hasher.intdigest(), path)
+            got += n
+    hasher = xxhash.xxh3_64(_TWIN.pack(TWIN_MAGIC, twin.fingerprint, twin.n_tokens,
+                                       twin.state_len, 0)[: -_CHECKSUM.size])
+    hasher.update(view)
+    _check_checksum(twin.checksum, hasher.intdigest(), path)
+    _check_tokens(head, header, prompt_ids, path)
+    return twin.n_tokens, buf
+
+
+def model_state_end(buf: bytes | memoryview) -> int:
+    """Where the model's state ends in a state file's bytes (its twin, if any, after it)."""
+    n = tokens_in_header(buf)
+    (state_len,) = _STATE_LEN.unpack_from(buf, _FIXED.size + 4 * n)
+    return header_bytes(n) + int(state_len)
 
 
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer addresses, lengths and file offsets in these units
@@ -362,27 +454,33 @@ def _read_exact(f: io.BufferedReader, n: int, path: Path, what: str) -> bytes:
     return data
 
 
-def _check_length(header: StateHeader, path: Path) -> None:
+def _check_length(header: StateHeader, path: Path, f: io.BufferedReader) -> TwinHeader | None:
+    """The file's length is its header's (and its twin's, read from `f` where the file goes on
+    past the model's state); the twin's header, or None."""
     expected = header.state_offset + header.state_len
-    if header.file_size_bytes < expected:
-        raise CacheFault(
-            "truncated",
-            f"{path}: {header.file_size_bytes} bytes, header promises {expected}",
-            path,
-        )
-    if header.file_size_bytes > expected:
-        raise CacheFault(
-            "corrupt",
-            f"{path}: {header.file_size_bytes - expected} bytes past the end of the state",
-            path,
-        )
+    size = header.file_size_bytes
+    if size < expected:
+        raise CacheFault("truncated", f"{path}: {size} bytes, header promises {expected}", path)
+    if size == expected:
+        return None
+    past = f"{path}: {size - expected} bytes past the end of the state"
+    if size < expected + _TWIN.size:
+        raise CacheFault("corrupt", past, path)
+    magic, fp, n, state_len, checksum = _TWIN.unpack(os.pread(f.fileno(), _TWIN.size, expected))
+    if magic != TWIN_MAGIC or not 0 < n <= header.n_tokens:
+        raise CacheFault("corrupt", past, path)
+    if size != expected + _TWIN.size + state_len:
+        raise CacheFault("truncated" if size < expected + _TWIN.size + state_len else "corrupt",
+                         f"{path}: {size} bytes, its twin's header promises "
+                         f"{expected + _TWIN.size + state_len}", path)
+    return TwinHeader(fp, n, state_len, checksum, expected + _TWIN.size)
 
 
-def _check_checksum(header: StateHeader, actual: int, path: Path) -> None:
-    if actual != header.checksum:
+def _check_checksum(expected: int, actual: int, path: Path) -> None:
+    if actual != expected:
         raise CacheFault(
             "corrupt",
-            f"{path}: checksum {actual:016x}, header says {header.checksum:016x}",
+            f"{path}: checksum {actual:016x}, header says {expected:016x}",
             path,
         )
 

@@ -88,6 +88,15 @@ def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
                            spec.threads or None)
 
 
+def draft_identity(identity: keys.CacheIdentity, model: DraftModel) -> keys.CacheIdentity:
+    """What the draft model's states are keyed and checked with (the twins of state files):
+    its file and the settings its context runs with, on the same devices' kind as the model's."""
+    eng = model.engine
+    return replace(identity, model_path=model.path, n_ctx=eng.n_ctx, type_k="f16",
+                   type_v="f16", flash_attn=eng.flash_attn, swa_full=True, batch=eng.n_batch,
+                   compute=eng.compute)
+
+
 def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
     """The worker's engine, as `serve` and `prefixgate doctor` load it; on a CPU, at the batch
     and flash attention padding `backend.worker.batch` measures (where not given). `progress`
@@ -222,6 +231,9 @@ class Boot:
                         spec=resolve(spec.spec, engine, cost_key(key, spec.spec,
                                                                  spec.spec_draft_model),
                                      spec.worker_id, draft_model(spec, engine)))
+            if core.spec is not None and core.spec.model is not None:  # its states' twins
+                tiers.draft_fingerprint = draft_identity(identity, core.spec.model).fingerprint()
+                tiers.draft_spare = core.spec.model.engine.spare_bytes
             worker = Worker(engine, core, tiers,
                             DecodeInfo(shapes.decode, shapes.independent, spec.deterministic,
                                        shapes.note),

@@ -22,12 +22,17 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   those ten); at the next draft it keeps what it holds of the slot's tokens and evaluates the
   rest. So a job's drafts are a function of its prompt and answer, and a cache hit of the
   target drafts what its cold run drafted.
-- **Its state goes with the target's into the RAM tier** (as llama-server's prompt cache keeps
-  both): when a slot's live state gives way (`give_way`), the sequence's exact part of the same
-  tokens, cut back to its own batch edge, joins the RAM entry, counted in its size and budget;
-  a restore of that entry loads it back (`restore`). A hit from disk or the shared tier, which
-  hold the target's states only, prefills the draft model's prompt again (a small model's
-  prefill) where no slot's sequence or RAM entry holds it.
+- **Its state goes with the target's into the RAM tier and to disk** (as llama-server's prompt
+  cache keeps both): when a slot's live state gives way (`give_way`), the sequence's exact part
+  of the same tokens, cut back to its own batch edge, joins the RAM entry, counted in its size
+  and budget; a restore of that entry loads it back (`restore`). A job's last snapshot for a
+  state file takes, as the file's *twin* (backend.store), what one of the owner's sequences
+  holds exactly of its tokens at a batch edge (`twin`: most often the session's previous
+  prompt, which the sequence still holds while the model prefills this one), where reading it
+  back costs less than prefilling it (the draft model's prefills as measured, the disk's
+  restores); a restore of the file loads it with the model's state. A hit from the shared tier,
+  which holds the target's states only, prefills the draft model's prompt again where no
+  slot's sequence, RAM entry or twin holds it.
 - **Owners.** A sequence serves only jobs of the (tenant, salt) that filled it, as the target's
   live KV does: none is kept or copied across tenants or cache salts.
 - **Memory.** A recurrent or hybrid draft model cannot be cut back after a draft: refused.
@@ -44,6 +49,7 @@ import numpy as np
 
 from backend.engine import Engine
 from backend.worker.messages import Live, live_prefix
+from policies.costs import Costs, Fit, pays
 from policies.prefix import Edges
 
 Owner = tuple[str, bytes]  # (tenant, cache salt) of the job whose tokens a sequence holds
@@ -85,6 +91,7 @@ class DraftModel:
     restored: dict[int, int] = field(default_factory=dict)  # slot -> tokens a load put there
     # slot -> (the prompt, its batch edges) while its sequence is prefilled, a batch a step
     filling: dict[int, tuple[list[int], Edges]] = field(default_factory=dict)
+    prefills: Fit = field(default_factory=Fit)  # its prefill batches' seconds (policies.costs)
 
     @classmethod
     def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
@@ -148,7 +155,10 @@ class DraftModel:
         ids, edges = self.filling[slot]
         q = self.engine.seqs[slot]
         if q.n_live < len(ids):
+            start, t = q.n_live, time.perf_counter()
             self.engine.prefill_batch(slot, ids, edges.next(q.n_live))
+            self.prefills = Costs(self.prefills).add_prefill(
+                start, q.n_live, time.perf_counter() - t).prefill
         if q.n_live < len(ids):
             return False
         del self.filling[slot]
@@ -167,6 +177,25 @@ class DraftModel:
         self.begun.pop(slot, None)  # its answer is cut: a next draft begins again
         self.filling.pop(slot, None)
         return n, eng.snapshot(slot)
+
+    def twin(self, owner: Owner, ids: np.ndarray, disk: Fit) -> tuple[int, memoryview] | None:
+        """(n, the state) of the longest prefix of `ids` (a snapshot's tokens, on their way to
+        a state file) that one of the owner's sequences holds exactly at one of its batch
+        edges, copied (the sequence untouched), to go with the file; None where none holds any,
+        or where reading it back (at the disk's measured restores, `disk`) would cost more than
+        prefilling it (the draft model's measured prefills)."""
+        eng = self.engine
+        edges = eng.batching.edges(ids.tolist())
+        held = {s: self._held(s, ids, edges) for s, o in self.owners.items() if o == owner}
+        src = max(held, key=held.__getitem__, default=None)
+        n = held[src] if src is not None else 0
+        if src is None or n == 0:
+            return None
+        nbytes = eng.state_bytes(src) * n // max(eng.seqs[src].n_live, 1)  # about
+        if not pays(Costs(self.prefills, disk), 0, n, nbytes, "disk"):
+            return None
+        state = eng.snapshot_first(src, n)
+        return None if state is None else (n, state)
 
     def restore(self, slot: int, owner: Owner, ids: np.ndarray, state: memoryview) -> None:
         """The sequence state `give_way` made, for exactly `ids`, loaded into the slot's

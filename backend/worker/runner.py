@@ -13,7 +13,9 @@ on the compute thread only, decides nothing, and reports each result as the core
 - Loads restore a state into a slot and cut it back to what the prompt keeps; a failure is a
   `Fault` in the result (the state was this engine's own or verified, so it is never expected).
 - A snapshot's key is computed here (xxh3 over the ids: microseconds), its copy queued in the
-  tiers and its file written on the writer thread (`write`).
+  tiers and its file written on the writer thread (`write`). A job's last snapshot takes the
+  draft model's state of its tokens along, where one pays (`DraftModel.twin`); a restore of a
+  file or a queued snapshot that has one loads it into the slot's draft sequence.
 - Samplers are the slots' own (llama.cpp's chains), from `StartSampling` to `Finish`.
 """
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from backend import keys
 from backend.engine import Engine
-from backend.protocol import Fault, Job
+from backend.protocol import Fault
 from backend.sampling import Sampler, Sampling
 from backend.worker.core import Core
 from backend.worker.live import live_event
@@ -38,6 +40,7 @@ from backend.worker.messages import (
     Finish,
     GiveWay,
     Held,
+    Ids,
     Input,
     Load,
     Loaded,
@@ -89,7 +92,7 @@ class Runner:
         elif isinstance(e, Load):
             return self._load(e, core)
         elif isinstance(e, Snapshot):
-            return self._snapshot(e, core.jobs[e.slot].job)
+            return self._snapshot(e, core)
         elif isinstance(e, StartSampling):
             try:
                 self.samplers[e.slot] = eng.sampler(Sampling.from_json(e.sampling), e.grammar)
@@ -117,6 +120,9 @@ class Runner:
                 p = e.payload
                 eng.restore(e.slot, p.ids, p.state, prepared=p.padded)
                 kept = eng.truncate(e.slot, e.n)
+                if p.draft is not None:
+                    job = core.jobs[e.slot].job
+                    self._load_draft(e.slot, (job.tenant, job.salt), p.draft, core)
             else:
                 h = next((h for h in self.held if h.tier == c.tier and h.ref == c.ref), None)
                 got = None if h is None else self.tiers.state(h)
@@ -125,10 +131,10 @@ class Runner:
                                   Fault("missing", f"the {c.tier} state left its tier", ""))
                 if c.tier == "ram":  # read by this thread only: its form made in place
                     eng.restore_held(e.slot, got[0], got[1])
-                    self._load_draft(e.slot, h, core)
                 else:  # a queued write, which the writer thread reads: copied for the load
                     with self.tiers.moving(len(got[1])):
                         eng.restore(e.slot, got[0], got[1])
+                self._load_draft(e.slot, (h.tenant, h.salt), self.tiers.draft(h), core)
                 kept = eng.truncate(e.slot, e.n)
                 if c.whole and kept == e.n:
                     self.tiers.taken(h)
@@ -137,22 +143,24 @@ class Runner:
                           Fault("corrupt", f"the {c.tier} state did not load: {ex}", ""))
         return Loaded(e.slot, e.run_id, c, kept, time.perf_counter() - t)
 
-    def _load_draft(self, slot: int, h: Held, core: Core) -> None:
-        """The draft model's state kept with a RAM entry, into the slot's draft sequence (its
-        first draft keeps what the prompt shares of it); one that does not load is a miss there:
-        that job's draft model prefills its prompt."""
+    def _load_draft(self, slot: int, owner: tuple[str, bytes],
+                    got: tuple[Ids | tuple[int, ...], memoryview] | None,
+                    core: Core) -> None:
+        """The draft model's state kept with a RAM entry, a queued snapshot or a file (ids,
+        bytes), into the slot's draft sequence (its first draft keeps what the prompt shares of
+        it); one that does not load is a miss there: that job's draft model prefills its
+        prompt. A queued snapshot's, which the writer thread reads too, is copied."""
         model = core.spec.model if core.spec is not None else None
-        got = None if model is None else self.tiers.draft(h)
         if model is None or got is None:
             return
         try:
-            model.restore(slot, (h.tenant, h.salt), got[0], got[1])
-        except ValueError as ex:  # never expected: the state was this worker's own
+            model.restore(slot, owner, got[0], got[1])
+        except ValueError as ex:  # never expected: the state was this worker's own or verified
             log.warning("worker: a draft model state did not load (%s): its prompt is "
                         "prefilled", ex)
 
-    def _snapshot(self, e: Snapshot, job: Job) -> Snapshotted:
-        eng, q = self.engine, self.engine.seqs[e.slot]
+    def _snapshot(self, e: Snapshot, core: Core) -> Snapshotted:
+        eng, q, job = self.engine, self.engine.seqs[e.slot], core.jobs[e.slot].job
         if e.behind:
             if not eng.can_snapshot_behind(e.slot, e.n):
                 return Snapshotted(e.run_id, False)
@@ -167,8 +175,16 @@ class Runner:
                 state = eng.snapshot(e.slot)
         ids = job.ids[: e.n]
         key = keys.prefix_keys(job.salt, ids, [e.n])[e.n]
-        if self.tiers.on_disk(key) or not self.tiers.queue(key, job.salt, job.tenant,
-                                                            q.ids[: e.n].copy(), state):
+        if self.tiers.on_disk(key):
+            return Snapshotted(e.run_id, False)
+        tokens = q.ids[: e.n].copy()
+        model = core.spec.model if core.spec is not None else None
+        twin = None
+        if model is not None and self.tiers.draft_fingerprint \
+                and e.n == max(core.jobs[e.slot].saves):  # the job's last: its prompt's
+            with self.tiers.moving(model.engine.state_bytes(e.slot)):  # about, until queued
+                twin = model.twin((job.tenant, job.salt), tokens, core.costs.disk)
+        if not self.tiers.queue(key, job.salt, job.tenant, tokens, state, twin):
             return Snapshotted(e.run_id, False)
         self.write(e.run_id, key, e, ids, state, job.tenant)
         return Snapshotted(e.run_id, True)

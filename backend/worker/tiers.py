@@ -63,6 +63,11 @@ class _Queued:
     ids: Ids  # exactly the tokens its state holds
     state: memoryview
     ref: int
+    twin: tuple[int, memoryview] | None = None  # the draft model's state of its first n ids
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + (self.twin[1].nbytes if self.twin is not None else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,9 @@ class Payload:
     ids: tuple[int, ...]
     state: bytes | memoryview
     padded: int
+    # the file's twin: a draft model's state of its first n ids, as read (with the draft
+    # engine's `spare` room after it: `Engine.restore_held` makes its form in place)
+    draft: tuple[tuple[int, ...], memoryview] | None = None
 
 
 @dataclass(slots=True)
@@ -86,10 +94,16 @@ class Tiers:
     at_rest: threading.Event | None = None  # set while the compute thread rests (CPU only)
     fault: str = ""  # a test's injected fault (PREFIXGATE_FAULT)
     spare: int = 0  # bytes of room after a read state (Engine.spare_bytes)
+    # a draft model's (-md): its states' fingerprint and room, for the twins of state files
+    draft_fingerprint: bytes = b""
+    draft_spare: int = 0
     shared: SharedTier | None = None
     shared_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     writes: dict[str, float] = field(default_factory=lambda: {
-        "queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0})
+        "queued_bytes": 0, "at_rest": 0, "rest_waited_s": 0.0,
+        # a draft model's twins (backend.store): written beside the model's state, read back,
+        # refused (a miss of the draft model's state alone)
+        "twins_written": 0, "twins_read": 0, "twin_faults": 0})
     peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PEAKS, 0))
     queued: dict[bytes, _Queued] = field(default_factory=dict)  # key -> a state awaiting its file
     live: dict[int, TierEvent] = field(default_factory=dict)  # slot -> what it said last
@@ -174,7 +188,12 @@ class Tiers:
             self.on_event(ev)
 
     def draft(self, h: Held) -> tuple[Ids, memoryview] | None:
-        """A RAM entry's draft model state (ids, bytes), or None where it has none."""
+        """A RAM entry's or a queued snapshot's draft model state (ids, bytes), or None where
+        it has none."""
+        if h.tier == "queued":
+            with self.lock:
+                q = next((q for q in self.queued.values() if q.ref == h.ref), None)
+            return None if q is None or q.twin is None else (q.ids[: q.twin[0]], q.twin[1])
         e = self.ram.entries.get(h.ref) if h.tier == "ram" else None
         return None if e is None or not e.draft_n else (e.ids[: e.draft_n], e.draft)
 
@@ -195,15 +214,16 @@ class Tiers:
         return store.state_path(self.cache_dir, key).exists()
 
     def queue(self, key: keys.CacheKey, salt: bytes, tenant: str, ids: Ids,
-              state: memoryview) -> bool:
-        """A snapshot waits for its file (restorable meanwhile); False where the same state
-        waits already (a plan made before the index had it: written once)."""
+              state: memoryview, twin: tuple[int, memoryview] | None = None) -> bool:
+        """A snapshot waits for its file (restorable meanwhile), with its `twin` (n, a draft
+        model's state of its first n ids) where it has one; False where the same state waits
+        already (a plan made before the index had it: written once)."""
         with self.lock:
             if bytes(key) in self.queued:
                 return False
             self._next_ref += 1
-            self.queued[bytes(key)] = _Queued(salt, tenant, ids, state, self._next_ref)
-            self.writes["queued_bytes"] += state.nbytes
+            q = self.queued[bytes(key)] = _Queued(salt, tenant, ids, state, self._next_ref, twin)
+            self.writes["queued_bytes"] += q.nbytes
         return True
 
     # --- the reader thread -------------------------------------------------------------------
@@ -230,7 +250,7 @@ class Tiers:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                  f"{r.n_tokens}")
             prepared, padded = self.prepare(state, len(state) - self.spare)
-            return (Payload(job.ids[:n], prepared, padded), None, pulled,
+            return (Payload(job.ids[:n], prepared, padded, self._twin(path, job)), None, pulled,
                     time.perf_counter() - t)
         except store.CacheFault as e:
             if pulled is not None:  # verified: not kept locally
@@ -244,6 +264,31 @@ class Tiers:
         except ValueError as e:
             fault = Fault("corrupt", str(e), file)
         return None, fault, pulled, time.perf_counter() - t
+
+    def _twin(self, path: Path, job: Job) -> tuple[tuple[int, ...], memoryview] | None:
+        """The file's twin for this worker's draft model, read and verified; None where there
+        is none. A bad one is a miss of the draft model's state alone, said once a file."""
+        if not self.draft_fingerprint:
+            return None
+        try:
+            with self.moving(_file_size(path)):
+                got = store.read_twin_into(path, self.draft_fingerprint, job.ids,
+                                           self.draft_spare)
+                if got is not None:
+                    with self.lock:  # counted until the draft model has loaded it
+                        self._unfreed.append((weakref.ref(got[1]), got[1].nbytes))
+        except store.CacheFault as e:
+            with self.lock:
+                self.writes["twin_faults"] += 1
+            log.warning("worker: the draft model's state in %s not read (%s): its prompt is "
+                        "prefilled", path.name, e)
+            return None
+        if got is None:
+            return None
+        n, buf = got
+        with self.lock:
+            self.writes["twins_read"] += 1
+        return job.ids[:n], memoryview(buf)[: buf.nbytes - self.draft_spare]
 
     def _pull(self, key: bytes, n_tokens: int, tenant: str) -> Saved:
         """A shared entry pulled into the local tier (raises SharedFault): its `Saved` (reason
@@ -263,23 +308,33 @@ class Tiers:
 
     def write(self, run_id: str, save: Save, key: keys.CacheKey, ids: tuple[int, ...],
               state: memoryview, tenant: str, queued_s: float) -> None:
+        """The queued snapshot of `key` written to its file, with its twin where it has one."""
         self._await_rest(queued_s)
         t0 = time.perf_counter()
+        with self.lock:
+            q = self.queued.get(bytes(key))
+        twin = q.twin if q is not None and self.draft_fingerprint else None
         try:
-            path, size, checksum = store.write_state_file(self.cache_dir, key, self.fingerprint,
-                                                          ids, state)
+            path, size, checksum = store.write_state_file(
+                self.cache_dir, key, self.fingerprint, ids, state,
+                None if twin is None else store.Twin(self.draft_fingerprint, *twin))
         except store.CacheFault as e:
             self.emit(run_id, SaveFailed(len(ids), key.hex(), save.reason, e.reason, str(e)))
             return
+        else:
+            if twin is not None:
+                with self.lock:
+                    self.writes["twins_written"] += 1
         finally:  # written (the proxy commits it now) or failed: no longer restored from here
             self.measure()  # still queued, still alive
             with self.lock:
-                self.writes["queued_bytes"] -= state.nbytes
-                self.queued.pop(bytes(key), None)
+                gone = self.queued.pop(bytes(key), None)
+                self.writes["queued_bytes"] -= gone.nbytes if gone is not None else state.nbytes
                 # on its way out, counted as moving until its buffer is freed: this call's
                 # caller lets it go only after it returns
-                with contextlib.suppress(TypeError):  # a buffer without weak references
-                    self._unfreed.append((weakref.ref(state.obj), state.nbytes))
+                for buf in (state, *([] if twin is None else [twin[1]])):
+                    with contextlib.suppress(TypeError):  # a buffer without weak references
+                        self._unfreed.append((weakref.ref(buf.obj), buf.nbytes))
         self.emit(run_id, Saved(len(ids), key.hex(), save.reason,
                                 str(path.relative_to(self.cache_dir)), size, checksum,
                                 time.perf_counter() - t0))

@@ -17,7 +17,7 @@ import pytest
 
 from backend import keys, store
 from backend.engine import Engine
-from backend.protocol import Done, Event, Job, Start, Token
+from backend.protocol import Done, Event, Job, Saved, Start, Token
 from backend.ramtier import RamTier
 from backend.worker.core import Core
 from backend.worker.draft_model import DraftModel
@@ -25,7 +25,7 @@ from backend.worker.drafts import Speculation
 from backend.worker.loop import Loop
 from backend.worker.tiers import Tiers
 from backend.worker.verify import resolve
-from policies.decide import Plan, Restore
+from policies.decide import Plan, Restore, Save
 from policies.ngram import NgramParams
 from policies.prefix import default_batch, outputs_max
 from policies.schedule import Shapes
@@ -81,15 +81,20 @@ class Worker:
 
     def __init__(self, eng: Engine, spec: SpecConfig, cache: Path | None = None,
                  shapes: Shapes = APART, model: DraftModel | None = None,
-                 rule: VerifyCost | None = None, gen: int = GEN, ram: int = 0) -> None:
+                 rule: VerifyCost | None = None, gen: int = GEN, ram: int = 0,
+                 twins: bool = False) -> None:
         """`rule`: the stop rule on, at this verify cost (else `spec` as it says); `gen`: the
-        tokens an answer may have; `ram`: the RAM tier's budget in bytes (-1 no limit)."""
+        tokens an answer may have; `ram`: the RAM tier's budget in bytes (-1 no limit);
+        `twins`: state files take the draft model's state along, as the worker's do."""
         self.gen = gen
         self.eng, self.events = eng, []  # type: list[tuple[str, Event]]
         self.ended, self.finished = threading.Condition(), set()  # type: ignore[var-annotated]
         self.ram = RamTier(ram)
         tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, self.ram, eng.prepare,
                       self._emit)
+        if twins and model is not None:
+            tiers.draft_fingerprint, tiers.draft_spare = DRAFT_FP, model.engine.spare_bytes
+        self.tiers = tiers
         self.spec = resolve(spec, eng, "", 0, model) if spec.on else None
         if rule is not None and self.spec is not None:
             self.spec = replace(self.spec, config=replace(spec, always=False), cost=rule)
@@ -295,6 +300,7 @@ def test_slots_batched_as_they_come_share_their_verify_rows() -> None:
 # --- a draft model (draft-simple) -------------------------------------------------------------
 
 MODEL_SPEC = SpecConfig(("draft-simple",), always=True, draft_n_max=4)
+DRAFT_FP = b"d" * 16
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
@@ -487,3 +493,63 @@ def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
         eng.close()
     assert "cannot draft for this model: its vocabulary" in str(e.value) \
         and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_restart(
+        tmp_path: Path) -> None:
+    """One slot, state files with twins: a session's first turn (its file has no twin: the
+    draft model held nothing of it while the model prefilled), then its second (a live hit;
+    its file takes the draft model's state of the first turn's prompt, which the sequence
+    still held). A new worker (a restart) restores the second turn's file for the third: the
+    draft model restores the twin with it and prefills only what lies past it, and the answer
+    and its drafts are a cold run's."""
+    name = "smollm2"
+    ids = edit_ids(name)
+    vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
+    ids2 = ids + list(vocab.tokenize(  # past the first turn's last batch edge
+        f"\n\nNow rename step_3 to advance and copy it again:\n{FILE[:400]}".encode(),
+        add_bos=False))
+    ids3 = ids2 + list(vocab.tokenize(b" Keep every comment.\n", add_bos=False))
+    ref = _engine(name, MODEL_SPEC)
+    model = DraftModel.load(model_file(name), ref, GPU_LAYERS, 2)
+    try:
+        w = Worker(ref, MODEL_SPEC, model=model)
+        want, cold, _ = w.run("cold", ids3)
+        w.stop()
+    finally:
+        model.close()
+        ref.close()
+    e1, e2 = (ref.batching.edges(x).floor(len(x)) for x in (ids, ids2))
+    assert e1 < e2 and len(ids3) + GEN < N_CTX, (e1, e2, len(ids3))
+    eng = _engine(name, MODEL_SPEC)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
+        w.run("a", ids, replace(COLD, saves=(Save(e1, "full"),)))
+        w.run("b", ids2, replace(COLD, saves=(Save(e2, "full"),), keep_max=e1, live_ok=True))
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    saved = {e.n_tokens: e for _, e in w.events if isinstance(e, Saved)}
+    assert store.read_twin_into(tmp_path / saved[e1].file, DRAFT_FP, ids) is None
+    n, _ = store.read_twin_into(tmp_path / saved[e2].file, DRAFT_FP, ids2) or (0, None)
+    p = ref.batching.edges(ids2[:e2]).floor(len(ids))
+    assert 0 < n == p, (n, p)
+    assert w.tiers.writes["twins_written"] == 1
+    eng = _engine(name, MODEL_SPEC)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:  # a restart: the files alone are left
+        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
+        s2 = saved[e2]
+        restore = Restore(e2, bytes.fromhex(s2.key), s2.file, s2.size_bytes)
+        got, done, start = w.run("c", ids3, Plan((restore,), (), e2, False, "hit", None, None))
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    assert start.restored == e2 and w.tiers.writes["twins_read"] == 1
+    kept = eng.batching.edges(ids3).floor(p)
+    assert model.prompt == {"kept": 0, "restored": kept, "copied": 0,
+                            "prefilled": len(ids3) - kept}, model.prompt
+    assert (got, done.draft) == (want, cold.draft)

@@ -217,3 +217,51 @@ def test_a_file_system_that_refuses_direct_writes_gets_a_buffered_one(
     assert refused
     assert path.stat().st_size == size
     assert read_state_file(path, FP, IDS) == (len(IDS), STATE)
+
+
+DRAFT_FP = bytes(range(2, 18))
+TWIN = os.urandom(30_000)
+
+
+def test_a_draft_models_twin_goes_after_the_models_state_and_reads_back_apart(
+    tmp_path: Path
+) -> None:
+    """A file with a twin (a draft model's state of its first 6 ids): the model's state reads
+    back as from a file without one (its checksum, size in the index and header the same),
+    the twin reads back alone, only for its own draft model; `model_state_end` is where the
+    model's part ends (what the shared tier publishes)."""
+    plain, plain_size, plain_sum = write_state_file(tmp_path / "a", KEY, FP, IDS, STATE)
+    path, size, checksum = write_state_file(tmp_path, KEY, FP, IDS, STATE,
+                                            store.Twin(DRAFT_FP, 6, TWIN))
+    assert checksum == plain_sum and path.stat().st_size == size > plain_size
+    assert read_state_file(path, FP, IDS) == (len(IDS), STATE)
+    verify_file(path)
+    n, buf = store.read_twin_into(path, DRAFT_FP, IDS + [5], spare=16)
+    assert n == 6 and buf.tobytes()[: len(TWIN)] == TWIN and buf.nbytes == len(TWIN) + 16
+    assert store.read_twin_into(path, OTHER_FP, IDS) is None  # another draft model's
+    assert store.read_twin_into(plain, DRAFT_FP, IDS) is None  # none at all
+    assert store.model_state_end(path.read_bytes()) == plain_size
+    assert path.read_bytes()[:plain_size] == plain.read_bytes()
+    with pytest.raises(ValueError):  # a twin of more tokens than the state it goes with
+        write_state_file(tmp_path, KEY, FP, IDS[:3], STATE, store.Twin(DRAFT_FP, 6, TWIN))
+
+
+def test_a_damaged_twin_is_refused_alone_and_a_cut_file_whole(tmp_path: Path) -> None:
+    """A flipped bit in the twin's state: the model's state still reads (its checksum does not
+    cover the twin), the twin is a `corrupt` fault, and so is the whole file for `verify_file`.
+    Bytes past the model's state that are no twin, or a twin cut short, make the whole file
+    untrustworthy (the length its headers promise is not the file's)."""
+    path, size, _ = write_state_file(tmp_path, KEY, FP, IDS, STATE, store.Twin(DRAFT_FP, 6, TWIN))
+    flip_byte(path, size - 100)
+    assert read_state_file(path, FP, IDS) == (len(IDS), STATE)
+    with pytest.raises(CacheFault) as info:
+        store.read_twin_into(path, DRAFT_FP, IDS)
+    assert info.value.reason == "corrupt"
+    with pytest.raises(CacheFault):
+        verify_file(path)
+    os.truncate(path, size - 1)
+    assert fault(path).reason == "truncated"
+    plain, plain_size, _ = write_state_file(tmp_path / "b", KEY, FP, IDS, STATE)
+    with plain.open("ab") as f:
+        f.write(b"PGDX" + bytes(60))
+    assert fault(plain).reason == "corrupt"

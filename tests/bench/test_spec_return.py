@@ -27,3 +27,18 @@ def test_the_table_takes_each_arms_median_and_compares_the_answers() -> None:
 
 def test_the_file_has_the_lines_asked() -> None:
     assert len(file_text(180).splitlines()) == 180
+
+
+def test_after_a_restart_the_table_reads_the_third_turn_as_the_return() -> None:
+    def row(arm: str, a3: float, text: str) -> dict[str, object]:
+        return {"arm": arm, "a1": {"s": 10.0, "prompt": 2200, "text": "x"},
+                "a2": {"s": 2.0, "prompt": 2300, "text": "y"}, "b": {"s": 4.0},
+                "a3": {"s": a3, "prompt": 2400, "text": text}, "draft_prompt": None}
+
+    lines = markdown([row("prefixgate", 2.0, "same"), row("llama-server", 9.0, "other")],
+                     "cmd").splitlines()
+    assert "restart (up again)" in lines[2] and "**a3 (the return)**" in lines[2]
+    assert lines[3].count("|") == lines[2].count("|")
+    body = {line.split(" | ")[0].lstrip("| "): line for line in lines[4:]}
+    assert body["prefixgate"].startswith("| prefixgate | 10.00 | 2.00 | 4.00 | **2.00** | 2400")
+    assert body["llama-server"].endswith("| differs |")

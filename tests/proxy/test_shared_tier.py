@@ -147,3 +147,29 @@ def test_a_publish_or_pull_cut_short_is_a_miss(tmp_path: Path, redis_server: Red
         tier.pull(key, "t", dest)
     with pytest.raises(SharedFault):
         tier.longest({3: key}, "t")
+
+
+def test_a_draft_models_twin_stays_on_its_host(tmp_path: Path, redis_server: Redis) -> None:
+    """A state file with a draft model's twin (no model: written here) is published without
+    it: Redis holds the model's state alone, and the pulled file is that state, verified,
+    with no twin."""
+    from backend import store
+    from backend.keys import CacheKey
+    from backend.shared import SharedTier
+
+    tier = SharedTier(redis_server.url, b"f" * 16)
+    key = b"t" * 16
+    path, size, checksum = store.write_state_file(
+        tmp_path / "src", CacheKey(key), b"f" * 16, [1, 2, 3], memoryview(b"x" * 1000),
+        store.Twin(b"d" * 16, 2, b"y" * 5000))
+    plain = store.model_state_end(path.read_bytes())
+    assert size > plain
+    tier.publish(key, "t", 3, checksum, path)
+    assert tier.flush()
+    assert tier.longest({3: key}, "t") == (3, key, plain)
+    dest = tmp_path / "dst" / "kv" / "t.kv"
+    assert tier.pull(key, "t", dest) == plain
+    assert dest.read_bytes() == path.read_bytes()[:plain]
+    assert store.read_twin_into(dest, b"d" * 16, [1, 2, 3]) is None
+    sent = sum(len(redis_server.client.get(k)) for k in redis_server.client.scan_iter("pg:*:p:*"))
+    assert sent == plain, "no byte of the twin in Redis"
