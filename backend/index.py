@@ -284,11 +284,10 @@ class Index:
         """(key, entry) for an orphan state file named after its key with a complete header."""
         try:
             key = CacheKey(bytes.fromhex(path.stem))
-            header = store.read_header(path)
+            header = store.read_header(path, complete=True)
         except (ValueError, OSError, store.CacheFault):
             return None
-        if (len(key) != KEY_SIZE_BYTES or store.state_path(self.cache_dir, key) != path
-                or header.file_size_bytes != header.state_offset + header.state_len):
+        if len(key) != KEY_SIZE_BYTES or store.state_path(self.cache_dir, key) != path:
             return None
         mtime = path.stat().st_mtime
         return key, Entry(

@@ -244,10 +244,14 @@ def read_state_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int
     return header.n_tokens, buf
 
 
-def read_header(path: Path) -> StateHeader:
-    """The header alone (magic and version checked); the state bytes are not read."""
+def read_header(path: Path, complete: bool = False) -> StateHeader:
+    """The header alone (magic and version checked); the state bytes are not read.
+    `complete`: the file is as long as its headers (a twin's too) say, else a CacheFault."""
     with _open(path) as f:
-        return _read_head(f, path)[0]
+        header = _read_head(f, path)[0]
+        if complete:
+            _check_length(header, path, f)
+        return header
 
 
 def verify_file(path: Path) -> None:

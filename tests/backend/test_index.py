@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from backend import store
 from backend.index import Entry, Index, ReconcileReport
 from backend.keys import CacheKey, prefix_keys
 from backend.store import CacheFault, read_state_file, state_path, write_state_file
@@ -162,6 +163,9 @@ def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> 
     os.truncate(tmp_path / short.file, short.size_bytes - 1)  # file of the wrong size
     # complete files without an entry (the proxy died before recording them): adopted
     stray, size, checksum = write_state_file(tmp_path, key_at(40), FP, IDS[:40], b"s" * 40)
+    # and one with a draft model's twin after the model's state (backend.store)
+    twin, twin_size, twin_sum = write_state_file(tmp_path, key_at(45), FP, IDS[:45], b"s" * 45,
+                                                 store.Twin(b"d" * 16, 30, b"t" * 90))
     # an orphan cut short, and one not named after a key: removed
     cut, _, _ = write_state_file(tmp_path, key_at(50), FP, IDS[:50], b"s" * 50)
     os.truncate(cut, cut.stat().st_size - 1)
@@ -177,19 +181,23 @@ def test_reconcile_makes_index_and_files_agree(tmp_path: Path, index: Index) -> 
         size_dropped=1,
         unreadable_dropped=0,
         orphans_removed=2,
-        kept=2,
-        orphans_adopted=1,
+        kept=3,
+        orphans_adopted=2,
     )
+    with_twin = entry_of(index, key_at(45))
+    assert with_twin is not None and (with_twin.size_bytes, with_twin.checksum) == (twin_size,
+                                                                                   twin_sum)
     adopted = entry_of(index, key_at(40))
     assert adopted is not None
     assert (adopted.n_tokens, adopted.file, adopted.size_bytes, adopted.checksum,
             adopted.reason, adopted.fingerprint) == (40, str(stray.relative_to(tmp_path)), size,
                                                      checksum, "adopted", FP)
-    assert sorted(index.entries()) == sorted([(kept_key, kept), (key_at(40), adopted)])
-    assert index.total_bytes() == kept.size_bytes + size
+    assert sorted(index.entries()) == sorted([(kept_key, kept), (key_at(40), adopted),
+                                              (key_at(45), with_twin)])
+    assert index.total_bytes() == kept.size_bytes + size + twin_size
     assert sorted(p for p in (tmp_path / "kv").rglob("*") if p.is_file()) == sorted(
-        [tmp_path / kept.file, stray])
-    assert index.reconcile() == ReconcileReport(0, 0, 0, 0, 0, kept=2)  # idempotent
+        [tmp_path / kept.file, stray, twin])
+    assert index.reconcile() == ReconcileReport(0, 0, 0, 0, 0, kept=3)  # idempotent
 
 
 def test_reconcile_on_an_empty_cache(tmp_path: Path, index: Index) -> None:
