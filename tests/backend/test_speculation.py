@@ -303,6 +303,21 @@ MODEL_SPEC = SpecConfig(("draft-simple",), always=True, draft_n_max=4)
 DRAFT_FP = b"d" * 16
 
 
+def _drafted_alone(name: str, ids: list[int], gen: int = GEN) -> tuple[list[int], Done]:
+    """The cold run of `ids` with the model drafting for itself, on a fresh engine, alone:
+    (the answer, its Done)."""
+    eng = _engine(name, MODEL_SPEC)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        w = Worker(eng, MODEL_SPEC, model=model, gen=gen)
+        got, done, _ = w.run("alone", ids)
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    return got, done
+
+
 @pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
 def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, tmp_path: Path
                                                                     ) -> None:
@@ -312,15 +327,7 @@ def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, t
     live hit and a restored hit are the same."""
     ids = edit_ids(name)
     edge = (len(ids) - 1) // BATCH * BATCH
-    ref = _engine(name, MODEL_SPEC)
-    model = DraftModel.load(model_file(name), ref, GPU_LAYERS, 2)
-    try:
-        w = Worker(ref, MODEL_SPEC, model=model)
-        want, cold, _ = w.run("cold", ids)
-        w.stop()
-    finally:
-        model.close()
-        ref.close()
+    want, cold = _drafted_alone(name, ids)
     eng = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:
@@ -383,16 +390,8 @@ def test_a_draft_model_prefills_a_prompt_a_batch_a_step_beside_another_slot() ->
                                 add_bos=False))
     alone = {}
     for slot, prompt in ((0, count), (1, ids)):
-        eng = _engine(name, MODEL_SPEC)
-        model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
-        try:
-            w = Worker(eng, MODEL_SPEC, model=model, gen=GEN_LONG)
-            got, done, _ = w.run(f"alone{slot}", prompt)
-            alone[slot] = (got, done.draft)
-            w.stop()
-        finally:
-            model.close()
-            eng.close()
+        got, done = _drafted_alone(name, prompt, GEN_LONG)
+        alone[slot] = (got, done.draft)
     eng = _engine(name, MODEL_SPEC, 2)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     timeline: list[tuple[str, tuple[tuple[int, int], ...]]] = []
@@ -510,19 +509,11 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
         f"\n\nNow rename step_3 to advance and copy it again:\n{FILE[:400]}".encode(),
         add_bos=False))
     ids3 = ids2 + list(vocab.tokenize(b" Keep every comment.\n", add_bos=False))
-    ref = _engine(name, MODEL_SPEC)
-    model = DraftModel.load(model_file(name), ref, GPU_LAYERS, 2)
-    try:
-        w = Worker(ref, MODEL_SPEC, model=model)
-        want, cold, _ = w.run("cold", ids3)
-        w.stop()
-    finally:
-        model.close()
-        ref.close()
-    e1, e2 = (ref.batching.edges(x).floor(len(x)) for x in (ids, ids2))
-    assert e1 < e2 and len(ids3) + GEN < N_CTX, (e1, e2, len(ids3))
+    want, cold = _drafted_alone(name, ids3)
     eng = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    e1, e2 = (eng.batching.edges(x).floor(len(x)) for x in (ids, ids2))
+    assert e1 < e2 and len(ids3) + GEN < N_CTX, (e1, e2, len(ids3))
     try:
         w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
         w.run("a", ids, replace(COLD, saves=(Save(e1, "full"),)))
@@ -534,7 +525,7 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
     saved = {e.n_tokens: e for _, e in w.events if isinstance(e, Saved)}
     assert store.read_twin_into(tmp_path / saved[e1].file, DRAFT_FP, ids) is None
     n, _ = store.read_twin_into(tmp_path / saved[e2].file, DRAFT_FP, ids2) or (0, None)
-    p = ref.batching.edges(ids2[:e2]).floor(len(ids))
+    p = eng.batching.edges(ids2[:e2]).floor(len(ids))
     assert 0 < n == p, (n, p)
     assert w.tiers.writes["twins_written"] == 1
     eng = _engine(name, MODEL_SPEC)
