@@ -178,18 +178,20 @@ class DraftModel:
         self.filling.pop(slot, None)
         return n, eng.snapshot(slot)
 
-    def twin(self, owner: Owner, ids: np.ndarray, disk: Fit) -> tuple[int, memoryview] | None:
+    def twin(self, owner: Owner, ids: np.ndarray, disk: Fit, above: int = 0
+             ) -> tuple[int, memoryview] | None:
         """(n, the state) of the longest prefix of `ids` (a snapshot's tokens, on their way to
         a state file) that one of the owner's sequences holds exactly at one of its batch
-        edges, copied (the sequence untouched), to go with the file; None where none holds any,
-        or where reading it back (at the disk's measured restores, `disk`) would cost more than
-        prefilling it (the draft model's measured prefills)."""
+        edges, copied (the sequence untouched), to go with the file; None where none holds
+        more than `above` tokens of it, or where reading it back (at the disk's measured
+        restores, `disk`) would cost more than prefilling it (the draft model's measured
+        prefills)."""
         eng = self.engine
         edges = eng.batching.edges(ids.tolist())
         held = {s: self._held(s, ids, edges) for s, o in self.owners.items() if o == owner}
         src = max(held, key=held.__getitem__, default=None)
         n = held[src] if src is not None else 0
-        if src is None or n == 0:
+        if src is None or n <= above:
             return None
         nbytes = eng.state_bytes(src) * n // max(eng.seqs[src].n_live, 1)  # about
         if not pays(Costs(self.prefills, disk), 0, n, nbytes, "disk"):
@@ -197,16 +199,27 @@ class DraftModel:
         state = eng.snapshot_first(src, n)
         return None if state is None else (n, state)
 
-    def restore(self, slot: int, owner: Owner, ids: np.ndarray, state: memoryview) -> None:
-        """The sequence state `give_way` made, for exactly `ids`, loaded into the slot's
-        sequence (the target restored its RAM entry there); a ValueError where llama.cpp
-        refuses it (the sequence is then empty)."""
+    def restore(self, slot: int, owner: Owner, ids: Sequence[int], state: memoryview,
+                shared: bool = False) -> None:
+        """A sequence state `give_way` or `twin` made, for exactly `ids`, loaded into the slot's
+        sequence (the target restored its RAM entry or file there); a ValueError where
+        llama.cpp refuses it (the sequence is then empty). `shared`: another thread reads the
+        state's buffer too (a queued snapshot's twin, being written): its form is made in a
+        copy, not in place."""
         self.begun.pop(slot, None)
         self.filling.pop(slot, None)
         self.owners.pop(slot, None)
-        self.engine.restore_held(slot, ids, state)
+        if shared:
+            self.engine.restore(slot, ids, state)
+        else:
+            self.engine.restore_held(slot, ids, state)
         self.owners[slot] = owner
         self.restored[slot] = len(ids)
+
+    def holds_prompt(self, slot: int, run: str) -> bool:
+        """Whether the slot's sequence holds the prompt of the job `run` (its first draft
+        began it, and its batches are all done)."""
+        return self.begun.get(slot) == run and slot not in self.filling
 
     def draft(self, slot: int, run: str, owner: Owner, prompt: Sequence[int],
               context: Sequence[int], last: int, k: int, p_min: float) -> list[int] | None:

@@ -14,8 +14,11 @@ on the compute thread only, decides nothing, and reports each result as the core
   `Fault` in the result (the state was this engine's own or verified, so it is never expected).
 - A snapshot's key is computed here (xxh3 over the ids: microseconds), its copy queued in the
   tiers and its file written on the writer thread (`write`). A job's last snapshot takes the
-  draft model's state of its tokens along, where one pays (`DraftModel.twin`); a restore of a
-  file or a queued snapshot that has one loads it into the slot's draft sequence.
+  draft model's state of its tokens along, where one pays (`DraftModel.twin`): where files are
+  written at once (a GPU), what the draft model holds of them then (most often the session's
+  previous prompt); once the draft model holds the job's prompt, a longer one while the
+  snapshot still waits for its file (on a CPU it waits for the compute thread to rest). A
+  restore of a file or a queued snapshot that has one loads it into the slot's draft sequence.
 - Samplers are the slots' own (llama.cpp's chains), from `StartSampling` to `Finish`.
 """
 
@@ -70,6 +73,10 @@ class Runner:
     samplers: dict[int, Sampler] = field(default_factory=dict)
     held: list[Held] = field(default_factory=list)  # the core's view of the tiers, at Arrive
     step_rows: Fit = field(default_factory=Fit)  # seconds = fixed + per_row * rows of a step
+    # slot -> (its job's last snapshot's key, its tokens, the owner, the run): a twin to make
+    # or make longer once the draft model holds the job's prompt (`_retwin`)
+    twins: dict[int, tuple[keys.CacheKey, Ids, tuple[str, bytes], str]] = field(
+        default_factory=dict)
 
     def effect(self, e: Effect, core: Core) -> Input | None:
         eng = self.engine
@@ -134,7 +141,8 @@ class Runner:
                 else:  # a queued write, which the writer thread reads: copied for the load
                     with self.tiers.moving(len(got[1])):
                         eng.restore(e.slot, got[0], got[1])
-                self._load_draft(e.slot, (h.tenant, h.salt), self.tiers.draft(h), core)
+                self._load_draft(e.slot, (h.tenant, h.salt), self.tiers.draft(h), core,
+                                 shared=c.tier == "queued")
                 kept = eng.truncate(e.slot, e.n)
                 if c.whole and kept == e.n:
                     self.tiers.taken(h)
@@ -145,16 +153,16 @@ class Runner:
 
     def _load_draft(self, slot: int, owner: tuple[str, bytes],
                     got: tuple[Ids | tuple[int, ...], memoryview] | None,
-                    core: Core) -> None:
+                    core: Core, shared: bool = False) -> None:
         """The draft model's state kept with a RAM entry, a queued snapshot or a file (ids,
         bytes), into the slot's draft sequence (its first draft keeps what the prompt shares of
         it); one that does not load is a miss there: that job's draft model prefills its
-        prompt. A queued snapshot's, which the writer thread reads too, is copied."""
+        prompt. `shared`: a queued snapshot's, which the writer thread reads too (copied)."""
         model = core.spec.model if core.spec is not None else None
         if model is None or got is None:
             return
         try:
-            model.restore(slot, owner, got[0], got[1])
+            model.restore(slot, owner, got[0], got[1], shared)
         except ValueError as ex:  # never expected: the state was this worker's own or verified
             log.warning("worker: a draft model state did not load (%s): its prompt is "
                         "prefilled", ex)
@@ -182,9 +190,12 @@ class Runner:
         twin = None
         if model is not None and self.tiers.draft_fingerprint \
                 and e.n == max(core.jobs[e.slot].saves):  # the job's last: its prompt's
-            with self.tiers.moving(model.engine.state_bytes(e.slot)):  # about, until queued
-                twin = model.twin((job.tenant, job.salt), tokens, core.costs.disk)
+            self.twins[e.slot] = (key, tokens, (job.tenant, job.salt), e.run_id)
+            if self.tiers.at_rest is None:  # its file is written at once: what it holds now
+                with self.tiers.moving(model.engine.state_bytes(e.slot)):  # until queued
+                    twin = model.twin((job.tenant, job.salt), tokens, core.costs.disk)
         if not self.tiers.queue(key, job.salt, job.tenant, tokens, state, twin):
+            self.twins.pop(e.slot, None)
             return Snapshotted(e.run_id, False)
         self.write(e.run_id, key, e, ids, state, job.tenant)
         return Snapshotted(e.run_id, True)
@@ -194,6 +205,8 @@ class Runner:
         eng, t = self.engine, time.perf_counter()
         if isinstance(step, Verify):
             results = verify(eng, self.samplers, step, core)
+            if self.twins:
+                self._retwin(core)
             if not any(isinstance(r, Filling) for r in results):  # a verify alone, measured
                 self._measured(sum(1 + len(r.draft) if isinstance(r, Verified) else 1
                                    for r in results if isinstance(r, Stepped | Verified)),
@@ -218,6 +231,26 @@ class Runner:
         if isinstance(step, Decode):
             self._measured(len(slots), dt)
         return [Stepped(s, dt) for s in slots]
+
+    def _retwin(self, core: Core) -> None:
+        """Where a slot's draft model now holds its job's prompt: the twin of the job's last
+        snapshot, made or made longer, while that snapshot still waits for its file."""
+        model = core.spec.model if core.spec is not None else None
+        for slot, (key, ids, owner, run) in list(self.twins.items()):
+            j = core.jobs.get(slot)
+            if model is None or j is None or j.job.run_id != run:
+                del self.twins[slot]  # the job ended before its draft model held its prompt
+                continue
+            if not model.holds_prompt(slot, run):
+                continue
+            del self.twins[slot]
+            had = self.tiers.twin_n(key)
+            if had is None:  # written already (or being written)
+                continue
+            with self.tiers.moving(model.engine.state_bytes(slot)):  # about, until queued
+                twin = model.twin(owner, ids, core.costs.disk, above=had)
+                if twin is not None:
+                    self.tiers.retwin(key, twin)
 
     def _measured(self, rows: int, seconds: float) -> None:
         if rows > 0 and seconds > 0:

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,7 @@ class Tiers:
     every: bool = False  # someone reads every tier's events (live, shared): GET /events?all=1
     lock: threading.Lock = field(default_factory=threading.Lock)
     _next_ref: int = 0
+    _writing: set[bytes] = field(default_factory=set)  # queued snapshots the writer has taken
     # states on their way into a tier or a slot, counted in `moving_bytes` (no tier budgets
     # them yet): a snapshot llama.cpp is copying out of a slot, a file being read, a read
     # state until the slot has loaded it and dropped it, and a written state until it is freed
@@ -226,6 +227,26 @@ class Tiers:
             self.writes["queued_bytes"] += q.nbytes
         return True
 
+    def twin_n(self, key: keys.CacheKey) -> int | None:
+        """The tokens of a queued snapshot's twin (0: it has none); None where the snapshot is
+        no longer queued or its file is being written (too late for another twin)."""
+        with self.lock:
+            q = self.queued.get(bytes(key))
+            if q is None or bytes(key) in self._writing:
+                return None
+            return q.twin[0] if q.twin is not None else 0
+
+    def retwin(self, key: keys.CacheKey, twin: tuple[int, memoryview]) -> bool:
+        """A queued snapshot's twin replaced by a longer one (the draft model now holds more of
+        its tokens), unless its file is being written or is written."""
+        with self.lock:
+            q = self.queued.get(bytes(key))
+            if q is None or bytes(key) in self._writing:
+                return False
+            self.queued[bytes(key)] = new = replace(q, twin=twin)
+            self.writes["queued_bytes"] += new.nbytes - q.nbytes
+        return True
+
     # --- the reader thread -------------------------------------------------------------------
 
     def read(self, job: Job, r: Restore) -> tuple[Payload | None, Fault | None, Saved | None,
@@ -313,6 +334,7 @@ class Tiers:
         t0 = time.perf_counter()
         with self.lock:
             q = self.queued.get(bytes(key))
+            self._writing.add(bytes(key))  # its twin stays as it is now
         twin = q.twin if q is not None and self.draft_fingerprint else None
         try:
             path, size, checksum = store.write_state_file(
@@ -329,6 +351,7 @@ class Tiers:
             self.measure()  # still queued, still alive
             with self.lock:
                 gone = self.queued.pop(bytes(key), None)
+                self._writing.discard(bytes(key))
                 self.writes["queued_bytes"] -= gone.nbytes if gone is not None else state.nbytes
                 # on its way out, counted as moving until its buffer is freed: this call's
                 # caller lets it go only after it returns

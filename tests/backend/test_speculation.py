@@ -494,14 +494,17 @@ def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line() -> None:
         and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("rest", [False, True], ids=["written at once", "written at rest"])
 def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_restart(
-        tmp_path: Path) -> None:
-    """One slot, state files with twins: a session's first turn (its file has no twin: the
-    draft model held nothing of it while the model prefilled), then its second (a live hit;
-    its file takes the draft model's state of the first turn's prompt, which the sequence
-    still held). A new worker (a restart) restores the second turn's file for the third: the
-    draft model restores the twin with it and prefills only what lies past it, and the answer
-    and its drafts are a cold run's."""
+        tmp_path: Path, rest: bool) -> None:
+    """One slot, state files with twins: a session's first turn, then its second (a live hit).
+    Where files are written at once (a GPU), a file's twin is what the draft model held when
+    the model's snapshot was taken: none for the first turn's (it held nothing yet), the first
+    turn's prompt for the second's. Where they wait for the compute thread to rest (a CPU),
+    the twin is made once the draft model holds the job's prompt: each turn's own. A new worker
+    (a restart) restores the second turn's file for the third: the draft model restores the
+    twin with it and prefills only what lies past it, and the answer and its drafts are a cold
+    run's."""
     name = "smollm2"
     ids = edit_ids(name)
     vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
@@ -516,6 +519,8 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
     assert e1 < e2 and len(ids3) + GEN < N_CTX, (e1, e2, len(ids3))
     try:
         w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
+        if rest:
+            w.tiers.at_rest = w.loop.resting
         w.run("a", ids, replace(COLD, saves=(Save(e1, "full"),)))
         w.run("b", ids2, replace(COLD, saves=(Save(e2, "full"),), keep_max=e1, live_ok=True))
         w.stop()
@@ -523,11 +528,12 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
         model.close()
         eng.close()
     saved = {e.n_tokens: e for _, e in w.events if isinstance(e, Saved)}
-    assert store.read_twin_into(tmp_path / saved[e1].file, DRAFT_FP, ids) is None
+    first = store.read_twin_into(tmp_path / saved[e1].file, DRAFT_FP, ids)
     n, _ = store.read_twin_into(tmp_path / saved[e2].file, DRAFT_FP, ids2) or (0, None)
-    p = eng.batching.edges(ids2[:e2]).floor(len(ids))
+    p = e2 if rest else eng.batching.edges(ids2[:e2]).floor(len(ids))
     assert 0 < n == p, (n, p)
-    assert w.tiers.writes["twins_written"] == 1
+    assert (first[0] if first else 0) == (e1 if rest else 0)
+    assert w.tiers.writes["twins_written"] == (2 if rest else 1)
     eng = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:  # a restart: the files alone are left
