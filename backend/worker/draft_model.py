@@ -27,10 +27,11 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   of the same tokens, cut back to its own batch edge, joins the RAM entry, counted in its size
   and budget; a restore of that entry loads it back (`restore`). A job's last snapshot for a
   state file takes, as the file's *twin* (backend.store), what one of the owner's sequences
-  holds exactly of its tokens at a batch edge (`twin`: most often the session's previous
-  prompt, which the sequence still holds while the model prefills this one), where reading it
-  back costs less than prefilling it (the draft model's prefills as measured, the disk's
-  restores); a restore of the file loads it with the model's state. A hit from the shared tier,
+  holds exactly of its tokens at a batch edge (`twin`: the job's prompt once its first draft
+  filled it, while the snapshot waits for its file; else what the sequence held when the
+  snapshot was taken, most often the session's previous prompt), where reading it back costs
+  less than prefilling it (the draft model's prefills as measured, the disk's restores); a
+  restore of the file loads it with the model's state. A hit from the shared tier,
   which holds the target's states only, prefills the draft model's prompt again where no
   slot's sequence, RAM entry or twin holds it.
 - **Owners.** A sequence serves only jobs of the (tenant, salt) that filled it, as the target's

@@ -550,3 +550,21 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
     assert model.prompt == {"kept": 0, "restored": kept, "copied": 0,
                             "prefilled": len(ids3) - kept}, model.prompt
     assert (got, done.draft) == (want, cold.draft)
+    if not rest:
+        return
+    path = tmp_path / saved[e2].file  # a flipped bit in the twin: the draft model's miss alone
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    eng = _engine(name, MODEL_SPEC)
+    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    try:
+        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
+        got, done, start = w.run("d", ids3, Plan((restore,), (), e2, False, "hit", None, None))
+        w.stop()
+    finally:
+        model.close()
+        eng.close()
+    assert start.restored == e2 and w.tiers.writes["twin_faults"] == 1
+    assert model.prompt == {"kept": 0, "restored": 0, "copied": 0, "prefilled": len(ids3)}
+    assert (got, done.draft) == (want, cold.draft)
