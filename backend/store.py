@@ -29,7 +29,8 @@ Rules:
   :func:`write_state_file` is complete and durable; a crash leaves only a temp file, which
   ``Index.reconcile`` sweeps at startup. The index entry is committed after the rename, by the
   proxy, never before. The bytes go past the page cache (O_DIRECT) where the file system takes
-  it: a buffered write costs a core 2.4 ms per MiB here, taken from llama.cpp's.
+  it (`backend/direct_write.py`): a buffered write costs a core 2.4 ms per MiB here, taken
+  from llama.cpp's.
 - Only a regular file is opened (without blocking, then checked): a FIFO or device where a
   state file should be is a ``corrupt`` fault, a miss, never a hang.
 - Verify before trust: :func:`read_state_file` checks magic, version, fingerprint, length,
@@ -46,17 +47,13 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import io
 import logging
-import mmap
 import os
 import stat
 import struct
 import sys
 import tempfile
-import threading
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,7 +63,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
-from backend import buffers
+from backend import buffers, direct_write
 from backend.keys import CacheKey
 
 log = logging.getLogger(__name__)
@@ -182,7 +179,7 @@ def write_state_file(
         final.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = _create_temp(final.parent, final.stem)
         with open(fd, "wb") as f:
-            if not _write_direct(f.fileno(), parts):
+            if not direct_write.write_direct(f.fileno(), parts):
                 for part in parts:
                     f.write(part)
                 f.flush()
@@ -321,67 +318,6 @@ def model_state_end(buf: bytes | memoryview) -> int:
     n = tokens_in_header(buf)
     (state_len,) = _STATE_LEN.unpack_from(buf, _FIXED.size + 4 * n)
     return header_bytes(n) + int(state_len)
-
-
-DIRECT_ALIGN = 4096  # O_DIRECT: buffer addresses, lengths and file offsets in these units
-DIRECT_CHUNK_BYTES = 16 << 20  # the writer thread's page-aligned staging buffer
-_staging = threading.local()
-
-
-def _write_direct(fd: int, parts: Sequence[bytes | memoryview]) -> bool:
-    """Write `parts` to the empty file `fd` past the page cache (O_DIRECT), through a
-    page-aligned staging buffer a chunk at a time, the last chunk padded and the file then cut
-    to its length. False where the file system refuses it (tmpfs, some overlays, not Linux):
-    the file is empty again and the caller writes it the usual way.
-
-    Why: a buffered write copies every byte into the page cache in the kernel, 2.4 ms of
-    system CPU per MiB here (a 132 MiB snapshot: 316 ms), taken from the cores llama.cpp
-    computes on; past the cache it costs 2 ms. A restore then reads the file from the disk
-    rather than from the cache (the RAM tier keeps what was recently live)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
-    except OSError:
-        return False
-    buf = getattr(_staging, "buf", None)
-    if buf is None:
-        buf = _staging.buf = mmap.mmap(-1, DIRECT_CHUNK_BYTES)  # page-aligned
-    try:
-        total, filled = 0, 0
-        for part in parts:
-            view = memoryview(part).cast("B")
-            i = 0
-            while i < len(view):
-                k = min(len(view) - i, DIRECT_CHUNK_BYTES - filled)
-                buf[filled : filled + k] = view[i : i + k]
-                filled, i = filled + k, i + k
-                if filled == DIRECT_CHUNK_BYTES:
-                    _write_all(fd, memoryview(buf))
-                    total, filled = total + filled, 0
-        if filled:
-            pad = -filled % DIRECT_ALIGN
-            buf[filled : filled + pad] = bytes(pad)  # cut off below; never an old file's bytes
-            _write_all(fd, memoryview(buf)[: filled + pad])
-            total += filled
-        os.ftruncate(fd, total)
-        return True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~flag)
-        return False
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        n = os.write(fd, view)
-        if n <= 0:
-            raise OSError(errno.EIO, "a write wrote nothing")
-        view = view[n:]
 
 
 def _create_temp(directory: Path, stem: str) -> tuple[int, Path]:

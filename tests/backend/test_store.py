@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import store
+from backend import direct_write, store
 from backend.keys import CacheKey
 from backend.store import (
     CacheFault,
@@ -184,11 +184,11 @@ def test_a_state_is_written_past_the_page_cache_in_aligned_chunks(
     """O_DIRECT where the file system takes it (this one does): the bytes go through the
     staging buffer a chunk at a time (a small one here, so that a state spans several and ends
     in a partial one), the file is cut to its length, and it reads back exactly."""
-    monkeypatch.setattr(store, "DIRECT_CHUNK_BYTES", 64 << 10)
-    monkeypatch.setattr(store._staging, "buf", None, raising=False)
+    monkeypatch.setattr(direct_write, "DIRECT_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(direct_write._staging, "buf", None, raising=False)
     used: list[bool] = []
-    real = store._write_direct
-    monkeypatch.setattr(store, "_write_direct",
+    real = direct_write.write_direct
+    monkeypatch.setattr(direct_write, "write_direct",
                         lambda fd, parts: used.append(real(fd, parts)) or used[-1])
     state = os.urandom(5 * (64 << 10) + 1234)  # 5 chunks and a partial sixth, with the header
     path, size, _ = write_state_file(tmp_path, KEY, FP, IDS, state)
