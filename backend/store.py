@@ -197,8 +197,13 @@ def write_state_file(
     return final, sum(memoryview(p).nbytes for p in parts), checksum
 
 
+def _twin_fields(fp: bytes, n_tokens: int, state_len: int) -> bytes:
+    """A twin's header before its checksum: what the checksum covers with its state."""
+    return _TWIN.pack(TWIN_MAGIC, fp, n_tokens, state_len, 0)[: -_CHECKSUM.size]
+
+
 def _twin_head(fp: bytes, n_tokens: int, body: memoryview) -> bytes:
-    fields = _TWIN.pack(TWIN_MAGIC, fp, n_tokens, body.nbytes, 0)[: -_CHECKSUM.size]
+    fields = _twin_fields(fp, n_tokens, body.nbytes)
     hasher = xxhash.xxh3_64(fields)
     hasher.update(body)
     return fields + _CHECKSUM.pack(hasher.intdigest())
@@ -227,13 +232,7 @@ def read_state_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int
                 path,
             )
         _check_length(header, path, f)
-        buf = buffers.empty(header.state_len + spare)
-        view, got = memoryview(buf)[: header.state_len], 0
-        while got < header.state_len:
-            n = f.readinto(view[got:])
-            if not n:
-                raise CacheFault("truncated", f"{path}: file shrank while being read", path)
-            got += n
+        buf, view = _read_into(f, header.state_len, spare, path)
     hasher = xxhash.xxh3_64(head)
     hasher.update(view)
     _check_checksum(header.checksum, hasher.intdigest(), path)
@@ -262,6 +261,20 @@ def verify_file(path: Path) -> None:
             f.seek(twin.state_offset - _TWIN.size)
             fields = _read_exact(f, _TWIN.size, path, "twin's header")[: -_CHECKSUM.size]
             _check_checksum(twin.checksum, _hashed(f, fields, twin.state_len, path), path)
+
+
+def _read_into(f: io.BufferedReader, n: int, spare: int, path: Path
+               ) -> tuple[np.ndarray, memoryview]:
+    """The next `n` bytes of `f`, read into a new uint8 array with `spare` bytes free after
+    them: (the array, a view of the bytes read)."""
+    buf = buffers.empty(n + spare)
+    view, got = memoryview(buf)[:n], 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise CacheFault("truncated", f"{path}: file shrank while being read", path)
+        got += k
+    return buf, view
 
 
 def _hashed(f: io.BufferedReader, head: bytes, n: int, path: Path) -> int:
@@ -298,15 +311,8 @@ def read_twin_into(path: Path, fp: bytes, prompt_ids: Sequence[int], spare: int 
         if twin is None or twin.fingerprint != fp:
             return None
         f.seek(twin.state_offset)
-        buf = buffers.empty(twin.state_len + spare)
-        view, got = memoryview(buf)[: twin.state_len], 0
-        while got < twin.state_len:
-            n = f.readinto(view[got:])
-            if not n:
-                raise CacheFault("truncated", f"{path}: file shrank while being read", path)
-            got += n
-    hasher = xxhash.xxh3_64(_TWIN.pack(TWIN_MAGIC, twin.fingerprint, twin.n_tokens,
-                                       twin.state_len, 0)[: -_CHECKSUM.size])
+        buf, view = _read_into(f, twin.state_len, spare, path)
+    hasher = xxhash.xxh3_64(_twin_fields(twin.fingerprint, twin.n_tokens, twin.state_len))
     hasher.update(view)
     _check_checksum(twin.checksum, hasher.intdigest(), path)
     _check_tokens(head, header, prompt_ids, path)

@@ -271,7 +271,8 @@ class Tiers:
                 raise store.CacheFault("tokens", f"file holds {n} tokens, index said "
                                                  f"{r.n_tokens}")
             prepared, padded = self.prepare(state, len(state) - self.spare)
-            return (Payload(job.ids[:n], prepared, padded, self._twin(path, job)), None, pulled,
+            twin = self._twin(path, job, len(state) - self.spare)
+            return (Payload(job.ids[:n], prepared, padded, twin), None, pulled,
                     time.perf_counter() - t)
         except store.CacheFault as e:
             if pulled is not None:  # verified: not kept locally
@@ -286,13 +287,15 @@ class Tiers:
             fault = Fault("corrupt", str(e), file)
         return None, fault, pulled, time.perf_counter() - t
 
-    def _twin(self, path: Path, job: Job) -> tuple[tuple[int, ...], memoryview] | None:
+    def _twin(self, path: Path, job: Job, model_bytes: int
+              ) -> tuple[tuple[int, ...], memoryview] | None:
         """The file's twin for this worker's draft model, read and verified; None where there
-        is none. A bad one is a miss of the draft model's state alone, said once a file."""
+        is none. A bad one is a miss of the draft model's state alone, said once a file.
+        `model_bytes`: the model's state's (what the file holds besides the twin, about)."""
         if not self.draft_fingerprint:
             return None
         try:
-            with self.moving(_file_size(path)):
+            with self.moving(max(_file_size(path) - model_bytes, 0)):  # the twin, about
                 got = store.read_twin_into(path, self.draft_fingerprint, job.ids,
                                            self.draft_spare)
                 if got is not None:

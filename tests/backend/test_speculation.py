@@ -303,19 +303,28 @@ MODEL_SPEC = SpecConfig(("draft-simple",), always=True, draft_n_max=4)
 DRAFT_FP = b"d" * 16
 
 
-def _drafted_alone(name: str, ids: list[int], gen: int = GEN) -> tuple[list[int], Done]:
-    """The cold run of `ids` with the model drafting for itself, on a fresh engine, alone:
-    (the answer, its Done)."""
+def _fresh_run(name: str, ids: list[int], gen: int = GEN, plan: Plan = COLD,
+               cache: Path | None = None
+               ) -> tuple[list[int], Done, Start, Worker, DraftModel]:
+    """`ids` run alone with the model drafting for itself, on a fresh engine and draft model
+    (a new worker: with `cache`, its state files and their twins are all it finds):
+    (the answer, its Done and Start, the stopped worker, the closed draft model)."""
     eng = _engine(name, MODEL_SPEC)
     model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
     try:
-        w = Worker(eng, MODEL_SPEC, model=model, gen=gen)
-        got, done, _ = w.run("alone", ids)
+        w = Worker(eng, MODEL_SPEC, cache=cache, model=model, gen=gen, twins=cache is not None)
+        got, done, start = w.run("alone", ids, plan)
         w.stop()
     finally:
         model.close()
         eng.close()
-    return got, done
+    return got, done, start, w, model
+
+
+def _drafted_alone(name: str, ids: list[int], gen: int = GEN) -> tuple[list[int], Done]:
+    """The cold run of `ids` with the model drafting for itself, alone: (the answer, its
+    Done)."""
+    return _fresh_run(name, ids, gen)[:2]
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
@@ -534,17 +543,10 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
     assert 0 < n == p, (n, p)
     assert (first[0] if first else 0) == (e1 if rest else 0)
     assert w.tiers.writes["twins_written"] == (2 if rest else 1)
-    eng = _engine(name, MODEL_SPEC)
-    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
-    try:  # a restart: the files alone are left
-        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
-        s2 = saved[e2]
-        restore = Restore(e2, bytes.fromhex(s2.key), s2.file, s2.size_bytes)
-        got, done, start = w.run("c", ids3, Plan((restore,), (), e2, False, "hit", None, None))
-        w.stop()
-    finally:
-        model.close()
-        eng.close()
+    s2 = saved[e2]  # a restart: the files alone are left
+    hit = Plan((Restore(e2, bytes.fromhex(s2.key), s2.file, s2.size_bytes),), (), e2, False,
+               "hit", None, None)
+    got, done, start, w, model = _fresh_run(name, ids3, plan=hit, cache=tmp_path)
     assert start.restored == e2 and w.tiers.writes["twins_read"] == 1
     kept = eng.batching.edges(ids3).floor(p)
     assert model.prompt == {"kept": 0, "restored": kept, "copied": 0,
@@ -556,15 +558,7 @@ def test_a_draft_models_state_goes_to_disk_with_the_targets_and_back_after_a_res
     data = bytearray(path.read_bytes())
     data[-100] ^= 1
     path.write_bytes(bytes(data))
-    eng = _engine(name, MODEL_SPEC)
-    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
-    try:
-        w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model, twins=True)
-        got, done, start = w.run("d", ids3, Plan((restore,), (), e2, False, "hit", None, None))
-        w.stop()
-    finally:
-        model.close()
-        eng.close()
+    got, done, start, w, model = _fresh_run(name, ids3, plan=hit, cache=tmp_path)
     assert start.restored == e2 and w.tiers.writes["twin_faults"] == 1
     assert model.prompt == {"kept": 0, "restored": 0, "copied": 0, "prefilled": len(ids3)}
     assert (got, done.draft) == (want, cold.draft)
