@@ -31,7 +31,10 @@ tokens are the draft a slot's verify step checks (backend.worker.verify).
   filled it, while the snapshot waits for its file; else what the sequence held when the
   snapshot was taken, most often the session's previous prompt), where reading it back costs
   less than prefilling it (the draft model's prefills as measured, the disk's restores); a
-  restore of the file loads it with the model's state. A hit from the shared tier,
+  restore of the file loads it with the model's state. A window's snapshot holds the state at
+  its sequence's end only (plain attention's is cut to any edge), so there the twin is taken
+  as the prompt's prefill reaches the snapshot's tokens (`want`), and kept until it goes with
+  the file or the job ends. A hit from the shared tier,
   which holds the target's states only, prefills the draft model's prompt again where no
   slot's sequence, RAM entry or twin holds it.
 - **Owners.** A sequence serves only jobs of the (tenant, salt) that filled it, as the target's
@@ -93,6 +96,11 @@ class DraftModel:
     # slot -> (the prompt, its batch edges) while its sequence is prefilled, a batch a step
     filling: dict[int, tuple[list[int], Edges]] = field(default_factory=dict)
     prefills: Fit = field(default_factory=Fit)  # its prefill batches' seconds (policies.costs)
+    # a window's twins (`want`): slot -> (the run, n, the disk's restores) of a twin to take
+    # when its sequence holds exactly n tokens, and slot -> (the run, the owner, its ids, the
+    # state) once taken, until `twin` hands it on
+    wanted: dict[int, tuple[str, int, Fit]] = field(default_factory=dict)
+    kept: dict[int, tuple[str, Owner, np.ndarray, memoryview]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
@@ -165,6 +173,26 @@ class DraftModel:
         del self.filling[slot]
         return True
 
+    def want(self, slot: int, run: str, n: int, disk: Fit) -> None:
+        """The job `run` wants a twin of its first n prompt tokens (its last snapshot's) in a
+        window's memory, where a snapshot holds the state at the sequence's end only and the
+        sequence goes on past n: taken as its prefill reaches n (`_keep`), where it pays."""
+        if self.engine.memory.kind == "window":
+            self.wanted[slot] = (run, n, disk)
+
+    def _keep(self, slot: int, run: str, owner: Owner) -> None:
+        """The twin `want` asked for, taken if the sequence holds exactly its n tokens now (a
+        batch edge of the prompt's cold run), where reading it back pays (`pays`)."""
+        want, eng = self.wanted.get(slot), self.engine
+        q = eng.seqs[slot]
+        if want is None or want[0] != run or q.n_live < want[1]:
+            return
+        del self.wanted[slot]
+        n = want[1]
+        if q.n_live == n == q.exact_n and pays(Costs(self.prefills, want[2]), 0, n,
+                                               eng.state_bytes(slot), "disk"):
+            self.kept[slot] = (run, owner, q.ids[:n].copy(), eng.snapshot(slot))
+
     def give_way(self, slot: int, owner: Owner, ids: np.ndarray) -> tuple[int, memoryview] | None:
         """(n, the state) of the longest prefix of `ids` (the tokens of the target's state
         that gives way) the slot's sequence holds exactly at one of its batch edges, cut back
@@ -190,8 +218,13 @@ class DraftModel:
         eng = self.engine
         edges = eng.batching.edges(ids.tolist())
         held = {s: self._held(s, ids, edges) for s, o in self.owners.items() if o == owner}
+        if eng.memory.kind != "plain":  # a snapshot at p of a sequence that holds p alone
+            held = {s: n for s, n in held.items() if n == eng.seqs[s].n_live}
         src = max(held, key=held.__getitem__, default=None)
         n = held[src] if src is not None else 0
+        kept = self._kept(owner, ids, edges)
+        if kept is not None and kept[0] > max(n, above):  # taken as the prefill reached it
+            return kept
         if src is None or n <= above:
             return None
         nbytes = eng.state_bytes(src) * n // max(eng.seqs[src].n_live, 1)  # about
@@ -199,6 +232,27 @@ class DraftModel:
             return None
         state = eng.snapshot_first(src, n)
         return None if state is None else (n, state)
+
+    def _kept(self, owner: Owner, ids: np.ndarray, edges: Edges
+              ) -> tuple[int, memoryview] | None:
+        """The longest twin `_keep` took of the owner's that holds a prefix of `ids` ending at
+        one of their batch edges (each handed on once)."""
+        best = None
+        for slot, (_, o, held, state) in self.kept.items():
+            n = len(held)
+            if o == owner and n <= len(ids) and edges.floor(n) == n \
+                    and np.array_equal(held, ids[:n]) and (best is None or n > best[1]):
+                best = (slot, n, state)
+        if best is None:
+            return None
+        del self.kept[best[0]]
+        return best[1], best[2]
+
+    def drop_kept(self, slot: int, run: str) -> None:
+        """The job's twin is no longer wanted (its file is written, or the job ended)."""
+        for d in (self.wanted, self.kept):
+            if slot in d and d[slot][0] == run:
+                del d[slot]
 
     def restore(self, slot: int, owner: Owner, ids: Sequence[int], state: memoryview,
                 shared: bool = False) -> None:
@@ -231,8 +285,12 @@ class DraftModel:
         if self.begun.get(slot) != run:
             self._begin(slot, owner, prompt)
             self.begun[slot] = run
-        if slot in self.filling and not self._fill(slot):
-            return None
+            self._keep(slot, run, owner)
+        if slot in self.filling:
+            done = self._fill(slot)
+            self._keep(slot, run, owner)
+            if not done:
+                return None
         q = eng.seqs[slot]
         held, now = q.ids[: q.n_live], np.asarray(context, dtype=np.intc)
         n = min(len(held), len(now))

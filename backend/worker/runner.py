@@ -17,7 +17,9 @@ on the compute thread only, decides nothing, and reports each result as the core
   draft model's state of its tokens along, where one pays (`DraftModel.twin`): where files are
   written at once (a GPU), what the draft model holds of them then (most often the session's
   previous prompt); once the draft model holds the job's prompt, a longer one while the
-  snapshot still waits for its file (on a CPU it waits for the compute thread to rest). A
+  snapshot still waits for its file (on a CPU it waits for the compute thread to rest; a
+  window's is taken as the draft model's prefill passes the snapshot's tokens, since a
+  window's snapshot holds the state at the sequence's end only: `DraftModel.want`). A
   restore of a file or a queued snapshot that has one loads it into the slot's draft sequence.
 - Samplers are the slots' own (llama.cpp's chains), from `StartSampling` to `Finish`.
 """
@@ -194,6 +196,8 @@ class Runner:
             if self.tiers.at_rest is None:  # its file is written at once: what it holds now
                 with self.tiers.moving(model.engine.state_bytes(e.slot)):  # until queued
                     twin = model.twin((job.tenant, job.salt), tokens, core.costs.disk)
+            else:  # a window's: taken as its prefill passes e.n
+                model.want(e.slot, e.run_id, e.n, core.costs.disk)
         if not self.tiers.queue(key, job.salt, job.tenant, tokens, state, twin):
             self.twins.pop(e.slot, None)
             return Snapshotted(e.run_id, False)
@@ -240,17 +244,19 @@ class Runner:
             j = core.jobs.get(slot)
             if model is None or j is None or j.job.run_id != run:
                 del self.twins[slot]  # the job ended before its draft model held its prompt
+                if model is not None:
+                    model.drop_kept(slot, run)
                 continue
             if not model.holds_prompt(slot, run):
                 continue
             del self.twins[slot]
             had = self.tiers.twin_n(key)
-            if had is None:  # written already (or being written)
-                continue
-            with self.tiers.moving(model.engine.state_bytes(slot)):  # about, until queued
-                twin = model.twin(owner, ids, core.costs.disk, above=had)
-                if twin is not None:
-                    self.tiers.retwin(key, twin)
+            if had is not None:  # not written yet (nor being written)
+                with self.tiers.moving(model.engine.state_bytes(slot)):  # about, until queued
+                    twin = model.twin(owner, ids, core.costs.disk, above=had)
+                    if twin is not None:
+                        self.tiers.retwin(key, twin)
+            model.drop_kept(slot, run)
 
     def _measured(self, rows: int, seconds: float) -> None:
         if rows > 0 and seconds > 0:
