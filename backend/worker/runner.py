@@ -190,17 +190,18 @@ class Runner:
         tokens = q.ids[: e.n].copy()
         model = core.spec.model if core.spec is not None else None
         twin = None
-        if model is not None and self.tiers.draft_fingerprint \
-                and e.n == max(core.jobs[e.slot].saves):  # the job's last: its prompt's
+        last = model is not None and bool(self.tiers.draft_fingerprint) \
+            and e.n == max(core.jobs[e.slot].saves)  # the job's last: its prompt's
+        if last and model is not None:
             self.twins[e.slot] = (key, tokens, (job.tenant, job.salt), e.run_id)
             if self.tiers.at_rest is None:  # its file is written at once: what it holds now
                 with self.tiers.moving(model.engine.state_bytes(e.slot)):  # until queued
                     twin = model.twin((job.tenant, job.salt), tokens, core.costs.disk)
-            else:  # a window's: taken as its prefill passes e.n
-                model.want(e.slot, e.run_id, e.n, core.costs.disk)
         if not self.tiers.queue(key, job.salt, job.tenant, tokens, state, twin):
             self.twins.pop(e.slot, None)
             return Snapshotted(e.run_id, False)
+        if last and self.tiers.at_rest is not None and model is not None:
+            model.want(e.slot, e.run_id, e.n, core.costs.disk)  # a window's: as it prefills
         self.write(e.run_id, key, e, ids, state, job.tenant)
         return Snapshotted(e.run_id, True)
 
