@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anthropic
+import brotli
 import llama_cpp
 import openai
 import pytest
@@ -35,6 +36,11 @@ from proxy.limits import LIMITS
 from proxy.metrics import Metrics
 from tests.conftest import Server, running
 from tests.proxy.test_limits import hostile
+
+try:  # Python 3.14's own, else its backport (a dependency below 3.14)
+    from compression import zstd  # type: ignore[import-not-found]
+except ImportError:
+    from backports import zstd
 
 pytestmark = pytest.mark.model
 
@@ -267,23 +273,43 @@ def test_deep_tool_schema(srv: Server, name: str, levels: int, words: tuple[str,
     rejected(srv, name, json.dumps({**ENDPOINTS[name][2], "tools": [tool]}), *words)
 
 
+# the request body codings clients send: gzip, and zstd (Codex's own client compresses its
+# /v1/responses bodies with zstd, level 3), br
+COMPRESS = {"gzip": lambda b: gzip.compress(b, compresslevel=1),
+            "zstd": lambda b: zstd.compress(b, level=3), "br": lambda b: brotli.compress(b)}
+
+
+@pytest.mark.parametrize("encoding", COMPRESS)
 @pytest.mark.parametrize("name", ENDPOINTS)
-def test_content_encoding(srv: Server, name: str) -> None:
+def test_content_encoding(srv: Server, name: str, encoding: str) -> None:
     body = json.dumps(ENDPOINTS[name][2]).encode()
-    rejected(srv, name, body, "Content-Encoding 'gzip'", headers={"Content-Encoding": "gzip"})
-    # a body that is gzip is read as such
-    status, _, data = post(srv, ENDPOINTS[name][0], gzip.compress(body),
-                           {"Content-Encoding": "gzip"})
+    rejected(srv, name, body, f"Content-Encoding {encoding!r}",
+             headers={"Content-Encoding": encoding})
+    # a body in that coding is read as such
+    status, _, data = post(srv, ENDPOINTS[name][0], COMPRESS[encoding](body),
+                           {"Content-Encoding": encoding})
     assert status == 200, data[:300]
-    # a gzip bomb: 65 MiB unpacked (a few hundred KB sent) is over max_body_bytes
+    # a bomb: 65 MiB unpacked (a few hundred KB sent, or less) is over max_body_bytes
     kind = "request_too_large" if ENDPOINTS[name][1] == "anthropic" else "invalid_request_error"
-    rejected(srv, name, gzip_bomb(), "max_body_bytes", headers={"Content-Encoding": "gzip"},
-             status=413, kind=kind)
+    rejected(srv, name, bomb(encoding), "max_body_bytes",
+             headers={"Content-Encoding": encoding}, status=413, kind=kind)
+
+
+def test_a_codex_request_in_zstd(srv: Server) -> None:
+    """Codex's client sends its /v1/responses bodies zstd-compressed: answered as sent plain."""
+    body = json.dumps({"model": "m", "input": "hi", "max_output_tokens": 2, "stream": False,
+                       "store": False, "temperature": 0}).encode()
+    status, _, data = post(srv, "/v1/responses", zstd.compress(body, level=3),
+                           {"Content-Encoding": "zstd", "Authorization": f"Bearer {KEY}"})
+    assert status == 200, data[:300]
+    plain = post(srv, "/v1/responses", body, {"Authorization": f"Bearer {KEY}"})
+    text = [[c["text"] for c in json.loads(d)["output"][0]["content"]] for d in (data, plain[2])]
+    assert plain[0] == 200 and text[0] == text[1], text
 
 
 @functools.cache
-def gzip_bomb() -> bytes:
-    return gzip.compress(b'{"prompt": "' + b" " * (65 << 20) + b'"}', compresslevel=1)
+def bomb(encoding: str) -> bytes:
+    return COMPRESS[encoding](b'{"prompt": "' + b" " * (65 << 20) + b'"}')
 
 
 @pytest.mark.parametrize("name", ["chat", "messages"])
