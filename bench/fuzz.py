@@ -81,7 +81,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 try:  # Python 3.14's own, else its backport (a dependency below 3.14)
-    from compression import zstd  # type: ignore[import-not-found]
+    from compression import zstd
 except ImportError:
     from backports import zstd
 

@@ -38,7 +38,7 @@ from tests.conftest import Server, running
 from tests.proxy.test_limits import hostile
 
 try:  # Python 3.14's own, else its backport (a dependency below 3.14)
-    from compression import zstd  # type: ignore[import-not-found]
+    from compression import zstd
 except ImportError:
     from backports import zstd
 
