@@ -74,10 +74,15 @@ $(MODELS)/qwen35-random.gguf: $(STAMP) $(FIXTURES)/.llama.cpp bench/random_model
 	$(BIN)/python -m bench.random_model --arch qwen35 --out $@ \
 		--vocab $(FIXTURES)/llama.cpp/models/ggml-vocab-qwen35.gguf
 
+# a draft model for it (a draft model cannot be recurrent): a random-weight llama, its vocabulary
+$(MODELS)/qwen35-draft-random.gguf: $(STAMP) $(FIXTURES)/.llama.cpp bench/random_model.py
+	$(BIN)/python -m bench.random_model --arch llama --out $@ \
+		--vocab $(FIXTURES)/llama.cpp/models/ggml-vocab-qwen35.gguf
+
 .PHONY: fixtures
 fixtures: $(FIXTURES)/.llama.cpp $(LLAMA_SOURCES) $(NGRAM_SOURCES) \
 	$(MODELS)/gemma-3-270m-q4_k_m.gguf \
-	$(MODELS)/qwen35-random.gguf
+	$(MODELS)/qwen35-random.gguf $(MODELS)/qwen35-draft-random.gguf
 
 # GPU=cuda: llama-cpp-python rebuilt with CUDA (needs nvcc, the CUDA toolkit; about 15-30
 # minutes, not from pip's cache: a cached CPU wheel would be taken) and served with every layer on the GPU. It stops with an

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,15 +47,20 @@ class Memory:
       cache they keep everything they computed, but a restored snapshot holds only its last
       window (llama.cpp does not write cells the window masks).
     - ``recurrent``: a recurrent or hybrid model (Mamba, gated delta net, short conv beside
-      attention): the recurrent state exists only at its last position; never cut back.
+      attention): the recurrent state exists only at its last position; never cut back, except
+      with ``rollback`` (llama.cpp's ``n_rs_seq``, where the architecture has it: Qwen3.5,
+      Nemotron-H, LFM2, ...): after a llama_decode the states after each of its last
+      ``rollback`` tokens are kept, so a verify's rejected drafts can be cut off once.
     """
 
     kind: MemoryKind
     n_swa: int = 0
     full: bool = False  # window: a full-size cache for the window layers (--swa-full)
+    rollback: int = 0  # recurrent: tokens a llama_decode's end may be cut back by, once
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, "n_swa": self.n_swa, "swa_full": self.full}
+        return {"kind": self.kind, "n_swa": self.n_swa, "swa_full": self.full,
+                "rollback": self.rollback}
 
 
 
@@ -80,10 +85,11 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
          swa_full: bool = True, n_threads_batch: int | None = None,
          placement: Mapping[str, Any] | None = None, n_seq: int = 1,
          progress: Callable[[float], None] | None = None, deterministic: str = "auto",
-         outputs: int = 0) -> Loaded:
+         outputs: int = 0, rollback: int = 0) -> Loaded:
     """The model loaded and its context made; a ValueError that says what to change where
     llama.cpp refuses either. `outputs`: the most rows with logits one llama_decode asks for
-    (0: the whole batch; `policies.prefix.outputs_max`)."""
+    (0: the whole batch; `policies.prefix.outputs_max`). `rollback`: a recurrent state's
+    (`Memory.rollback`, for a verify's drafts; none where the architecture has none)."""
     if flash_attn not in FLASH_ATTN:
         raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
     for t in (type_k, type_v):
@@ -137,6 +143,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
                           "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[fa]
     cp.type_k, cp.type_v = CACHE_TYPES[type_k], CACHE_TYPES[type_v]
     cp.swa_full = swa_full
+    cp.n_rs_seq = rollback if memory.kind == "recurrent" else 0
     cp.no_perf = True
     ctx = llama_cpp.llama_init_from_model(model, cp)
     if not ctx:
@@ -145,6 +152,8 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
             f"llama.cpp could not create a context (n_ctx {n_ctx}, K {type_k}, V {type_v}, "
             f"flash attention {fa}; a quantized V cache needs flash attention)"
             f"{full}")
+    if cp.n_rs_seq:  # 0 where the architecture cannot roll back
+        memory = replace(memory, rollback=int(llama_cpp.llama_n_rs_seq(ctx)))
     # where it all went, for the ready line: weights and KV (with compute buffers), on the
     # GPUs (their free memory before and after) and in RAM (this process's resident set)
     free2 = [d["free"] for d in offload_devices()]
@@ -168,6 +177,8 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     where["repack"] = bool(mp.use_extra_bufts)
     if fa != flash_attn:  # `auto` decided here, not by llama.cpp: other bits
         compute += f"; flash attention {fa}"
+    if memory.rollback:  # its states are kept through another kernel: other bits
+        compute += f"; recurrent rollback {memory.rollback}"
     assert isinstance(compute, str)
     return Loaded(model, ctx, memory, fa, n_batch, threads[0], threads[1], where, compute)
 

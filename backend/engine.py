@@ -106,6 +106,7 @@ class Seq:
     n_live: int = 0
     exact_n: int = 0  # leading live tokens whose KV a cold prefill computes identically
     padded: int = 0  # window cells before this position are a restore's zero padding
+    rollback: int = 0  # recurrent: tokens it may be cut back by, once (its last verify's)
 
 
 Row = tuple[int, Sequence[int]]  # (slot, its tokens at its next positions)
@@ -132,12 +133,14 @@ class Engine(States):
         progress: Callable[[float], None] | None = None,
         deterministic: str = "auto",
         outputs: int = 0,
+        rollback: int = 0,
     ) -> None:
         outputs = max(outputs, n_seq) if outputs else 0  # llama.cpp asks a row per sequence
         got = load(model_path, n_ctx, n_threads, n_gpu_layers, n_batch=n_batch,
                    flash_attn=flash_attn, type_k=type_k, type_v=type_v, swa_full=swa_full,
                    n_threads_batch=n_threads_batch, placement=placement, n_seq=n_seq,
-                   progress=progress, deterministic=deterministic, outputs=outputs)
+                   progress=progress, deterministic=deterministic, outputs=outputs,
+                   rollback=rollback)
         self.model, self.ctx, self.memory, self.flash_attn = (got.model, got.ctx, got.memory,
                                                               got.flash_attn)
         self.n_threads, self.n_threads_batch = got.n_threads, got.n_threads_batch
@@ -207,7 +210,7 @@ class Engine(States):
     def _clear(self, q: Seq) -> None:
         """Empty this slot's sequence (the other slots keep theirs)."""
         llama_cpp.llama_memory_seq_rm(self.mem, q.id, -1, -1)
-        q.n_live = q.exact_n = q.padded = 0
+        q.n_live = q.exact_n = q.padded = q.rollback = 0
 
     # --- live state ------------------------------------------------------------------------
 
@@ -227,8 +230,8 @@ class Engine(States):
         q = self.seqs[slot]
         if self.memory.kind == "plain" or q.n_live == 0:
             return 0
-        if self.memory.kind == "recurrent":
-            return q.n_live
+        if self.memory.kind == "recurrent":  # its last verify's drafts may go, once
+            return q.n_live - q.rollback
         pos_min = max(int(llama_cpp.llama_memory_seq_pos_min(self.mem, q.id)), q.padded)
         if pos_min <= 0:
             return 0
@@ -244,6 +247,7 @@ class Engine(States):
             q.exact_n = min(q.exact_n, n)
             return n
         n = live_reuse(n, q.n_live, self.floor(slot))  # none where the memory cannot cut back
+        q.rollback = 0  # a recurrent state's is used once
         if not llama_cpp.llama_memory_seq_rm(self.mem, q.id, n, -1):
             log.warning("llama.cpp refused to cut slot %d back to %d of %d tokens; starting "
                         "from none", slot, n, q.n_live)
@@ -307,6 +311,8 @@ class Engine(States):
         rc = llama_cpp.llama_decode(self.ctx, b)
         self._logits_rows = {}
         try:
+            for q in self.seqs:  # a recurrent state's rollback is its last verify's alone
+                q.rollback = 0
             for s, tokens in rows:
                 q = self.seqs[s]
                 start, n = q.n_live, len(tokens)
@@ -314,6 +320,8 @@ class Engine(States):
                 if rc == 0:
                     self._logits_rows[q.id] = rows_of[q.id]
                     q.ids[start : start + n] = tokens
+                    if q.id in every:
+                        q.rollback = min(n - 1, self.memory.rollback)
                 else:
                     # the positions past n_live may hold part of this batch: cut them off (or,
                     # where the memory cannot, start from none) so the invariant holds

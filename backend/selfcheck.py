@@ -158,7 +158,9 @@ def run(eng: Engine) -> Report:
     eng.truncate(0, 0)
     eng.prefill(0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     cold_state, cold_logits = bytes(eng.snapshot(0)), eng.last_logits(0)
-    verifies, cold_verify, rows = eng.memory.kind != "recurrent", {}, list[Row]()
+    verifies = eng.memory.kind != "recurrent" or eng.memory.rollback > 0
+    cold_verify: dict[int, list[bytes]] = {}
+    rows: list[Row] = []
     try:
         cold_verify = _verify(eng, 0) if verifies else {}
     except (RuntimeError, ValueError) as e:
@@ -227,12 +229,17 @@ def _verify(eng: Engine, slot: int) -> dict[int, list[bytes]]:
     """Each verify batch of `VERIFY_ROWS` on the slot's state, every row's logits, the state
     cut back after each (rows -> the logits of each row)."""
     n, out = eng.seqs[slot].n_live, {}
+    # a recurrent state is cut back by fewer rows than a verify has (its rollback): restored
+    held = (eng.live_ids(slot), bytes(eng.snapshot(slot))) \
+        if eng.memory.kind == "recurrent" else None
     for rows in sorted({min(r, eng.n_batch, eng.n_ctx - n) for r in VERIFY_ROWS} - {0, 1}):
         draft = random_ids(eng, rows, 23)
         eng.evaluate([(slot, draft)], every=[slot])
         out[rows] = [eng.last_logits(slot, i).tobytes() for i in range(rows)]
         if eng.truncate(slot, n) != n:
-            raise RuntimeError("the memory refused to cut the verified rows back")
+            if held is None:
+                raise RuntimeError("the memory refused to cut the verified rows back")
+            eng.restore(slot, *held)
     return out
 
 

@@ -63,6 +63,18 @@ def model_file(name: str) -> str:
     return str(path)
 
 
+def draft_file(name: str) -> str:
+    """A draft model for `name`'s model: the model itself where it can draft (plain attention, a
+    full-size window), and for the recurrent qwen35 (a draft model cannot be recurrent) a
+    random-weight llama of its vocabulary."""
+    if name != "qwen35":
+        return model_file(name)
+    path = FIXTURES / "models" / "qwen35-draft-random.gguf"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: `make fixtures` installs it (make test does)")
+    return str(path)
+
+
 def write_split(src: str | Path, first: Path, n_parts: int) -> list[Path]:
     """`src` rewritten as a split GGUF of `n_parts` files (`first` names part 1, NAME-00001-of-
     0000N.gguf), as llama.cpp's gguf-split writes one (split.no / split.count /

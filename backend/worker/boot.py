@@ -37,7 +37,7 @@ from backend.worker.core import Core
 from backend.worker.draft_model import DraftModel
 from backend.worker.server import Worker
 from backend.worker.tiers import Tiers
-from backend.worker.verify import cost_key, resolve
+from backend.worker.verify import ROLLBACK_MAX, cost_key, resolve
 from policies.prefix import measured_at_start, outputs_max
 from policies.schedule import Deterministic, Proof, Shapes, choose_decode
 from policies.speculate import SpecConfig
@@ -113,7 +113,8 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
                       n_threads_batch=spec.threads_batch or None, placement=spec.placement,
                       n_seq=spec.parallel, progress=progress if made == 1 else None,
                       deterministic=spec.deterministic,
-                      outputs=outputs_max(spec.parallel, spec.spec.n_max if spec.spec.on else 0))
+                      outputs=outputs_max(spec.parallel, spec.spec.n_max if spec.spec.on else 0),
+                      rollback=min(spec.spec.n_max, ROLLBACK_MAX) if spec.spec.on else 0)
     if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
         return make(spec.batch)
     return measured_engine(measure_name(spec), spec.worker_id, make, spec.batch,

@@ -34,15 +34,21 @@ class Speculation:
     config: SpecConfig
     cost: VerifyCost | None  # a verify of r rows over a step, measured at start (None: not)
     n_batch: int  # rows a llama_decode holds
-    drafts: bool  # this memory drafts (a recurrent state cannot be cut back: it does not)
+    drafts: bool  # this memory drafts (a recurrent state without rollback states does not)
     note: str  # in one sentence, for the ready line and /props
     model: Any = None  # the draft model of draft-simple (backend.worker.draft_model)
+    bound: int = 0  # the longest draft the memory can cut back (a recurrent one's; 0: none)
+
+    @property
+    def n_max(self) -> int:
+        """The longest draft a verify takes."""
+        return min(self.config.n_max, self.n_batch - 1, self.bound or self.n_batch)
 
     @property
     def on(self) -> bool:
         """Whether a slot drafts at all: not where even drafts that are always accepted
         cannot pay for their verify (policies.speculate)."""
-        n_max = min(self.config.n_max, self.n_batch - 1)
+        n_max = self.n_max
         return self.config.on and self.drafts and (
             self.config.always or self.cost is None or self.cost.pays_for(self.config, n_max))
 
@@ -85,8 +91,8 @@ class SlotDrafts:
         self.verified_last = False
         if not self.spec.config.always and n_gen < self.stats.pause_until:
             return self.draft  # paused: the drafters are not asked
-        n_room = room(len(live), n_ctx or len(live) + self.spec.n_batch + 2, left,
-                      self.spec.n_batch)
+        n_room = min(room(len(live), n_ctx or len(live) + self.spec.n_batch + 2, left,
+                          self.spec.n_batch), self.spec.n_max)
         source, draft = self.chain.draft(live, last, n_room)
         cost = self.spec.cost
         k, self.stats = draft_len(self.stats, len(draft), cost, self.spec.config.always, n_gen,

@@ -15,11 +15,14 @@ so a greedy answer with drafts can differ from one without (`--spec-type none`),
 hit, which drafts and verifies what its cold run did, answers as its cold run.
 
 **Where it drafts.** Plain attention and a full-size sliding window cut back to any position.
-A recurrent or hybrid state (Qwen3.5, Mamba, ...) exists at its last position only: a rejected
-draft could only be undone by a copy of the state taken before every verify and a second
-evaluation of the accepted tokens (llama-server's checkpoints), a copy of the whole sequence
-state per step through this API; it is not done here, so such a model does not draft (said at
-start). A real sliding window (`--no-swa-full`) may not cut back either: no drafts.
+A recurrent or hybrid state (Qwen3.5, Mamba, ...) exists at its last position only; where
+llama.cpp keeps the states after each of a llama_decode's last tokens for its architecture
+(`n_rs_seq`: Qwen3.5/3.6, Nemotron-H, LFM2, ...), the worker asks for `--spec-draft-n-max` of
+them and a verify's rejected drafts are cut off through them (`Memory.rollback`), once per
+verify, with no copy of the state. Elsewhere a rejected draft could only be undone by a copy of
+the state taken before every verify (llama-server's checkpoints): not done here, so such a
+model does not draft (said at start). A real sliding window (`--no-swa-full`) may not cut back
+either: no drafts.
 
 **The cost** of a verify of r rows over a one-row step is measured once at start, on slot 0
 beside a short probe (the least of REPS runs of each size, after a warm-up), and remembered for
@@ -37,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import llama_cpp
 import xxhash
 
 from backend import measured
@@ -54,6 +58,9 @@ log = logging.getLogger("prefixgate.worker")
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # sizes measured, up to the longest
 REPS = 3
 PROBE_TOKENS = 64
+# the most rollback states a recurrent model keeps (llama.cpp's n_rs_seq), so its longest draft:
+# each is one more recurrent state per slot (an ngram-mod draft of 64 would be 64 more)
+ROLLBACK_MAX = 16
 COMPARED = " Greedy answers can differ from --spec-type none's (a verify computes other bits " \
            "than one-token steps); a cache hit answers as its cold run."
 
@@ -132,6 +139,8 @@ def measure(eng: Engine, n_max: int) -> VerifyCost:
     eng.truncate(0, 0)
     eng.prefill(0, ids[:PROBE_TOKENS])
     base = eng.seqs[0].n_live
+    # a recurrent state cannot be cut back by all of a verify's rows: restored instead
+    state = bytes(eng.snapshot(0)) if eng.memory.kind == "recurrent" else None
     least: dict[int, float] = {}
     try:
         for r in rows:
@@ -139,7 +148,8 @@ def measure(eng: Engine, n_max: int) -> VerifyCost:
                 t = time.perf_counter()
                 eng.evaluate([(0, ids[base:base + r])], every=[0] if r > 1 else [])
                 dt = time.perf_counter() - t
-                eng.truncate(0, base)
+                if eng.truncate(0, base) != base and state is not None:
+                    eng.restore(0, ids[:base], state)
                 if rep:
                     least[r] = min(least.get(r, dt), dt)
     finally:
@@ -174,21 +184,23 @@ def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int,
         return Speculation(config, None, eng.n_batch, False, "speculation off (--spec-type "
                            "none)")
     with_model = f" with the draft model {os.path.basename(model.path)}" if model else ""
-    if eng.memory.kind == "recurrent":
+    if eng.memory.kind == "recurrent" and not eng.memory.rollback:
         why = ("a recurrent state cannot be cut back to the accepted drafts (backend."
-               "worker.verify)")
+               "worker.verify); llama.cpp keeps rollback states for some architectures only")
     elif eng.memory.kind == "window" and not eng.memory.full:
         why = "a real sliding window (--no-swa-full) may not cut back to the accepted drafts"
     if why:
         note = f"speculation off on this model: {why}; --spec-type {config.name()} does nothing"
         log.info("worker %d: %s", worker_id, note)
         return Speculation(config, None, eng.n_batch, False, note, model)
-    n_max = min(config.n_max, eng.n_batch - 1)
+    bound = eng.memory.rollback if eng.memory.kind == "recurrent" else 0
+    n_max = Speculation(config, None, eng.n_batch, True, "", None, bound).n_max
+    kept = _rollback_note(eng)
     if config.always:
         note = (f"speculation {config.name()}{with_model}: every draft verified, up to {n_max} "
-                f"tokens (--spec-stop off, as llama-server does).{COMPARED}")
+                f"tokens (--spec-stop off, as llama-server does){kept}.{COMPARED}")
         log.info("worker %d: %s", worker_id, note)
-        return Speculation(config, None, eng.n_batch, True, note, model)
+        return Speculation(config, None, eng.n_batch, True, note, model, bound)
     cost = _recall(key) if key else None
     where = "remembered"
     if cost is None or cost.rows[-1] < min(n_max + 1, eng.n_batch):
@@ -201,12 +213,23 @@ def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int,
     step = f", a draft model's step {cost.draft_step:.2f}x" if model is not None else ""
     if cost.pays_for(config, n_max):
         note = (f"speculation {config.name()}{with_model}: {_ratio_at(cost, k)}{step} "
-                f"({where}): each slot verifies the drafts its acceptance pays for.{COMPARED}")
+                f"({where}): each slot verifies the drafts its acceptance pays for{kept}."
+                f"{COMPARED}")
     else:
         note = (f"speculation {config.name()} does not pay here: {_ratio_at(cost, k)}{step} "
                 f"({where}), so no slot drafts (--spec-stop off verifies every draft)")
     log.info("worker %d: %s", worker_id, note)
-    return Speculation(config, cost, eng.n_batch, True, note, model)
+    return Speculation(config, cost, eng.n_batch, True, note, model, bound)
+
+
+def _rollback_note(eng: Engine) -> str:
+    """What a recurrent state's rollback states cost, for the note ("" where it has none)."""
+    if eng.memory.kind != "recurrent" or not eng.memory.rollback:
+        return ""
+    per = int(llama_cpp.llama_state_seq_get_size_ext(eng.ctx, 0, 1))  # PARTIAL_ONLY: recurrent
+    return (f"; a recurrent state: drafts of up to {eng.memory.rollback} tokens, cut off "
+            f"through {eng.memory.rollback} rollback states per slot that llama.cpp keeps "
+            f"({eng.memory.rollback * per / 2**20:.1f} MiB a slot)")
 
 
 def cost_key(verdict_key: str, config: SpecConfig, draft_model: str = "") -> str:

@@ -2,8 +2,9 @@
 in one batch with every row's logits, the rejected drafts cut back so the KV holds exactly the
 tokens the answer kept, and every cache hit (live, restored from a state file) answering as its
 cold run, speculation on, on every memory kind: plain attention and a full-size sliding window
-draft; a recurrent state cannot be cut back, so qwen35 does not (backend.worker.verify). The
-rules are exact tables in tests/policies/test_speculate.py and test_ngram.py."""
+draft, and a recurrent state (qwen35) through llama.cpp's rollback states
+(backend.worker.verify). The rules are exact tables in tests/policies/test_speculate.py and
+test_ngram.py."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from policies.ngram import NgramParams
 from policies.prefix import default_batch, outputs_max
 from policies.schedule import Shapes
 from policies.speculate import SpecConfig, VerifyCost
-from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, model_file
+from tests.models import FLASH_ATTN, GPU_LAYERS, MEMORY, MODELS, draft_file, model_file
 
 pytestmark = pytest.mark.model
 
@@ -61,10 +62,17 @@ def _stored(eng: Engine, ids: list[int], cache: Path) -> tuple[keys.CacheKey, Pa
 
 
 def edit_ids(name: str) -> list[int]:
-    """An edit-shaped prompt: a file, then the start of the same file again to continue."""
+    """An edit-shaped prompt: a file, then the start of the same file again to continue (its
+    first tokens, so that the prompt's last tokens are found before, and the n-gram drafters
+    draft from the first step: a random-weight model's answer never repeats anything)."""
     vocab = llama_cpp.Llama(model_file(name), vocab_only=True, verbose=False)
-    text = f"File app.py:\n{FILE}\n\nThe same file, copied exactly:\n{FILE[:60]}"
-    return list(vocab.tokenize(text.encode(), add_bos=False))
+
+    def tok(text: str) -> list[int]:
+        return list(vocab.tokenize(text.encode(), add_bos=False))
+
+    body = tok(FILE)
+    return tok("File app.py:\n") + body + tok("\n\nThe same file, copied exactly:\n") + \
+        body[:16]
 
 
 def _engine(name: str, spec: SpecConfig, n_seq: int = 1) -> Engine:
@@ -73,7 +81,7 @@ def _engine(name: str, spec: SpecConfig, n_seq: int = 1) -> Engine:
     tests run fits them."""
     return Engine(model_file(name), n_seq * N_CTX, 2, GPU_LAYERS, n_batch=BATCH, n_seq=n_seq,
                   outputs=outputs_max(n_seq, spec.n_max),
-                  flash_attn=FLASH_ATTN)
+                  flash_attn=FLASH_ATTN, rollback=spec.n_max if spec.on else 0)
 
 
 class Worker:
@@ -190,12 +198,14 @@ def test_every_hit_answers_as_its_cold_run_with_speculation_on(
                                ("restored hit", restored, disk)):
             assert got == want, f"{name} {sampling}: the {run} differs from the cold run"
             assert done.draft == cold.draft, f"{name}: the {run} drafted otherwise"
-        if name == "qwen35":  # a recurrent state: no drafts
-            assert cold.draft == {} and w.spec is not None and not w.spec.drafts
-        else:
-            assert sum(s["drafted"] for s in cold.draft.values()) > 0, cold.draft
-            if sampling["temperature"] == 0.0:
-                assert sum(s["accepted"] for s in cold.draft.values()) > 0, cold.draft
+        if name == "qwen35":  # a recurrent state drafts (its rollback states cut the drafts
+            # off), but a random-weight answer repeats nothing for an n-gram to find: the draft
+            # model's test below drafts on it
+            assert eng.memory.rollback == SPEC.n_max and w.spec is not None and w.spec.drafts
+            continue
+        assert sum(s["drafted"] for s in cold.draft.values()) > 0, cold.draft
+        if sampling["temperature"] == 0.0:
+            assert sum(s["accepted"] for s in cold.draft.values()) > 0, cold.draft
 
 
 def test_the_kv_holds_exactly_the_answers_tokens_after_verifies() -> None:
@@ -310,7 +320,7 @@ def _fresh_run(name: str, ids: list[int], gen: int = GEN, plan: Plan = COLD,
     (a new worker: with `cache`, its state files and their twins are all it finds):
     (the answer, its Done and Start, the stopped worker, the closed draft model)."""
     eng = _engine(name, MODEL_SPEC)
-    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    model = DraftModel.load(draft_file(name), eng, GPU_LAYERS, 2)
     try:
         w = Worker(eng, MODEL_SPEC, cache=cache, model=model, gen=gen, twins=cache is not None)
         got, done, start = w.run("alone", ids, plan)
@@ -327,18 +337,19 @@ def _drafted_alone(name: str, ids: list[int], gen: int = GEN) -> tuple[list[int]
     return _fresh_run(name, ids, gen)[:2]
 
 
-@pytest.mark.parametrize("name", [m for m in MODELS if MEMORY[m] != "recurrent"])
+@pytest.mark.parametrize("name", MODELS)
 def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, tmp_path: Path
                                                                     ) -> None:
-    """A model drafting for itself (plain attention, a sliding window; a recurrent state does
-    not draft): its own KV per slot, prefilled with the prompt as a cold run does (again after
-    the target's hit), its greedy tokens verified; the answers and the drafts of a cold run, a
-    live hit and a restored hit are the same."""
+    """A model drafting for itself (plain attention, a sliding window; the recurrent qwen35, a
+    random llama of its vocabulary, whose drafts its rollback states cut off): its own KV per
+    slot, prefilled with the prompt as a cold run does (again after the target's hit), its
+    greedy tokens verified; the answers and the drafts of a cold run, a live hit and a restored
+    hit are the same."""
     ids = edit_ids(name)
     edge = (len(ids) - 1) // BATCH * BATCH
     want, cold = _drafted_alone(name, ids)
     eng = _engine(name, MODEL_SPEC)
-    model = DraftModel.load(model_file(name), eng, GPU_LAYERS, 2)
+    model = DraftModel.load(draft_file(name), eng, GPU_LAYERS, 2)
     try:
         key, path, size = _stored(eng, ids[:edge], tmp_path)
         w = Worker(eng, MODEL_SPEC, cache=tmp_path, model=model)
@@ -358,7 +369,10 @@ def test_a_draft_model_drafts_and_every_hit_answers_as_its_cold_run(name: str, t
                            ("restored hit", restored, disk)):
         assert (got, done.draft) == (want, cold.draft), f"the {run} differs from the cold run"
     drafted = cold.draft["draft-simple"]
-    assert drafted["accepted"] > drafted["drafted"] // 2, drafted
+    if name == "qwen35":  # random weights on both sides: drafted, and (most) cut off again
+        assert drafted["drafted"] > drafted["accepted"], drafted
+    else:
+        assert drafted["accepted"] > drafted["drafted"] // 2, drafted
 
 
 def test_a_draft_model_takes_the_prompt_from_another_slots_sequence() -> None:
