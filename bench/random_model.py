@@ -112,9 +112,13 @@ def _ffn(t: _Tensors, b: str, n_embd: int, n_ff: int) -> None:
 
 def _qwen35(w: gguf.GGUFWriter, t: _Tensors, n_vocab: int, a: argparse.Namespace) -> None:
     arch = "qwen35"
-    n_embd, n_head, n_ff, n_layer = 256, 2, 384, a.layers
+    # --size: the heads are the attention's and the delta net's value heads, the KV heads its
+    # key heads (groups)
+    n_embd, n_head, n_group, n_ff = a.size or (256, 2, 2, 384)
+    n_layer = a.layers
     head = n_embd // n_head
-    d_state, n_group, dt_rank, d_conv, d_inner = 128, 2, n_head, 4, 256
+    d_state, dt_rank, d_conv = 128, n_head, 4
+    d_inner = d_state * dt_rank
     interval = 2  # every 2nd layer full attention: recurrent, attention, recurrent, ...
     key_dim, value_dim = d_state * n_group, d_state * dt_rank
     _start(w, t, arch, n_vocab, n_embd, n_ff, n_layer, n_head, n_head, 1e-6, 262144, {
@@ -194,12 +198,12 @@ def _put(w: gguf.GGUFWriter, arch: str, kv: dict[str, Any]) -> None:
 
 def generate(arch: str, vocab: Path, out: Path, seed: int = 0, layers: int | None = None,
              window: int = 128, size: tuple[int, int, int, int] | None = None) -> Path:
-    """Write the model to `out` (atomically) and return it. `size` (llama only): n_embd,
+    """Write the model to `out` (atomically) and return it. `size` (llama, qwen35): n_embd,
     n_head, n_head_kv, n_ff of a model of real size (TinyLlama 1.1B: 2048, 32, 4, 5632 with
     22 layers), where the default is llama.cpp's test size."""
     build, default_layers = _ARCHS[arch]
-    if size is not None and arch != "llama":
-        raise SystemExit("--size is for --arch llama")
+    if size is not None and arch not in ("llama", "qwen35"):
+        raise SystemExit("--size is for --arch llama or qwen35")
     args = argparse.Namespace(layers=layers or default_layers, window=window, size=size)
     tmp = out.with_name(out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--window", type=int, default=128, help="gemma3: sliding window, tokens")
-    p.add_argument("--size", default="", help="llama: N_EMBD,N_HEAD,N_HEAD_KV,N_FF for a model "
-                   "of real size (2048,32,4,5632 with --layers 22: TinyLlama 1.1B's shape)")
+    p.add_argument("--size", default="", help="llama, qwen35: N_EMBD,N_HEAD,N_HEAD_KV,N_FF for a "
+                   "model of real size (2048,32,4,5632 with --layers 22: TinyLlama 1.1B's shape; "
+                   "qwen35: the heads are the delta net's value heads, the KV heads its key "
+                   "heads)")
     p.add_argument("--quantize", default="", metavar="FTYPE", help="also write OUT quantized "
                    "(q4_k_m, q8_0, ...) as OUT's name with -FTYPE before .gguf")
     a = p.parse_args(argv)
