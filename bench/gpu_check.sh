@@ -41,6 +41,8 @@ export models=$build/models PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 # the suite's and the benchmarks' models, by their memory (tests/models.py), all on the GPU
 export PREFIXGATE_TEST_MODEL_SMOLLM2=$models/llama.gguf PREFIXGATE_TEST_MODEL_GEMMA3=$models/gemma3.gguf
 export PREFIXGATE_TEST_MODEL_QWEN35=$models/qwen35.gguf
+# the qwen35 draft model (a random llama of its vocabulary: the smollm2 stand-in is one)
+export PREFIXGATE_TEST_DRAFT_QWEN35=$models/llama.gguf
 export PREFIXGATE_TEST_GPU_LAYERS=-1 PREFIXGATE_N_GPU_LAYERS=-1
 # a server the suite starts without --model takes the stand-in (the default SmolLM2 is not here)
 export PREFIXGATE_MODEL=$PREFIXGATE_TEST_MODEL_SMOLLM2

@@ -29,8 +29,9 @@ MEMORY = {"smollm2": "plain", "gemma3": "window", "qwen35": "recurrent"}
 
 
 # On a machine where these cannot be carried (the GPU check, bench/gpu_check.sh), each can be
-# replaced by another model of the same memory: PREFIXGATE_TEST_MODEL_<NAME>=path.GGUF; the engine
-# tests offload PREFIXGATE_TEST_GPU_LAYERS layers (the servers read PREFIXGATE_N_GPU_LAYERS).
+# replaced by another model of the same memory: PREFIXGATE_TEST_MODEL_<NAME>=path.GGUF (and
+# qwen35's draft model, PREFIXGATE_TEST_DRAFT_QWEN35); the engine tests offload
+# PREFIXGATE_TEST_GPU_LAYERS layers (the servers read PREFIXGATE_N_GPU_LAYERS).
 GPU_LAYERS = int(os.environ.get("PREFIXGATE_TEST_GPU_LAYERS", "0"))
 FLASH_ATTN = os.environ.get("PREFIXGATE_FLASH_ATTN", "off")  # the servers read it too
 
@@ -69,6 +70,9 @@ def draft_file(name: str) -> str:
     random-weight llama of its vocabulary."""
     if name != "qwen35":
         return model_file(name)
+    override = os.environ.get("PREFIXGATE_TEST_DRAFT_QWEN35")
+    if override:
+        return override
     path = FIXTURES / "models" / "qwen35-draft-random.gguf"
     if not path.exists():
         pytest.fail(f"{path} is missing: `make fixtures` installs it (make test does)")
