@@ -21,7 +21,8 @@
 #   spec    bench.spec on the 1.1B Q4_K_M (issue 47): n-gram drafts and a draft model (the small
 #           random llama) against llama-server with the same types, the verify cost on this GPU;
 #           then bench.spec_replay: that cost on the answers the real model gave on a CPU
-#           (bench/results/issue47), what they would gain here
+#           (bench/results/issue47), what they would gain here; then a 1B-class Qwen3.5 hybrid
+#           drafting through its rollback states against llama-server's checkpoints
 #   team    bench.team on the 1.1B Q4_K_M model: 1 worker with 3 slots against llama-server -np 3
 #   decode  bench.decode_batch: batched versus alone decode steps, bit for bit and ms per step
 #   tests   the exactness suite (engines and servers, slots included) on all three families
@@ -136,7 +137,16 @@ spec() {
     --model "$models/tiny-q4_k_m.gguf" -ngl 99 --threads 8 --workloads edit,patch \
     --spec-types ngram-simple,draft-simple --draft-model "$models/llama.gguf" --out /tmp/spec &&
     python3 -m bench.spec_replay bench/results/issue47/spec-shadows.json \
-      bench/results/issue47/spec-1130.json --costs /tmp/spec/spec.json
+      bench/results/issue47/spec-1130.json --costs /tmp/spec/spec.json || return 1
+  # a Qwen3.5 hybrid of 1B-class size drafting through its rollback states, against
+  # llama-server's checkpoints: what a verify and a rejected draft cost there (random weights
+  # accept nothing: no speed-up to see, only the cost)
+  [ -f "$models/qwen35-1b.gguf" ] || python3 -m bench.random_model --arch qwen35 --layers 24 \
+    --size 2048,16,2,5632 --vocab "$carry/ggml-vocab-qwen35.gguf" --out "$models/qwen35-1b.gguf"
+  python3 -m bench.spec --llama-server "$(cat "$build/llama-server.path")" \
+    --model "$models/qwen35-1b.gguf" -ngl 99 --threads 8 --workloads edit \
+    --spec-types draft-simple --draft-model "$models/llama.gguf" --out /tmp/spec-qwen35 \
+    --arms prefixgate,prefixgate:draft-simple,prefixgate:draft-simple:all,llama-server,llama-server:draft-simple
 }
 
 team() {
