@@ -311,8 +311,9 @@ class Engine(States):
         rc = llama_cpp.llama_decode(self.ctx, b)
         self._logits_rows = {}
         try:
-            for q in self.seqs:  # a recurrent state's rollback is its last verify's alone
-                q.rollback = 0
+            if self.memory.rollback:  # a recurrent state's rollback is its last verify's alone
+                for q in self.seqs:
+                    q.rollback = 0
             for s, tokens in rows:
                 q = self.seqs[s]
                 start, n = q.n_live, len(tokens)

@@ -193,7 +193,7 @@ def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int,
         note = f"speculation off on this model: {why}; --spec-type {config.name()} does nothing"
         log.info("worker %d: %s", worker_id, note)
         return Speculation(config, None, eng.n_batch, False, note, model)
-    bound = eng.memory.rollback if eng.memory.kind == "recurrent" else 0
+    bound = eng.memory.rollback  # a recurrent state's (0 elsewhere)
     n_max = Speculation(config, None, eng.n_batch, True, "", None, bound).n_max
     kept = _rollback_note(eng)
     if config.always:
@@ -223,10 +223,17 @@ def resolve(config: SpecConfig, eng: Engine, key: str, worker_id: int,
 
 
 def _rollback_note(eng: Engine) -> str:
-    """What a recurrent state's rollback states cost, for the note ("" where it has none)."""
-    if eng.memory.kind != "recurrent" or not eng.memory.rollback:
+    """What a recurrent state's rollback states cost, for the note ("" where it has none):
+    the size of slot 0's recurrent state, one token evaluated there if it is empty (an empty
+    sequence's is a few bytes)."""
+    if not eng.memory.rollback:
         return ""
+    empty = eng.seqs[0].n_live == 0
+    if empty:
+        eng.evaluate([(0, [0])])
     per = int(llama_cpp.llama_state_seq_get_size_ext(eng.ctx, 0, 1))  # PARTIAL_ONLY: recurrent
+    if empty:
+        eng.truncate(0, 0)
     return (f"; a recurrent state: drafts of up to {eng.memory.rollback} tokens, cut off "
             f"through {eng.memory.rollback} rollback states per slot that llama.cpp keeps "
             f"({eng.memory.rollback * per / 2**20:.1f} MiB a slot)")

@@ -202,6 +202,7 @@ def test_every_hit_answers_as_its_cold_run_with_speculation_on(
             # off), but a random-weight answer repeats nothing for an n-gram to find: the draft
             # model's test below drafts on it
             assert eng.memory.rollback == SPEC.n_max and w.spec is not None and w.spec.drafts
+            assert "rollback states" in w.spec.note and "(0.0 MiB" not in w.spec.note
             continue
         assert sum(s["drafted"] for s in cold.draft.values()) > 0, cold.draft
         if sampling["temperature"] == 0.0:
