@@ -1,7 +1,8 @@
 """Loading a model and making its context with prefixgate's settings: the parameters
 llama.cpp gets (KV types, flash attention, batch, threads, slots as non-unified KV streams,
-where the weights go), what the model's memory allows (`Memory`), and where it all went (the
-placement the ready line reports). `backend.engine.Engine` runs on what `load` returns.
+where the weights go, RoPE scaling, NUMA), what the model's memory allows (`Memory`), and where
+it all went (the placement the ready line reports). `backend.engine.Engine` runs on what `load`
+returns.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ CACHE_TYPES: dict[str, int] = {  # llama.cpp's -ctk/-ctv names -> ggml types
     "q5_0": 6, "q5_1": 7,
 }
 FLASH_ATTN = ("on", "off", "auto")
+# llama-server's --rope-scaling words -> llama_rope_scaling_type
+ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}
+# the context parameters of llama-server's --rope-freq-base, --rope-freq-scale and --yarn-*
+ROPE_PARAMS = ("rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor",
+               "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast")
+# llama-server's --numa words -> ggml_numa_strategy
+NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
 
 MemoryKind = Literal["plain", "window", "recurrent"]
 # how decode steps of several slots run (module rules)
@@ -85,17 +93,20 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
          swa_full: bool = True, n_threads_batch: int | None = None,
          placement: Mapping[str, Any] | None = None, n_seq: int = 1,
          progress: Callable[[float], None] | None = None, deterministic: str = "auto",
-         outputs: int = 0, rollback: int = 0) -> Loaded:
+         outputs: int = 0, rollback: int = 0, rope: Mapping[str, Any] | None = None,
+         numa: str = "") -> Loaded:
     """The model loaded and its context made; a ValueError that says what to change where
     llama.cpp refuses either. `outputs`: the most rows with logits one llama_decode asks for
     (0: the whole batch; `policies.prefix.outputs_max`). `rollback`: a recurrent state's
-    (`Memory.rollback`, for a verify's drafts; none where the architecture has none)."""
+    (`Memory.rollback`, for a verify's drafts; none where the architecture has none). `rope`:
+    llama-server's RoPE settings that were given, `rope_scaling` (a ROPE_SCALING word) and
+    ROPE_PARAMS by name (the rest are the model's own). `numa`: a NUMA word, for the process."""
     if flash_attn not in FLASH_ATTN:
         raise ValueError(f"flash attention is one of {', '.join(FLASH_ATTN)}")
     for t in (type_k, type_v):
         if t not in CACHE_TYPES:
             raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
-    backend_init()
+    backend_init(numa)
     gpus = check_gpu_layers(n_gpu_layers)
     mp = llama_cpp.llama_model_default_params()
     # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
@@ -145,6 +156,14 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     cp.swa_full = swa_full
     cp.n_rs_seq = rollback if memory.kind == "recurrent" else 0
     cp.no_perf = True
+    rope = dict(rope or {})
+    for name, value in rope.items():
+        if name == "rope_scaling":
+            cp.rope_scaling_type = ROPE_SCALING[value]
+        elif name in ROPE_PARAMS:
+            setattr(cp, name, value)
+        else:
+            raise ValueError(f"unknown RoPE setting {name!r}")
     ctx = llama_cpp.llama_init_from_model(model, cp)
     if not ctx:
         llama_cpp.llama_model_free(model)
@@ -179,6 +198,11 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         compute += f"; flash attention {fa}"
     if memory.rollback:  # its states are kept through another kernel: other bits
         compute += f"; recurrent rollback {memory.rollback}"
+    if rope:  # other positions' rotations: other bits
+        where["rope"] = "RoPE " + ", ".join(f"{k} {v}" for k, v in sorted(rope.items()))
+        compute += f"; {where['rope']}"
+    if numa:
+        where["numa"] = f"NUMA {numa}"
     assert isinstance(compute, str)
     return Loaded(model, ctx, memory, fa, n_batch, threads[0], threads[1], where, compute)
 
@@ -186,7 +210,9 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
 _backend_ready = False
 
 
-def backend_init() -> None:
+def backend_init(numa: str = "") -> None:
+    """llama.cpp's backends, once per process; `numa`: its NUMA placement of the compute
+    threads (a NUMA word), which must come before any model loads."""
     global _backend_ready
     if not _backend_ready:
         # llama-cpp-python routes llama.cpp's log through this logger: errors only, as
@@ -194,6 +220,8 @@ def backend_init() -> None:
         if not log.isEnabledFor(logging.DEBUG):
             logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         llama_cpp.llama_backend_init()
+        if numa:
+            llama_cpp.llama_numa_init(NUMA[numa])
         _backend_ready = True
 
 

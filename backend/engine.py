@@ -134,13 +134,16 @@ class Engine(States):
         deterministic: str = "auto",
         outputs: int = 0,
         rollback: int = 0,
+        rope: Mapping[str, Any] | None = None,
+        numa: str = "",
     ) -> None:
         outputs = max(outputs, n_seq) if outputs else 0  # llama.cpp asks a row per sequence
         got = load(model_path, n_ctx, n_threads, n_gpu_layers, n_batch=n_batch,
                    flash_attn=flash_attn, type_k=type_k, type_v=type_v, swa_full=swa_full,
                    n_threads_batch=n_threads_batch, placement=placement, n_seq=n_seq,
                    progress=progress, deterministic=deterministic, outputs=outputs,
-                   rollback=rollback)
+                   rollback=rollback, rope=rope, numa=numa)
+        self.rope = dict(rope or {})  # llama-server's RoPE settings given (a draft model's too)
         self.model, self.ctx, self.memory, self.flash_attn = (got.model, got.ctx, got.memory,
                                                               got.flash_attn)
         self.n_threads, self.n_threads_batch = got.n_threads, got.n_threads_batch

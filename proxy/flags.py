@@ -1,12 +1,29 @@
 """The words of each Config flag: its help line, and llama-server's names for the same setting
 (its short and long flags beside prefixgate's own, and its LLAMA_ARG_* variable, read after
-prefixgate's PREFIXGATE_* one). A default stated in a help line is the one the Config resolves
-(tests/proxy/test_llama_options.py checks each).
+prefixgate's PREFIXGATE_* one); and the volatile patterns' defaults. A default stated in a help
+line is the one the Config resolves (tests/proxy/test_llama_options.py checks each).
 """
 
 from __future__ import annotations
 
 from policies.prefix import CPU_BATCH, GPU_BATCH
+
+DEFAULT_VOLATILE = (
+    # Claude Code's per-request billing line, its own first system block: `cch=` changes on
+    # every request and would end the shared prefix after ~22 tokens. The blank lines after it
+    # go too, so a request renders the same with it and without it
+    # (CLAUDE_CODE_ATTRIBUTION_HEADER=0).
+    r"(?m)^x-anthropic-billing-header:[^\n]*(?:\n+|\Z)",
+)
+
+DEFAULT_VOLATILE_BLOCKS = (
+    # Claude Code ends its system prompt with the repository's git status (branch, changed
+    # files, recent commits): different in every session after an edit or a commit.
+    r"(?s)\s*gitStatus: .*\Z",
+    # Hermes's date line, ahead of its tool schemas: different every day.
+    r"(?m)^Conversation started: [^\n]*(?:\n|\Z)",
+)
+
 
 HELP = {
     "host": "listen address", "port": "listen port", "model": "GGUF model path",
@@ -71,6 +88,19 @@ HELP = {
     "repack": "weights repacked for the CPU's kernels (llama.cpp's extra buffer types): "
               "--repack, -nr/--no-repack as llama-server spells them; by default on, except "
               "on a CPU with AMX, whose llama.cpp kernels crash on some machines (auto)",
+    "rope_scaling": "RoPE frequency scaling: none | linear | yarn (default: the model's)",
+    "rope_scale": "RoPE context scaling factor N: a context N times the trained one "
+                  "(--rope-freq-scale 1/N; default: the model's)",
+    "rope_freq_base": "RoPE base frequency (0 = the model's)",
+    "rope_freq_scale": "RoPE frequency scaling factor: a context 1/N times the trained one "
+                       "(0 = the model's)",
+    "yarn_orig_ctx": "YaRN: the model's original context (0 = the one it was trained with)",
+    "yarn_ext_factor": "YaRN: extrapolation mix factor (-1 = the model's or llama.cpp's)",
+    "yarn_attn_factor": "YaRN: attention magnitude scale (-1 = the model's or llama.cpp's)",
+    "yarn_beta_slow": "YaRN: high correction dim or alpha (-1 = the model's or llama.cpp's)",
+    "yarn_beta_fast": "YaRN: low correction dim or beta (-1 = the model's or llama.cpp's)",
+    "numa": "NUMA placement of the compute threads: distribute | isolate | numactl (default: "
+            "none), as llama-server's --numa",
     "deterministic": "auto | on | off: on keeps each slot's answer what it is alone whatever "
                      "other sessions generate, at a cost; off batches their decode steps as "
                      "llama-server does; auto: independent where the start-up check proves it "
@@ -165,6 +195,10 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "reasoning_budget": ((), "LLAMA_ARG_THINK_BUDGET"),
     "reasoning_effort": ((), "LLAMA_ARG_REASONING_EFFORT"),
     "ping_interval_s": (("--sse-ping-interval",), "LLAMA_ARG_SSE_PING_INTERVAL"),
+    "rope_scaling": ((), "LLAMA_ARG_ROPE_SCALING_TYPE"),
+    **{k: ((), "LLAMA_ARG_" + k.upper()) for k in (
+        "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor",
+        "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast", "numa")},
     "spec_type": ((), "LLAMA_ARG_SPEC_TYPE"),
     "spec_draft_model": (("-md", "--model-draft"), "LLAMA_ARG_SPEC_DRAFT_MODEL"),
     "spec_draft_ngl": (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),

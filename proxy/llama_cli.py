@@ -97,6 +97,11 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--reasoning-effort": "reasoning_effort",
     "--reasoning-preserve": ("reasoning_preserve", "on", "off"),
     "--repack": ("repack", "on", "off"),
+    # RoPE scaling (proxy/rope.py) and NUMA: prefixgate's flags are llama-server's
+    **{f: f[2:].replace("-", "_") for f in (
+        "--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
+        "--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow",
+        "--yarn-beta-fast", "--numa")},
     # speculative decoding (proxy/speculation.py)
     "--spec-type": "spec_type", "--spec-draft-model": "spec_draft_model",
     "--spec-draft-ngl": "spec_draft_ngl", "--spec-draft-n-max": "spec_draft_n_max",
@@ -209,10 +214,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "a logit bias is not supported yet": ("-l",),
     "a server-wide grammar is not supported (a request's response_format is)":
         ("--grammar", "--grammar-file", "-j", "-jf"),
-    "changing RoPE scaling (YaRN) is not supported yet": (
-        "--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
-        "--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow",
-        "--yarn-beta-fast"),
     "keeping the KV cache off the GPU is not supported yet": ("-nkvo", "--no-kv-offload"),
     "LoRA adapters are not supported yet": ("--lora", "--lora-scaled",
                                             "--lora-init-without-apply"),
@@ -225,7 +226,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         ("-mg",),
     "keeping dense FFN layers on the CPU is not supported yet": ("-ncffn",),
     "RPC devices are not supported": ("--rpc",),
-    "NUMA placement is not supported yet": ("--numa",),
     "listing devices is the doctor command's (prefixgate doctor)": ("--list-devices",),
     "downloading a model by URL or from a registry other than Hugging Face is not supported "
     "yet": ("-mu", "-dr"),

@@ -77,6 +77,10 @@ class WorkerSpec:
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-type)
     spec_draft_model: str = ""  # a draft model's GGUF (draft-simple)
     spec_draft_ngl: int = 0  # its layers on the GPU
+    # llama-server's RoPE settings that were given (backend.context.load's `rope`), and its
+    # NUMA word ("" none)
+    rope: dict[str, object] = field(default_factory=dict)
+    numa: str = ""
 
 
 def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
@@ -114,7 +118,8 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
                       n_seq=spec.parallel, progress=progress if made == 1 else None,
                       deterministic=spec.deterministic,
                       outputs=outputs_max(spec.parallel, spec.spec.n_max if spec.spec.on else 0),
-                      rollback=min(spec.spec.n_max, ROLLBACK_MAX) if spec.spec.on else 0)
+                      rollback=min(spec.spec.n_max, ROLLBACK_MAX) if spec.spec.on else 0,
+                      rope=spec.rope, numa=spec.numa)
     if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
         return make(spec.batch)
     return measured_engine(measure_name(spec), spec.worker_id, make, spec.batch,

@@ -110,7 +110,8 @@ class DraftModel:
         eng = Engine(path, target.n_ctx * len(target.seqs), threads, n_gpu_layers,
                      n_batch=target.n_batch, flash_attn=target.flash_attn,
                      n_seq=len(target.seqs), outputs=len(target.seqs),  # a row each
-                     placement={"repack": "on" if target.placement.get("repack") else "off"})
+                     placement={"repack": "on" if target.placement.get("repack") else "off"},
+                     rope=target.rope)  # as llama-server gives its draft model
         why = incompatible(target, eng)
         if not why and eng.memory.kind == "recurrent":
             why = "a recurrent state cannot be cut back after a draft"

@@ -320,3 +320,34 @@ def test_an_engine_reuses_only_at_batch_edges() -> None:
     assert batches == [64, 128, 192, 256, 257], "no stop off a batch edge; a last batch of one"
     eng.close()
     ref.close()
+
+
+YARN = {"rope_scaling": "yarn", "rope_freq_scale": 0.5, "yarn_orig_ctx": 4 * A}
+
+
+def test_rope_settings_compute_other_bits_keyed_apart_and_a_hit_is_still_exact(
+        name: str, engines: tuple[Engine, Engine]) -> None:
+    """llama-server's RoPE options (proxy/rope.py) reach the context: the same prompt computes
+    other logits, the engine's compute identity (in every cache key) says so, and a snapshot
+    restored under them is, state for state, the cold run's under them."""
+    plain = engines[1]
+    ids = _ids(name, 3 * A + 9, seed=4)
+    _prefill_cold(plain, ids)
+    eng, ref = _engine(name, rope=YARN), _engine(name, rope=YARN)
+    try:
+        assert eng.compute == plain.compute + \
+            f"; RoPE rope_freq_scale 0.5, rope_scaling yarn, yarn_orig_ctx {4 * A}"
+        assert eng.placement["rope"] in eng.compute
+        snaps: dict[int, memoryview] = {}
+        eng.prefill(0, ids, [2 * A], lambda p: snaps.__setitem__(p, eng.snapshot(0)))
+        assert eng.last_logits(0).tobytes() != plain.last_logits(0).tobytes(), \
+            "the RoPE settings changed nothing"
+        _prefill_cold(ref, ids)
+        assert _same_state(eng, ref) is None, "a cold run under them is one state"
+        eng.truncate(0, 0)
+        eng.restore(0, ids[:2 * A], snaps[2 * A])
+        eng.prefill(0, ids, [], lambda p: None)
+        assert _same_state(eng, ref) is None, "restored hit"
+    finally:
+        eng.close()
+        ref.close()

@@ -28,6 +28,7 @@ from proxy.config import (
 )
 from proxy.flags import LLAMA_SERVER
 from proxy.llama_cli import TABLE, WORKS, classify, options, spellings
+from proxy.rope import settings as rope_settings
 from tests.conftest import ROOT
 
 SECRET = "sk-test-0123456789"
@@ -72,7 +73,8 @@ VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "a
           "-hf": "user/repo:Q8_0", "--reasoning-effort": "high", "-ts": "1",
           "-ot": "exps=CPU", "--host": "127.0.0.1", "--api-key": SECRET,
           "--chat-template-file": "t.jinja", "--api-key-file": "keys.txt", "-a": "coder",
-          "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5"}
+          "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5",
+          "--rope-scaling": "yarn", "--numa": "distribute"}
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w.-]*")
 
 
@@ -136,6 +138,13 @@ def test_no_llama_server_spelling_is_left_without_a_class() -> None:
     (["-md", "d.gguf", "--spec-type", "ngram-mod"], "spec_type", "ngram-mod,draft-simple"),
     (["-ngld", "all"], "spec_draft_ngl", "all"),
     (["--draft-p-min", "0.75"], "spec_draft_p_min", 0.75),
+    # RoPE scaling and NUMA, as llama-server spells them (proxy/rope.py)
+    (["--rope-scaling", "yarn", "--rope-scale", "4"], "rope_scale", 4.0),
+    (["--rope-scaling", "YaRN"], "rope_scaling", "yarn"),
+    (["--yarn-orig-ctx", "32768"], "yarn_orig_ctx", 32768),
+    (["--rope-freq-base=1e6"], "rope_freq_base", 1e6),
+    (["--yarn-beta-fast", "32"], "yarn_beta_fast", 32.0),
+    (["--numa", "isolate"], "numa", "isolate"),
 ])
 def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> None:
     assert getattr(serve_config(["-m", "model.gguf", *argv], environ={}), field) == value
@@ -159,6 +168,15 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
     (["-p", "hi"], "prefixgate: -p: not a llama-server option (llama.cpp's"),
     (["-mx", "1"], "prefixgate: not supported: -mx "),  # neither llama.cpp's nor ours
     (["-c"], "prefixgate: -c: expects a value"),
+    (["--rope-scaling", "ntk"], "invalid value for --rope-scaling: 'ntk' (one of none, linear, "
+                                "yarn)"),
+    (["--rope-scale", "-2"], "prefixgate: --rope-scale -2.0: give N > 0"),
+    (["--rope-scale", "4", "--rope-freq-scale", "0.5"], "prefixgate: --rope-scale N and "
+                                                         "--rope-freq-scale 1/N set one thing"),
+    (["--rope-freq-base", "-1"], "prefixgate: --rope-freq-base -1.0: give a value above 0"),
+    (["--yarn-orig-ctx", "-5"], "prefixgate: --yarn-orig-ctx -5: give the model's original"),
+    (["--numa", "mirror"], "invalid value for --numa: 'mirror' (one of distribute, isolate, "
+                           "numactl)"),
 ])
 def test_what_stops_the_start_is_one_line_naming_it(argv: list[str], line: str) -> None:
     with pytest.raises(SystemExit) as e:
@@ -182,6 +200,14 @@ def test_llama_server_variables_are_read_or_each_warned_about() -> None:
         "LLAMA_ARG_NO_UI (--no-ui) is ignored: prefixgate has no web UI (/ is a status page)"]
     assert (cfg.spec_draft_model, cfg.spec_type) == ("d.gguf", "draft-simple")
     assert serve_config(["-m", "m.gguf", "--temp", "0.9"], environ=env).temperature == 0.9
+    rope = serve_config(["-m", "m.gguf"], environ={
+        "LLAMA_ARG_ROPE_SCALING_TYPE": "yarn", "LLAMA_ARG_ROPE_SCALE": "4",
+        "LLAMA_ARG_YARN_ORIG_CTX": "32768", "LLAMA_ARG_NUMA": "numactl"})
+    assert (rope.rope_scaling, rope.rope_scale, rope.yarn_orig_ctx, rope.numa) == (
+        "yarn", 4.0, 32768, "numactl")
+    assert rope_settings(rope) == {"rope_scaling": "yarn", "rope_freq_scale": 0.25,
+                                   "yarn_orig_ctx": 32768}  # what the worker's context gets
+    assert rope_settings(Config()) == {}  # none given: the model's own, the cache keys as before
 
 
 def test_every_working_option_with_a_variable_is_read_under_it() -> None:

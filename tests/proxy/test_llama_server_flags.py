@@ -77,10 +77,10 @@ def test_an_unknown_flag_is_one_line_that_shows_no_value(argv: list[str],
 def test_each_refused_llama_flag_is_its_own_line_that_shows_no_value(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        serve_config(["--numa", "distribute", "--api-key", SECRET, "--lora", SECRET],
+        serve_config(["--override-kv", SECRET, "--api-key", SECRET, "--lora", SECRET],
                      environ={})
     lines = str(e.value).splitlines()
-    assert [line.split(":")[:2] for line in lines] == [["prefixgate", " --numa"],
+    assert [line.split(":")[:2] for line in lines] == [["prefixgate", " --override-kv"],
                                                        ["prefixgate", " --lora"]]
     assert SECRET not in str(e.value) + capsys.readouterr().err
 
@@ -186,7 +186,8 @@ def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> No
 
     line = ["-m", model_path, "-c", "8192", "-ngl", "0", "-fa", "on", "-ctk", "q8_0", "-ctv",
             "q8_0", "--jinja", "-np", "1", "-a", "coder", "--api-key", SECRET, "--metrics",
-            "-ub", "64"]
+            "-ub", "64", "--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "4096",
+            "--numa", "distribute"]
     with running(tmp_path, *line) as srv:
         oa = openai.OpenAI(base_url=srv.v1, api_key=SECRET, max_retries=0, timeout=120)
         r = oa.chat.completions.create(model="coder", messages=[{"role": "user", "content":
@@ -206,5 +207,10 @@ def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> No
         req = urllib.request.Request(srv.url + "/props", headers={"x-api-key": SECRET})
         props = json.loads(urllib.request.urlopen(req, timeout=30).read())
         assert props["model"] == "coder" and SECRET not in str(props)
+        # the RoPE settings and NUMA reach the worker's context, and are said; the self-check
+        # proves a hit exact with them
+        assert props["placement"]["0"].endswith(
+            "; RoPE rope_freq_scale 0.5, rope_scaling yarn, yarn_orig_ctx 4096; NUMA distribute")
+        assert [w["ok"] for w in props["exact"]] == [True]
         log = srv.log()
     assert SECRET not in log
