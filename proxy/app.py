@@ -302,11 +302,13 @@ def _load_prompts(cfg: Config) -> PromptBuilder:
     line)."""
     try:
         return PromptBuilder.load(cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
-                                  cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect)
+                                  cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect,
+                                  cfg.chat_template)
     except GGUFError as e:  # the model changed under us since proxy.cli checked it
         raise StartupError(f"the model {e}") from None
     except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
-        where = cfg.chat_template_file or f"{cfg.model_path} (its tokenizer.chat_template)"
+        where = "--chat-template" if cfg.chat_template else cfg.chat_template_file or \
+            f"{cfg.model_path} (its tokenizer.chat_template)"
         line = f" line {e.lineno}:" if isinstance(e, jinja2.TemplateSyntaxError) else ""
         raise StartupError(f"the chat template in {where} cannot be used:{line} {e}") from None
 

@@ -32,6 +32,8 @@ HELP = {
                "model), through the Hugging Face cache (HF_HUB_OFFLINE=1: only the cache)",
     "hf_file": "the GGUF file in the --hf-repo repository (default: picked by the quant)",
     "chat_template_file": "a Jinja chat template file used instead of the model's own",
+    "chat_template": "a Jinja chat template's source used instead of the model's own (chatml: "
+                     "ChatML)",
     "tool_dialect": "tool-call format: harmony | minimax | kimi | deepseek | glm | qwen3_coder | "
                     "mistral | hermes (default: found from the chat template)",
     "workers": "worker processes",
@@ -162,6 +164,7 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "hf_file": (("-hff",), "LLAMA_ARG_HF_FILE"),
     "alias": (("-a",), "LLAMA_ARG_ALIAS"),
     "chat_template_file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    "chat_template": ((), "LLAMA_ARG_CHAT_TEMPLATE"),
     "n_ctx": (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE"),
     "threads": (("-t",), "LLAMA_ARG_THREADS"),
     "threads_batch": (("-tb",), "LLAMA_ARG_THREADS_BATCH"),

@@ -107,7 +107,7 @@ class Front:
         cfg = self.cfg
         self.builder = await asyncio.to_thread(
             PromptBuilder.load, cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
-            cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect)
+            cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect, cfg.chat_template)
         self.defaults = Defaults.of(cfg, self.builder.model_keys)
         self.runtime = await open_runtime()
         endpoint = self.runtime.endpoint(self.path)

@@ -81,7 +81,7 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "-h": "--help", "--version": "--version",
     "-m": "model", "-hf": "hf_repo", "-hff": "hf_file", "-a": "alias",
     "--host": "host", "--port": "port", "--api-key": "api_key", "--api-key-file": "api_keys",
-    "--chat-template-file": "chat_template_file",
+    "--chat-template-file": "chat_template_file", "--chat-template": "chat_template",
     "-c": "n_ctx", "-np": "parallel", "-t": "threads", "-tb": "threads_batch",
     "-ngl": "n_gpu_layers", "-sm": "split_mode", "-ts": "tensor_split", "-ot": "override_tensor",
     "-ncmoe": "n_cpu_moe", "-cmoe": ("n_cpu_moe", "-1", ""), "-lm": "load_mode",
@@ -251,8 +251,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "saving slots to files is not supported (the disk cache keeps states)":
         ("--slot-save-path",),
     "unloading an idle model is not supported yet": ("--sleep-idle-seconds",),
-    "a built-in or inline chat template is not supported yet (a template file is)":
-        ("--chat-template",),
     "returning the model's output unparsed is not supported yet": ("--skip-chat-parsing",),
     "a thinking budget message is not supported yet": ("--reasoning-budget-message",),
     "logging to a file or as JSON is not supported (prefixgate logs to stderr)":

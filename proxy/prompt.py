@@ -50,7 +50,13 @@ from proxy.dialects.grammar import clean_schema, grammar_error
 from proxy.errors import BadRequest, ContextOverflow, TextTooLong
 from proxy.gguf import read_metadata
 from proxy.memo import IdMemo, PrefixMemo, TextMemo
-from proxy.template import CannotContinue, ChatTemplate, Rendered, render_prompt
+from proxy.template import (
+    CHATML_TEMPLATE,
+    CannotContinue,
+    ChatTemplate,
+    Rendered,
+    render_prompt,
+)
 from proxy.tokenizer import Tokenizer, load_tokenizer
 from proxy.tools import apply as tool_prompt
 
@@ -177,14 +183,17 @@ class PromptBuilder:
     @classmethod
     def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = (),
              volatile_blocks: tuple[str, ...] = (), stable_layout: bool = False,
-             template_file: str = "", tool_dialect: str = "") -> PromptBuilder:
+             template_file: str = "", tool_dialect: str = "", template: str = ""
+             ) -> PromptBuilder:
         """The model's own tokenizer and chat template, read from its GGUF (blocking);
         `template_file`: a chat template used instead of the GGUF's (users fix broken templates
-        this way). A template that does not compile raises `jinja2.TemplateSyntaxError`."""
+        this way), or `template`, its source (`chatml`: ChatML, as llama-server takes it). A
+        template that does not compile raises `jinja2.TemplateSyntaxError`."""
         meta = read_metadata(model_path)
         tok = load_tokenizer(model_path, meta)
-        source = Path(template_file).read_text(encoding="utf-8") if template_file else \
-            meta.get("tokenizer.chat_template") or ""
+        source = CHATML_TEMPLATE if template == "chatml" else template or (
+            Path(template_file).read_text(encoding="utf-8") if template_file else
+            meta.get("tokenizer.chat_template") or "")
         template = ChatTemplate(source,
                                 tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                                 tok.decode([tok.eos_id]) if tok.eos_id is not None else "")

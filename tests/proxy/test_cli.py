@@ -93,6 +93,21 @@ def test_a_chat_template_file_replaces_the_models(tmp_path) -> None:
     assert rendered.ids == tuple(builder.tok.encode(rendered.text))
 
 
+def test_a_chat_template_given_inline_replaces_the_models() -> None:
+    """llama-server's --chat-template: the template's source itself, or chatml."""
+    from proxy.chat import ChatRequest
+    from proxy.config import default_model
+    from proxy.prompt import PromptBuilder
+
+    hi = ChatRequest("openai", ({"role": "user", "content": "hi"},))
+    inline = PromptBuilder.load(default_model(), template="{% for m in messages %}[{{ m.role }}]"
+                                "{{ m.content }}{% endfor %}{% if add_generation_prompt %}[a]"
+                                "{% endif %}")
+    assert inline.render(hi)[0].text == "[user]hi[a]"
+    chatml = PromptBuilder.load(default_model(), template="chatml")
+    assert chatml.render(hi)[0].text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_a_chat_template_that_cannot_be_used_is_said_in_one_line(tmp_path) -> None:
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m.content }")
@@ -102,3 +117,8 @@ def test_a_chat_template_that_cannot_be_used_is_said_in_one_line(tmp_path) -> No
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and "cannot be used" in r.stderr and said in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--port", "0",
+                        "--chat-template", bad.read_text()],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "the chat template in --chat-template cannot be used: line 1: unexpected '}'" in \
+        r.stderr and r.returncode != 0 and "Traceback" not in r.stderr, r.stderr

@@ -74,7 +74,7 @@ VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "a
           "-ot": "exps=CPU", "--host": "127.0.0.1", "--api-key": SECRET,
           "--chat-template-file": "t.jinja", "--api-key-file": "keys.txt", "-a": "coder",
           "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5",
-          "--rope-scaling": "yarn", "--numa": "distribute"}
+          "--rope-scaling": "yarn", "--numa": "distribute", "--chat-template": "chatml"}
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w.-]*")
 
 
@@ -145,6 +145,10 @@ def test_no_llama_server_spelling_is_left_without_a_class() -> None:
     (["--rope-freq-base=1e6"], "rope_freq_base", 1e6),
     (["--yarn-beta-fast", "32"], "yarn_beta_fast", 32.0),
     (["--numa", "isolate"], "numa", "isolate"),
+    # a chat template's source on the command line (proxy/prompt.py), chatml by name
+    (["--chat-template", "chatml"], "chat_template", "chatml"),
+    (["--chat-template", "{{ messages[0].content }}"], "chat_template",
+     "{{ messages[0].content }}"),
 ])
 def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> None:
     assert getattr(serve_config(["-m", "model.gguf", *argv], environ={}), field) == value
@@ -177,6 +181,10 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
     (["--yarn-orig-ctx", "-5"], "prefixgate: --yarn-orig-ctx -5: give the model's original"),
     (["--numa", "mirror"], "invalid value for --numa: 'mirror' (one of distribute, isolate, "
                            "numactl)"),
+    (["--chat-template", "llama3"], "prefixgate: --chat-template llama3: a built-in template by "
+                                    "name is not supported (chatml is)"),
+    (["--chat-template", "chatml", "--chat-template-file", "t.jinja"],
+     "prefixgate: --chat-template and --chat-template-file both give the chat template"),
 ])
 def test_what_stops_the_start_is_one_line_naming_it(argv: list[str], line: str) -> None:
     with pytest.raises(SystemExit) as e:
