@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -476,19 +475,20 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if cfg.reasoning_budget not in (-1, 0):
         raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
                          "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")
-    if cfg.chat_template and cfg.chat_template_file:
-        raise SystemExit("prefixgate: --chat-template and --chat-template-file both give the chat "
-                         "template: give one")
-    if re.fullmatch(r"[\w.-]+", cfg.chat_template) and cfg.chat_template != "chatml":
-        raise SystemExit(f"prefixgate: --chat-template {cfg.chat_template}: a built-in template "
-                         "by name is not supported (chatml is): give its Jinja source or file")
+    if cfg.chat_template:
+        from proxy.prompt import check_template_options
+
+        check_template_options(cfg.chat_template, cfg.chat_template_file)
     if cfg.kv_block_size < 1:
         raise SystemExit(f"prefixgate: --kv-block-size {cfg.kv_block_size}: give the tokens of "
                          "one block (16, or the router's --router-block-size)")
-    if cfg.kv_events:
-        from proxy.kv_events import check_config
-
-        check_config(cfg)
+    if cfg.kv_events and cfg.tenant_isolation:
+        raise SystemExit("prefixgate: --kv-events with --tenant-isolation: a KV router matches "
+                         "token ids alone, so it would place one tenant's prompt by another's "
+                         "states and tell where a tenant's prefix is held; run one of them")
+    if cfg.kv_events and not cfg.kv_events.lstrip(">@").startswith(("tcp://", "ipc://")):
+        raise SystemExit(f"prefixgate: --kv-events {cfg.kv_events}: give the ZMQ address to bind, "
+                         "tcp://HOST:PORT (or ipc://PATH), or >tcp://HOST:PORT to connect to")
     if not 1 <= cfg.parallel <= MAX_PARALLEL:
         raise SystemExit(f"prefixgate: --parallel {cfg.parallel}: give 1 to {MAX_PARALLEL} "
                          "slots per worker")

@@ -339,18 +339,6 @@ class KvEvents:
 # --- the host's wiring (proxy/app.py) -----------------------------------------------------------
 
 
-def check_config(cfg: Config) -> None:
-    """What stops the start in one line: events beside tenant isolation, an address ZMQ
-    cannot take."""
-    if cfg.tenant_isolation:
-        raise SystemExit("prefixgate: --kv-events with --tenant-isolation: a KV router matches "
-                         "token ids alone, so it would place one tenant's prompt by another's "
-                         "states and tell where a tenant's prefix is held; run one of them")
-    if not cfg.kv_events.lstrip(">@").startswith(("tcp://", "ipc://")):
-        raise SystemExit(f"prefixgate: --kv-events {cfg.kv_events}: give the ZMQ address to bind, "
-                         "tcp://HOST:PORT (or ipc://PATH), or >tcp://HOST:PORT to connect to")
-
-
 def open_kv_events(cfg: Config, pool: Pool) -> KvEvents | None:
     """The host's publisher where --kv-events asks for one, fed by every worker's tier events."""
     if not cfg.kv_events:

@@ -82,6 +82,18 @@ class Prepared:
 _NONE = object()
 
 
+def check_template_options(template: str, template_file: str) -> None:
+    """llama-server's --chat-template beside --chat-template-file, or naming one of llama.cpp's
+    built-in templates other than chatml (with Jinja, llama-server would render the name as the
+    template's text): one line that stops the start."""
+    if template and template_file:
+        raise SystemExit("prefixgate: --chat-template and --chat-template-file both give the chat "
+                         "template: give one")
+    if re.fullmatch(r"[\w.-]+", template) and template != "chatml":
+        raise SystemExit(f"prefixgate: --chat-template {template}: a built-in template by name "
+                         "is not supported (chatml is): give its Jinja source or file")
+
+
 class Normalizer:
     """Strips volatile bytes (per-request ids, billing lines) from system and user text."""
 
