@@ -260,7 +260,8 @@ chaos: $(STAMP)
 E2E            := build/e2e
 CLAUDE_CODE_VERSION ?= 2.1.197
 HERMES_VERSION ?= 0.19.0
-.PHONY: e2e e2e-claude e2e-hermes
+CODEX_VERSION ?= 0.171.0
+.PHONY: e2e e2e-claude e2e-hermes e2e-codex
 
 $(E2E)/claude/node_modules/.bin/claude:
 	npm install --prefix $(E2E)/claude --no-audit --no-fund \
@@ -276,4 +277,10 @@ e2e-claude: $(STAMP) $(E2E)/claude/node_modules/.bin/claude
 e2e-hermes: $(STAMP) $(E2E)/hermes/bin/hermes
 	$(BIN)/python -m pytest -q -s -m e2e tests/e2e -k hermes
 
-e2e: e2e-claude e2e-hermes
+$(E2E)/codex/node_modules/.bin/codex:
+	npm install --prefix $(E2E)/codex --no-audit --no-fund @openai/codex@$(CODEX_VERSION)
+
+e2e-codex: $(STAMP) $(E2E)/codex/node_modules/.bin/codex
+	$(BIN)/python -m pytest -q -s -m e2e tests/e2e -k codex
+
+e2e: e2e-claude e2e-hermes e2e-codex

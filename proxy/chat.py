@@ -44,6 +44,9 @@ class ChatRequest:
     json_schema: Any = None
     # the kind of each media block replaced by a text placeholder, in order (MEDIA_KINDS)
     media: tuple[str, ...] = ()
+    # Responses API: a tool given inside a `namespace` tool -> (that namespace, its name
+    # there); the model sees it among the others, its calls name the namespace
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 MEDIA_KINDS = ("image", "audio", "file", "document")

@@ -9,9 +9,12 @@ Parsing into the internal, OpenAI-shaped messages:
   the assistant turn it follows; its `arguments` a JSON string), `function_call_output` (a
   `role: "tool"` message named after its call), and `reasoning` (its `content` text, else its
   `summary` text, is the next assistant turn's reasoning). Other item types are a 400.
-- `tools`: function tools `{type: function, name, description, parameters}`; other types
-  (web_search, local_shell, ...) are ignored with a log line: prefixgate cannot run them.
-  `tool_choice`: auto | none | required | {type: function, name}.
+- `tools`: function tools `{type: function, name, description, parameters}`, and `namespace`
+  tools, groups of function tools (Codex sends its sub-agent tools as one): the model sees each
+  function among the others, under its own name (`NAMESPACE__NAME` where another tool has that
+  name), and its call is a `function_call` with the `namespace` (as in the history Codex sends
+  back). Other types (web_search, local_shell, custom, ...) are ignored with a log line:
+  prefixgate cannot run them. `tool_choice`: auto | none | required | {type: function, name}.
 - `max_output_tokens`, `temperature`, `top_p` (and llama-server's other sampling fields),
   `stream`, `reasoning.effort` (the template's `reasoning_effort`), `chat_template_kwargs`,
   `prefix_cache`, `text.format` (json_object / json_schema: a grammar). `store`, `include`,
@@ -85,6 +88,8 @@ class _Input:
         self.media: list[str] = []
         self.reasoning = ""  # a reasoning item's text, for the next assistant turn
         self.names: dict[str, str] = {}  # call_id -> function name
+        # (namespace, name) -> the name the model sees (a `namespace` tool's functions)
+        self.flat: dict[tuple[str, str], str] = {}
 
     def add(self, item: Any, i: int) -> None:
         where = f"input[{i}]"
@@ -128,6 +133,9 @@ class _Input:
             parsed: Any = limits.parse(args, where=f"{where}.arguments")
         except json.JSONDecodeError:
             parsed = args
+        space = item.get("namespace")
+        if isinstance(space, str) and space:
+            name = self.flat.get((space, name), name)
         self.names[call_id] = name
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
         last = self.out[-1] if self.out else None
@@ -167,30 +175,59 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     return ""
 
 
-def parse_tools(raw: Any) -> tuple[dict[str, Any], ...]:
+def parse_tools(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, str]]]:
+    """(the function tools the model sees, the namespace each one of a `namespace` tool came
+    in: the name the model sees -> (namespace, its name there))."""
     if raw is None:
-        return ()
+        return (), {}
     if not isinstance(raw, list):
         raise BadRequest("'tools' must be a list of {type: function, name, parameters}",
                          param="tools")
-    tools = []
+    tools: list[dict[str, Any]] = []
+    spaces: dict[str, tuple[str, str]] = {}
+    grouped: list[tuple[str, str, dict[str, Any]]] = []  # (namespace, where, tool)
     for k, t in enumerate(raw):
         if not isinstance(t, dict):
             raise BadRequest(f"tools[{k}] must be an object", param=f"tools[{k}]")
-        if t.get("type") != "function":
-            log.info("responses: ignoring tool of type %r: prefixgate cannot run it",
-                     t.get("type"))
+        if t.get("type") == "namespace":
+            name, inner = t.get("name"), t.get("tools")
+            if not isinstance(name, str) or not name or not isinstance(inner, list):
+                raise BadRequest(f"tools[{k}]: a namespace tool needs a 'name' and its 'tools'",
+                                 param=f"tools[{k}]")
+            grouped += [(name, f"tools[{k}].tools[{j}]", u) for j, u in enumerate(inner)]
+        elif (fn := _function(t, f"tools[{k}]")) is not None:
+            tools.append({"type": "function", "function": fn})
+    taken = {t["function"]["name"] for t in tools}
+    for space, where, t in grouped:
+        fn = _function(t, where)
+        if fn is None:
             continue
-        if not isinstance(t.get("name"), str):
-            raise BadRequest(f"tools[{k}] needs a 'name'", param=f"tools[{k}]")
-        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
-            raise BadRequest(f"tool {t['name']!r}: 'parameters' must be a JSON schema object",
-                             param=f"tools[{k}].parameters")
-        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
-        if isinstance(t.get("description"), str):
-            fn["description"] = t["description"]
+        name = fn["name"]
+        if name in taken:  # the model tells them apart by name alone
+            fn["name"] = f"{space}__{name}"
+        taken.add(fn["name"])
+        spaces[fn["name"]] = (space, name)
         tools.append({"type": "function", "function": fn})
-    return tuple(tools)
+    return tuple(tools), spaces
+
+
+def _function(t: Any, where: str) -> dict[str, Any] | None:
+    """A function tool as chat completions' `function`; None (and a log line) for a tool of
+    another type."""
+    if not isinstance(t, dict):
+        raise BadRequest(f"{where} must be an object", param=where)
+    if t.get("type") != "function":
+        log.info("responses: ignoring tool of type %r: prefixgate cannot run it", t.get("type"))
+        return None
+    if not isinstance(t.get("name"), str):
+        raise BadRequest(f"{where} needs a 'name'", param=where)
+    if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
+        raise BadRequest(f"tool {t['name']!r}: 'parameters' must be a JSON schema object",
+                         param=f"{where}.parameters")
+    fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
+    if isinstance(t.get("description"), str):
+        fn["description"] = t["description"]
+    return fn
 
 
 def parse_choice(raw: Any, tools: tuple[dict[str, Any], ...]) -> Any:
@@ -233,10 +270,11 @@ def parse_request(body: Any, tenant: str) -> ChatRequest:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'input' is required: a string or a non-empty list of items",
                          param="input")
+    tools, spaces = parse_tools(body.get("tools"))
     b = _Input(instructions or "")
+    b.flat = {where: name for name, where in spaces.items()}
     for i, item in enumerate(raw):
         b.add(item, i)
-    tools = parse_tools(body.get("tools"))
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     scope, window = parse_prefix_cache(body)
@@ -248,7 +286,7 @@ def parse_request(body: Any, tenant: str) -> ChatRequest:
         template_kwargs=parse_template_kwargs({
             "chat_template_kwargs": body.get("chat_template_kwargs"),
             "reasoning_effort": effort}),
-        json_schema=parse_format(body.get("text")))
+        json_schema=parse_format(body.get("text")), namespaces=spaces)
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -263,7 +301,8 @@ class _Items:
     message, a function call) and is done before the next opens. `event` returns the stream
     events it makes, as (type, fields); `output` is every item so far, as it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, spaces: dict[str, tuple[str, str]]) -> None:
+        self.spaces = spaces  # ChatRequest.namespaces
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.text: list[str] = []  # the open item's text (or arguments) so far
@@ -299,6 +338,8 @@ class _Items:
         if kind == "function_call":
             self.open = {"id": _id("fc_"), "type": kind, "status": "in_progress",
                          "call_id": call_id, "name": name, "arguments": ""}
+            if name in self.spaces:  # a function of a namespace tool: named as it was given
+                self.open["namespace"], self.open["name"] = self.spaces[name]
             return [("response.output_item.added", {"output_index": len(self.output),
                                                     "item": dict(self.open)})]
         self.open = {"id": _id("msg_"), "type": kind, "status": "in_progress",
@@ -347,7 +388,7 @@ class Responder:
         self.req, self.run, self.model, self.decode = req, run, model_id, decode
         self.id = _id("resp_")
         self.created = int(time.time())
-        self.items = _Items()
+        self.items = _Items(req.namespaces)
         self.seq = 0
 
     def _events(self) -> AsyncIterator[Event]:

@@ -1,6 +1,7 @@
-"""Real agent clients end to end: Claude Code (`claude -p`) and Hermes (`hermes -z`) against a
-real prefixgate on the default model. `make e2e-claude` and `make e2e-hermes` install the
-client into build/e2e/ and run these (marker `e2e`, outside the default run).
+"""Real agent clients end to end: Claude Code (`claude -p`), Hermes (`hermes -z`) and Codex
+(`codex exec`) against a real prefixgate on the default model. `make e2e-claude`, `make
+e2e-hermes` and `make e2e-codex` install the client into build/e2e/ and run these (marker
+`e2e`, outside the default run).
 
 Each test starts prefixgate (one worker, n_ctx 65536, a fresh cache) and runs the same one-shot
 task in three new sessions: a cold one; a second against the same prefixgate (its reuse comes
@@ -41,6 +42,8 @@ E2E = ROOT / "build" / "e2e"
 CLAUDE = Path(os.environ.get("PREFIXGATE_E2E_CLAUDE",
                              E2E / "claude" / "node_modules" / ".bin" / "claude"))
 HERMES = Path(os.environ.get("PREFIXGATE_E2E_HERMES", E2E / "hermes" / "bin" / "hermes"))
+CODEX = Path(os.environ.get("PREFIXGATE_E2E_CODEX", E2E / "codex" / "node_modules" / ".bin" /
+                            "codex"))
 TASK = "Reply with one short sentence: what is a reverse proxy?"
 RUN_TIMEOUT_S = 3600
 # The 135M default model was trained on 8K contexts; past that it writes word salad and rarely
@@ -52,8 +55,9 @@ MAX_OUTPUT_TOKENS = 128
 STOP = "."
 BIG_PROMPT = 4000  # the agent's main requests; side requests (titles, probes) are smaller
 
-LINE = re.compile(r" (?P<api>anthropic|openai) prompt=(?P<prompt>\d+) cached=(?P<cached>\d+) "
-                  r"source=(?P<source>\w+) .*?ttft_s=(?P<ttft>[\d.]+) gen=(?P<gen>\d+)")
+LINE = re.compile(r" (?P<api>anthropic|openai|responses) prompt=(?P<prompt>\d+) "
+                  r"cached=(?P<cached>\d+) source=(?P<source>\w+) .*?ttft_s=(?P<ttft>[\d.]+) "
+                  r"gen=(?P<gen>\d+)")
 PROTOCOL_ERRORS = ("rejected", "Traceback", "stream failed", "Error handling request")
 
 
@@ -83,7 +87,8 @@ class Session:
         return big[0]
 
 
-GATE_ARGS = ("--workers", "1", "--n-ctx", str(N_CTX))
+# -n: the most a request that sets no maximum gets (Codex sets none for a custom provider)
+GATE_ARGS = ("--workers", "1", "--n-ctx", str(N_CTX), "-n", str(MAX_OUTPUT_TOKENS))
 
 
 @dataclass
@@ -275,3 +280,57 @@ def test_hermes(gate: Gate, tmp_path: Path) -> None:
     reused = [u["cache_read_tokens"] / (u["cache_read_tokens"] + u["input_tokens"]
                                         + u["cache_write_tokens"]) for _, u in runs[1:]]
     check_sessions("hermes", *(s for s, _ in runs), client_reused=reused)
+
+
+# --- Codex ---------------------------------------------------------------------------------
+
+CODEX_CONFIG = """\
+model = "{model}"
+model_provider = "prefixgate"
+model_context_window = {n_ctx}
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.prefixgate]
+name = "prefixgate"
+base_url = "{url}/v1"
+env_key = "PREFIXGATE_API_KEY"
+wire_api = "responses"
+stream_idle_timeout_ms = {idle_ms}
+"""
+
+
+def codex_session(gate: Gate, home: Path, work: Path) -> tuple[Session, dict[str, Any]]:
+    """One `codex exec --json` session (the README's config.toml); its thread id and the usage
+    Codex itself reports."""
+    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(
+        model=MODEL, n_ctx=N_CTX, url=gate.srv.url, idle_ms=RUN_TIMEOUT_S * 1000))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+           "CODEX_HOME": str(home / ".codex"), "PREFIXGATE_API_KEY": "local", "NO_COLOR": "1"}
+    s = session(gate.srv, [str(CODEX), "exec", "--json", "--skip-git-repo-check", TASK], env,
+                work)
+    events = [json.loads(line) for line in s.stdout.splitlines() if line.startswith("{")]
+    kinds = [e["type"] for e in events]
+    assert "turn.failed" not in kinds and "turn.completed" in kinds, s.stdout[-3000:]
+    assert any(e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
+               and e["item"]["text"] for e in events), s.stdout[-3000:]
+    assert all(r.api == "responses" for r in s.requests)
+    usage = [e["usage"] for e in events if e["type"] == "turn.completed"][-1]
+    return s, {"thread_id": events[0]["thread_id"], "usage": usage}
+
+
+def test_codex(gate: Gate, tmp_path: Path) -> None:
+    if not CODEX.exists():
+        pytest.skip(f"Codex is not installed at {CODEX}: run `make e2e-codex`")
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    runs = [codex_session(gate, home, work) for _ in range(2)]
+    gate.restart()
+    runs.append(codex_session(gate, home, work))
+    assert len({out["thread_id"] for _, out in runs}) == 3
+    reused = [out["usage"]["cached_input_tokens"] / out["usage"]["input_tokens"]
+              for _, out in runs[1:]]
+    check_sessions("codex", *(s for s, _ in runs), client_reused=reused)

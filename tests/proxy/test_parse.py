@@ -395,6 +395,36 @@ RESPONSES: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str,
              {"id": "a", "type": "function", "function": {"name": "shell", "arguments": {}}},
              {"id": "b", "type": "function", "function": {"name": "shell", "arguments": {}}}]}),
         {"tool_choice": {"name": "shell"}}),
+    # Codex's sub-agent tools come as one `namespace` tool: its functions are the model's
+    # tools beside the others (a name another tool has gets the namespace's prefix), and a call
+    # in the history names its namespace
+    "namespace": (
+        {"input": [{"role": "user", "content": "go"},
+                   {"type": "function_call", "call_id": "a", "name": "spawn_agent",
+                    "namespace": "multi_agent_v1", "arguments": "{}"},
+                   {"type": "function_call", "call_id": "b", "name": "shell",
+                    "namespace": "multi_agent_v1", "arguments": "{}"}],
+         "tools": [FN, {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.",
+                        "tools": [{"type": "function", "name": "spawn_agent",
+                                   "parameters": {"type": "object"}},
+                                  {**FN, "description": "Its own shell."},
+                                  {"type": "custom", "name": "apply_patch"}]}]},
+        ({"role": "user", "content": "go"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "a", "type": "function",
+              "function": {"name": "spawn_agent", "arguments": {}}},
+             {"id": "b", "type": "function",
+              "function": {"name": "multi_agent_v1__shell", "arguments": {}}}]}),
+        {"tools": (
+            {"type": "function", "function": {"name": "shell", "parameters": FN["parameters"],
+                                              "description": "Run."}},
+            {"type": "function", "function": {"name": "spawn_agent",
+                                              "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "multi_agent_v1__shell",
+                                              "parameters": FN["parameters"],
+                                              "description": "Its own shell."}}),
+         "namespaces": {"spawn_agent": ("multi_agent_v1", "spawn_agent"),
+                        "multi_agent_v1__shell": ("multi_agent_v1", "shell")}}),
     # an image part is a placeholder; text.format json_object is a grammar
     "image and json": (
         {"input": [{"role": "user", "content": [
@@ -426,6 +456,11 @@ RESPONSES_BAD: dict[str, tuple[Any, str | None]] = {
                         "tool_choice"),
     "forced call, no tools": ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
     "max_output_tokens zero": ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    "namespace without tools": ({"input": "Hi", "tools": [{"type": "namespace", "name": "n"}]},
+                                "tools[0]"),
+    "namespace's bad tool": ({"input": "Hi", "tools": [{"type": "namespace", "name": "n",
+                                                        "tools": [{"type": "function"}]}]},
+                             "tools[0].tools[0]"),
 }
 
 

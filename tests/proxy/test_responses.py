@@ -102,6 +102,27 @@ def test_a_forced_function_call_and_its_output(server: Server) -> None:
     assert turn.status in ("completed", "incomplete") and turn.output
 
 
+def test_a_call_of_a_namespace_tool_names_its_namespace(server: Server) -> None:
+    """Codex sends its sub-agent tools inside one `namespace` tool: the model can call them,
+    and the call comes back as Codex reads it, named within its namespace."""
+    c = client(server)
+    agents = {"type": "namespace", "name": "multi_agent_v1",
+              "description": "Tools for spawning and managing sub-agents.",
+              "tools": [{**WEATHER, "name": "spawn_agent",
+                         "description": "Start a sub-agent on a task."}]}
+    body = {"model": "m", "input": "Spawn an agent for Paris.", "max_output_tokens": 40,
+            "temperature": 0, "tools": [WEATHER, agents],
+            "tool_choice": {"type": "function", "name": "spawn_agent"}}
+    r = c.post("/responses", body=body, cast_to=object)
+    calls = [item for item in r["output"] if item["type"] == "function_call"]  # type: ignore[index]
+    assert [(i["namespace"], i["name"]) for i in calls] == [("multi_agent_v1", "spawn_agent")]
+    events = [json.loads(line[6:]) for line in c.post(
+        "/responses", body={**body, "stream": True}, cast_to=str).splitlines()
+        if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["namespace"], i["name"]) for i in done] == [("multi_agent_v1", "spawn_agent")]
+
+
 def test_errors_in_openai_shape(server: Server) -> None:
     c = client(server)
     with pytest.raises(openai.BadRequestError) as e:
