@@ -261,7 +261,8 @@ E2E            := build/e2e
 CLAUDE_CODE_VERSION ?= 2.1.197
 HERMES_VERSION ?= 0.19.0
 CODEX_VERSION ?= 0.171.0
-.PHONY: e2e e2e-claude e2e-hermes e2e-codex
+OPENCODE_VERSION ?= 1.18.33
+.PHONY: e2e e2e-claude e2e-hermes e2e-codex e2e-opencode
 
 $(E2E)/claude/node_modules/.bin/claude:
 	npm install --prefix $(E2E)/claude --no-audit --no-fund \
@@ -283,4 +284,10 @@ $(E2E)/codex/node_modules/.bin/codex:
 e2e-codex: $(STAMP) $(E2E)/codex/node_modules/.bin/codex
 	$(BIN)/python -m pytest -q -s -m e2e tests/e2e -k codex
 
-e2e: e2e-claude e2e-hermes e2e-codex
+$(E2E)/opencode/node_modules/.bin/opencode:
+	npm install --prefix $(E2E)/opencode --no-audit --no-fund opencode-ai@$(OPENCODE_VERSION)
+
+e2e-opencode: $(STAMP) $(E2E)/opencode/node_modules/.bin/opencode
+	$(BIN)/python -m pytest -q -s -m e2e tests/e2e -k opencode
+
+e2e: e2e-claude e2e-hermes e2e-codex e2e-opencode

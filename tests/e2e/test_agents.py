@@ -1,7 +1,7 @@
-"""Real agent clients end to end: Claude Code (`claude -p`), Hermes (`hermes -z`) and Codex
-(`codex exec`) against a real prefixgate on the default model. `make e2e-claude`, `make
-e2e-hermes` and `make e2e-codex` install the client into build/e2e/ and run these (marker
-`e2e`, outside the default run).
+"""Real agent clients end to end: Claude Code (`claude -p`), Hermes (`hermes -z`), Codex
+(`codex exec`) and OpenCode (`opencode run`) against a real prefixgate on the default model.
+`make e2e-claude`, `make e2e-hermes`, `make e2e-codex` and `make e2e-opencode` install the
+client into build/e2e/ and run these (marker `e2e`, outside the default run).
 
 Each test starts prefixgate (one worker, n_ctx 65536, a fresh cache) and runs the same one-shot
 task in three new sessions: a cold one; a second against the same prefixgate (its reuse comes
@@ -44,6 +44,8 @@ CLAUDE = Path(os.environ.get("PREFIXGATE_E2E_CLAUDE",
 HERMES = Path(os.environ.get("PREFIXGATE_E2E_HERMES", E2E / "hermes" / "bin" / "hermes"))
 CODEX = Path(os.environ.get("PREFIXGATE_E2E_CODEX", E2E / "codex" / "node_modules" / ".bin" /
                             "codex"))
+OPENCODE = Path(os.environ.get("PREFIXGATE_E2E_OPENCODE", E2E / "opencode" / "node_modules" /
+                               ".bin" / "opencode"))
 TASK = "Reply with one short sentence: what is a reverse proxy?"
 RUN_TIMEOUT_S = 3600
 # The 135M default model was trained on 8K contexts; past that it writes word salad and rarely
@@ -334,3 +336,46 @@ def test_codex(gate: Gate, tmp_path: Path) -> None:
     reused = [out["usage"]["cached_input_tokens"] / out["usage"]["input_tokens"]
               for _, out in runs[1:]]
     check_sessions("codex", *(s for s, _ in runs), client_reused=reused)
+
+
+# --- OpenCode ------------------------------------------------------------------------------
+
+OPENCODE_CONFIG = {  # the README's opencode.json
+    "$schema": "https://opencode.ai/config.json",
+    "provider": {"prefixgate": {
+        "npm": "@ai-sdk/openai-compatible", "name": "prefixgate",
+        "options": {"baseURL": "{url}/v1", "apiKey": "local"},
+        "models": {MODEL: {"limit": {"context": N_CTX, "output": MAX_OUTPUT_TOKENS}}}}},
+    "model": f"prefixgate/{MODEL}", "autoupdate": False, "share": "disabled",
+}
+
+
+def opencode_session(gate: Gate, home: Path, work: Path) -> tuple[Session, dict[str, Any]]:
+    """One `opencode run --format json` session (it asks for a title first, then the agent
+    turn); its session id and the tokens OpenCode itself reports for the agent's step."""
+    (work / "opencode.json").write_text(
+        json.dumps(OPENCODE_CONFIG).replace("{url}", gate.srv.url))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+           "OPENCODE_DISABLE_AUTOUPDATE": "1", "NO_COLOR": "1"}
+    s = session(gate.srv, [str(OPENCODE), "run", "--format", "json", TASK], env, work)
+    events = [json.loads(line) for line in s.stdout.splitlines() if line.startswith("{")]
+    assert any(e["type"] == "text" and e["part"]["text"] for e in events), s.stdout[-3000:]
+    assert not [e for e in events if e["type"] == "error"], s.stdout[-3000:]
+    assert all(r.api == "openai" for r in s.requests)
+    steps = [e["part"]["tokens"] for e in events if e["type"] == "step_finish"]
+    return s, {"session_id": events[0]["sessionID"], "tokens": steps[-1]}
+
+
+def test_opencode(gate: Gate, tmp_path: Path) -> None:
+    if not OPENCODE.exists():
+        pytest.skip(f"OpenCode is not installed at {OPENCODE}: run `make e2e-opencode`")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    runs = [opencode_session(gate, home, work) for _ in range(2)]
+    gate.restart()
+    runs.append(opencode_session(gate, home, work))
+    assert len({out["session_id"] for _, out in runs}) == 3
+    reused = [t["cache"]["read"] / (t["input"] + t["cache"]["read"] + t["cache"]["write"])
+              for t in (out["tokens"] for _, out in runs[1:])]
+    check_sessions("opencode", *(s for s, _ in runs), client_reused=reused)
