@@ -240,6 +240,13 @@ def doctor(argv: list[str]) -> None:
         raise SystemExit(1)
 
 
+# `-np -1`: llama-server's auto is 4 slots in one KV pool that any of them may fill
+AUTO_SLOTS = ("-np -1: 1 slot with the whole context; llama-server's auto runs 4 slots that "
+              "share one KV pool, where a session's cells would change another's bits. Here each "
+              "slot has a KV of its own, -c divided by -np: give -np N (and a -c for N sessions) "
+              "to serve an agent, its subagents and its background calls at once")
+
+
 def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Config:
     """`prefixgate [serve] FLAGS`: prefixgate's flags and llama-server's, read as llama-server
     reads them (proxy/llama_cli.py: its spellings exactly, never abbreviated nor glued, its
@@ -266,8 +273,12 @@ def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Conf
                                                                 "LLAMA_ARG_MLOCK"}
     environ, env_notes = scan_env(dict(os.environ) if environ is None else environ, reads)
     ns = p.parse_args(read.argv)
-    cfg = from_args(ns, environ)
     notes = read.notes + env_notes
+    if str(ns.parallel if ns.parallel is not None else environ.get(
+            "PREFIXGATE_PARALLEL") or environ.get("LLAMA_ARG_N_PARALLEL") or "").strip() == "-1":
+        ns.parallel = "1"  # llama-server's auto: what it means here, said
+        notes.append(AUTO_SLOTS)
+    cfg = from_args(ns, environ)
     if cfg.n_gpu_layers and not cfg.worker_url:  # remote workers have GPUs of their own
         from backend.placement import offload_devices
 

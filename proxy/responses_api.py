@@ -13,8 +13,9 @@ Parsing into the internal, OpenAI-shaped messages:
   tools, groups of function tools (Codex sends its sub-agent tools as one): the model sees each
   function among the others, under its own name (`NAMESPACE__NAME` where another tool has that
   name), and its call is a `function_call` with the `namespace` (as in the history Codex sends
-  back). Other types (web_search, local_shell, custom, ...) are ignored with a log line:
-  prefixgate cannot run them. `tool_choice`: auto | none | required | {type: function, name}.
+  back). Other types (web_search, local_shell, custom, ...) are ignored with a log line (once
+  per type): prefixgate cannot run them. `tool_choice`: auto | none | required |
+  {type: function, name}.
 - `max_output_tokens`, `temperature`, `top_p` (and llama-server's other sampling fields),
   `stream`, `reasoning.effort` (the template's `reasoning_effort`), `chat_template_kwargs`,
   `prefix_cache`, `text.format` (json_object / json_schema: a grammar). `store`, `include`,
@@ -74,6 +75,7 @@ log = logging.getLogger("prefixgate")
 # input part type -> the key holding its text
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 ROLES = ("user", "assistant", "system", "developer")
+_IGNORED: set[str] = set()  # the tool types a log line has said are ignored
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -216,8 +218,11 @@ def _function(t: Any, where: str) -> dict[str, Any] | None:
     another type."""
     if not isinstance(t, dict):
         raise BadRequest(f"{where} must be an object", param=where)
-    if t.get("type") != "function":
-        log.info("responses: ignoring tool of type %r: prefixgate cannot run it", t.get("type"))
+    if t.get("type") != "function":  # said once per type: Codex sends its web_search each turn
+        kind = str(t.get("type"))[:64]
+        (log.debug if kind in _IGNORED or len(_IGNORED) > 64 else log.info)(
+            "responses: ignoring tools of type %r: prefixgate cannot run them", kind)
+        _IGNORED.add(kind)
         return None
     if not isinstance(t.get("name"), str):
         raise BadRequest(f"{where} needs a 'name'", param=where)

@@ -96,6 +96,12 @@ def test_slots_share_the_context_as_in_llama_server(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as e:
         serve_config(["-np", "0"], environ={})
     assert "--parallel 0" in str(e.value)
+    # llama-server's auto (-1): one slot with the whole context here, and it says why
+    for auto in (serve_config(["-np", "-1"], environ={}),
+                 serve_config([], environ={"LLAMA_ARG_N_PARALLEL": "-1"})):
+        assert (auto.parallel, auto.slot_ctx) == (1, auto.n_ctx)
+        assert [n for n in auto.llama_notes if n.startswith("-np -1: 1 slot")]
+    assert not serve_config(["-np", "2"], environ={"LLAMA_ARG_N_PARALLEL": "-1"}).llama_notes
 
 
 def test_what_is_not_supported_yet_says_so(capsys: pytest.CaptureFixture[str]) -> None:

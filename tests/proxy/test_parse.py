@@ -4,6 +4,7 @@ real-model tests in test_openai.py and test_anthropic.py check the same edges en
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -434,6 +435,20 @@ RESPONSES: dict[str, tuple[dict[str, Any], tuple[dict[str, Any], ...], dict[str,
         ({"role": "user", "content": f"What is it?\n{IMAGE}"},),
         {"media": ("image",), "json_schema": {"type": "object"}}),
 }
+
+
+def test_an_ignored_tool_type_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Codex sends web_search with every request: one line says it is ignored, not one each."""
+    body = {"input": "Hi", "tools": [FN, {"type": "web_search"}, {"type": "local_shell"}]}
+    responses_api._IGNORED.clear()  # as a new process starts
+    with caplog.at_level(logging.INFO, logger="prefixgate"):
+        for _ in range(3):
+            assert [t["function"]["name"] for t in responses_api.parse_request(body, "").tools] \
+                == ["shell"]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said.count("responses: ignoring tools of type 'web_search': prefixgate cannot run "
+                      "them") == 1
+    assert sum("ignoring tools of type 'local_shell'" in m for m in said) == 1
 
 
 @pytest.mark.parametrize("body,messages,fields", RESPONSES.values(), ids=RESPONSES.keys())
