@@ -20,12 +20,13 @@ count) and Hermes after 900 s against a local endpoint.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,15 @@ def gate(tmp_path: Path) -> Iterator[Gate]:
         g.srv.stop()
 
 
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    """The client's home and its working directory, both new."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    return home, work
+
+
 def session(gate: Server, cmd: list[str], env: dict[str, str], cwd: Path) -> Session:
     mark = len(gate.log())
     t0 = time.perf_counter()
@@ -125,6 +135,17 @@ def session(gate: Server, cmd: list[str], env: dict[str, str], cwd: Path) -> Ses
     reqs = [Request(m["api"], int(m["prompt"]), int(m["cached"]), m["source"],
                     float(m["ttft"]), int(m["gen"])) for m in LINE.finditer(log)]
     return Session(p.returncode, p.stdout, p.stderr, wall, reqs, log)
+
+
+def three_sessions(gate: Gate, one: Callable[[], tuple[Session, dict[str, Any]]], key: str
+                   ) -> list[tuple[Session, dict[str, Any]]]:
+    """`one()` three times: a cold session, a new one against the same prefixgate, and one after
+    a restart; each a new session of the client (what it reports under `key` differs)."""
+    runs = [one(), one()]
+    gate.restart()
+    runs.append(one())
+    assert len({out[key] for _, out in runs}) == 3
+    return runs
 
 
 def check_sessions(name: str, cold: Session, live: Session, disk: Session,
@@ -189,16 +210,11 @@ def anthropic_reused(usage: dict[str, int]) -> float:
     return read / (read + usage["input_tokens"] + usage["cache_creation_input_tokens"])
 
 
-def test_claude_code(gate: Gate, tmp_path: Path) -> None:
+def test_claude_code(gate: Gate, dirs: tuple[Path, Path]) -> None:
     if not CLAUDE.exists():
         pytest.skip(f"Claude Code is not installed at {CLAUDE}: run `make e2e-claude`")
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
-    runs = [claude_session(gate, home, work) for _ in range(2)]
-    gate.restart()
-    runs.append(claude_session(gate, home, work))
-    assert len({out["session_id"] for _, out in runs}) == 3
+    home, work = dirs
+    runs = three_sessions(gate, lambda: claude_session(gate, home, work), "session_id")
     check_sessions("claude", *(s for s, _ in runs),
                    client_reused=[anthropic_reused(out["usage"]) for _, out in runs[1:]])
 
@@ -269,16 +285,14 @@ def hermes_session(gate: Gate, home: Path, work: Path, usage: Path
     return s, json.loads(usage.read_text())
 
 
-def test_hermes(gate: Gate, tmp_path: Path) -> None:
+def test_hermes(gate: Gate, dirs: tuple[Path, Path], tmp_path: Path) -> None:
     if not HERMES.exists():
         pytest.skip(f"Hermes is not installed at {HERMES}: run `make e2e-hermes`")
-    home, work = tmp_path / "home", tmp_path / "work"
-    (home / ".hermes").mkdir(parents=True)
-    work.mkdir()
-    runs = [hermes_session(gate, home, work, tmp_path / f"usage-{i}.json") for i in range(2)]
-    gate.restart()
-    runs.append(hermes_session(gate, home, work, tmp_path / "usage-2.json"))
-    assert len({u["session_id"] for _, u in runs}) == 3
+    home, work = dirs
+    (home / ".hermes").mkdir()
+    n = itertools.count()
+    runs = three_sessions(gate, lambda: hermes_session(
+        gate, home, work, tmp_path / f"usage-{next(n)}.json"), "session_id")
     reused = [u["cache_read_tokens"] / (u["cache_read_tokens"] + u["input_tokens"]
                                         + u["cache_write_tokens"]) for _, u in runs[1:]]
     check_sessions("hermes", *(s for s, _ in runs), client_reused=reused)
@@ -323,16 +337,12 @@ def codex_session(gate: Gate, home: Path, work: Path) -> tuple[Session, dict[str
     return s, {"thread_id": events[0]["thread_id"], "usage": usage}
 
 
-def test_codex(gate: Gate, tmp_path: Path) -> None:
+def test_codex(gate: Gate, dirs: tuple[Path, Path]) -> None:
     if not CODEX.exists():
         pytest.skip(f"Codex is not installed at {CODEX}: run `make e2e-codex`")
-    home, work = tmp_path / "home", tmp_path / "work"
-    (home / ".codex").mkdir(parents=True)
-    work.mkdir()
-    runs = [codex_session(gate, home, work) for _ in range(2)]
-    gate.restart()
-    runs.append(codex_session(gate, home, work))
-    assert len({out["thread_id"] for _, out in runs}) == 3
+    home, work = dirs
+    (home / ".codex").mkdir()
+    runs = three_sessions(gate, lambda: codex_session(gate, home, work), "thread_id")
     reused = [out["usage"]["cached_input_tokens"] / out["usage"]["input_tokens"]
               for _, out in runs[1:]]
     check_sessions("codex", *(s for s, _ in runs), client_reused=reused)
@@ -366,16 +376,11 @@ def opencode_session(gate: Gate, home: Path, work: Path) -> tuple[Session, dict[
     return s, {"session_id": events[0]["sessionID"], "tokens": steps[-1]}
 
 
-def test_opencode(gate: Gate, tmp_path: Path) -> None:
+def test_opencode(gate: Gate, dirs: tuple[Path, Path]) -> None:
     if not OPENCODE.exists():
         pytest.skip(f"OpenCode is not installed at {OPENCODE}: run `make e2e-opencode`")
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
-    runs = [opencode_session(gate, home, work) for _ in range(2)]
-    gate.restart()
-    runs.append(opencode_session(gate, home, work))
-    assert len({out["session_id"] for _, out in runs}) == 3
+    home, work = dirs
+    runs = three_sessions(gate, lambda: opencode_session(gate, home, work), "session_id")
     reused = [t["cache"]["read"] / (t["input"] + t["cache"]["read"] + t["cache"]["write"])
               for t in (out["tokens"] for _, out in runs[1:])]
     check_sessions("opencode", *(s for s, _ in runs), client_reused=reused)
