@@ -274,8 +274,9 @@ def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Conf
     environ, env_notes = scan_env(dict(os.environ) if environ is None else environ, reads)
     ns = p.parse_args(read.argv)
     notes = read.notes + env_notes
-    if str(ns.parallel if ns.parallel is not None else environ.get(
-            "PREFIXGATE_PARALLEL") or environ.get("LLAMA_ARG_N_PARALLEL") or "").strip() == "-1":
+    # the flag, else its variables, in from_args's order
+    if str(ns.parallel or environ.get("PREFIXGATE_PARALLEL") or
+           environ.get("LLAMA_ARG_N_PARALLEL") or "").strip() == "-1":
         ns.parallel = "1"  # llama-server's auto: what it means here, said
         notes.append(AUTO_SLOTS)
     cfg = from_args(ns, environ)

@@ -375,7 +375,7 @@ WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
-                 "shared_tier_secret", "deterministic", "repack", *rope.UNSET, "numa",
+                 "shared_tier_secret", "deterministic", "repack", *rope.FIELDS, "numa",
                  *SPEC_FIELDS)
 
 

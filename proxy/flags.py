@@ -7,6 +7,7 @@ line is the one the Config resolves (tests/proxy/test_llama_options.py checks ea
 from __future__ import annotations
 
 from policies.prefix import CPU_BATCH, GPU_BATCH
+from proxy import rope
 
 DEFAULT_VOLATILE = (
     # Claude Code's per-request billing line, its own first system block: `cch=` changes on
@@ -198,10 +199,8 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "reasoning_budget": ((), "LLAMA_ARG_THINK_BUDGET"),
     "reasoning_effort": ((), "LLAMA_ARG_REASONING_EFFORT"),
     "ping_interval_s": (("--sse-ping-interval",), "LLAMA_ARG_SSE_PING_INTERVAL"),
-    "rope_scaling": ((), "LLAMA_ARG_ROPE_SCALING_TYPE"),
-    **{k: ((), "LLAMA_ARG_" + k.upper()) for k in (
-        "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor",
-        "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast", "numa")},
+    **{k: ((), "LLAMA_ARG_" + k.upper()) for k in (*rope.FIELDS, "numa")},
+    "rope_scaling": ((), "LLAMA_ARG_ROPE_SCALING_TYPE"),  # llama.cpp's one other name
     "spec_type": ((), "LLAMA_ARG_SPEC_TYPE"),
     "spec_draft_model": (("-md", "--model-draft"), "LLAMA_ARG_SPEC_DRAFT_MODEL"),
     "spec_draft_ngl": (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),

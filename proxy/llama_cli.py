@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proxy import rope
+
 TABLE = Path(__file__).with_name("llama_options.json")
 
 
@@ -98,10 +100,7 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--reasoning-preserve": ("reasoning_preserve", "on", "off"),
     "--repack": ("repack", "on", "off"),
     # RoPE scaling (proxy/rope.py) and NUMA: prefixgate's flags are llama-server's
-    **{f: f[2:].replace("-", "_") for f in (
-        "--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
-        "--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow",
-        "--yarn-beta-fast", "--numa")},
+    **{"--" + f.replace("_", "-"): f for f in (*rope.FIELDS, "numa")},
     # speculative decoding (proxy/speculation.py)
     "--spec-type": "spec_type", "--spec-draft-model": "spec_draft_model",
     "--spec-draft-ngl": "spec_draft_ngl", "--spec-draft-n-max": "spec_draft_n_max",

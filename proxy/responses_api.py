@@ -84,14 +84,14 @@ _IGNORED: set[str] = set()  # the tool types a log line has said are ignored
 class _Input:
     """Accumulates OpenAI-shaped messages from Responses input items."""
 
-    def __init__(self, instructions: str) -> None:
+    def __init__(self, instructions: str, spaces: dict[str, tuple[str, str]]) -> None:
         self.out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] \
             if instructions else []
         self.media: list[str] = []
         self.reasoning = ""  # a reasoning item's text, for the next assistant turn
         self.names: dict[str, str] = {}  # call_id -> function name
         # (namespace, name) -> the name the model sees (a `namespace` tool's functions)
-        self.flat: dict[tuple[str, str], str] = {}
+        self.flat = {where: name for name, where in spaces.items()}
 
     def add(self, item: Any, i: int) -> None:
         where = f"input[{i}]"
@@ -276,8 +276,7 @@ def parse_request(body: Any, tenant: str) -> ChatRequest:
         raise BadRequest("'input' is required: a string or a non-empty list of items",
                          param="input")
     tools, spaces = parse_tools(body.get("tools"))
-    b = _Input(instructions or "")
-    b.flat = {where: name for name, where in spaces.items()}
+    b = _Input(instructions or "", spaces)
     for i, item in enumerate(raw):
         b.add(item, i)
     reasoning = body.get("reasoning")

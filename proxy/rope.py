@@ -19,22 +19,20 @@ from __future__ import annotations
 
 from typing import Any
 
-# the Config fields, as llama-server spells them (`--rope-scaling` is field rope_scaling), and
-# the value each has when not given
-UNSET: dict[str, object] = {
-    "rope_scaling": "", "rope_scale": 0.0, "rope_freq_base": 0.0, "rope_freq_scale": 0.0,
-    "yarn_orig_ctx": 0, "yarn_ext_factor": -1.0, "yarn_attn_factor": -1.0,
-    "yarn_beta_slow": -1.0, "yarn_beta_fast": -1.0,
-}
+# the Config fields, as llama-server spells them (`--rope-scaling` is field rope_scaling; its
+# flags, variables and the workers' flags are made from these names)
+FIELDS = ("rope_scaling", "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx",
+          "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast")
 SCALINGS = ("", "none", "linear", "yarn")
 
 
 def settings(cfg: Any) -> dict[str, Any]:
-    """The RoPE settings a Config gives, as `backend.context.load` takes them (`rope_scale`
-    turned into the frequency scale it means); a ValueError in one line where llama.cpp would
-    compute nonsense with them."""
-    given: dict[str, Any] = {f: getattr(cfg, f) for f, unset in UNSET.items()
-                             if getattr(cfg, f) != unset}
+    """The RoPE settings a Config gives (those not at the Config's default, the model's own),
+    as `backend.context.load` takes them (`rope_scale` turned into the frequency scale it
+    means); a ValueError in one line where llama.cpp would compute nonsense with them."""
+    unset = cfg.__dataclass_fields__
+    given: dict[str, Any] = {f: getattr(cfg, f) for f in FIELDS
+                             if getattr(cfg, f) != unset[f].default}
     scale = given.pop("rope_scale", None)
     if scale is not None:
         if not scale > 0:
