@@ -376,7 +376,7 @@ class Engine(States):
         return sampler.sample(self.ctx, self._rows(slot)[i])
 
     def sampler(self, sampling: Sampling, grammar: str | None = None) -> Sampler:
-        return Sampler(self.vocab, sampling, grammar)
+        return Sampler(self.vocab, sampling, grammar, frozenset(self.eog))
 
     # --- one slot alone: the self-check, tests and benchmarks -------------------------------
 

@@ -1,31 +1,38 @@
 """What a generated token is drawn with: the request's sampling values and llama.cpp's sampler
-chain built from them (the stop-string matcher is backend.stops).
+chain built from them, as llama-server builds it (the stop-string matcher is backend.stops).
 
-- `Sampling` is the wire form's fields (`backend.protocol.Job.sampling`), defaults as
-  llama-cpp-python's.
-- `Sampler` owns one llama.cpp sampler chain: penalties, the grammar, then greedy (temperature
-  0) or top-k, typical, top-p, min-p, temperature and a seeded draw. A grammar llama.cpp cannot
-  parse gives a NULL sampler: a ValueError when the chain is built, never a sample through it
-  (a SIGSEGV that kills the worker). Free it with `close()`.
-- Greedy with nothing before it (no grammar, penalties that change nothing), a sample is the
-  first greatest logit, which is what llama.cpp's greedy sampler picks: read off the logits in
-  place, without the chain's copy of the whole vocabulary into its candidates (about 50 us of a
-  token's 7 ms on the 135M model on 2 cores; a penalty sampler with neutral values neither
-  changes a logit nor keeps a state that matters). A row whose greatest logit is not a number
-  goes through the chain, which ignores such logits.
+- `Sampling` is the wire form's fields (`backend.protocol.Job.sampling`): llama-server's request
+  names, defaults as llama.cpp's `common_params_sampling` (proxy/samplers.py checks them).
+- `Sampler` owns one llama.cpp sampler chain in `common_sampler_init`'s order: the grammar, the
+  logit biases (the request's, the model's suppressed tokens, every end-of-generation token
+  under `ignore_eos`), then the samplers in `samplers` order (penalties, dry, top_n_sigma,
+  top_k, typ_p, top_p, min_p, xtc, temperature by default; the temperature stage of a
+  temperature of 0 or less keeps only the greatest logit) and a seeded draw (adaptive_p's where
+  it is named); or, with mirostat 1 or 2, the temperature and mirostat. A grammar llama.cpp
+  cannot parse gives a NULL sampler: a ValueError when the chain is built, never a sample
+  through it (a SIGSEGV that kills the worker). Free it with `close()`.
+- Greedy with nothing else that can change the pick (no grammar, no bias, penalties, DRY, XTC
+  or mirostat that change nothing, the temperature stage in the chain), a sample is the first
+  greatest logit, which is what the chain picks: read off the logits in place, without the
+  chain's copy of the whole vocabulary into its candidates (about 50 us of a token's 7 ms on the
+  135M model on 2 cores).
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
-PENALTY_LAST_N = 64  # tokens the repetition penalties look back (llama-cpp-python's default)
+# llama.cpp's default order (common_params_sampling::samplers)
+ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+         "temperature")
+NAMES = (*ORDER, "infill", "adaptive_p")  # every sampler a chain may name
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,46 +45,147 @@ class Sampling:
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repeat_last_n: int = 64  # tokens the repetition penalties look back
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
+    min_keep: int = 0
+    samplers: tuple[str, ...] = ORDER
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans it
+    ignore_eos: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Sampling:
         names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+        out = {k: v for k, v in d.items() if k in names and v is not None}
+        for k in ("dry_sequence_breakers", "samplers"):
+            if k in out:
+                out[k] = tuple(out[k])
+        if "logit_bias" in out:
+            out["logit_bias"] = tuple((int(t), float(b)) for t, b in out["logit_bias"])
+        return cls(**out)
+
+    @property
+    def picks_greatest(self) -> bool:
+        """Whether every draw is the greatest logit of the row as the model gave it, where no
+        logit bias applies (the Sampler checks that, the model's suppressed tokens among them)."""
+        return (self.temperature <= 0 and self.mirostat == 0 and "temperature" in self.samplers
+                and "adaptive_p" not in self.samplers
+                and (self.repeat_last_n == 0 or "penalties" not in self.samplers
+                     or (self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
+                         and self.presence_penalty == 0.0))
+                and (self.dry_multiplier == 0 or "dry" not in self.samplers)
+                and (self.xtc_probability <= 0 or self.xtc_threshold > 0.5
+                     or "xtc" not in self.samplers)
+                and "infill" not in self.samplers)
+
+
+def _bias(vocab: Any, s: Sampling, eog: frozenset[int]) -> list[tuple[int, float]]:
+    """The request's biases, then the model's suppressed tokens and, under ignore_eos, every
+    end-of-generation token, each at -inf (common_sampler_init's merged list)."""
+    out = list(s.logit_bias)
+    n = ctypes.c_int32(0)
+    suppress = llama_cpp.llama_vocab_get_suppress_tokens(vocab, ctypes.byref(n))
+    out += [(int(suppress[i]), -math.inf) for i in range(n.value)] if suppress else []
+    if s.ignore_eos:
+        out += [(t, -math.inf) for t in sorted(eog)]
+    return out
 
 
 class Sampler:
     """One llama.cpp sampler chain (module docstring). Not thread-safe: used on the thread that
     decodes."""
 
-    def __init__(self, vocab: Any, s: Sampling, grammar: str | None = None) -> None:
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        add = partial(llama_cpp.llama_sampler_chain_add, chain)
-        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-        add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, s.repeat_penalty,
-                                                   s.frequency_penalty, s.presence_penalty))
-        if grammar:
-            g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-            if not g:
-                llama_cpp.llama_sampler_free(chain)
-                raise ValueError("llama.cpp could not build a sampler from the grammar (it does "
-                                 "not parse); nothing was generated")
-            add(g)
-        if s.temperature <= 0:
-            add(llama_cpp.llama_sampler_init_greedy())
-            neutral = (s.repeat_penalty == 1.0 and s.frequency_penalty == 0.0
-                       and s.presence_penalty == 0.0)
-            self.argmax = n_vocab if neutral and not grammar else 0
-        else:
-            add(llama_cpp.llama_sampler_init_top_k(s.top_k))
-            add(llama_cpp.llama_sampler_init_typical(1.0, 1))
-            add(llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
-            add(llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
-            add(llama_cpp.llama_sampler_init_temp(s.temperature))
-            seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
-            add(llama_cpp.llama_sampler_init_dist(seed))
-        self.chain: Any = chain
+    def __init__(self, vocab: Any, s: Sampling, grammar: str | None = None,
+                 eog: frozenset[int] = frozenset()) -> None:
+        self.chain: Any = llama_cpp.llama_sampler_chain_init(
+            llama_cpp.llama_sampler_chain_default_params())
+        bias = _bias(vocab, s, eog)
+        try:
+            self._build(vocab, s, grammar, bias)
+        except BaseException:
+            self.close()
+            raise
+        self.argmax = llama_cpp.llama_vocab_n_tokens(vocab) \
+            if s.picks_greatest and not (grammar or bias) else 0
 
     argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
+
+    def _build(self, vocab: Any, s: Sampling, grammar: str | None,
+               bias: list[tuple[int, float]]) -> None:
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
+        if grammar:  # first: llama-server's draw when the chain's pick breaks the grammar
+            g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not g:
+                raise ValueError("llama.cpp could not build a sampler from the grammar (it does "
+                                 "not parse); nothing was generated")
+            self._add(g)
+        if bias:
+            arr = (llama_cpp.llama_logit_bias * len(bias))(*bias)
+            self._add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
+        if s.mirostat:
+            self._add(llama_cpp.llama_sampler_init_temp(s.temperature))
+            self._add(llama_cpp.llama_sampler_init_mirostat(n_vocab, seed, s.mirostat_tau,
+                                                            s.mirostat_eta, 100)
+                      if s.mirostat == 1 else
+                      llama_cpp.llama_sampler_init_mirostat_v2(seed, s.mirostat_tau,
+                                                               s.mirostat_eta))
+        else:
+            for name in s.samplers:
+                if name != "adaptive_p":
+                    self._add(self._stage(name, vocab, n_vocab, s, seed))
+            self._add(llama_cpp.llama_sampler_init_adaptive_p(s.adaptive_target,
+                                                              s.adaptive_decay, seed)
+                      if "adaptive_p" in s.samplers else llama_cpp.llama_sampler_init_dist(seed))
+
+    def _add(self, sampler: Any) -> None:
+        llama_cpp.llama_sampler_chain_add(self.chain, sampler)
+
+    @staticmethod
+    def _stage(name: str, vocab: Any, n_vocab: int, s: Sampling, seed: int) -> Any:
+        if name == "penalties":
+            return llama_cpp.llama_sampler_init_penalties(
+                n_vocab, s.repeat_last_n, s.repeat_penalty, s.frequency_penalty,
+                s.presence_penalty)
+        if name == "dry":
+            breakers = [b.encode() for b in s.dry_sequence_breakers]
+            arr = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+            return llama_cpp.llama_sampler_init_dry(vocab, s.dry_multiplier, s.dry_base,
+                                                    s.dry_allowed_length, s.dry_penalty_last_n,
+                                                    arr, len(breakers))
+        if name == "top_n_sigma":
+            return llama_cpp.llama_sampler_init_top_n_sigma(s.top_n_sigma)
+        if name == "top_k":
+            return llama_cpp.llama_sampler_init_top_k(s.top_k)
+        if name == "typ_p":
+            return llama_cpp.llama_sampler_init_typical(s.typical_p, s.min_keep)
+        if name == "top_p":
+            return llama_cpp.llama_sampler_init_top_p(s.top_p, s.min_keep)
+        if name == "min_p":
+            return llama_cpp.llama_sampler_init_min_p(s.min_p, s.min_keep)
+        if name == "xtc":
+            return llama_cpp.llama_sampler_init_xtc(s.xtc_probability, s.xtc_threshold,
+                                                    s.min_keep, seed)
+        if name == "temperature":
+            return llama_cpp.llama_sampler_init_temp_ext(s.temperature, s.dynatemp_range,
+                                                         s.dynatemp_exponent)
+        if name == "infill":
+            return llama_cpp.llama_sampler_init_infill(vocab)
+        raise ValueError(f"no sampler named {name!r} (one of {', '.join(NAMES)})")
 
     def sample(self, ctx: Any, row: int) -> int:
         """A token drawn from row `row` of the context's last logits (and accepted into the

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy import samplers
 from proxy.errors import BadRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -110,8 +111,10 @@ def parse_stop(v: Any, name: str = "stop") -> tuple[str, ...]:
 
 
 def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI-style sampling fields (Anthropic's share the names)."""
-    s: dict[str, Any] = {}
+    """OpenAI-style sampling fields (Anthropic's share the names), and llama-server's other
+    samplers' (proxy/samplers.py); a field that asks what prefixgate does not do is a 400."""
+    samplers.refuse_unsupported(body)
+    s: dict[str, Any] = samplers.parse(body)
     for name, key, lo, hi in (
         ("temperature", "temperature", 0.0, 2.0),
         ("top_p", "top_p", 0.0, 1.0),

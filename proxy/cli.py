@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from proxy import limits, rope
+from proxy import limits, rope, samplers
 from proxy.config import (
     WORKER_FIELDS,
     Config,
@@ -61,6 +61,7 @@ def serve(cfg: Config) -> None:
         logging.getLogger("prefixgate").warning("%s", note)
     try:
         limits.with_overrides(cfg.limits)
+        samplers.from_items(cfg.sampling)
     except ValueError as e:  # said before anything starts
         raise SystemExit(f"prefixgate: {e}") from None
     _check_model(cfg.model_path)

@@ -71,14 +71,11 @@ class Config:
     # of the first N layers kept on the CPU (--n-cpu-moe: fits a big MoE model on a small GPU)
     override_tensor: str = ""
     n_cpu_moe: int = 0
-    # how the weights are read (llama-server's -lm): auto (mapped) | none (read) | mmap | mlock |
-    # mmap+mlock | dio; the older --mlock and --no-mmap are spellings of it
+    # how the weights are read (-lm): auto | none | mmap | mlock | mmap+mlock | dio (--no-mmap...)
     load_mode: str = "auto"
-    # on-demand reading of the tensors an architecture marks (llama-server's -lzm): on | auto
-    # (only such tensors over 4 GiB) | off
+    # on-demand reading of the tensors an architecture marks (-lzm): on | auto (over 4 GiB) | off
     lazy_mode: str = "auto"
-    # flash attention in the workers: on | off | auto (llama.cpp's choice for the device, as
-    # llama-server's default: on for the CPU and CUDA)
+    # flash attention: on | off | auto (llama.cpp's choice for the device, llama-server's default)
     flash_attn: str = "auto"
     # KV cache types (llama.cpp's -ctk / -ctv): f16, q8_0, q4_0, ... (a quantized V needs
     # flash attention)
@@ -195,6 +192,9 @@ class Config:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int = -1  # -1 = a random seed per request
+    # the defaults of llama-server's other samplers, NAME=VALUE (proxy/samplers.py: --typical,
+    # --samplers, --dry-multiplier, -l, --ignore-eos... become these)
+    sampling: tuple[str, ...] = ()
     n_predict: int = -1  # tokens generated when a request sets no maximum; -1 = no limit
     chat_template_kwargs: str = ""  # a JSON object of template variables, under a request's
     reasoning_format: str = "auto"  # auto | deepseek | deepseek-legacy | none
@@ -252,9 +252,9 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
         elif f.name in ("volatile_patterns", "volatile_blocks"):
             p.add_argument("--" + f.name[:-1].replace("_", "-"), dest=f.name, action="append",
                            default=None, help=help_)
-        elif f.name == "limits":
-            p.add_argument("--limit", dest=f.name, action="append", default=None,
-                           metavar="NAME=VALUE", help=help_)
+        elif f.name in ("limits", "sampling"):  # --limit NAME=VALUE, --sampling NAME=VALUE
+            p.add_argument(flag.rstrip("s") if f.name == "limits" else flag, dest=f.name,
+                           action="append", default=None, metavar="NAME=VALUE", help=help_)
         elif f.name in ("worker_url", "api_key"):
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help_,
                            metavar="KEY" if f.name == "api_key" else None)

@@ -3,11 +3,14 @@
     Defaults.of(cfg, model_keys) -> Defaults;  defaults.apply(req) -> req
 
 - **Sampling** (`--temp`, `--top-k`, `--top-p`, `--min-p`, `--repeat-penalty`,
-  `--presence-penalty`, `--frequency-penalty`, `--seed`): a request's own field wins, then the
-  command line's, then the model's `general.sampling.*` keys (temp, top_k, top_p, min_p,
-  penalty_repeat), then llama.cpp's built-in values (backend.engine.Sampling). The model's keys
-  for samplers prefixgate does not have (mirostat, XTC, penalty_last_n, the sampler sequence)
-  are not used: said in one line at start (`Defaults.unused`).
+  `--presence-penalty`, `--frequency-penalty`, `--seed`, and llama-server's other samplers'
+  flags as `--sampling NAME=VALUE`: proxy/samplers.py): a request's own field wins, then the
+  command line's, then the model's `general.sampling.*` keys (llama.cpp's
+  `common_params_sampling_from_model`: temp, top_k, top_p, min_p, penalty_repeat,
+  penalty_last_n, mirostat and its tau and eta, the XTC probability and threshold, the sampler
+  sequence), then llama.cpp's built-in values (backend.sampling.Sampling). A model key that
+  is not one of these, or whose value is not one, is said in one line at start
+  (`Defaults.unused`).
 - **Template variables**: a request's `chat_template_kwargs` (and Anthropic's `thinking`) over
   `--chat-template-kwargs`, over `--reasoning on|off` (`enable_thinking`, as llama-server sets
   it), `--reasoning-budget 0` (thinking off: llama-server's older meaning of 0),
@@ -29,6 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy import samplers
 from proxy.chat import ChatRequest
 from proxy.config import Config
 from proxy.dialects.stream import Event, ReasoningDelta, TextDelta
@@ -39,10 +43,27 @@ SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presenc
 # common_params_sampling_from_model)
 MODEL_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
               "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
-              "general.sampling.penalty_repeat": "repeat_penalty"}
-# llama.cpp's built-in values (backend.engine.Sampling's), shown in /props
+              "general.sampling.penalty_repeat": "repeat_penalty",
+              "general.sampling.penalty_last_n": "repeat_last_n",
+              "general.sampling.mirostat": "mirostat",
+              "general.sampling.mirostat_tau": "mirostat_tau",
+              "general.sampling.mirostat_eta": "mirostat_eta",
+              "general.sampling.xtc_probability": "xtc_probability",
+              "general.sampling.xtc_threshold": "xtc_threshold",
+              "general.sampling.sequence": "samplers"}
+_INTS = ("top_k", "repeat_last_n", "mirostat")
+# llama.cpp's built-in values (backend.sampling.Sampling's: a test holds them equal), in /props
 BUILT_IN = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-            "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+            "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repeat_last_n": 64, "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+            "xtc_threshold": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75,
+            "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+            "dry_sequence_breakers": ("\n", ":", "\"", "*"), "dynatemp_range": 0.0,
+            "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+            "adaptive_target": -1.0, "adaptive_decay": 0.9, "min_keep": 0,
+            "samplers": ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                         "xtc", "temperature"),
+            "logit_bias": (), "ignore_eos": False}
 THINK_TAGS = ("<think>", "</think>")
 
 
@@ -59,13 +80,24 @@ class Defaults:
     def of(cls, cfg: Config, model_keys: Mapping[str, Any]) -> Defaults:
         sampling: dict[str, Any] = {}
         source: dict[str, str] = {}
+        bad: list[str] = []
         for key, name in MODEL_KEYS.items():
             value = model_keys.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                sampling[name] = int(value) if name == "top_k" else float(value)
+            if value is None:
+                continue
+            try:
+                if name == "samplers":
+                    sampling[name] = samplers.sampler_names(
+                        [n for n in str(value).split(";") if n])
+                elif isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(value)
+                else:
+                    sampling[name] = int(value) if name in _INTS else float(value)
                 source[name] = "model"
-        for name in SAMPLING:
-            value = getattr(cfg, name)
+            except ValueError:
+                bad.append(key)
+        for name, value in [*((n, getattr(cfg, n)) for n in SAMPLING),
+                            *samplers.from_items(cfg.sampling).items()]:
             if value is not None:
                 sampling[name], source[name] = value, "command line"
         if cfg.seed >= 0:
@@ -81,8 +113,9 @@ class Defaults:
             kwargs["enable_thinking"] = False
         if cfg.chat_template_kwargs:
             kwargs.update(json.loads(cfg.chat_template_kwargs))
-        unused = tuple(sorted(k for k in model_keys
-                              if k.startswith("general.sampling.") and k not in MODEL_KEYS))
+        unused = tuple(sorted([*bad, *(k for k in model_keys
+                                       if k.startswith("general.sampling.")
+                                       and k not in MODEL_KEYS)]))
         return cls(sampling, source, kwargs, cfg.n_predict if cfg.n_predict >= 0 else None,
                    cfg.reasoning_format, unused)
 

@@ -137,6 +137,9 @@ HELP = {
     "presence_penalty": "default presence penalty (unset: 0.0, off)",
     "frequency_penalty": "default frequency penalty (unset: 0.0, off)",
     "seed": "default seed of a request that sets none (-1: random)",
+    "sampling": "a default of llama-server's other samplers, NAME=VALUE, e.g. typical_p=0.9, "
+                "samplers=top_k;temperature, dry_multiplier=0.8, logit_bias=15043+1, "
+                "ignore_eos=true (repeatable; env: one per line)",
     "n_predict": "tokens generated at most when a request sets no maximum (-1: to the "
                  "context's end)",
     "chat_template_kwargs": "a JSON object of chat template variables, under a request's own "

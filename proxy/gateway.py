@@ -116,7 +116,8 @@ class Gateway:
             log.info("request defaults: %s", ", ".join(
                 f"{k} {v} ({self.defaults.source[k]})" for k, v in self.defaults.sampling.items()))
         if self.defaults.unused:
-            log.warning("the model's %s not used: prefixgate has no such sampler",
+            log.warning("the model's %s not used: llama.cpp reads no such sampler key, or not "
+                        "such a value",
                         ", ".join(self.defaults.unused) + (" is" if len(self.defaults.unused)
                                                             == 1 else " are"))
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proxy import rope
+from proxy import rope, samplers
 
 TABLE = Path(__file__).with_name("llama_options.json")
 
@@ -99,6 +99,8 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--reasoning-effort": "reasoning_effort",
     "--reasoning-preserve": ("reasoning_preserve", "on", "off"),
     "--repack": ("repack", "on", "off"),
+    # llama-server's other samplers (proxy/samplers.py): --sampling NAME=VALUE
+    **{flag: "sampling:" + name for flag, name in samplers.FLAGS.items()},
     # RoPE scaling (proxy/rope.py) and NUMA: prefixgate's flags are llama-server's
     **{"--" + f.replace("_", "-"): f for f in (*rope.FIELDS, "numa")},
     # speculative decoding (proxy/speculation.py)
@@ -189,8 +191,6 @@ IGNORED_OPTIONS: dict[str, str] = dict.fromkeys((
 
 # refused: llama.cpp's option (its first spelling, or one spelling of it) -> why the start stops
 _SPEC = "this speculative decoding option is not supported (prompt-lookup n-gram drafts are)"
-_SAMPLER = "this sampler is not supported yet (temperature, top-k, top-p, min-p and the " \
-           "repetition penalties are)"
 _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "a draft model from Hugging Face is not supported yet (a draft model file is)":
         ("--spec-draft-hf",),
@@ -203,14 +203,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "--draft", "--draft-min", "--spec-ngram-size-n", "--spec-ngram-size-m",
         "--spec-ngram-min-hits"),
     "images are not supported yet": ("-mm", "-mmu", "--media-path"),
-    _SAMPLER: ("--top-nsigma", "--xtc-probability", "--xtc-threshold", "--typical",
-               "--repeat-last-n", "--dry-multiplier", "--dry-base", "--dry-allowed-length",
-               "--dry-penalty-last-n", "--dry-sequence-breaker", "--adaptive-target",
-               "--adaptive-decay", "--dynatemp-range", "--dynatemp-exp", "--mirostat",
-               "--mirostat-lr", "--mirostat-ent"),
-    "choosing the sampler chain is not supported yet": ("--samplers", "--sampler-seq"),
-    "ignoring the end of generation is not supported yet": ("--ignore-eos",),
-    "a logit bias is not supported yet": ("-l",),
     "a server-wide grammar is not supported (a request's response_format is)":
         ("--grammar", "--grammar-file", "-j", "-jf"),
     "keeping the KV cache off the GPU is not supported yet": ("-nkvo", "--no-kv-offload"),
@@ -304,6 +296,8 @@ def _works(spelling: str, o: Option, positive: bool, value: str | None) -> list[
         fixed = on if positive else off
         return [f"{_flag(field)}={fixed}"] if fixed else [_flag(field) if positive
                                                           else "--no-" + _flag(field)[2:]]
+    if target.startswith("sampling:"):
+        return [f"--sampling={target[9:]}={value if o.values else 'true'}"]
     if target.startswith("--"):
         return [target]
     return [f"{_flag(target)}={value}"] if o.values else [_flag(target)]

@@ -32,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -44,6 +45,7 @@ import jinja2
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from policies.scope import Scope, format_scope, parse_scope
+from proxy import samplers
 from proxy.chat import ChatRequest
 from proxy.dialects import Dialect, Stream, for_template
 from proxy.dialects.grammar import clean_schema, grammar_error
@@ -273,6 +275,9 @@ class PromptBuilder:
         except ValueError as e:
             raise BadRequest(str(e), param="prefix_cache") from None
         rendered, grammar = self.render(req, n_ctx)
+        if req.sampling.get("logit_bias"):
+            req = dataclasses.replace(req, sampling=samplers.resolve(
+                req.sampling, self.tok.encode, self.tok.decode))
         n = len(rendered.ids)
         if n == 0:
             raise BadRequest("the prompt renders to zero tokens; send some text",

@@ -1,8 +1,13 @@
 """Greedy sampling read off the logits in place (backend.sampling) draws what llama.cpp's sampler
-chain draws, on every model family, and only where nothing comes before the greedy pick."""
+chain draws, on every model family, and only where nothing comes before the greedy pick; the
+chain's other samplers (llama-server's: DRY, XTC, typical, top-n-sigma, mirostat, logit biases,
+ignore_eos, the order) do what llama.cpp's do. Token for token against llama-server itself:
+`python -m bench.samplers`."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterator
 
 import llama_cpp
@@ -58,6 +63,16 @@ def small() -> Iterator[Engine]:
     (Sampling(temperature=0.0, frequency_penalty=0.5), None, False),
     (Sampling(temperature=0.0), 'root ::= "yes" | "no"', False),
     (Sampling(temperature=0.7), None, False),
+    (Sampling(temperature=0.0, dry_multiplier=0.8), None, False),
+    (Sampling(temperature=0.0, dry_multiplier=0.8, samplers=("top_k", "temperature")), None,
+     True),  # DRY not in the chain
+    (Sampling(temperature=0.0, xtc_probability=0.5), None, False),
+    (Sampling(temperature=0.0, xtc_probability=0.5, xtc_threshold=0.6), None, True),  # off
+    (Sampling(temperature=0.0, mirostat=2), None, False),
+    (Sampling(temperature=0.0, logit_bias=((5, 1.0),)), None, False),
+    (Sampling(temperature=0.0, ignore_eos=True), None, False),
+    (Sampling(temperature=0.0, samplers=("top_k",)), None, False),  # no temperature stage
+    (Sampling(temperature=0.0, typical_p=0.5, top_n_sigma=1.0), None, True),
 ])
 def test_only_greedy_alone_is_read_in_place(small: Engine, sampling: Sampling,
                                             grammar: str | None, in_place: bool) -> None:
@@ -66,3 +81,58 @@ def test_only_greedy_alone_is_read_in_place(small: Engine, sampling: Sampling,
         assert bool(s.argmax) is in_place
     finally:
         s.close()
+
+
+def _draws(eng: Engine, s: Sampling, ids: list[int], steps: int = STEPS) -> list[int]:
+    """A fresh answer to `ids` through one sampler: the tokens drawn, each evaluated."""
+    eng.truncate(0, 0)
+    eng.prefill(0, ids)
+    sampler = eng.sampler(s)
+    try:
+        out = []
+        for _ in range(steps):
+            out.append(eng.sample(0, sampler))
+            eng.evaluate([(0, [out[-1]])])
+        return out
+    finally:
+        sampler.close()
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[tuple[Engine, list[int]]]:
+    """The 135M model and a prompt its greedy answer repeats."""
+    eng = Engine(model_file(MODELS[0]), 512, 1, GPU_LAYERS)
+    vocab = llama_cpp.Llama(model_file(MODELS[0]), vocab_only=True, verbose=False)
+    yield eng, vocab.tokenize(b"red green blue red green blue red green blue red green blue",
+                              add_bos=True)
+    eng.close()
+
+
+def test_the_chain_s_samplers_act(echo: tuple[Engine, list[int]]) -> None:
+    eng, ids = echo
+    greedy = _draws(eng, Sampling(temperature=0.0), ids)
+    assert len(set(greedy)) < len(greedy) // 3, "the prompt should make the answer repeat"
+    # a ban moves the first draw to another token; a large bias makes a token the draw
+    banned = _draws(eng, Sampling(temperature=0.0, logit_bias=((greedy[0], -math.inf),)), ids, 1)
+    assert banned[0] != greedy[0]
+    forced = _draws(eng, Sampling(temperature=0.0, logit_bias=((1234, 1e4),)), ids, 3)
+    assert forced == [1234, 1234, 1234]
+    # ignore_eos bans every end-of-generation token, whatever else pushes it
+    eog = min(eng.eog)
+    assert _draws(eng, Sampling(temperature=0.0, logit_bias=((eog, 1e4),)), ids, 1) == [eog]
+    assert _draws(eng, Sampling(temperature=0.0, logit_bias=((eog, 1e4),), ignore_eos=True),
+                  ids, 1)[0] not in eng.eog
+    # DRY penalizes continuing the repeat: the answer parts from the greedy one
+    dry = _draws(eng, Sampling(temperature=0.0, dry_multiplier=2.0, dry_allowed_length=1), ids)
+    assert dry != greedy
+    # a chain whose order has the temperature stage first is still greedy at 0
+    assert _draws(eng, Sampling(temperature=0.0, samplers=("temperature", "top_k")),
+                  ids) == greedy
+    # seeded draws repeat; another seed or sampler draws otherwise
+    hot = Sampling(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    first = _draws(eng, hot, ids)
+    assert first == _draws(eng, hot, ids)
+    others = [_draws(eng, dataclasses.replace(hot, **kw), ids) for kw in (
+        {"seed": 8}, {"typical_p": 0.2}, {"top_n_sigma": 0.5}, {"mirostat": 2},
+        {"xtc_probability": 1.0, "xtc_threshold": 0.05}, {"dynatemp_range": 1.4})]
+    assert all(o != first for o in others), others

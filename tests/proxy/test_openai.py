@@ -78,6 +78,32 @@ def test_sampling_parameters_are_accepted(server: Server) -> None:
     assert resp.usage.completion_tokens <= 6
 
 
+def test_llama_server_s_samplers_through_the_sdk(server: Server) -> None:
+    """OpenAI's logit_bias and llama-server's sampler fields (as extra_body) reach the worker's
+    chain; what prefixgate does not do is a 400 in OpenAI's shape, never a silent answer."""
+    messages = [{"role": "user", "content": "Say hi."}]
+    plain, _ = chat(server, messages, max_tokens=4, logprobs=False, n=1)
+    first = client(server).post(server.url + "/tokenize", cast_to=object, body={
+        "content": plain.choices[0].message.content})["tokens"][0]
+    banned, _ = chat(server, messages, max_tokens=4, logit_bias={str(first): -100})
+    assert banned.choices[0].message.content != plain.choices[0].message.content
+    forced, _ = chat(server, messages, max_tokens=3, logit_bias={"1234": 100})
+    piece = client(server).post(server.url + "/detokenize", cast_to=object,
+                                body={"tokens": [1234]})
+    assert forced.choices[0].message.content == piece["content"] * 3
+    endless, _ = chat(server, messages, max_tokens=24, extra_body={
+        "ignore_eos": True, "typical_p": 0.9, "dry_multiplier": 0.8, "xtc_probability": 0.5,
+        "top_n_sigma": 1.0, "samplers": ["penalties", "dry", "top_k", "temperature"],
+        "dry_sequence_breakers": ["\n"], "repeat_last_n": 16})
+    assert endless.usage.completion_tokens == 24 and endless.choices[0].finish_reason == "length"
+    for kw, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                      ({"logit_bias": {"49152": 5}}, "logit_bias"),
+                      ({"extra_body": {"samplers": ["beam"]}}, "samplers")):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(server, messages, **kw)
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_completions_endpoint(server: Server) -> None:
     resp = client(server).completions.create(model="x", prompt="The capital of France is",
                                              max_tokens=5, temperature=0)

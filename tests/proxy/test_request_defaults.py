@@ -48,21 +48,43 @@ def test_a_request_over_the_command_line_over_the_model_over_llama_cpp(tmp_path:
                                                                         ) -> None:
     path = tmp_path / "m.gguf"
     write_gguf(path, {"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
-                      "general.sampling.top_p": 0.95, "general.sampling.mirostat": 2})
+                      "general.sampling.top_p": 0.95, "general.sampling.mirostat": 2,
+                      "general.sampling.sequence": "top_k;TOP-P;temp",
+                      "general.sampling.penalty_last_n": 128,
+                      "general.sampling.dry_multiplier": 0.5})
     model = {k: v for k, v in read_metadata(str(path)).items()
              if k.startswith("general.sampling.")}
-    d = defaults("--temp", "0.7", "--presence-penalty", "1.5", "-s", "7", model=model)
+    d = defaults("--temp", "0.7", "--presence-penalty", "1.5", "-s", "7", "--typical", "0.9",
+                 "--mirostat", "0", "-l", "15043+1", "-l", "17-2.5", "--ignore-eos",
+                 model=model)
     assert d.sampling == {"temperature": 0.7, "top_k": 20, "top_p": pytest.approx(0.95),
-                          "presence_penalty": 1.5, "seed": 7}
-    assert d.unused == ("general.sampling.mirostat",), "said at start: no such sampler here"
+                          "presence_penalty": 1.5, "seed": 7, "typical_p": 0.9, "mirostat": 0,
+                          "samplers": ("top_k", "top_p", "temperature"), "repeat_last_n": 128,
+                          "logit_bias": ((15043, 1.0), (17, -2.5)), "ignore_eos": True}
+    # llama.cpp reads no DRY key from a model: said at start
+    assert d.unused == ("general.sampling.dry_multiplier",)
     req = d.apply(request(sampling={"top_k": 50}))
     assert req.sampling["top_k"] == 50 and req.sampling["temperature"] == 0.7
     params = d.props()["params"]
     assert (params["temperature"], params["top_k"], params["min_p"]) == (0.7, 20, 0.05)
-    assert d.props()["params_source"] == {
+    assert (params["typical_p"], params["dry_base"], params["xtc_threshold"]) == (0.9, 1.75, 0.1)
+    source = d.props()["params_source"]
+    assert {k: source[k] for k in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                                   "seed", "samplers", "mirostat", "typical_p", "dry_base")} == {
         "temperature": "command line", "top_k": "model", "top_p": "model",
-        "min_p": "built-in", "repeat_penalty": "built-in", "presence_penalty": "command line",
-        "frequency_penalty": "built-in", "seed": "command line"}
+        "min_p": "built-in", "presence_penalty": "command line", "seed": "command line",
+        "samplers": "model", "mirostat": "command line", "typical_p": "command line",
+        "dry_base": "built-in"}
+
+
+def test_built_in_values_are_the_workers() -> None:
+    """/props shows what the worker draws with when nothing is set: backend.sampling's
+    defaults, which are llama.cpp's common_params_sampling's."""
+    from backend.sampling import Sampling
+    from proxy.defaults import BUILT_IN
+
+    assert BUILT_IN == {k: getattr(Sampling(), k) for k in BUILT_IN}
+    assert set(Sampling.__dataclass_fields__) - set(BUILT_IN) == {"seed"}
 
 
 def test_nothing_set_changes_nothing() -> None:
