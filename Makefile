@@ -219,6 +219,10 @@ bench-team: $(STAMP) $(LLAMA_SERVER)
 
 # speculative decoding on answers that copy their context (issue 47): prefixgate and llama-server
 # with the same --spec-type, with and without drafts; SPEC_ARGS="--spec-types ngram-mod --model ..."
+.PHONY: bench-samplers
+bench-samplers: $(STAMP) $(LLAMA_SERVER)
+	$(BIN)/python -m bench.samplers --llama-server $(LLAMA_SERVER) --out bench/results/samplers
+
 .PHONY: bench-spec
 bench-spec: $(STAMP) $(LLAMA_SERVER)
 	$(BIN)/python -m bench.spec --llama-server $(LLAMA_SERVER) --out bench/results/issue47 \

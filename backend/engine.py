@@ -375,8 +375,14 @@ class Engine(States):
         """A token drawn by `sampler` from this slot's logits of the last decode (row `i`)."""
         return sampler.sample(self.ctx, self._rows(slot)[i])
 
-    def sampler(self, sampling: Sampling, grammar: str | None = None) -> Sampler:
-        return Sampler(self.vocab, sampling, grammar, frozenset(self.eog))
+    def sampler(self, sampling: Sampling, grammar: str | None = None,
+                slot: int | None = None) -> Sampler:
+        """A sampler for the answer to `slot`'s live tokens (its prompt: the penalties' and
+        DRY's history, as llama-server's)."""
+        q = None if slot is None else self.seqs[slot]
+        return Sampler(self.vocab, sampling, grammar, frozenset(self.eog),
+                       () if q is None else
+                       [int(t) for t in q.ids[max(0, q.n_live - sampling.history):q.n_live]])
 
     # --- one slot alone: the self-check, tests and benchmarks -------------------------------
 
@@ -413,7 +419,7 @@ class Engine(States):
         """After a prefill: (token, piece bytes, is_end_of_generation) for each token sampled
         from this slot's logits, each evaluated alone before the next is drawn. The caller may
         stop iterating; the last sampled token is never evaluated."""
-        sampler = self.sampler(sampling, grammar)
+        sampler = self.sampler(sampling, grammar, slot)
         try:
             for i in range(max_tokens):
                 if cancel is not None and cancel.is_set:

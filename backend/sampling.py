@@ -8,7 +8,9 @@ chain built from them, as llama-server builds it (the stop-string matcher is bac
   under `ignore_eos`), then the samplers in `samplers` order (penalties, dry, top_n_sigma,
   top_k, typ_p, top_p, min_p, xtc, temperature by default; the temperature stage of a
   temperature of 0 or less keeps only the greatest logit) and a seeded draw (adaptive_p's where
-  it is named); or, with mirostat 1 or 2, the temperature and mirostat. A grammar llama.cpp
+  it is named); or, with mirostat 1 or 2, the temperature and mirostat. The penalties and DRY
+  start with the prompt's last tokens in their windows, as llama-server's chain has every prompt
+  token accepted before its first draw (the others keep no state of them). A grammar llama.cpp
   cannot parse gives a NULL sampler: a ValueError when the chain is built, never a sample
   through it (a SIGSEGV that kills the worker). Free it with `close()`.
 - Greedy with nothing else that can change the pick (no grammar, no bias, penalties, DRY, XTC
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +81,12 @@ class Sampling:
         return cls(**out)
 
     @property
+    def history(self) -> int:
+        """How many of the last prompt tokens the chain's state holds (the penalties' and DRY's
+        windows): llama-server accepts every prompt token into the chain before it samples."""
+        return max(self.repeat_last_n, self.dry_penalty_last_n)
+
+    @property
     def picks_greatest(self) -> bool:
         """Whether every draw is the greatest logit of the row as the model gave it, where no
         logit bias applies (the Sampler checks that, the model's suppressed tokens among them)."""
@@ -110,12 +118,12 @@ class Sampler:
     decodes."""
 
     def __init__(self, vocab: Any, s: Sampling, grammar: str | None = None,
-                 eog: frozenset[int] = frozenset()) -> None:
+                 eog: frozenset[int] = frozenset(), history: Sequence[int] = ()) -> None:
         self.chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params())
         bias = _bias(vocab, s, eog)
         try:
-            self._build(vocab, s, grammar, bias)
+            self._build(vocab, s, grammar, bias, history)
         except BaseException:
             self.close()
             raise
@@ -125,7 +133,7 @@ class Sampler:
     argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
 
     def _build(self, vocab: Any, s: Sampling, grammar: str | None,
-               bias: list[tuple[int, float]]) -> None:
+               bias: list[tuple[int, float]], history: Sequence[int]) -> None:
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
         if grammar:  # first: llama-server's draw when the chain's pick breaks the grammar
@@ -135,7 +143,8 @@ class Sampler:
                                  "not parse); nothing was generated")
             self._add(g)
         if bias:
-            arr = (llama_cpp.llama_logit_bias * len(bias))(*bias)
+            arr = (llama_cpp.llama_logit_bias * len(bias))(
+                *(llama_cpp.llama_logit_bias(t, b) for t, b in bias))
             self._add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
         if s.mirostat:
             self._add(llama_cpp.llama_sampler_init_temp(s.temperature))
@@ -147,7 +156,11 @@ class Sampler:
         else:
             for name in s.samplers:
                 if name != "adaptive_p":
-                    self._add(self._stage(name, vocab, n_vocab, s, seed))
+                    stage = self._stage(name, vocab, n_vocab, s, seed)
+                    if name in ("penalties", "dry"):  # the prompt (not the grammar's)
+                        for token in history:
+                            llama_cpp.llama_sampler_accept(stage, int(token))
+                    self._add(stage)
             self._add(llama_cpp.llama_sampler_init_adaptive_p(s.adaptive_target,
                                                               s.adaptive_decay, seed)
                       if "adaptive_p" in s.samplers else llama_cpp.llama_sampler_init_dist(seed))

@@ -95,7 +95,7 @@ def _number(name: str, v: Any) -> int | float:
         raise ValueError(f"must be {'an integer' if kind is int else 'a number'}")
     if not lo <= v <= hi:
         raise ValueError(f"must be between {lo} and {hi}, got {v}")
-    return kind(v)
+    return int(v) if kind is int else float(v)
 
 
 def _bias_value(v: Any) -> float | None:

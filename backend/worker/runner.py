@@ -104,7 +104,8 @@ class Runner:
             return self._snapshot(e, core)
         elif isinstance(e, StartSampling):
             try:
-                self.samplers[e.slot] = eng.sampler(Sampling.from_json(e.sampling), e.grammar)
+                self.samplers[e.slot] = eng.sampler(Sampling.from_json(e.sampling), e.grammar,
+                                                    e.slot)
             except ValueError as ex:
                 return Failed(e.slot, str(ex))
         elif isinstance(e, Sample):
