@@ -111,7 +111,9 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     mp = llama_cpp.llama_model_default_params()
     # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
     mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
-    keep: list[Any] = placement_params(mp, **(placement or {}))  # held while loading
+    pl = dict(placement or {})
+    kv_offload = bool(pl.pop("kv_offload", True))  # a context's parameter, not the model's
+    keep: list[Any] = placement_params(mp, **pl)  # held while loading
     if progress is not None:  # llama.cpp's loading progress, 0..1
         def report(p: float, _: Any) -> bool:
             progress(p)
@@ -154,6 +156,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
                           "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}[fa]
     cp.type_k, cp.type_v = CACHE_TYPES[type_k], CACHE_TYPES[type_v]
     cp.swa_full = swa_full
+    cp.offload_kqv = kv_offload
     cp.n_rs_seq = rollback if memory.kind == "recurrent" else 0
     cp.no_perf = True
     rope = dict(rope or {})
@@ -188,7 +191,6 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         "ram_weights_bytes": max(rss1 - rss0, 0), "ram_kv_bytes": max(resident_bytes() - rss1, 0),
         "threads": max(threads),  # what it computes with at most (proxy.worker_link.cores_note)
     }
-    pl = placement or {}
     # what computes the KV, for the cache identity: the CPU too where it computes layers
     compute = compute_identity(gpus, where["gpu_layers"] < n_layer + 1 or bool(
         str(pl.get("override_tensor", "")).strip() or int(pl.get("n_cpu_moe", 0) or 0)),
@@ -203,6 +205,9 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         compute += f"; {where['rope']}"
     if numa:
         where["numa"] = f"NUMA {numa}"
+    if not kv_offload and where["gpu_layers"]:  # the KV and its attention on the host
+        where["kv_offload"] = "KV cache in host RAM (-nkvo)"
+        compute += f"; {where['kv_offload']}"
     assert isinstance(compute, str)
     return Loaded(model, ctx, memory, fa, n_batch, threads[0], threads[1], where, compute)
 

@@ -129,11 +129,25 @@ class Sampler:
             raise
         self.argmax = llama_cpp.llama_vocab_n_tokens(vocab) \
             if s.picks_greatest and not (grammar or bias) else 0
+        # with a grammar, the candidates are this process's, so a draw the grammar forbids is
+        # a ValueError, never an accept that throws inside llama.cpp (an abort of the worker)
+        self.cur: Any = None
+        if grammar:
+            n = llama_cpp.llama_vocab_n_tokens(vocab)
+            self.cur = np.zeros(n, dtype=[("id", np.int32), ("logit", np.float32),
+                                          ("p", np.float32)])
+            self.ids = np.arange(n, dtype=np.int32)
 
     argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
 
     def _build(self, vocab: Any, s: Sampling, grammar: str | None,
                bias: list[tuple[int, float]], history: Sequence[int]) -> None:
+        # common_sampler_init's refusals (such penalties make logits that are not numbers)
+        if not (math.isfinite(s.repeat_penalty) and s.repeat_penalty > 0
+                and math.isfinite(1 / s.repeat_penalty) and math.isfinite(s.frequency_penalty)
+                and math.isfinite(s.presence_penalty)):
+            raise ValueError("the repetition penalty must be a number above 0, and the "
+                             "frequency and presence penalties numbers")
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
         if grammar:  # first: llama-server's draw when the chain's pick breaks the grammar
@@ -209,7 +223,30 @@ class Sampler:
             token = int(logits.argmax())
             if logits[token] == logits[token]:  # not NaN
                 return token
-        return int(llama_cpp.llama_sampler_sample(self.chain, ctx, row))
+        if self.cur is None:
+            return int(llama_cpp.llama_sampler_sample(self.chain, ctx, row))
+        return self._sample_checked(ctx, row)
+
+    def _sample_checked(self, ctx: Any, row: int) -> int:
+        """llama_sampler_sample's steps (the row's logits as candidates, the chain, its pick
+        accepted) with the pick checked first: one the grammar masked (-inf), or no number
+        (logits that are not numbers), is a ValueError."""
+        ptr = llama_cpp.llama_get_logits_ith(ctx, row)
+        if not ptr:
+            raise ValueError(f"llama.cpp has no logits for row {row}")
+        cur = self.cur  # the chain sorts and cuts it in place: filled afresh each draw
+        cur["id"] = self.ids
+        cur["logit"] = np.ctypeslib.as_array(ptr, shape=(len(cur),))
+        cur["p"] = 0.0
+        arr = llama_cpp.llama_token_data_array(
+            cur.ctypes.data_as(llama_cpp.llama_token_data_p), len(cur), -1, False)
+        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
+        picked = arr.data[arr.selected] if 0 <= arr.selected < arr.size else None
+        if picked is None or not picked.logit > -math.inf:
+            raise ValueError("the sampler chain drew no token the grammar allows (the "
+                             "model's logits, or the sampling values, gave no numbers)")
+        llama_cpp.llama_sampler_accept(self.chain, picked.id)
+        return int(picked.id)
 
     def close(self) -> None:
         if self.chain is not None:

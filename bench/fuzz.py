@@ -227,7 +227,11 @@ def ints(lo: int, hi: int) -> tuple[Strategy, Strategy]:
 SAMPLING = {
     "temperature": numbers(0, 2), "top_p": numbers(0, 1), "min_p": numbers(0, 1),
     "presence_penalty": numbers(-2, 2), "frequency_penalty": numbers(-2, 2),
-    "repeat_penalty": numbers(0, 10), "top_k": ints(0, 100), "seed": ints(-(2**63), 2**64),
+    "repeat_penalty": numbers(0.01, 10), "top_k": ints(0, 100), "seed": ints(-(2**63), 2**64),
+    # llama-server's other samplers (proxy/samplers.py)
+    "typical_p": numbers(0, 1), "top_n_sigma": numbers(-1, 100), "xtc_probability": numbers(0, 1),
+    "xtc_threshold": numbers(0, 1), "dry_multiplier": numbers(0, 100), "mirostat": ints(0, 2),
+    "dynatemp_range": numbers(0, 100), "repeat_last_n": ints(0, 4096),
 }
 ODD_MAX_TOKENS = (0, -1, 5, 2**31, 2**31 + 1, 2**63, 1.5, 2.0, "2", True, None, [], {})
 ODD_STREAM = (None, 0, 1, "true", "false", [], {})

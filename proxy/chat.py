@@ -43,6 +43,7 @@ class ChatRequest:
     # OpenAI's response_format as the JSON schema the answer must match (json_object: any
     # object); None: free text
     json_schema: Any = None
+    grammar: str | None = None  # llama-server's `grammar` (GBNF), where no JSON schema is given
     # the kind of each media block replaced by a text placeholder, in order (MEDIA_KINDS)
     media: tuple[str, ...] = ()
     # Responses API: a tool given inside a `namespace` tool -> (that namespace, its name
@@ -121,7 +122,7 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         ("min_p", "min_p", 0.0, 1.0),
         ("presence_penalty", "presence_penalty", -2.0, 2.0),
         ("frequency_penalty", "frequency_penalty", -2.0, 2.0),
-        ("repeat_penalty", "repeat_penalty", 0.0, 10.0),
+        ("repeat_penalty", "repeat_penalty", 0.01, 10.0),  # 0 divides the logits by 0
     ):
         v = opt_number(body, name, lo, hi)
         if v is not None:
@@ -135,6 +136,15 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
             raise BadRequest("'seed' must be an integer", param="seed")
         s["seed"] = seed & 0xFFFFFFFF
     return s
+
+
+def parse_grammar(body: dict[str, Any]) -> str | None:
+    """llama-server's `grammar`: GBNF text the answer must match (checked by llama.cpp's parser
+    when the prompt is rendered); "" or null: none."""
+    g = body.get("grammar")
+    if g is not None and not isinstance(g, str):
+        raise BadRequest("'grammar' must be GBNF text (a string)", param="grammar")
+    return g or None
 
 
 def parse_prefix_cache(body: dict[str, Any]) -> tuple[str | None, int | None]:

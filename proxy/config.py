@@ -17,9 +17,9 @@ from typing import Any
 from backend.cpus import usable_cpus
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
-from policies.schedule import DETERMINISTIC
 from proxy import rope
 from proxy.flags import DEFAULT_VOLATILE, DEFAULT_VOLATILE_BLOCKS, HELP, LLAMA_SERVER
+from proxy.values import CHOICE_FIELDS, OLD_LOAD_MODES, WORDS, coerce
 
 MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
 MIN_SLOT_CTX = 512  # tokens of context a slot needs at the least
@@ -71,11 +71,14 @@ class Config:
     # of the first N layers kept on the CPU (--n-cpu-moe: fits a big MoE model on a small GPU)
     override_tensor: str = ""
     n_cpu_moe: int = 0
-    # how the weights are read (-lm): auto | none | mmap | mlock | mmap+mlock | dio (--no-mmap...)
+    # how the weights are read (llama-server's -lm): auto (mapped) | none (read) | mmap | mlock |
+    # mmap+mlock | dio; the older --mlock and --no-mmap are spellings of it
     load_mode: str = "auto"
-    # on-demand reading of the tensors an architecture marks (-lzm): on | auto (over 4 GiB) | off
+    # on-demand reading of the tensors an architecture marks (llama-server's -lzm): on | auto
+    # (only such tensors over 4 GiB) | off
     lazy_mode: str = "auto"
-    # flash attention: on | off | auto (llama.cpp's choice for the device, llama-server's default)
+    # flash attention in the workers: on | off | auto (llama.cpp's choice for the device, as
+    # llama-server's default: on for the CPU and CUDA)
     flash_attn: str = "auto"
     # KV cache types (llama.cpp's -ctk / -ctv): f16, q8_0, q4_0, ... (a quantized V needs
     # flash attention)
@@ -84,6 +87,9 @@ class Config:
     # sliding-window models: a full-size cache for the window layers (exact reuse anywhere);
     # --no-swa-full: a real window (less memory; see the README's models section)
     swa_full: bool = True
+    # the KV cache on the GPU with its layers (llama-server's -kvo); off (-nkvo): in host RAM,
+    # its attention computed there (more context on a small GPU, slower; other bits)
+    kv_offload: bool = True
     # tokens per prefill batch (llama.cpp's physical batch, -ub), and so the granularity of every
     # reuse and snapshot (a hit replays the cold run's batches, backend/engine.py); 0 = 512 with
     # GPU layers, else 128 or 512 as the first CPU worker measures (backend/worker/batch.py)
@@ -274,94 +280,10 @@ NOT_FLAGS = ("llama_notes",)  # fields no flag or variable sets
 SHOWN_DEFAULTS = {"n_gpu_layers": "auto", "temperature": "unset", "top_k": "unset",
                   "top_p": "unset", "min_p": "unset", "repeat_penalty": "unset",
                   "presence_penalty": "unset", "frequency_penalty": "unset"}
-_CHOICE_FIELDS = ("flash_attn", "cache_type_k", "cache_type_v", "tool_dialect", "split_mode",
-                  "load_mode", "lazy_mode", "reasoning_format", "reasoning", "reasoning_preserve",
-                  "deterministic", "repack")
-SPLIT_MODES = ("none", "layer", "row")  # llama.cpp's enum llama_split_mode, in order
-LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # backend.placement's
-LAZY_MODES = ("on", "auto", "off")  # likewise
-REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")  # llama.cpp's names
-_WORDS = {"split_mode": SPLIT_MODES, "load_mode": LOAD_MODES, "lazy_mode": LAZY_MODES,
-          "reasoning_format": REASONING_FORMATS, "reasoning": ("on", "off", "auto"),
-          "reasoning_preserve": ("on", "off", ""), "deterministic": DETERMINISTIC,
-          "repack": ("auto", "on", "off"), "spec_stop": ("auto", "off"),
-          "rope_scaling": rope.SCALINGS, "numa": ("", "distribute", "isolate", "numactl")}
-# llama.cpp's words for on, off and auto (common_arg_utils::is_truthy, is_falsey, is_autoy)
-_LLAMA_WORDS = {"enabled": "on", "true": "on", "1": "on", "disabled": "off", "false": "off",
-                "0": "off", "-1": "auto"}
-# the older spellings of --load-mode, (mmap, mlock) as --no-mmap and --mlock give them: llama-server
-# took these before -lm, and its LLAMA_ARG_MMAP / LLAMA_ARG_MLOCK variables as well
-_OLD_LOAD_MODES = {(True, False): "auto", (False, False): "none", (True, True): "mmap+mlock",
-                   (False, True): "mlock"}
-_ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
 
 
 def _coerce(name: str, value: Any) -> Any:
-    default = Config.__dataclass_fields__[name].default
-    if name == "n_gpu_layers" and str(value).strip().lower() in ("all", "auto"):
-        # llama-server's words: all layers; auto: all where there is a device to offload to
-        # (a CUDA build on a machine with no GPU visible has none)
-        from backend.placement import offload_devices
-
-        auto = str(value).strip().lower() == "auto"
-        return -1 if not auto or offload_devices() else 0
-    if name == "api_key":  # comma-separated, as llama-server takes it, or repeated
-        items = value if isinstance(value, list) else [value]
-        return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())
-    if name in _WORDS:
-        choices = _WORDS[name]
-        v = str(value).strip().lower()
-        v = _LLAMA_WORDS.get(v, v) if name in ("reasoning", "reasoning_preserve", "repack") \
-            else v
-        if v not in choices:
-            raise ValueError(f"one of {', '.join(c for c in choices if c)}")
-        return v
-    if name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
-                "frequency_penalty"):
-        return None if value is None else float(value)
-    if name == "top_k":
-        return None if value is None else int(value)
-    if name == "spec_draft_ngl":
-        v = str(value).strip().lower()
-        return v if v in ("auto", "all") else str(int(v))
-    if name == "spec_type":
-        from policies.speculate import parse_types
-
-        return ",".join(parse_types(str(value))) or "none"
-    if name == "chat_template_kwargs":
-        import json
-
-        if str(value).strip() and not isinstance(json.loads(value), dict):
-            raise ValueError("a JSON object")
-        return str(value).strip()
-    if name in _CHOICE_FIELDS:  # what the worker's engine accepts
-        from backend.context import CACHE_TYPES, FLASH_ATTN  # llama_cpp: only when one is given
-
-        choices = FLASH_ATTN if name == "flash_attn" else tuple(CACHE_TYPES)
-        if name == "tool_dialect":
-            from proxy.dialects import NAMES as choices
-        v = str(value).strip().lower()
-        v = _ON_OFF.get(v, v) if name == "flash_attn" else v
-        if v not in choices and not (name == "tool_dialect" and not v):
-            raise ValueError(f"one of {', '.join(choices)}")
-        return v
-    if isinstance(value, str):
-        if isinstance(default, bool):
-            return value.strip().lower() in ("1", "true", "yes", "on")
-        if isinstance(default, int):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-        if name == "worker_url":  # URLs hold no commas; regexes (one per line) may
-            return tuple(u.strip() for u in value.split(",") if u.strip())
-        if isinstance(default, tuple):
-            return tuple(v for v in value.split("\n") if v)
-    if name == "worker_url" and isinstance(value, list):
-        return _coerce(name, ",".join(value))
-    if isinstance(default, tuple) and isinstance(value, list):
-        return tuple(value)
-    return value
-
+    return coerce(name, value, Config.__dataclass_fields__[name].default)
 
 # fields whose values are secrets: never shown in help, errors or logs
 SECRETS = ("api_key", "shared_tier_secret", "shared_tier", "worker_url")
@@ -373,6 +295,7 @@ SPEC_FIELDS = tuple(f.name for f in fields(Config) if f.name.startswith("spec_")
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
+                 "kv_offload",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
                  "shared_tier_secret", "deterministic", "repack", *rope.FIELDS, "numa",
@@ -433,8 +356,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             try:
                 values[f.name] = _coerce(f.name, v)
             except ValueError as e:
-                why = f" ({e})" if f.name in (*_CHOICE_FIELDS, "chat_template_kwargs",
-                                              *_WORDS, "spec_type") else ""
+                why = f" ({e})" if f.name in (*CHOICE_FIELDS, "chat_template_kwargs",
+                                              *WORDS, "spec_type") else ""
                 shown = "(not shown)" if f.name in SECRETS else repr(v)
                 raise SystemExit(f"invalid value for --{f.name.replace('_', '-')}: {shown}{why}"
                                  ) from None
@@ -447,7 +370,7 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             if old[i] is None and v is not None:
                 old[i] = v.strip().lower() in ("1", "true", "yes", "on")
         if old != [None, None]:
-            values["load_mode"] = _OLD_LOAD_MODES[old[0] is not False, bool(old[1])]
+            values["load_mode"] = OLD_LOAD_MODES[old[0] is not False, bool(old[1])]
     if "n_gpu_layers" not in values:  # llama-server's default: every layer where a GPU is
         values["n_gpu_layers"] = _coerce("n_gpu_layers", "auto")
     cfg = Config(**values)

@@ -48,6 +48,8 @@ HELP = {
     "cache_type_k": "K cache type: f16 | q8_0 | q4_0 | ... (llama.cpp's -ctk)",
     "cache_type_v": "V cache type (llama.cpp's -ctv; quantized needs --flash-attn on)",
     "swa_full": "sliding-window models: a full-size cache (exact reuse) instead of a real window",
+    "kv_offload": "the KV cache on the GPU with its layers (--no-kv-offload: in host RAM, as "
+                  "llama-server's -nkvo)",
     "ubatch_size": f"tokens per prefill batch and the reuse granularity (0 = {GPU_BATCH} on a "
                    f"GPU, else {CPU_BATCH} or {GPU_BATCH}, measured once)",
     "exact_check": "at start, prove that a cache hit answers exactly as a cold run (off: skip)",

@@ -10,7 +10,8 @@ with them (issue 21):
                          live_tokens, a hash of the tenant whose KV it holds, exact
     POST /completion     llama-server's native completion: {"prompt", "n_predict" (-1: to the
                          context's end), "stream", "stop", "temperature", "top_k", "top_p",
-                         "min_p", "seed", "json_schema", ...} -> {"content", "stop": true,
+                         "min_p", "seed", "json_schema", "grammar", llama-server's other
+                         samplers (proxy/samplers.py), ...} -> {"content", "stop": true,
                          "stop_type" (eos | word | limit), "stopping_word", "tokens_predicted",
                          "tokens_evaluated", "tokens_cached", "timings", ...}; streamed as SSE
                          chunks {"content", "stop": false}, then the final object (no [DONE])
@@ -32,7 +33,15 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.chat import ChatRequest, expect_dict, opt_bool, opt_int, parse_sampling, parse_stop
+from proxy.chat import (
+    ChatRequest,
+    expect_dict,
+    opt_bool,
+    opt_int,
+    parse_grammar,
+    parse_sampling,
+    parse_stop,
+)
 from proxy.edge import (
     CONFIG,
     GATEWAY,
@@ -146,7 +155,7 @@ def parse_native(body: Any, tenant: str) -> ChatRequest:
                        sampling=parse_sampling(body),
                        max_tokens=None if n_predict is None or n_predict < 0 else n_predict,
                        stop=parse_stop(body.get("stop")), stream=opt_bool(body, "stream"),
-                       tenant=tenant, json_schema=schema)
+                       tenant=tenant, json_schema=schema, grammar=parse_grammar(body))
 
 
 def _final(request: web.Request, req: ChatRequest, run: Run, content: str) -> dict[str, Any]:

@@ -88,7 +88,8 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "-ngl": "n_gpu_layers", "-sm": "split_mode", "-ts": "tensor_split", "-ot": "override_tensor",
     "-ncmoe": "n_cpu_moe", "-cmoe": ("n_cpu_moe", "-1", ""), "-lm": "load_mode",
     "-lzm": "lazy_mode", "-fa": "flash_attn", "-ctk": "cache_type_k", "-ctv": "cache_type_v",
-    "--swa-full": ("swa_full", "", ""), "-ub": "ubatch_size", "-cram": "cache_ram",
+    "--swa-full": ("swa_full", "", ""), "-kvo": ("kv_offload", "", ""), "-ub": "ubatch_size",
+    "-cram": "cache_ram",
     "--sse-ping-interval": "ping_interval_s", "-v": ("log_level", "DEBUG", ""),
     # server-wide request defaults (proxy/defaults.py)
     "--temp": "temperature", "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p",
@@ -147,7 +148,7 @@ _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
          "--cpu-mask-batch", "-Crb", "--cpu-range-batch", "--cpu-strict-batch", "--prio-batch",
          "--poll-batch"),
     "prefixgate's workers choose how weights and buffers are laid out": (
-        "-kvo", "--kv-offload", "--no-host", "--op-offload",
+        "--no-host", "--op-offload",
         "--no-op-offload", "-bs", "--backend-sampling", "--check-tensors"),
     "the context and layers are as given, not fitted to free memory":
         ("-fit", "--fit", "-fitt", "--fit-target", "-fitc", "--fit-ctx"),
@@ -205,7 +206,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "images are not supported yet": ("-mm", "-mmu", "--media-path"),
     "a server-wide grammar is not supported (a request's response_format is)":
         ("--grammar", "--grammar-file", "-j", "-jf"),
-    "keeping the KV cache off the GPU is not supported yet": ("-nkvo", "--no-kv-offload"),
     "LoRA adapters are not supported yet": ("--lora", "--lora-scaled",
                                             "--lora-init-without-apply"),
     "control vectors are not supported yet": ("--control-vector", "--control-vector-scaled",

@@ -23,6 +23,7 @@ from proxy.chat import (
     expect_dict,
     opt_bool,
     opt_int,
+    parse_grammar,
     parse_prefix_cache,
     parse_sampling,
     parse_stop,
@@ -231,7 +232,7 @@ def parse_chat(body: Any, tenant: str) -> ChatRequest:
                        tool_choice=tools_mod.parse_choice(body.get("tool_choice"), tools),
                        template_kwargs=parse_template_kwargs(body),
                        json_schema=parse_response_format(body.get("response_format")),
-                       **_common(body, tenant))
+                       grammar=parse_grammar(body), **_common(body, tenant))
 
 
 def parse_response_format(raw: Any) -> Any:
@@ -269,7 +270,7 @@ def raw_prompt(body: dict[str, Any], why: str = "") -> str:
 def parse_completion(body: Any, tenant: str) -> ChatRequest:
     body = expect_dict(body)
     return ChatRequest(api="completions", messages=(), prompt=raw_prompt(body),
-                       **_common(body, tenant))
+                       grammar=parse_grammar(body), **_common(body, tenant))
 
 
 def usage_json(u: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:

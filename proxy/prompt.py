@@ -264,6 +264,12 @@ class PromptBuilder:
             if req.tools else None
         if grammar is None and req.json_schema is not None:
             grammar = json_grammar(req.json_schema)
+        elif grammar is None and req.grammar is not None:  # the schema wins, as in llama-server
+            error = grammar_error(req.grammar)
+            if error:
+                raise BadRequest(f"'grammar' does not parse (llama.cpp's grammar parser says "
+                                 f"{error!r})", param="grammar")
+            grammar = req.grammar
         return rendered, grammar
 
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:

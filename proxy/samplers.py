@@ -102,8 +102,8 @@ def _bias_value(v: Any) -> float | None:
     """A bias: a number, or false for -inf (the token is never drawn); None: not one."""
     if v is False:
         return -math.inf
-    if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
-        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None  # (Python's JSON reads Infinity and NaN: +inf would unmask a grammar's ban)
     return float(v)
 
 
@@ -230,6 +230,7 @@ UNSUPPORTED = {
     "top_logprobs": (0, "token log-probabilities"),
     "n_probs": (0, "token probabilities"),
     "echo": (False, "echoing the prompt"),
+    "grammar_lazy": (False, "a lazy grammar (one that applies from a trigger on)"),
 }
 
 

@@ -136,3 +136,30 @@ def test_the_chain_s_samplers_act(echo: tuple[Engine, list[int]]) -> None:
         {"seed": 8}, {"typical_p": 0.2}, {"top_n_sigma": 0.5}, {"mirostat": 2},
         {"xtc_probability": 1.0, "xtc_threshold": 0.05}, {"dynatemp_range": 1.4})]
     assert all(o != first for o in others), others
+
+
+def test_a_draw_the_grammar_forbids_is_an_error_never_an_abort(echo: tuple[Engine, list[int]]
+                                                              ) -> None:
+    """The fuzz found it (a repetition penalty of 0 made the masked logits NaN): llama.cpp's
+    grammar throws from inside its accept when the chain picks a masked token, which aborts the
+    worker. Values that make logits no numbers are refused, and a pick is checked before it is
+    accepted (here an +inf bias on a masked token, with no temperature stage)."""
+    eng, ids = echo
+    eng.truncate(0, 0)
+    eng.prefill(0, ids)
+    with pytest.raises(ValueError, match="repetition penalty must be a number above 0"):
+        eng.sampler(Sampling(temperature=0.0, repeat_penalty=0.0))
+    nan = eng.sampler(Sampling(temperature=1.0, seed=3, samplers=("top_k",), top_k=0,
+                               logit_bias=((999, math.inf),)), 'root ::= "a"', 0)
+    try:
+        with pytest.raises(ValueError, match="drew no token the grammar allows"):
+            eng.sample(0, nan)
+    finally:
+        nan.close()
+    ok = eng.sampler(Sampling(temperature=0.7, seed=3, repeat_penalty=1.3), 'root ::= "a" "b"',
+                     0)
+    try:
+        first = eng.sample(0, ok)
+        assert eng.piece(first) == b"a"
+    finally:
+        ok.close()

@@ -9,7 +9,8 @@ import pytest
 
 from backend import placement
 from proxy.cli import serve_config
-from proxy.config import LAZY_MODES, LOAD_MODES, Config, worker_argv
+from proxy.config import Config, worker_argv
+from proxy.values import LAZY_MODES, LOAD_MODES
 
 SECRET = "sk-test-0123456789"
 
@@ -220,3 +221,30 @@ def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> No
         assert [w["ok"] for w in props["exact"]] == [True]
         log = srv.log()
     assert SECRET not in log
+
+
+@pytest.mark.model
+def test_a_kv_cache_off_the_gpu_reaches_the_worker_s_context() -> None:
+    """-nkvo (and its variable) keeps the KV in host RAM: the worker's flag, its placement, the
+    context's offload_kqv; on this CPU-only build nothing computes elsewhere, so the identity
+    is the default's (on a GPU it says "KV cache in host RAM" and keys the states apart)."""
+    from backend.context import load
+    from proxy.cli import worker_spec
+    from proxy.config import default_model
+
+    cfg = serve_config(["-m", default_model(), "-ngl", "0", "-nkvo"], environ={})
+    assert cfg.kv_offload is False and "--no-kv-offload" in worker_argv(cfg)
+    assert worker_spec(cfg).placement["kv_offload"] is False
+    assert serve_config(["-ngl", "0"], environ={"LLAMA_ARG_NO_KV_OFFLOAD": "1"}).kv_offload \
+        is False
+    assert serve_config(["-ngl", "0", "--kv-offload"], environ={}).kv_offload is True
+    off = load(default_model(), 512, 2, 0, placement={"kv_offload": False})
+    on = load(default_model(), 512, 2, 0, placement={"kv_offload": True})
+    try:
+        assert off.compute == on.compute and "kv_offload" not in off.placement
+    finally:
+        import llama_cpp
+
+        for got in (off, on):
+            llama_cpp.llama_free(got.ctx)
+            llama_cpp.llama_model_free(got.model)

@@ -79,8 +79,9 @@ def test_sampling_parameters_are_accepted(server: Server) -> None:
 
 
 def test_llama_server_s_samplers_through_the_sdk(server: Server) -> None:
-    """OpenAI's logit_bias and llama-server's sampler fields (as extra_body) reach the worker's
-    chain; what prefixgate does not do is a 400 in OpenAI's shape, never a silent answer."""
+    """OpenAI's logit_bias and llama-server's sampler and grammar fields (as extra_body) reach
+    the worker's chain; what prefixgate does not do is a 400 in OpenAI's shape, never a silent
+    answer."""
     messages = [{"role": "user", "content": "Say hi."}]
     plain, _ = chat(server, messages, max_tokens=4, logprobs=False, n=1)
     first = client(server).post(server.url + "/tokenize", cast_to=object, body={
@@ -96,9 +97,15 @@ def test_llama_server_s_samplers_through_the_sdk(server: Server) -> None:
         "top_n_sigma": 1.0, "samplers": ["penalties", "dry", "top_k", "temperature"],
         "dry_sequence_breakers": ["\n"], "repeat_last_n": 16})
     assert endless.usage.completion_tokens == 24 and endless.choices[0].finish_reason == "length"
+    # llama-server's grammar field constrains the answer (a JSON schema would win over it)
+    yes_no, _ = chat(server, messages, max_tokens=4,
+                     extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert yes_no.choices[0].message.content in ("yes", "no")
     for kw, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
                       ({"logit_bias": {"49152": 5}}, "logit_bias"),
-                      ({"extra_body": {"samplers": ["beam"]}}, "samplers")):
+                      ({"extra_body": {"samplers": ["beam"]}}, "samplers"),
+                      ({"extra_body": {"grammar": "root ::= ("}}, "grammar"),
+                      ({"extra_body": {"grammar": ["root"]}}, "grammar")):
         with pytest.raises(openai.BadRequestError) as e:
             chat(server, messages, **kw)
         assert e.value.body["param"] == param, e.value.body

@@ -45,6 +45,10 @@ def test_a_request_s_sampler_fields() -> None:
 
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"typical_p": 1.5}, "typical_p", "between 0.0 and 1.0"),
+    # logits that are no numbers (the fuzz's worker abort): refused as llama-server refuses them
+    ({"repeat_penalty": 0.0}, "repeat_penalty", "between 0.01 and 10.0"),
+    ({"logit_bias": {"5": math.inf}}, "logit_bias", "a number (or false"),
+    ({"logit_bias": [[5, math.nan]]}, "logit_bias", "a number (or false"),
     ({"repeat_last_n": -1}, "repeat_last_n", "between 0 and"),
     ({"repeat_last_n": 2.5}, "repeat_last_n", "an integer"),
     ({"mirostat": 3}, "mirostat", "between 0 and 2"),
@@ -70,6 +74,7 @@ def test_a_bad_sampler_field_is_a_400_that_names_it(body: dict[str, Any], param:
     ({"n": 2}, "n"), ({"n_cmpl": 3}, "n_cmpl"), ({"best_of": 2}, "best_of"),
     ({"logprobs": True}, "logprobs"), ({"logprobs": 5}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"n_probs": 3}, "n_probs"), ({"echo": True}, "echo"),
+    ({"grammar": "root ::= \"a\"", "grammar_lazy": True}, "grammar_lazy"),
 ])
 def test_what_prefixgate_does_not_do_is_a_400_never_silence(body: dict[str, Any],
                                                             param: str) -> None:
@@ -81,8 +86,8 @@ def test_what_prefixgate_does_not_do_is_a_400_never_silence(body: dict[str, Any]
 def test_what_asks_nothing_passes() -> None:
     """Clients send the neutral values by habit (the OpenAI SDKs, LangChain)."""
     req = parse_chat({"messages": MSG, "n": 1, "logprobs": False, "top_logprobs": 0,
-                      "n_probs": 0, "echo": False, "best_of": None}, "")
-    assert req.sampling == {}
+                      "n_probs": 0, "echo": False, "best_of": None, "grammar_lazy": False}, "")
+    assert req.sampling == {} and req.grammar is None
 
 
 def test_llama_server_s_sampler_flags() -> None:
@@ -150,3 +155,12 @@ def test_logit_bias_by_text_is_its_tokens_and_an_id_outside_the_vocabulary_is_a_
     with pytest.raises(BadRequest) as e:
         samplers.resolve({"logit_bias": ((n_vocab, 1.0),)}, tok.encode, tok.decode)
     assert e.value.param == "logit_bias" and "outside the vocabulary" in str(e.value)
+
+
+def test_llama_server_s_grammar_field() -> None:
+    g = 'root ::= "yes" | "no"'
+    assert parse_chat({"messages": MSG, "grammar": g}, "").grammar == g
+    assert parse_chat({"messages": MSG, "grammar": ""}, "").grammar is None
+    with pytest.raises(BadRequest) as e:
+        parse_chat({"messages": MSG, "grammar": 5}, "")
+    assert e.value.param == "grammar"
