@@ -3,16 +3,22 @@ chain built from them, as llama-server builds it (the stop-string matcher is bac
 
 - `Sampling` is the wire form's fields (`backend.protocol.Job.sampling`): llama-server's request
   names, defaults as llama.cpp's `common_params_sampling` (proxy/samplers.py checks them).
-- `Sampler` owns one llama.cpp sampler chain in `common_sampler_init`'s order: the grammar, the
-  logit biases (the request's, the model's suppressed tokens, every end-of-generation token
-  under `ignore_eos`), then the samplers in `samplers` order (penalties, dry, top_n_sigma,
-  top_k, typ_p, top_p, min_p, xtc, temperature by default; the temperature stage of a
-  temperature of 0 or less keeps only the greatest logit) and a seeded draw (adaptive_p's where
+- `Sampler` owns one llama.cpp sampler chain in `common_sampler_init`'s order: the logit
+  biases (the request's, the model's suppressed tokens, every end-of-generation token under
+  `ignore_eos`), then the samplers in `samplers` order (penalties, dry, top_n_sigma, top_k,
+  typ_p, top_p, min_p, xtc, temperature by default; the temperature stage of a temperature of 0
+  or less keeps only the greatest logit) and a seeded draw (adaptive_p's where
   it is named); or, with mirostat 1 or 2, the temperature and mirostat. The penalties and DRY
   start with the prompt's last tokens in their windows, as llama-server's chain has every prompt
-  token accepted before its first draw (the others keep no state of them). A grammar llama.cpp
-  cannot parse gives a NULL sampler: a ValueError when the chain is built, never a sample
-  through it (a SIGSEGV that kills the worker). Free it with `close()`.
+  token accepted before its first draw (the others keep no state of them). Free it with
+  `close()`.
+- A grammar is a sampler apart, used as `common_sampler_sample` uses it: the chain draws alone;
+  a pick the grammar allows is taken (one token checked, not the vocabulary: the grammar's cost
+  is paid only where the chain strays); otherwise the chain draws again on the candidates the
+  grammar leaves. Those candidates are this process's, and a pick the grammar masked (logits
+  that are not numbers) is a ValueError, never an accept that throws inside llama.cpp (an abort
+  of the worker). A grammar llama.cpp cannot parse gives a NULL sampler: a ValueError when the
+  Sampler is made, never a sample through it (a SIGSEGV).
 - Greedy with nothing else that can change the pick (no grammar, no bias, penalties, DRY, XTC
   or mirostat that change nothing, the temperature stage in the chain), a sample is the first
   greatest logit, which is what the chain picks: read off the logits in place, without the
@@ -129,9 +135,7 @@ class Sampler:
             raise
         self.argmax = llama_cpp.llama_vocab_n_tokens(vocab) \
             if s.picks_greatest and not (grammar or bias) else 0
-        # with a grammar, the candidates are this process's, so a draw the grammar forbids is
-        # a ValueError, never an accept that throws inside llama.cpp (an abort of the worker)
-        self.cur: Any = None
+        self.cur: Any = None  # with a grammar: the candidates (the module docstring)
         if grammar:
             n = llama_cpp.llama_vocab_n_tokens(vocab)
             self.cur = np.zeros(n, dtype=[("id", np.int32), ("logit", np.float32),
@@ -139,6 +143,7 @@ class Sampler:
             self.ids = np.arange(n, dtype=np.int32)
 
     argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
+    grammar: Any = None  # llama.cpp's grammar sampler, apart from the chain
 
     def _build(self, vocab: Any, s: Sampling, grammar: str | None,
                bias: list[tuple[int, float]], history: Sequence[int]) -> None:
@@ -150,12 +155,12 @@ class Sampler:
                              "frequency and presence penalties numbers")
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
-        if grammar:  # first: llama-server's draw when the chain's pick breaks the grammar
-            g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-            if not g:
+        if grammar:
+            self.grammar = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(),
+                                                                b"root") or None
+            if self.grammar is None:
                 raise ValueError("llama.cpp could not build a sampler from the grammar (it does "
                                  "not parse); nothing was generated")
-            self._add(g)
         if bias:
             arr = (llama_cpp.llama_logit_bias * len(bias))(
                 *(llama_cpp.llama_logit_bias(t, b) for t, b in bias))
@@ -223,32 +228,44 @@ class Sampler:
             token = int(logits.argmax())
             if logits[token] == logits[token]:  # not NaN
                 return token
-        if self.cur is None:
+        if self.grammar is None:
             return int(llama_cpp.llama_sampler_sample(self.chain, ctx, row))
-        return self._sample_checked(ctx, row)
-
-    def _sample_checked(self, ctx: Any, row: int) -> int:
-        """llama_sampler_sample's steps (the row's logits as candidates, the chain, its pick
-        accepted) with the pick checked first: one the grammar masked (-inf), or no number
-        (logits that are not numbers), is a ValueError."""
         ptr = llama_cpp.llama_get_logits_ith(ctx, row)
         if not ptr:
             raise ValueError(f"llama.cpp has no logits for row {row}")
-        cur = self.cur  # the chain sorts and cuts it in place: filled afresh each draw
+        logits = np.ctypeslib.as_array(ptr, shape=(len(self.cur),))
+        token = self._draw(logits, with_grammar=False)
+        one = llama_cpp.llama_token_data(max(token, 0), 1.0, 0.0)
+        single = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(single))
+        if token < 0 or not one.logit > -math.inf:  # the grammar forbids it: the grammar first
+            token = self._draw(logits, with_grammar=True)
+            if token < 0:
+                raise ValueError("the sampler chain drew no token the grammar allows (the "
+                                 "model's logits, or the sampling values, gave no numbers)")
+        llama_cpp.llama_sampler_accept(self.grammar, token)
+        llama_cpp.llama_sampler_accept(self.chain, token)
+        return token
+
+    def _draw(self, logits: Any, with_grammar: bool) -> int:
+        """The chain's pick from `logits` (the grammar applied first, `with_grammar`); -1 for
+        none, or one that is masked or no number."""
+        cur = self.cur  # the samplers sort and cut it in place: filled afresh each draw
         cur["id"] = self.ids
-        cur["logit"] = np.ctypeslib.as_array(ptr, shape=(len(cur),))
+        cur["logit"] = logits
         cur["p"] = 0.0
         arr = llama_cpp.llama_token_data_array(
             cur.ctypes.data_as(llama_cpp.llama_token_data_p), len(cur), -1, False)
+        if with_grammar:
+            llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(arr))
         llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(arr))
         picked = arr.data[arr.selected] if 0 <= arr.selected < arr.size else None
-        if picked is None or not picked.logit > -math.inf:
-            raise ValueError("the sampler chain drew no token the grammar allows (the "
-                             "model's logits, or the sampling values, gave no numbers)")
-        llama_cpp.llama_sampler_accept(self.chain, picked.id)
-        return int(picked.id)
+        return -1 if picked is None or not picked.logit > -math.inf else int(picked.id)
 
     def close(self) -> None:
         if self.chain is not None:
             llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
+        if self.grammar is not None:
+            llama_cpp.llama_sampler_free(self.grammar)
+            self.grammar = None

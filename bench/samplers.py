@@ -69,6 +69,13 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("logit bias: ids and text", {"temperature": 0, "logit_bias": [[28, False], ["red", -5.0],
                                                                     [" blue", 3.0]]}),
     ("ignore_eos", {"temperature": 0, "ignore_eos": True}),
+    # llama-server's grammar flow: the chain's pick checked, a resample where it breaks it
+    ("grammar the answer keeps, temperature 0.8", {"temperature": 0.8,
+                                                    "grammar": "root ::= [a-zA-Z ,.'\\n]+"}),
+    ("grammar the answer breaks, temperature 0.8", {
+        "temperature": 0.8, "grammar": 'root ::= ("red" | "green" | "blue" | ", " | " ")+'}),
+    ("grammar the answer breaks, greedy", {
+        "temperature": 0, "grammar": 'root ::= ("red" | "green" | "blue" | ", " | " ")+'}),
 ]
 
 

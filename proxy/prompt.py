@@ -244,7 +244,7 @@ class PromptBuilder:
             ids = tuple(self.tok.encode(text))
             if self.tok.add_bos and self.tok.bos_id is not None:
                 ids = (self.tok.bos_id, *ids)
-            return Rendered(req.prompt, ids, (len(ids),), ()), None
+            return Rendered(req.prompt, ids, (len(ids),), ()), answer_grammar(req)
         messages, tools = self.messages(req)
         self.check_text(content_chars(messages), n_ctx)
         try:
@@ -262,15 +262,7 @@ class PromptBuilder:
                              f"{type(e).__name__}: {e}", param="messages") from None
         grammar = self.dialect.forced(req.tools, req.tool_choice, rendered.text) \
             if req.tools else None
-        if grammar is None and req.json_schema is not None:
-            grammar = json_grammar(req.json_schema)
-        elif grammar is None and req.grammar is not None:  # the schema wins, as in llama-server
-            error = grammar_error(req.grammar)
-            if error:
-                raise BadRequest(f"'grammar' does not parse (llama.cpp's grammar parser says "
-                                 f"{error!r})", param="grammar")
-            grammar = req.grammar
-        return rendered, grammar
+        return rendered, grammar or answer_grammar(req)
 
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:
         """Blocking (rendering a long conversation takes milliseconds): the gateway runs it on
@@ -314,6 +306,19 @@ def content_chars(messages: list[dict[str, Any]]) -> int:
 
 
 _COUNTED = PrefixMemo()  # a history's content characters, for its next turn
+
+
+def answer_grammar(req: ChatRequest) -> str | None:
+    """The grammar of a request's JSON schema (response_format, `json_schema`), else of its
+    `grammar` (the schema wins, as in llama-server), checked by llama.cpp's parser."""
+    if req.json_schema is not None:
+        return json_grammar(req.json_schema)
+    if req.grammar is not None:
+        error = grammar_error(req.grammar)
+        if error:
+            raise BadRequest(f"'grammar' does not parse (llama.cpp's grammar parser says "
+                             f"{error!r})", param="grammar")
+    return req.grammar
 
 
 def json_grammar(schema: Any) -> str:

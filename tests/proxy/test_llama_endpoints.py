@@ -221,6 +221,29 @@ def test_native_completion_in_llama_servers_shape(server: Server) -> None:
     assert status == 400 and err["error"]["param"] == "prompt"
 
 
+def test_a_raw_prompt_s_answer_keeps_its_grammar_and_schema(server: Server) -> None:
+    """/completion's `grammar` and `json_schema`, and /v1/completions' `grammar`, constrain a
+    raw prompt's answer as a chat's (they were dropped there before)."""
+    prompt = "Colours: red, green, blue, red.\nOnce upon a time, there lived a fisherman who"
+    colours = 'root ::= ("red" | "green" | "blue" | ", ")+'
+    for temperature in (0, 0.8):
+        status, r = post(server, "/completion", {"prompt": prompt, "n_predict": 10, "seed": 1,
+                                                 "temperature": temperature,
+                                                 "grammar": colours})
+        assert status == 200, r
+        assert r["content"] and set(r["content"]) <= set("redgreenblu, "), r["content"]
+    status, r = post(server, "/completion", {"prompt": prompt, "n_predict": 40,
+                                             "temperature": 0, "json_schema": {
+                                                 "type": "object", "required": ["n"],
+                                                 "properties": {"n": {"type": "integer"}}}})
+    assert status == 200 and r["stop_type"] == "eos", r
+    assert isinstance(json.loads(r["content"])["n"], int)
+    c = openai.OpenAI(base_url=server.v1, api_key="k", max_retries=0, timeout=120)
+    oai = c.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
+                               extra_body={"grammar": colours})
+    assert oai.choices[0].text and set(oai.choices[0].text) <= set("redgreenblu, ")
+
+
 def test_the_affinity_key_follows_the_session(server: Server) -> None:
     """X-Prefixgate-Affinity: the same for every turn of a session, from the client's session
     header where one is sent (Claude Code's X-Claude-Code-Session-Id), else from the prompt's
