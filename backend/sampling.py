@@ -40,7 +40,6 @@ import numpy as np
 # llama.cpp's default order (common_params_sampling::samplers)
 ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
          "temperature")
-NAMES = (*ORDER, "infill", "adaptive_p")  # every sampler a chain may name
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,25 +126,24 @@ class Sampler:
                  eog: frozenset[int] = frozenset(), history: Sequence[int] = ()) -> None:
         self.chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params())
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         bias = _bias(vocab, s, eog)
         try:
-            self._build(vocab, s, grammar, bias, history)
+            self._build(vocab, n_vocab, s, grammar, bias, history)
         except BaseException:
             self.close()
             raise
-        self.argmax = llama_cpp.llama_vocab_n_tokens(vocab) \
-            if s.picks_greatest and not (grammar or bias) else 0
+        self.argmax = n_vocab if s.picks_greatest and not (grammar or bias) else 0
         self.cur: Any = None  # with a grammar: the candidates (the module docstring)
         if grammar:
-            n = llama_cpp.llama_vocab_n_tokens(vocab)
-            self.cur = np.zeros(n, dtype=[("id", np.int32), ("logit", np.float32),
-                                          ("p", np.float32)])
-            self.ids = np.arange(n, dtype=np.int32)
+            self.cur = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
+                                                ("p", np.float32)])
+            self.ids = np.arange(n_vocab, dtype=np.int32)
 
     argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
     grammar: Any = None  # llama.cpp's grammar sampler, apart from the chain
 
-    def _build(self, vocab: Any, s: Sampling, grammar: str | None,
+    def _build(self, vocab: Any, n_vocab: int, s: Sampling, grammar: str | None,
                bias: list[tuple[int, float]], history: Sequence[int]) -> None:
         # common_sampler_init's refusals (such penalties make logits that are not numbers)
         if not (math.isfinite(s.repeat_penalty) and s.repeat_penalty > 0
@@ -153,7 +151,6 @@ class Sampler:
                 and math.isfinite(s.presence_penalty)):
             raise ValueError("the repetition penalty must be a number above 0, and the "
                              "frequency and presence penalties numbers")
-        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         seed = llama_cpp.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
         if grammar:
             self.grammar = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(),
@@ -178,7 +175,7 @@ class Sampler:
                     stage = self._stage(name, vocab, n_vocab, s, seed)
                     if name in ("penalties", "dry"):  # the prompt (not the grammar's)
                         for token in history:
-                            llama_cpp.llama_sampler_accept(stage, int(token))
+                            llama_cpp.llama_sampler_accept(stage, token)
                     self._add(stage)
             self._add(llama_cpp.llama_sampler_init_adaptive_p(s.adaptive_target,
                                                               s.adaptive_decay, seed)
@@ -217,7 +214,7 @@ class Sampler:
                                                          s.dynatemp_exponent)
         if name == "infill":
             return llama_cpp.llama_sampler_init_infill(vocab)
-        raise ValueError(f"no sampler named {name!r} (one of {', '.join(NAMES)})")
+        raise ValueError(f"no sampler named {name!r}")
 
     def sample(self, ctx: Any, row: int) -> int:
         """A token drawn from row `row` of the context's last logits (and accepted into the
@@ -235,10 +232,7 @@ class Sampler:
             raise ValueError(f"llama.cpp has no logits for row {row}")
         logits = np.ctypeslib.as_array(ptr, shape=(len(self.cur),))
         token = self._draw(logits, with_grammar=False)
-        one = llama_cpp.llama_token_data(max(token, 0), 1.0, 0.0)
-        single = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
-        llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(single))
-        if token < 0 or not one.logit > -math.inf:  # the grammar forbids it: the grammar first
+        if token < 0 or not self._allows(token):  # the grammar forbids it: the grammar first
             token = self._draw(logits, with_grammar=True)
             if token < 0:
                 raise ValueError("the sampler chain drew no token the grammar allows (the "
@@ -246,6 +240,13 @@ class Sampler:
         llama_cpp.llama_sampler_accept(self.grammar, token)
         llama_cpp.llama_sampler_accept(self.chain, token)
         return token
+
+    def _allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (it is given that one token to mask)."""
+        one = llama_cpp.llama_token_data(token, 1.0, 0.0)
+        llama_cpp.llama_sampler_apply(self.grammar, ctypes.byref(
+            llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)))
+        return bool(one.logit > -math.inf)
 
     def _draw(self, logits: Any, with_grammar: bool) -> int:
         """The chain's pick from `logits` (the grammar applied first, `with_grammar`); -1 for

@@ -61,9 +61,7 @@ BUILT_IN = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
             "dry_sequence_breakers": ("\n", ":", "\"", "*"), "dynatemp_range": 0.0,
             "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
             "adaptive_target": -1.0, "adaptive_decay": 0.9, "min_keep": 0,
-            "samplers": ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                         "xtc", "temperature"),
-            "logit_bias": (), "ignore_eos": False}
+            "samplers": samplers.ORDER, "logit_bias": (), "ignore_eos": False}
 THINK_TAGS = ("<think>", "</think>")
 
 

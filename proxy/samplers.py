@@ -46,12 +46,12 @@ NUMBERS: dict[str, tuple[type, float, float]] = {
 }
 FIELDS = (*NUMBERS, "samplers", "dry_sequence_breakers", "logit_bias", "ignore_eos")
 
-# llama.cpp's sampler names (common_sampler_types_from_names) and characters
+# llama.cpp's sampler names (common_sampler_types_from_names), the first nine its default order,
+# and their characters (common_sampler_type_to_chr)
 CANONICAL = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
              "temperature", "infill", "adaptive_p")
-CHARS = dict(zip("edskyp" "mxtia", ("penalties", "dry", "top_n_sigma", "top_k", "typ_p",
-                                     "top_p", "min_p", "xtc", "temperature", "infill",
-                                     "adaptive_p"), strict=True))
+ORDER = CANONICAL[:9]
+CHARS = dict(zip("edskypmxtia", CANONICAL, strict=True))
 ALIASES = {**{n: n for n in CANONICAL}, **{n.replace("_", "-"): n for n in CANONICAL},
            **{n.replace("_", ""): n for n in CANONICAL}, "nucleus": "top_p",
            "temp": "temperature", "typ": "typ_p"}
