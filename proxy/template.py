@@ -293,14 +293,31 @@ def render_prompt(
     at = token_at.__getitem__
     boundaries = sorted({*(map(shift.__add__, map(at, offsets)) if shift else map(at, offsets)),
                          len(ids)})
-    located = sorted(i for i in starts if i < len(plain))
+    located = sorted(starts)
+    del located[bisect.bisect_left(located, len(plain)):]
     roles = prior.get("roles", [])[: run.common]
     roles += [str(m.get("role", "")) for m in plain[len(roles):]]
     run.memo["roles"] = roles
-    positions = map(at, map(starts.__getitem__, located))
-    message_starts = tuple(map(MessageStart, map(shift.__add__, positions) if shift else positions,
-                               map(roles.__getitem__, located)))
+    positions = list(map(at, map(starts.__getitem__, located)))
+    if shift:
+        positions = list(map(shift.__add__, positions))
+    message_starts = _message_starts(run, positions, list(map(roles.__getitem__, located)))
     return Rendered(text, ids, tuple(boundaries), message_starts)
+
+
+def _message_starts(run: Run, positions: list[int], roles: list[str]
+                    ) -> tuple[MessageStart, ...]:
+    """The `MessageStart`s of these positions and roles; the leading ones the render `run`
+    resumed from made alike are its own objects (a long history's are the same every turn)."""
+    old_positions, old_roles, old = run.prior.get("message_starts", ((), (), ()))
+    k = len(old)
+    if not (k <= len(positions) and positions[:k] == old_positions
+            and roles[:k] == old_roles):
+        k = 0
+    out = (*old[:k], *map(MessageStart, positions[k:], roles[k:])) if k else \
+        tuple(map(MessageStart, positions, roles))
+    run.memo["message_starts"] = (positions, roles, out)
+    return out
 
 
 def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
