@@ -41,7 +41,7 @@ from backend.cpus import usable_cpus
 from backend.index import Index
 from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
-from proxy import anthropic_api, limits, llama_api, openai_api, responses_api, status
+from proxy import anthropic_api, cors, limits, llama_api, openai_api, responses_api, status
 from proxy.cache import DiskCache
 from proxy.chat import MEDIA_MODE, placeholder
 from proxy.config import Config, cache_identity
@@ -198,6 +198,8 @@ async def props_json(app: web.Application) -> dict[str, Any]:
             str(k): v.get("speculation", {}) for k, v in stats.items()}},
         # llama-server's flags and variables accepted with no effect here (proxy/llama_cli.py)
         "llama_server_notes": list(cfg.llama_notes),
+        # which web pages of another origin may call the API (proxy/cors.py)
+        "cors": {"origins": cfg.cors_origins, "note": cors_of(cfg).describe()},
         "cache_ram": {"mib": cfg.cache_ram,
                       "workers": {str(k): v["cache_ram"] for k, v in stats.items()}},
         "shared_tier": {"on": bool(cfg.shared_tier),
@@ -364,11 +366,11 @@ async def _open(app: web.Application, prompts: PromptBuilder, workers: asyncio.T
     if decode is not None and cfg.parallel > 1:
         placement = f"{decode.note}; {placement}" if placement else decode.note
     keys = app.get(ALLOWED_KEYS)
-    log.info("prefixgate ready on http://%s:%d: %s; model %s, %d worker(s) x %d slot(s) of "
+    log.info("prefixgate ready on http://%s:%d: %s; %s; model %s, %d worker(s) x %d slot(s) of "
              "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s%s (%.1f s)",
              cfg.host, cfg.port,
              f"auth on ({len(keys)} API key{'s' if len(keys) > 1 else ''})" if keys else
-             "auth OFF (no --api-key: any client is served)",
+             "auth OFF (no --api-key: any client is served)", cors_of(cfg).describe(),
              app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,
              "off" if cfg.cache_ram == 0 else "unbounded" if cfg.cache_ram < 0
              else f"{cfg.cache_ram} MiB/worker", cfg.disk_prefix_cache,
@@ -425,9 +427,16 @@ def api_keys_of(cfg: Config) -> set[str]:
     return keys
 
 
+def cors_of(cfg: Config) -> cors.Cors:
+    return cors.Cors(cfg.cors_origins, cfg.cors_methods, cfg.cors_headers, cfg.cors_credentials)
+
+
 def make_app(cfg: Config) -> web.Application:
     bounds = limits.with_overrides(cfg.limits)
-    app = web.Application(client_max_size=bounds.max_body_bytes, middlewares=[error_middleware])
+    policy = cors_of(cfg)
+    app = web.Application(client_max_size=bounds.max_body_bytes,
+                          middlewares=[cors.middleware(policy), error_middleware])
+    app.on_response_prepare.append(cors.on_prepare(policy))
     app[LIMITS] = bounds
     logging.getLogger("aiohttp.server").addFilter(ONE_LINE_REFUSALS)  # once, however many apps
     app[CONFIG] = cfg

@@ -152,6 +152,13 @@ class Config:
     # logged or echoed
     api_key: tuple[str, ...] = field(default=(), repr=False)
     alias: str = ""  # the model's id in responses and /v1/models; "" = from the file name
+    # browser pages that may call the API from another origin (llama-server's --cors-*,
+    # proxy/cors.py): "localhost" (pages served from this machine), "*" (any: llama-server's
+    # default), or origins separated by commas; "" = none
+    cors_origins: str = "localhost"
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    cors_headers: str = "*"  # "*": the headers the page asks for
+    cors_credentials: bool = True  # pages may send cookies and Authorization
     # slots per worker (llama-server's -np): sessions served at once from one model copy, each
     # with its own live KV and n_ctx / parallel tokens of context
     parallel: int = 1

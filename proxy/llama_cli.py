@@ -83,6 +83,8 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "-h": "--help", "--version": "--version",
     "-m": "model", "-hf": "hf_repo", "-hff": "hf_file", "-a": "alias",
     "--host": "host", "--port": "port", "--api-key": "api_key", "--api-key-file": "api_keys",
+    "--cors-origins": "cors_origins", "--cors-methods": "cors_methods",
+    "--cors-headers": "cors_headers", "--cors-credentials": ("cors_credentials", "", ""),
     "--chat-template-file": "chat_template_file", "--chat-template": "chat_template",
     "-c": "n_ctx", "-np": "parallel", "-t": "threads", "-tb": "threads_batch",
     "-ngl": "n_gpu_layers", "-sm": "split_mode", "-ts": "tensor_split", "-ot": "override_tensor",
@@ -231,8 +233,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
                                                 "--embd-normalize"),
     "TLS is not supported: put a TLS-terminating proxy in front": ("--ssl-key-file",
                                                                    "--ssl-cert-file"),
-    "CORS headers are not supported yet": ("--cors-origins", "--cors-methods", "--cors-headers",
-                                           "--cors-credentials"),
     "an API path prefix is not supported yet": ("--api-prefix",),
     "serving static files is not supported": ("--path",),
     "the server's built-in tools, agent and MCP servers are not supported": (
