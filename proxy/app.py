@@ -199,7 +199,7 @@ async def props_json(app: web.Application) -> dict[str, Any]:
         # llama-server's flags and variables accepted with no effect here (proxy/llama_cli.py)
         "llama_server_notes": list(cfg.llama_notes),
         # which web pages of another origin may call the API (proxy/cors.py)
-        "cors": {"origins": cfg.cors_origins, "note": cors_of(cfg).describe()},
+        "cors": {"origins": cfg.cors_origins, "note": cors.Cors.of(cfg).describe()},
         "cache_ram": {"mib": cfg.cache_ram,
                       "workers": {str(k): v["cache_ram"] for k, v in stats.items()}},
         "shared_tier": {"on": bool(cfg.shared_tier),
@@ -370,7 +370,7 @@ async def _open(app: web.Application, prompts: PromptBuilder, workers: asyncio.T
              "n_ctx %d, RAM tier %s, disk cache %s, tokenizer %s, tool dialect %s%s%s (%.1f s)",
              cfg.host, cfg.port,
              f"auth on ({len(keys)} API key{'s' if len(keys) > 1 else ''})" if keys else
-             "auth OFF (no --api-key: any client is served)", cors_of(cfg).describe(),
+             "auth OFF (no --api-key: any client is served)", cors.Cors.of(cfg).describe(),
              app[MODEL_ID], len(pool.workers), cfg.parallel, cfg.slot_ctx,
              "off" if cfg.cache_ram == 0 else "unbounded" if cfg.cache_ram < 0
              else f"{cfg.cache_ram} MiB/worker", cfg.disk_prefix_cache,
@@ -427,16 +427,10 @@ def api_keys_of(cfg: Config) -> set[str]:
     return keys
 
 
-def cors_of(cfg: Config) -> cors.Cors:
-    return cors.Cors(cfg.cors_origins, cfg.cors_methods, cfg.cors_headers, cfg.cors_credentials)
-
-
 def make_app(cfg: Config) -> web.Application:
     bounds = limits.with_overrides(cfg.limits)
-    policy = cors_of(cfg)
-    app = web.Application(client_max_size=bounds.max_body_bytes,
-                          middlewares=[cors.middleware(policy), error_middleware])
-    app.on_response_prepare.append(cors.on_prepare(policy))
+    app = web.Application(client_max_size=bounds.max_body_bytes, middlewares=[error_middleware])
+    cors.install(app, cors.Cors.of(cfg))
     app[LIMITS] = bounds
     logging.getLogger("aiohttp.server").addFilter(ONE_LINE_REFUSALS)  # once, however many apps
     app[CONFIG] = cfg

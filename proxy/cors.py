@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -45,6 +46,11 @@ class Cors:
     methods: str = "GET, POST, DELETE, OPTIONS"
     headers: str = "*"
     credentials: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any) -> Cors:
+        """The policy a Config's `cors_*` fields give (serve's and the front's)."""
+        return cls(cfg.cors_origins, cfg.cors_methods, cfg.cors_headers, cfg.cors_credentials)
 
     @property
     def listed(self) -> frozenset[str]:
@@ -116,6 +122,12 @@ def middleware(cors: Cors) -> Callable[..., Awaitable[web.StreamResponse]]:
         return await handler(request)
 
     return cors_middleware
+
+
+def install(app: web.Application, cors: Cors) -> None:
+    """The policy on an app: its preflights answered first, its answers' headers added."""
+    app.middlewares.insert(0, middleware(cors))
+    app.on_response_prepare.append(on_prepare(cors))
 
 
 def on_prepare(cors: Cors) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:

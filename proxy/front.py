@@ -48,7 +48,7 @@ import aiohttp
 from aiohttp import web
 
 from backend.redact import redact_url
-from proxy import limits
+from proxy import cors, limits
 from proxy.config import Config, add_arguments, from_args
 from proxy.edge import ALLOWED_KEYS, check_auth, parse_body
 from proxy.errors import (
@@ -243,7 +243,8 @@ class Front:
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             resp.headers.update({k: v for k, v in upstream.headers.items()
-                                 if k.lower() not in HOP})
+                                 if k.lower() not in HOP
+                                 and not k.lower().startswith("access-control-")})
             resp.headers["X-Prefixgate-Upstream"] = redact_url(url)
             resp.headers["X-Prefixgate-Route"] = why
             await resp.prepare(request)
@@ -271,6 +272,8 @@ class Front:
 
 def make_app(front: Front) -> web.Application:
     app = web.Application(client_max_size=front.bounds.max_body_bytes)
+    # the front's own policy for web pages, as serve's (a host's answer carries none of its own)
+    cors.install(app, cors.Cors.of(front.cfg))
     if front.keys:
         app[ALLOWED_KEYS] = front.keys
     app.cleanup_ctx.append(front.open)

@@ -25,8 +25,8 @@ def parse(argv: list[str]) -> Config:
     return from_args(p.parse_args(argv), {})
 
 
-async def client(keys: frozenset[str]) -> TestClient:
-    app = make_app(Front(parse([]), "prefixgate", "host", keys))
+async def client(keys: frozenset[str], argv: list[str] | None = None) -> TestClient:
+    app = make_app(Front(parse(argv or []), "prefixgate", "host", keys))
     app.cleanup_ctx.clear()  # no Dynamo runtime: nothing past the key check would work
     c = TestClient(TestServer(app))
     await c.start_server()
@@ -55,6 +55,25 @@ async def test_every_path_but_health_takes_a_key_before_anything_is_placed(
     finally:
         await c.close()
     assert KEY not in caplog.text and "sk-wrong" not in caplog.text
+
+
+async def test_web_pages_get_the_front_s_own_cors_policy() -> None:
+    """A preflight is answered at the front before its key check (it carries no key), and the
+    front's 401 names an allowed page's origin, as a host's would (proxy/cors.py)."""
+    c = await client(frozenset({KEY}), ["--cors-origins", "https://ui.example"])
+    try:
+        r = await c.options("/v1/chat/completions", headers={
+            "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization"})
+        assert r.status == 200
+        assert r.headers["Access-Control-Allow-Origin"] == "https://ui.example"
+        assert r.headers["Access-Control-Allow-Headers"] == "authorization"
+        r = await c.post("/v1/chat/completions", json={}, headers={"Origin": "https://ui.example"})
+        assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == "https://ui.example"
+        r = await c.options("/v1/messages", headers={"Origin": "http://localhost:3000"})
+        assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+    finally:
+        await c.close()
 
 
 def test_a_key_option_that_yields_no_key_stops_the_front(tmp_path: Path) -> None:
