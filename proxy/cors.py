@@ -112,7 +112,7 @@ def middleware(cors: Cors) -> Callable[..., Awaitable[web.StreamResponse]]:
                               ) -> web.StreamResponse:
         origin = request.headers.get("Origin", "")
         if origin and cors.allow_origin(origin) is None and origin not in refused \
-                and len(refused) < _REFUSALS_LOGGED:
+                and len(refused) < _REFUSALS_LOGGED and not same_origin(request, origin):
             refused.add(origin)
             log.warning("a web page from %r was not let call the API (CORS: %s)",
                         origin[:200], cors.describe())
@@ -130,8 +130,16 @@ def install(app: web.Application, cors: Cors) -> None:
     app.on_response_prepare.append(on_prepare(cors))
 
 
+def same_origin(request: web.Request, origin: str) -> bool:
+    """A page of this server itself (the status page): a browser needs no header for it."""
+    try:
+        return urlsplit(origin).netloc == request.host
+    except ValueError:
+        return False
+
+
 def on_prepare(cors: Cors) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """Every answer (streamed ones, errors, the preflight's own) as it is sent."""
+    """Every answer but a preflight (streamed ones, errors), as it is sent."""
 
     async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
         if request.method == "OPTIONS":

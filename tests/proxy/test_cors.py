@@ -119,9 +119,14 @@ def test_a_page_from_elsewhere_is_not_let_in_and_it_is_said(srv: Server) -> None
     status, headers, _ = request(srv, "GET", "/v1/models", {
         "Origin": OTHER, "Authorization": f"Bearer {KEY}"})
     assert status == 200 and "access-control-allow-origin" not in headers
+    # the server's own pages (the status page) are no other origin: nothing to say
+    own = f"http://127.0.0.1:{srv.port}"
+    assert request(srv, "GET", "/v1/models", {"Origin": own,
+                                              "Authorization": f"Bearer {KEY}"})[0] == 200
     log = srv.log()
     assert log.count(f"a web page from {OTHER!r} was not let call the API") == 1, \
         "one line per origin, not one per request"
+    assert f"a web page from {own!r}" not in log
     assert "web pages from this machine may call the API (--cors-origins localhost; " \
         "llama-server's default is *, any page)" in log
     assert KEY not in log
