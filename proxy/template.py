@@ -309,13 +309,11 @@ def _message_starts(run: Run, positions: list[int], roles: list[str]
                     ) -> tuple[MessageStart, ...]:
     """The `MessageStart`s of these positions and roles; the leading ones the render `run`
     resumed from made alike are its own objects (a long history's are the same every turn)."""
-    old_positions, old_roles, old = run.prior.get("message_starts", ((), (), ()))
+    old_positions, old_roles, old = run.prior.get("message_starts", ([], [], ()))
     k = len(old)
-    if not (k <= len(positions) and positions[:k] == old_positions
-            and roles[:k] == old_roles):
+    if positions[:k] != old_positions or roles[:k] != old_roles:
         k = 0
-    out = (*old[:k], *map(MessageStart, positions[k:], roles[k:])) if k else \
-        tuple(map(MessageStart, positions, roles))
+    out = (*old[:k], *map(MessageStart, positions[k:], roles[k:]))
     run.memo["message_starts"] = (positions, roles, out)
     return out
 
