@@ -19,6 +19,10 @@ chain built from them, as llama-server builds it (the stop-string matcher is bac
   that are not numbers) is a ValueError, never an accept that throws inside llama.cpp (an abort
   of the worker). A grammar llama.cpp cannot parse gives a NULL sampler: a ValueError when the
   Sampler is made, never a sample through it (a SIGSEGV).
+- A reasoning budget (`policies.reasoning_budget`), as llama.cpp's sampler applies it before
+  the chain: while it forces the block's end, the forced token is drawn through the chain with
+  every other logit at -inf (so the penalties and the seeded draw move as llama-server's do);
+  every token drawn is then fed to it. Left out where a grammar applies.
 - Greedy with nothing else that can change the pick (no grammar, no bias, penalties, DRY, XTC
   or mirostat that change nothing, the temperature stage in the chain), a sample is the first
   greatest logit, which is what the chain picks: read off the logits in place, without the
@@ -36,6 +40,8 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
+
+from policies.reasoning_budget import Budget, utf8_complete
 
 # llama.cpp's default order (common_params_sampling::samplers)
 ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
@@ -73,14 +79,25 @@ class Sampling:
     samplers: tuple[str, ...] = ORDER
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans it
     ignore_eos: bool = False
+    # a reasoning budget (policies.reasoning_budget): the most tokens (-1: none), the block's
+    # opening tokens, the sequences that end it, what is forced at its end, and whether the
+    # prompt opened it
+    reasoning_budget_tokens: int = -1
+    reasoning_budget_start: tuple[int, ...] = ()
+    reasoning_budget_end: tuple[tuple[int, ...], ...] = ()
+    reasoning_budget_forced: tuple[int, ...] = ()
+    reasoning_budget_open: bool = False
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Sampling:
         names = cls.__dataclass_fields__
         out = {k: v for k, v in d.items() if k in names and v is not None}
-        for k in ("dry_sequence_breakers", "samplers"):
+        for k in ("dry_sequence_breakers", "samplers", "reasoning_budget_start",
+                  "reasoning_budget_forced"):
             if k in out:
                 out[k] = tuple(out[k])
+        if "reasoning_budget_end" in out:
+            out["reasoning_budget_end"] = tuple(tuple(e) for e in out["reasoning_budget_end"])
         if "logit_bias" in out:
             out["logit_bias"] = tuple((int(t), float(b)) for t, b in out["logit_bias"])
         return cls(**out)
@@ -134,14 +151,23 @@ class Sampler:
             self.close()
             raise
         self.argmax = n_vocab if s.picks_greatest and not (grammar or bias) else 0
-        self.cur: Any = None  # with a grammar: the candidates (the module docstring)
-        if grammar:
+        self.vocab = vocab
+        # a reasoning budget, where the block's tags are known; a grammar (a forced call, which
+        # does not reason, or the answer's format) leaves it out
+        self.budget = Budget.of(s.reasoning_budget_tokens, s.reasoning_budget_start,
+                                s.reasoning_budget_end, s.reasoning_budget_forced,
+                                s.reasoning_budget_open) \
+            if s.reasoning_budget_tokens >= 0 and s.reasoning_budget_start and \
+            s.reasoning_budget_end and not grammar else None
+        self.cur: Any = None  # with a grammar or a budget: the candidates (the module docstring)
+        if grammar or self.budget is not None:
             self.cur = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
                                                 ("p", np.float32)])
             self.ids = np.arange(n_vocab, dtype=np.int32)
 
     argmax = 0  # greedy alone: the vocabulary's size (the module docstring); else 0
     grammar: Any = None  # llama.cpp's grammar sampler, apart from the chain
+    budget: Budget | None = None
 
     def _build(self, vocab: Any, n_vocab: int, s: Sampling, grammar: str | None,
                bias: list[tuple[int, float]], history: Sequence[int]) -> None:
@@ -218,7 +244,39 @@ class Sampler:
 
     def sample(self, ctx: Any, row: int) -> int:
         """A token drawn from row `row` of the context's last logits (and accepted into the
-        chain's state: penalties, grammar)."""
+        chain's state: penalties, grammar, the reasoning budget)."""
+        if self.budget is None:
+            return self._sample(ctx, row)
+        forced = self.budget.forced_token
+        token = self._sample(ctx, row) if forced is None else self._force(forced)
+        self.budget.accept(token, utf8_complete(self._piece(token)))
+        return token
+
+    def _force(self, token: int) -> int:
+        """`token`, drawn as llama.cpp's budget forces it: every other logit -inf before the
+        chain, whose state (penalties, the seeded draw) moves as it would."""
+        if self.argmax:
+            return token
+        cur = self.cur
+        cur["id"] = self.ids
+        cur["logit"] = -math.inf
+        cur["logit"][token] = 0.0
+        cur["p"] = 0.0
+        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(llama_cpp.llama_token_data_array(
+            cur.ctypes.data_as(llama_cpp.llama_token_data_p), len(cur), -1, False)))
+        llama_cpp.llama_sampler_accept(self.chain, token)
+        return token
+
+    def _piece(self, token: int) -> bytes:
+        """The token's text as llama.cpp's budget reads it (special tokens as nothing)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:max(n, 0)]
+
+    def _sample(self, ctx: Any, row: int) -> int:
         ptr = llama_cpp.llama_get_logits_ith(ctx, row) if self.argmax else None
         if ptr:  # (NULL: llama.cpp refused the row; the chain says so as it does)
             logits = np.ctypeslib.as_array(ptr, shape=(self.argmax,))

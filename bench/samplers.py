@@ -76,6 +76,15 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
         "temperature": 0.8, "grammar": 'root ::= ("red" | "green" | "blue" | ", " | " ")+'}),
     ("grammar the answer breaks, greedy", {
         "temperature": 0, "grammar": 'root ::= ("red" | "green" | "blue" | ", " | " ")+'}),
+    # the reasoning budget (policies.reasoning_budget), on raw text as llama-server's
+    # /completion takes it: the tags named, the block opened by the generation prompt
+    ("reasoning budget 8, greedy", {"temperature": 0, **(BUDGET := {
+        "reasoning_budget_tokens": 8, "reasoning_budget_start_tag": "<think>",
+        "reasoning_budget_end_tags": ["</think>"], "generation_prompt": "<think>\n",
+        "reasoning_budget_message": ""})}),
+    ("reasoning budget 8 and a message, temperature 0.8", {
+        "temperature": 0.8, **BUDGET, "reasoning_budget_message": " That is enough."}),
+    ("reasoning budget 0, greedy", {"temperature": 0, **BUDGET, "reasoning_budget_tokens": 0}),
 ]
 
 

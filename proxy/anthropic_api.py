@@ -388,6 +388,19 @@ def parse_thinking(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": raw["type"] != "disabled", **kwargs}
 
 
+def thinking_budget(body: dict[str, Any]) -> dict[str, Any]:
+    """`thinking: {"type": "enabled", "budget_tokens": N}` as llama-server's Anthropic API takes
+    it: a reasoning budget of N tokens (10000 when N is not given; policies.reasoning_budget)."""
+    raw = body.get("thinking")
+    if not isinstance(raw, dict) or raw.get("type") != "enabled":
+        return {}
+    n = raw.get("budget_tokens", 10000)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise BadRequest("'thinking.budget_tokens' must be a non-negative integer",
+                         param="thinking.budget_tokens")
+    return {"reasoning_budget_tokens": n}
+
+
 def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatRequest:
     body = expect_dict(body)
     raw = body.get("messages")
@@ -419,7 +432,8 @@ def parse_request(body: Any, tenant: str, count_only: bool = False) -> ChatReque
     return ChatRequest(
         api="anthropic", messages=messages, tools=tools,
         tool_choice=parse_choice(body.get("tool_choice"), tools),
-        sampling=parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
+        sampling={**parse_sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k")}),
+                  **thinking_budget(body)},
         max_tokens=max_tokens, stop=parse_stop(body.get("stop_sequences"), "stop_sequences"),
         stream=False if count_only else opt_bool(body, "stream"), scope=scope, window=window,
         tenant=tenant, continue_final=continue_final, template_kwargs=parse_thinking(body),

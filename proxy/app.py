@@ -41,7 +41,7 @@ from backend.cpus import usable_cpus
 from backend.index import Index
 from backend.protocol import placement_note
 from backend.shared import STATS as SHARED_STATS
-from proxy import anthropic_api, cors, limits, llama_api, openai_api, responses_api, status
+from proxy import anthropic_api, cors, idle, limits, llama_api, openai_api, responses_api, status
 from proxy.cache import DiskCache
 from proxy.chat import MEDIA_MODE, placeholder
 from proxy.config import Config, cache_identity
@@ -110,8 +110,10 @@ def health_json(app: web.Application) -> tuple[bool, dict[str, Any]]:
                 **({} if w.ready else {"loading": loading_note(w.loading), "progress":
                                        w.loading.progress if w.loading is not None else 0.0})}
                for w in (pool.workers if pool is not None else [])]
-    if boot["ready"] and pool is not None and pool.all_ready:
-        return True, {"status": "ok", "workers": workers}
+    if boot["ready"] and pool is not None and (pool.all_ready or pool.sleeping):
+        # asleep, it serves: the next request wakes it (proxy/idle.py)
+        return True, {"status": "ok", "workers": workers, **(
+            {"sleeping": True} if pool.sleeping else {})}
     # a ready worker counts as loaded: once the last one is, the cache index and the gateway
     # still open (it read 0 there, and moved backwards)
     loading = [w.get("progress", 1.0) for w in workers]
@@ -198,6 +200,8 @@ async def props_json(app: web.Application) -> dict[str, Any]:
             str(k): v.get("speculation", {}) for k, v in stats.items()}},
         # llama-server's flags and variables accepted with no effect here (proxy/llama_cli.py)
         "llama_server_notes": list(cfg.llama_notes),
+        # the workers left memory after --sleep-idle-seconds (proxy/idle.py); a request wakes them
+        "is_sleeping": pool.sleeping, "sleep_idle_seconds": cfg.sleep_idle_seconds,
         # which web pages of another origin may call the API (proxy/cors.py)
         "cors": {"origins": cfg.cors_origins, "note": cors.Cors.of(cfg).describe()},
         "cache_ram": {"mib": cfg.cache_ram,
@@ -379,6 +383,8 @@ async def _open(app: web.Application, prompts: PromptBuilder, workers: asyncio.T
              f"; {placement}" if placement else "", time.perf_counter() - t0)
     if note := cores_note(pool.workers, usable_cpus()):
         log.warning("%s", note)
+    if cfg.sleep_idle_seconds > 0:  # until the server stops (this task is cancelled then)
+        await idle.watch(pool, cfg.sleep_idle_seconds)
 
 
 async def _close(app: web.Application) -> None:

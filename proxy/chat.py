@@ -135,6 +135,28 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise BadRequest("'seed' must be an integer", param="seed")
         s["seed"] = seed & 0xFFFFFFFF
+    # llama-server's reasoning budget (policies.reasoning_budget): -1 none, as not set
+    name = "reasoning_budget_tokens" if body.get("reasoning_budget_tokens") is not None \
+        else "thinking_budget_tokens"
+    budget = opt_int(body, name, -1)
+    if budget is not None and budget >= 0:
+        s["reasoning_budget_tokens"] = budget
+    # raw text's tags and generation prompt (a chat's are its model's and its template's)
+    for name, key in (("reasoning_budget_message", "reasoning_budget_message"),
+                      ("reasoning_budget_start_tag", "reasoning_budget_start_tag"),
+                      ("generation_prompt", "reasoning_budget_generation_prompt")):
+        text = body.get(name)
+        if text is not None:
+            if not isinstance(text, str):
+                raise BadRequest(f"'{name}' must be a string", param=name)
+            s[key] = text
+    ends = body.get("reasoning_budget_end_tags", body.get("reasoning_budget_end_tag"))
+    if ends is not None:
+        ends = [ends] if isinstance(ends, str) else ends
+        if not isinstance(ends, list) or not all(isinstance(e, str) for e in ends):
+            raise BadRequest("'reasoning_budget_end_tags' must be a list of strings",
+                             param="reasoning_budget_end_tags")
+        s["reasoning_budget_end_tags"] = tuple(ends)
     return s
 
 

@@ -19,6 +19,7 @@ from proxy.config import (
     Config,
     add_arguments,
     cache_identity,
+    configure_logging,
     from_args,
 )
 from proxy.flags import LLAMA_SERVER
@@ -55,8 +56,7 @@ def serve(cfg: Config) -> None:
     from proxy.edge import BOOT
     from proxy.worker_link import StartupError
 
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(cfg, "%(asctime)s %(name)s %(levelname)s %(message)s")
     for note in cfg.llama_notes:  # llama-server's flags and variables that do nothing here
         logging.getLogger("prefixgate").warning("%s", note)
     try:
@@ -148,8 +148,7 @@ def worker(argv: list[str]) -> None:
     if cfg.spec_draft_model:
         _check_model(cfg.spec_draft_model)
     share_secrets(cfg)
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format=f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
+    configure_logging(cfg, f"%(asctime)s worker{ns.worker_id} %(levelname)s %(message)s")
     try:
         serve(worker_spec(cfg, ns.worker_id, ns.socket, ns.listen))
     except ValueError as e:  # a placement flag llama.cpp cannot take: one line

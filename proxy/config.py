@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import logging
 import os
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,11 @@ class Config:
     # or a Hugging Face repository's GGUF: user/model[:quant], and the file in it (proxy/hub.py)
     hf_repo: str = ""
     hf_file: str = ""
+    # the draft model's repository (llama-server's -hfd; -md then names the file in it), the
+    # hub's token (HF_TOKEN, as llama-server reads it), and the cache only: nothing fetched
+    hf_repo_draft: str = ""
+    hf_token: str = field(default="", repr=False)
+    offline: bool = False
     chat_template_file: str = ""  # a Jinja chat template used instead of the GGUF's own
     chat_template: str = ""  # or its source itself (llama-server's --chat-template; chatml)
     # how the model writes tool calls and reasoning (proxy/dialects); "" = found from the
@@ -179,6 +186,9 @@ class Config:
     kv_events_topic: str = ""  # the events' ZMQ topic ("" for Dynamo; llm-d: kv@POD@MODEL)
     kv_block_size: int = 16  # tokens per published KV block (the router must use the same)
     max_queue: int = 16  # requests waiting for a worker before 429
+    # seconds with no request after which the local workers leave memory until the next one
+    # (llama-server's --sleep-idle-seconds, proxy/idle.py); -1 never
+    sleep_idle_seconds: int = -1
     request_timeout_s: float = 3600.0  # a worker run longer than this fails
     # streams: an Anthropic ping, an OpenAI SSE comment after this many silent seconds
     ping_interval_s: float = 10.0
@@ -194,6 +204,7 @@ class Config:
     limits: tuple[str, ...] = ()
     debug_trace: bool = False  # log the first mismatching token of a miss
     log_level: str = "INFO"
+    log_file: str = ""  # every log line also appended to this file (llama-server's --log-file)
     # server-wide request defaults, llama-server's (proxy/defaults.py): a request's own value
     # wins, then these, then the model's general.sampling.* keys, then llama.cpp's built-in
     # ones; None = not set here
@@ -212,7 +223,8 @@ class Config:
     chat_template_kwargs: str = ""  # a JSON object of template variables, under a request's
     reasoning_format: str = "auto"  # auto | deepseek | deepseek-legacy | none
     reasoning: str = "auto"  # on | off | auto (the template's default): enable_thinking
-    reasoning_budget: int = -1  # thinking tokens: -1 no limit, 0 thinking off
+    reasoning_budget: int = -1  # thinking tokens: -1 no limit, 0 ends thinking at once
+    reasoning_budget_message: str = ""  # said before the forced end of a spent budget
     reasoning_effort: str = ""  # the template variable reasoning_effort (gpt-oss: low/medium/high)
     reasoning_preserve: str = ""  # on | off: preserve_reasoning; "" = the template's default
     # what prefixgate does instead of what llama-server's command line asked (proxy/llama_cli.py):
@@ -293,7 +305,7 @@ def _coerce(name: str, value: Any) -> Any:
     return coerce(name, value, Config.__dataclass_fields__[name].default)
 
 # fields whose values are secrets: never shown in help, errors or logs
-SECRETS = ("api_key", "shared_tier_secret", "shared_tier", "worker_url")
+SECRETS = ("api_key", "shared_tier_secret", "shared_tier", "worker_url", "hf_token")
 
 
 SPEC_FIELDS = tuple(f.name for f in fields(Config) if f.name.startswith("spec_"))
@@ -304,9 +316,9 @@ WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "
                  "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
                  "kv_offload",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
-                 "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "shared_tier",
-                 "shared_tier_secret", "deterministic", "repack", *rope.FIELDS, "numa",
-                 *SPEC_FIELDS)
+                 "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "log_file",
+                 "shared_tier", "shared_tier_secret", "deterministic", "repack", *rope.FIELDS,
+                 "numa", *SPEC_FIELDS)
 
 
 def worker_argv(cfg: Config) -> list[str]:
@@ -381,11 +393,20 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if "n_gpu_layers" not in values:  # llama-server's default: every layer where a GPU is
         values["n_gpu_layers"] = _coerce("n_gpu_layers", "auto")
     cfg = Config(**values)
-    if cfg.hf_repo and not cfg.model:  # a --model wins (a worker gets the resolved path)
-        from proxy.hub import resolve
+    # a --model wins, and an absolute --spec-draft-model (a worker gets the resolved paths);
+    # with a draft repository, a relative one names the file in it, as in llama-server
+    model = cfg.hf_repo and not cfg.model
+    draft = cfg.hf_repo_draft and not os.path.isabs(cfg.spec_draft_model)
+    if model or draft:
+        from proxy.hub import Hub
 
+        hub = Hub(cfg.hf_token, cfg.offline)
         try:
-            cfg = dataclasses.replace(cfg, model=resolve(cfg.hf_repo, cfg.hf_file))
+            if model:
+                cfg = dataclasses.replace(cfg, model=hub.resolve(cfg.hf_repo, cfg.hf_file))
+            if draft:
+                cfg = dataclasses.replace(cfg, spec_draft_model=hub.resolve(
+                    cfg.hf_repo_draft, cfg.spec_draft_model, "-hfd"))
         except ValueError as e:
             raise SystemExit(f"prefixgate: {e}") from None
     if cfg.n_ctx == 0:  # llama-server's -c 0: the context the model was trained with
@@ -402,9 +423,15 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         rope.settings(cfg)
     except ValueError as e:
         raise SystemExit(f"prefixgate: {e}") from None
-    if cfg.reasoning_budget not in (-1, 0):
-        raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: a budget of "
-                         "thinking tokens is not supported yet (-1: no limit, 0: thinking off)")
+    if cfg.sleep_idle_seconds == 0 or cfg.sleep_idle_seconds < -1:
+        raise SystemExit(f"prefixgate: --sleep-idle-seconds {cfg.sleep_idle_seconds}: give the "
+                         "idle seconds after which the workers leave memory, or -1 (never)")
+    if cfg.sleep_idle_seconds > 0 and cfg.worker_url:
+        raise SystemExit("prefixgate: --sleep-idle-seconds with --worker-url: remote workers are "
+                         "not this server's to stop (give it to local workers, --workers N)")
+    if cfg.reasoning_budget < -1:
+        raise SystemExit(f"prefixgate: --reasoning-budget {cfg.reasoning_budget}: give -1 (no "
+                         "limit), 0 (end thinking at once) or the most thinking tokens")
     if cfg.chat_template:
         from proxy.prompt import check_template_options
 
@@ -428,3 +455,18 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                          f"slot at least {MIN_SLOT_CTX} (-c is shared among the slots, as in "
                          "llama-server)")
     return cfg
+
+
+def configure_logging(cfg: Config, fmt: str) -> None:
+    """Log lines to stderr and, with llama-server's --log-file, appended to that file too."""
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if cfg.log_file:
+        path = os.path.expanduser(cfg.log_file)
+        if os.path.exists(path) and stat.S_ISFIFO(os.stat(path).st_mode):  # would block
+            raise SystemExit(f"prefixgate: --log-file {cfg.log_file}: a FIFO, not a file")
+        try:
+            handlers.append(logging.FileHandler(path, encoding="utf-8"))
+        except OSError as e:
+            raise SystemExit(f"prefixgate: --log-file {cfg.log_file}: "
+                             f"{e.strerror or type(e).__name__}") from None
+    logging.basicConfig(level=cfg.log_level.upper(), format=fmt, handlers=handlers)

@@ -13,8 +13,12 @@
   (`Defaults.unused`).
 - **Template variables**: a request's `chat_template_kwargs` (and Anthropic's `thinking`) over
   `--chat-template-kwargs`, over `--reasoning on|off` (`enable_thinking`, as llama-server sets
-  it), `--reasoning-budget 0` (thinking off: llama-server's older meaning of 0),
-  `--reasoning-effort` (`reasoning_effort`) and `--reasoning-preserve` (`preserve_reasoning`).
+  it), `--reasoning-effort` (`reasoning_effort`) and `--reasoning-preserve`
+  (`preserve_reasoning`).
+- **Reasoning budget**: `--reasoning-budget N` (and `--reasoning-budget-message`) under a
+  request's `reasoning_budget_tokens` (or `thinking_budget_tokens`; Anthropic's
+  `thinking.budget_tokens`): at most N tokens of reasoning, then its end is forced
+  (policies.reasoning_budget; 0 ends it at once, as llama-server's current meaning of 0).
 - **Length**: `-n N`, the most tokens a request that sets no maximum generates.
 - **Reasoning in OpenAI answers** (`--reasoning-format`, `inline_reasoning`): auto and deepseek
   put it in `reasoning_content`; deepseek-legacy there and also in the content inside the
@@ -107,8 +111,12 @@ class Defaults:
             kwargs["preserve_reasoning"] = cfg.reasoning_preserve == "on"
         if cfg.reasoning != "auto":
             kwargs["enable_thinking"] = cfg.reasoning == "on"
-        if cfg.reasoning_budget == 0:
-            kwargs["enable_thinking"] = False
+        if cfg.reasoning_budget >= 0:  # a budget of thinking tokens (0: end at once)
+            sampling["reasoning_budget_tokens"] = cfg.reasoning_budget
+            source["reasoning_budget_tokens"] = "command line"
+        if cfg.reasoning_budget_message:
+            sampling["reasoning_budget_message"] = cfg.reasoning_budget_message
+            source["reasoning_budget_message"] = "command line"
         if cfg.chat_template_kwargs:
             kwargs.update(json.loads(cfg.chat_template_kwargs))
         unused = tuple(sorted([*bad, *(k for k in model_keys
@@ -129,12 +137,13 @@ class Defaults:
 
     def props(self) -> dict[str, Any]:
         """What a request that sets nothing gets, and where each value comes from."""
-        params = {**BUILT_IN, "seed": -1, **self.sampling,
+        params = {**BUILT_IN, "seed": -1, "reasoning_budget_tokens": -1, **self.sampling,
                   "n_predict": -1 if self.max_tokens is None else self.max_tokens,
                   "chat_template_kwargs": self.template_kwargs,
                   "reasoning_format": self.reasoning_format}
         return {"params": params, "params_source": {k: self.source.get(k, "built-in")
-                                                    for k in (*BUILT_IN, "seed")}}
+                                                    for k in (*BUILT_IN, "seed",
+                                                              "reasoning_budget_tokens")}}
 
 
 async def inline_reasoning(events: AsyncIterator[Event], fmt: str,

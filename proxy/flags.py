@@ -32,6 +32,16 @@ HELP = {
                "(no quant: Q4_K_M, else Q8_0, else the first model file; every part of a split "
                "model), through the Hugging Face cache (HF_HUB_OFFLINE=1: only the cache)",
     "hf_file": "the GGUF file in the --hf-repo repository (default: picked by the quant)",
+    "hf_repo_draft": "the draft model's Hugging Face repository, user/model[:quant], as "
+                     "--hf-repo (--spec-draft-model then names the file in it)",
+    "hf_token": "the Hugging Face token for --hf-repo and --hf-repo-draft (default: HF_TOKEN, "
+                "else huggingface_hub's stored login)",
+    "offline": "take --hf-repo and --hf-repo-draft from the Hugging Face cache only, as "
+               "HF_HUB_OFFLINE=1: nothing is fetched",
+    "log_file": "also append every log line to this file",
+    "sleep_idle_seconds": "after this many seconds with no request the workers leave memory "
+                          "(the model and its KV) until the next request loads them again; "
+                          "what the cache wrote to disk stays (-1: never)",
     "chat_template_file": "a Jinja chat template file used instead of the model's own",
     "chat_template": "a Jinja chat template's source used instead of the model's own (chatml: "
                      "ChatML)",
@@ -156,7 +166,10 @@ HELP = {
                         "tags) | none (in the content)",
     "reasoning": "thinking of templates that have the switch: on | off | auto (the template's "
                  "default); a request's own setting wins",
-    "reasoning_budget": "thinking tokens: -1 no limit, 0 thinking off",
+    "reasoning_budget": "thinking tokens at most, then the end of thinking is forced: -1 no "
+                        "limit, 0 at once (a request's reasoning_budget_tokens wins)",
+    "reasoning_budget_message": "text forced before the end of thinking when the budget is "
+                                "spent",
     "reasoning_effort": "default reasoning_effort template variable (gpt-oss: low | medium | "
                         "high)",
     "reasoning_preserve": "the preserve_reasoning template variable: on | off (unset: the "
@@ -173,6 +186,10 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "model": (("-m",), "LLAMA_ARG_MODEL"),
     "hf_repo": (("-hf", "-hfr"), "LLAMA_ARG_HF_REPO"),
     "hf_file": (("-hff",), "LLAMA_ARG_HF_FILE"),
+    "hf_repo_draft": (("-hfd", "-hfrd"), "LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
+    "hf_token": (("-hft",), "HF_TOKEN"),
+    "offline": ((), "LLAMA_ARG_OFFLINE"),
+    "log_file": ((), "LLAMA_ARG_LOG_FILE"),
     "alias": (("-a",), "LLAMA_ARG_ALIAS"),
     "cors_origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
     "cors_methods": ((), "LLAMA_ARG_CORS_METHODS"),
@@ -211,6 +228,7 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "reasoning_format": ((), "LLAMA_ARG_THINK"),
     "reasoning": (("-rea",), "LLAMA_ARG_REASONING"),
     "reasoning_budget": ((), "LLAMA_ARG_THINK_BUDGET"),
+    "reasoning_budget_message": ((), "LLAMA_ARG_THINK_BUDGET_MESSAGE"),
     "reasoning_effort": ((), "LLAMA_ARG_REASONING_EFFORT"),
     "ping_interval_s": (("--sse-ping-interval",), "LLAMA_ARG_SSE_PING_INTERVAL"),
     **{k: ((), "LLAMA_ARG_" + k.upper()) for k in (*rope.FIELDS, "numa")},

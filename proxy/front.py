@@ -49,7 +49,7 @@ from aiohttp import web
 
 from backend.redact import redact_url
 from proxy import cors, limits
-from proxy.config import Config, add_arguments, from_args
+from proxy.config import Config, add_arguments, configure_logging, from_args
 from proxy.edge import ALLOWED_KEYS, check_auth, parse_body
 from proxy.errors import (
     ApiError,
@@ -307,7 +307,6 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"prefixgate front: {e}") from None
     need_dynamo("front")
     quiet_dynamo()
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(cfg, "%(asctime)s %(name)s %(levelname)s %(message)s")
     web.run_app(make_app(Front(cfg, namespace, component, keys)), host=cfg.host, port=cfg.port,
                 print=None, access_log=None)

@@ -1,8 +1,8 @@
-"""`-hf user/model[:quant]` (llama-server's `--hf-repo`): a GGUF from a Hugging Face repository,
-through `huggingface_hub` and its cache (`HF_HOME`, `HF_HUB_CACHE`; `HF_TOKEN` for a gated
-repository). Online, the repository's file list picks the file and only its files are
-downloaded (once: the cache keeps them). With `HF_HUB_OFFLINE=1` the cached snapshot is used,
-and nothing is fetched.
+"""`-hf user/model[:quant]` (llama-server's `--hf-repo`), and `-hfd` for the draft model: a GGUF
+from a Hugging Face repository, through `huggingface_hub` and its cache (`HF_HOME`,
+`HF_HUB_CACHE`; `-hft` or `HF_TOKEN` for a gated repository). Online, the repository's file list
+picks the file and only its files are downloaded (once: the cache keeps them). With `--offline`
+(or `HF_HUB_OFFLINE=1`) the cached snapshot is used, and nothing is fetched.
 
 Which file, as llama.cpp's `common/download.cpp` picks it (`pick`):
 - `user/model:TAG` splits at the last colon; `--hf-file` names the file exactly instead;
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from backend.redact import scrub
 
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")  # llama.cpp's find_best_model, when no tag is given
 NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
@@ -53,12 +55,12 @@ def split_of(path: str) -> Split | None:
     return Split(m.group(1), int(m.group(2)), int(m.group(3))) if m else Split(prefix)
 
 
-def split_tag(spec: str) -> tuple[str, str]:
+def split_tag(spec: str, flag: str = "-hf") -> tuple[str, str]:
     """user/model[:tag] -> (user/model, tag), as llama.cpp splits it."""
     words = spec.split(":")
     repo, tag = words[0], words[-1] if len(words) > 1 else ""
     if repo.count("/") != 1 or not all(repo.split("/")):
-        raise ValueError(f"-hf wants user/model[:quant], got {spec!r}")
+        raise ValueError(f"{flag} wants user/model[:quant], got {spec!r}")
     return repo, tag
 
 
@@ -115,43 +117,72 @@ def unreachable() -> str:
     return ""
 
 
-def resolve(spec: str, filename: str = "") -> str:
-    """user/model[:quant] (and --hf-file) -> the local path of its GGUF (the first part of a
-    split model) in the Hugging Face cache, every file of it downloaded there first when
-    missing and downloads are allowed. A ValueError says in one line what went wrong."""
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+@dataclass(frozen=True, slots=True)
+class Hub:
+    """How the hub is asked: with a token (llama-server's `-hft`; "" = huggingface_hub's own:
+    HF_TOKEN, a stored login) and online, or from its cache only (`--offline`, as
+    HF_HUB_OFFLINE=1). The token is sent to the hub only, never shown."""
 
-    repo, tag = split_tag(spec)
-    down = unreachable()
-    local = bool(down)  # the cache only, as offline
-    try:
+    token: str = field(default="", repr=False)
+    offline: bool = False
+
+    def resolve(self, spec: str, filename: str = "", flag: str = "-hf") -> str:
+        """user/model[:quant] (and its file, `--hf-file`) -> the local path of its GGUF (the
+        first part of a split model) in the Hugging Face cache, every file of it downloaded
+        there first when missing and downloads are allowed. A ValueError says in one line
+        what went wrong, naming `flag`."""
+        from huggingface_hub import constants
+
+        was = constants.HF_HUB_OFFLINE
+        # offline, huggingface_hub's own calls too (it fetches a registry of its own)
+        constants.HF_HUB_OFFLINE = was or self.offline
         try:
-            if local:
-                raise OSError(down)
-            files = HfApi().list_repo_files(repo)
-        except (OSError, HfHubHTTPError):  # offline, or no network: the cached snapshot
-            folder = snapshot_download(repo, local_files_only=True)
-            files = sorted(os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/")
-                           for d, _, names in os.walk(folder) for f in names)
-        if "preset.ini" in files:
-            raise ValueError("it is a llama-server preset (preset.ini): serving several models "
-                             "is not supported")
-        if filename and filename not in files:
-            raise ValueError(f"no file {filename} in it")
-        primary = filename or pick(files, tag)
-        paths = [str(hf_hub_download(repo, f, local_files_only=local))
-                 for f in parts(files, primary)]
-        return paths[0]
-    except LocalEntryNotFoundError:
-        why = f"the hub is unreachable ({down})" if down else \
-            "downloads are off (HF_HUB_OFFLINE) or the hub is unreachable"
-        raise ValueError(f"-hf {repo}: not in the Hugging Face cache "
-                         f"({os.environ.get('HF_HUB_CACHE') or 'HF_HOME'}) and {why}") from None
-    except HfHubHTTPError as e:  # not found, gated (HF_TOKEN), ...: the hub's reason
-        raise ValueError(f"-hf {repo}: {str(e).splitlines()[0]}") from None
-    except ValueError as e:
-        raise ValueError(f"-hf {spec}: {e}") from None
-    except Exception as e:  # the hub's client failing another way (a dropped connection)
-        raise ValueError(f"-hf {repo}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}") from None
+            return self._resolve(spec, filename, flag)
+        except ValueError as e:  # the hub's own words never carry the token; made sure
+            raise ValueError(scrub(str(e), [self.token] if self.token else [])) from None
+        finally:
+            constants.HF_HUB_OFFLINE = was
+
+    def _resolve(self, spec: str, filename: str, flag: str) -> str:
+        from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        repo, tag = split_tag(spec, flag)
+        token = self.token or None
+        down = unreachable()  # "" offline: nothing is asked
+        local = constants.HF_HUB_OFFLINE or bool(down)  # the cache only
+        refused = ""  # the hub's answer when it would not list the repository
+        try:
+            try:
+                if local:
+                    raise OSError(down)
+                files = HfApi(token=token).list_repo_files(repo)
+            except (OSError, HfHubHTTPError) as e:  # offline, no network, or refused: the
+                if isinstance(e, HfHubHTTPError):  # cached snapshot, and its files
+                    refused, local = str(e).splitlines()[0] if str(e) else type(e).__name__, True
+                folder = snapshot_download(repo, local_files_only=True)
+                files = sorted(os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/")
+                               for d, _, names in os.walk(folder) for f in names)
+            if "preset.ini" in files:
+                raise ValueError("it is a llama-server preset (preset.ini): serving several "
+                                 "models is not supported")
+            if filename and filename not in files:
+                raise ValueError(f"no file {filename} in it")
+            primary = filename or pick(files, tag)
+            paths = [str(hf_hub_download(repo, f, local_files_only=local, token=token))
+                     for f in parts(files, primary)]
+            return paths[0]
+        except LocalEntryNotFoundError:
+            why = f"the hub is unreachable ({down})" if down else \
+                f"the hub refused it: {refused}" if refused else \
+                "downloads are off (--offline, HF_HUB_OFFLINE) or the hub is unreachable"
+            raise ValueError(f"{flag} {repo}: not in the Hugging Face cache "
+                             f"({os.environ.get('HF_HUB_CACHE') or 'HF_HOME'}) and {why}"
+                             ) from None
+        except HfHubHTTPError as e:  # not found, gated (a token), ...: the hub's reason
+            raise ValueError(f"{flag} {repo}: {str(e).splitlines()[0]}") from None
+        except ValueError as e:
+            raise ValueError(f"{flag} {spec}: {e}") from None
+        except Exception as e:  # the hub's client failing another way (a dropped connection)
+            raise ValueError(f"{flag} {repo}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'no detail'}") from None

@@ -82,6 +82,8 @@ def spellings() -> dict[str, tuple[Option, bool]]:
 WORKS: dict[str, str | tuple[str, str, str]] = {
     "-h": "--help", "--version": "--version",
     "-m": "model", "-hf": "hf_repo", "-hff": "hf_file", "-a": "alias",
+    "--spec-draft-hf": "hf_repo_draft", "-hft": "hf_token", "--offline": ("offline", "", ""),
+    "--log-file": "log_file", "--sleep-idle-seconds": "sleep_idle_seconds",
     "--host": "host", "--port": "port", "--api-key": "api_key", "--api-key-file": "api_keys",
     "--cors-origins": "cors_origins", "--cors-methods": "cors_methods",
     "--cors-headers": "cors_headers", "--cors-credentials": ("cors_credentials", "", ""),
@@ -99,6 +101,7 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--frequency-penalty": "frequency_penalty", "-s": "seed", "-n": "n_predict",
     "--chat-template-kwargs": "chat_template_kwargs", "--reasoning-format": "reasoning_format",
     "-rea": "reasoning", "--reasoning-budget": "reasoning_budget",
+    "--reasoning-budget-message": "reasoning_budget_message",
     "--reasoning-effort": "reasoning_effort",
     "--reasoning-preserve": ("reasoning_preserve", "on", "off"),
     "--repack": ("repack", "on", "off"),
@@ -119,6 +122,9 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
 # ignored: spellings accepted with no effect here -> why (one warning line each)
 _NO_UI = "prefixgate has no web UI (/ is a status page)"
 _NO_PROJECTOR = "no vision projector is loaded: images are not supported yet"
+# a projector given: the model still serves, its images are placeholders (proxy/chat.py)
+_PROJECTOR_GIVEN = ("no vision projector is loaded (images are not supported yet); an image "
+                    "reaches the model as a text placeholder, said in its request's log line")
 _OWN_CACHE = "prefixgate keeps and restores each prompt's states itself, exactly"
 _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
     "prefixgate always renders the model's Jinja chat template": ("--jinja", "--no-jinja"),
@@ -155,6 +161,7 @@ _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
     "the context and layers are as given, not fitted to free memory":
         ("-fit", "--fit", "-fitt", "--fit-target", "-fitc", "--fit-ctx"),
     "deprecated in llama.cpp too; nothing to do": ("-dt", "--defrag-thold"),
+    _PROJECTOR_GIVEN: ("-mm", "--mmproj", "-mmu", "--mmproj-url", "--media-path"),
     _NO_PROJECTOR: ("--mmproj-auto", "--no-mmproj", "--no-mmproj-auto", "--mmproj-offload",
                     "--no-mmproj-offload", "-mmdev", "--mmproj-device", "--image-min-tokens",
                     "--image-max-tokens", "--mtmd-batch-max-tokens", "--video-fps",
@@ -195,8 +202,6 @@ IGNORED_OPTIONS: dict[str, str] = dict.fromkeys((
 # refused: llama.cpp's option (its first spelling, or one spelling of it) -> why the start stops
 _SPEC = "this speculative decoding option is not supported (prompt-lookup n-gram drafts are)"
 _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "a draft model from Hugging Face is not supported yet (a draft model file is)":
-        ("--spec-draft-hf",),
     "the built-in model presets are not supported: give the model and draft model files": (
         "--spec-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec"),
     "the ngram-cache type's lookup files are not supported": ("-lcs", "-lcd"),
@@ -205,7 +210,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "removed in llama.cpp too (llama-server refuses it)": (
         "--draft", "--draft-min", "--spec-ngram-size-n", "--spec-ngram-size-m",
         "--spec-ngram-min-hits"),
-    "images are not supported yet": ("-mm", "-mmu", "--media-path"),
     "a server-wide grammar is not supported (a request's response_format is)":
         ("--grammar", "--grammar-file", "-j", "-jf"),
     "LoRA adapters are not supported yet": ("--lora", "--lora-scaled",
@@ -222,8 +226,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "listing devices is the doctor command's (prefixgate doctor)": ("--list-devices",),
     "downloading a model by URL or from a registry other than Hugging Face is not supported "
     "yet": ("-mu", "-dr"),
-    "a Hugging Face token is read from the HF_TOKEN variable only": ("-hft",),
-    "offline mode is the HF_HUB_OFFLINE=1 variable": ("--offline",),
     "the model cache of llama.cpp is not prefixgate's (the Hugging Face cache is)": ("-cl",),
     "shell completion is not supported": ("--completion-bash",),
     "showing special tokens in the output is not supported": ("-sp",),
@@ -241,11 +243,9 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "--models-dir", "--models-preset", "--models-max", "--models-autoload"),
     "saving slots to files is not supported (the disk cache keeps states)":
         ("--slot-save-path",),
-    "unloading an idle model is not supported yet": ("--sleep-idle-seconds",),
     "returning the model's output unparsed is not supported yet": ("--skip-chat-parsing",),
-    "a thinking budget message is not supported yet": ("--reasoning-budget-message",),
-    "logging to a file or as JSON is not supported (prefixgate logs to stderr)":
-        ("--log-file", "--log-jsonl", "--log-prompts-dir"),
+    "logging as JSON or each prompt to a file is not supported (prefixgate logs plain "
+    "lines)": ("--log-jsonl", "--log-prompts-dir"),
     "the built-in model presets are not supported: give the model file or repository": (
         "--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default",
         "--fim-qwen-7b-default", "--fim-qwen-30b-default", "--gpt-oss-20b-default",

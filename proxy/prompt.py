@@ -264,6 +264,24 @@ class PromptBuilder:
             if req.tools else None
         return rendered, grammar or answer_grammar(req)
 
+    def _budget(self, req: ChatRequest, text: str) -> dict[str, Any]:
+        """The request's reasoning budget in token ids: a chat's tags are its dialect's (as
+        llama-server takes the template's), raw text's those the request names, open where
+        its `generation_prompt` opened the block."""
+        s = req.sampling
+        if req.prompt is not None:  # open where the generation prompt it names opens it
+            start, ends = s.get("reasoning_budget_start_tag", ""), \
+                s.get("reasoning_budget_end_tags", ())
+            gen = s.get("reasoning_budget_generation_prompt", "")
+            inside = bool(start) and gen.rfind(start) > max((gen.rfind(e) for e in ends),
+                                                            default=-1)
+            return samplers.resolve_budget(s, start, ends, inside, self.tok.encode)
+        think = self.dialect.think
+        return samplers.resolve_budget(s, think[0] if think else "",
+                                       think[1:] if think else (),
+                                       think is not None and self.dialect.inside_think(text),
+                                       self.tok.encode)
+
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:
         """Blocking (rendering a long conversation takes milliseconds): the gateway runs it on
         its render thread."""
@@ -276,6 +294,8 @@ class PromptBuilder:
         if req.sampling.get("logit_bias"):
             req = dataclasses.replace(req, sampling=samplers.resolve(
                 req.sampling, self.tok.encode, self.tok.decode))
+        if any(k.startswith("reasoning_budget_") for k in req.sampling):
+            req = dataclasses.replace(req, sampling=self._budget(req, rendered.text))
         n = len(rendered.ids)
         if n == 0:
             raise BadRequest("the prompt renders to zero tokens; send some text",

@@ -112,7 +112,8 @@ def render(props: dict[str, Any] | None, health: dict[str, Any],
     if props is None:
         body = _loading(health)
     else:
-        state = "ready" if health.get("status") == "ok" else \
+        state = "asleep: the next request loads the workers again" if health.get("sleeping") \
+            else "ready" if health.get("status") == "ok" else \
             f"a worker is (re)starting: {health.get('phase', '')}"
         body = (f'<p class="{"ok" if state == "ready" else "off"}" id="state">{_e(state)}</p>'
                 f"{_model(props)}<h2>Workers and slots</h2>{_slots(props, slots)}"

@@ -197,6 +197,16 @@ class Worker:
         except (ValueError, KeyError, TypeError) as e:
             log.warning("%s reported malformed costs: %s", self.name, e)
 
+    def adopt(self, h: WorkerInfo) -> None:
+        """What its /health says it is (it passed the pool's checks)."""
+        self.n_ctx, self.fingerprint = h.n_ctx, h.fingerprint
+        self.memory, self.batching = h.memory, Batching(h.align, frozenset(h.batch_ends))
+        self.exact, self.exact_failure, self.decode = h.exact, h.exact_failure, h.decode
+        self.borrows, self.boot_id = h.borrows, h.boot_id
+        self.set_slots(h.slots)
+        self.placement = dict(h.placement)  # its loading progress stands until it is ready
+        self.learn(h.costs)
+
     def set_slots(self, n: int) -> None:
         if n != len(self.slots):
             self.slots = [Slot(self, i) for i in range(n)]

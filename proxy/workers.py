@@ -38,11 +38,9 @@ import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -51,10 +49,11 @@ from backend import volume
 from backend.keys import CacheIdentity
 from backend.protocol import TierEvent, WorkerInfo, parse_event
 from backend.redact import redact_url
-from policies.prefix import Batching, measured_at_start
+from policies.prefix import Batching
 from policies.router import choose_slot
-from proxy.config import Config, worker_argv
+from proxy.config import Config
 from proxy.errors import QueueFull, WorkerFailed
+from proxy.local_workers import LocalWorkers
 from proxy.worker_link import (
     _UNREACHABLE,
     Slot,
@@ -62,17 +61,13 @@ from proxy.worker_link import (
     Worker,
     WorkerLoading,
     adopt_identity,
-    child_env,
     incompatibility,
-    loading_note,
     slot_views,
-    worker_gpus,
 )
 
 log = logging.getLogger("prefixgate.workers")
 
 
-LOADING_NOTE_S = 15.0  # a local worker still loading its model says so this often
 REMOTE_WAIT_S = 600.0  # how long startup waits for a remote worker to answer
 PROBE_INTERVAL_S = 1.0  # remote health probes
 PROBE_TIMEOUT_S = 3.0
@@ -82,7 +77,7 @@ RECHECK_INTERVAL_S = 0.25
 EVENTS_RETRY_S = 0.5  # a worker's tier events stream that ended is asked for again this late
 
 
-class Pool:
+class Pool(LocalWorkers):
     def __init__(self, cfg: Config, identity: CacheIdentity | None = None) -> None:
         self.cfg = cfg
         # the cache identity every worker must match (None: not checked); the devices that
@@ -96,6 +91,9 @@ class Pool:
         self._tasks: list[asyncio.Task[None]] = []
         self._rechecks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self.sleeping = False  # the local workers were stopped after idling (`sleep`)
+        self._waking = asyncio.Lock()
+        self.used_s = time.monotonic()  # when a request last took or gave back a slot
         # every worker's tier events as they come, and None when its stream ended (its states
         # are unknown then): the host's KV events (proxy/kv_events.py)
         self.on_tier: Callable[[str, TierEvent | None], None] | None = None
@@ -120,91 +118,24 @@ class Pool:
             w.session = w.new_session()
             self.workers.append(w)
         try:
-            if measured_at_start(self.cfg.n_gpu_layers, self.cfg.worker_batch,
-                                 self.cfg.flash_attn):  # the others recall what it measured
-                await self._spawn(self.workers[0])
-            await asyncio.gather(*(self._spawn(w) for w in self.workers if not w.ready))
+            await self._start_local()
         except BaseException:
             await self.close()  # no orphaned worker processes
             raise
-        self._tasks = [asyncio.create_task(self._supervise(w)) for w in self.workers]
-        self._tasks += [asyncio.create_task(self._listen(w)) for w in self.workers]
 
     async def close(self) -> None:
         self._closing = True
         for t in [*self._tasks, *self._rechecks]:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._rechecks, return_exceptions=True)
+        await self._stop_processes()
         for w in self.workers:
-            if w.process and w.process.returncode is None:
-                w.process.terminate()
-        for w in self.workers:
-            if w.process:
-                try:
-                    await asyncio.wait_for(w.process.wait(), 10)
-                except asyncio.TimeoutError:
-                    w.process.kill()
             if w.session:
                 await w.session.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._tmpdir):
                 os.unlink(os.path.join(self._tmpdir, name))
             os.rmdir(self._tmpdir)
-
-    # --- local workers ---------------------------------------------------------------------
-
-    def _command(self, w: Worker) -> list[str]:
-        return [sys.executable, "-m", "proxy.cli", "worker", "--socket", str(w.socket_path),
-                "--worker-id", str(w.worker_id), *worker_argv(self.cfg)]
-
-    async def _spawn(self, w: Worker) -> None:
-        w.ready = False
-        w.forget()
-        # the proxy's own tree first, then whatever the proxy was given
-        env = child_env(Path(__file__).resolve().parent.parent)
-        if self.cfg.shared_tier:  # not on the command line: the URL may hold a password
-            env["PREFIXGATE_SHARED_TIER"] = self.cfg.shared_tier
-        gpus = worker_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), self.cfg.workers,
-                           w.worker_id, self.cfg.n_gpu_layers)
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
-            log.info("worker %d gets GPU %s (CUDA_VISIBLE_DEVICES)", w.worker_id, gpus)
-        w.process = await asyncio.create_subprocess_exec(*self._command(w), env=env)
-        await self._wait_ready(w)
-
-    async def _wait_ready(self, w: Worker) -> None:
-        """As long as its process lives: a 60 GB model from a slow disk loads for minutes (no
-        fixed limit, as in llama-server); it says every LOADING_NOTE_S how far it got."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        note = start + LOADING_NOTE_S
-        log.info("worker %d loading %s", w.worker_id, os.path.basename(self.cfg.model_path))
-        while True:
-            if w.process and w.process.returncode is not None:
-                raise RuntimeError(f"worker {w.worker_id} exited with {w.process.returncode} "
-                                   "while starting (see its log above)")
-            try:
-                h = await w.health()
-                break
-            except _UNREACHABLE as e:
-                if isinstance(e, WorkerLoading):
-                    w.loading = e.status
-                if loop.time() >= note:
-                    log.info("worker %d is loading %s: %s, %.0f s", w.worker_id,
-                             os.path.basename(self.cfg.model_path), loading_note(w.loading),
-                             loop.time() - start)
-                    note += LOADING_NOTE_S
-                await asyncio.sleep(0.1)
-        problem = incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path, "",
-                                  self.cfg.parallel)
-        if problem:
-            raise StartupError(f"{w.name}: {problem}")
-        self._adopt(w, h)
-        async with self._cond:
-            w.ready = True
-            self._cond.notify_all()
-        log.info("worker %d ready (pid %s, n_ctx %d, %s)", w.worker_id,
-                 w.process.pid if w.process else "-", w.n_ctx, w.memory_note)
 
     async def _listen(self, w: Worker) -> None:
         """The worker's tier events (`GET /events`: its RAM tier's entries as they are, then
@@ -239,22 +170,6 @@ class Pool:
             if self.on_tier is not None:
                 self.on_tier(w.name, None)
             await asyncio.sleep(EVENTS_RETRY_S)
-
-    async def _supervise(self, w: Worker) -> None:
-        """Restart a worker process that exits; its in-flight request fails on its own."""
-        while not self._closing:
-            assert w.process is not None
-            rc = await w.process.wait()
-            if self._closing:
-                return
-            w.ready = False
-            w.restarts += 1
-            log.error("worker %d exited with %s; restarting", w.worker_id, rc)
-            try:
-                await self._spawn(w)
-            except RuntimeError as e:
-                log.error("%s", e)
-                await asyncio.sleep(1.0)
 
     # --- remote workers --------------------------------------------------------------------
 
@@ -300,13 +215,7 @@ class Pool:
             if changed:
                 log.info("the cache keys take %s's settings: %s", w.name, "; ".join(changed))
             self.identity = adopted
-        w.n_ctx, w.fingerprint = h.n_ctx, h.fingerprint
-        w.memory, w.batching = h.memory, Batching(h.align, frozenset(h.batch_ends))
-        w.exact, w.exact_failure, w.decode = h.exact, h.exact_failure, h.decode
-        w.borrows, w.boot_id = h.borrows, h.boot_id
-        w.set_slots(h.slots)
-        w.placement = dict(h.placement)  # its loading progress stands until it is ready
-        w.learn(h.costs)
+        w.adopt(h)
 
     async def _first_contact(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -427,6 +336,9 @@ class Pool:
         got = await asyncio.gather(*(one(w) for w in self.workers if w.ready))
         return dict(g for g in got if g is not None)
 
+    def busy(self) -> bool:
+        return any(s.busy for s in self.slots)
+
     @property
     def all_ready(self) -> bool:
         return bool(self.workers) and all(w.ready for w in self.workers)
@@ -455,18 +367,22 @@ class Pool:
                             f"{self._waiting} requests are waiting; retry shortly")
         self._waiting += 1
         try:
-            async with self._cond:
-                while True:
-                    slots = self.slots
-                    choice = choose_slot(slot_views(slots, ids, tenant), disk_hit)
-                    if choice is not None:
-                        s = slots[choice]
-                        if not s.busy:
-                            s.busy = True
-                            s.acquired_at_restarts = s.worker.restarts
-                            return s
-                    await self._cond.wait()
-                    self._check_reachable()
+            while True:
+                if self.sleeping:
+                    await self.wake()
+                async with self._cond:
+                    while not self.sleeping:
+                        slots = self.slots
+                        choice = choose_slot(slot_views(slots, ids, tenant), disk_hit)
+                        if choice is not None:
+                            s = slots[choice]
+                            if not s.busy:
+                                s.busy = True
+                                s.acquired_at_restarts = s.worker.restarts
+                                self.used_s = time.monotonic()
+                                return s
+                        await self._cond.wait()
+                        self._check_reachable()
         finally:
             self._waiting -= 1
 
@@ -488,7 +404,7 @@ class Pool:
             # an empty view belongs to nobody: a run that failed before the worker ran it
             # leaves the previous tenant's KV there, which the failing tenant must not reuse
             s.live_tenant = tenant if s.live_ids else ""
-            s.used_s = time.monotonic()
+            s.used_s = self.used_s = time.monotonic()
             if suspect and w.ready:
                 w.ready, w.checking = False, True
                 w.forget()

@@ -163,3 +163,26 @@ def test_a_draw_the_grammar_forbids_is_an_error_never_an_abort(echo: tuple[Engin
         assert eng.piece(first) == b"a"
     finally:
         ok.close()
+
+
+def test_a_reasoning_budget_forces_its_end_through_the_chain(echo: tuple[Engine, list[int]]
+                                                             ) -> None:
+    """The worker's side of the reasoning budget (policies.reasoning_budget): from the block
+    the prompt opened, N tokens drawn as the model would, then the forced ones, then the model
+    again; greedy in place and seeded through the chain alike (llama-server's answers with a
+    budget, token for token: `python -m bench.samplers`)."""
+    eng, ids = echo
+    OPEN, CLOSE = 1000, 1001  # as the tags' tokens (the model writes neither here)
+    forced = (2000, 2001, CLOSE)
+    budget = {"reasoning_budget_tokens": 3, "reasoning_budget_start": (OPEN,),
+              "reasoning_budget_end": ((CLOSE,),), "reasoning_budget_forced": forced,
+              "reasoning_budget_open": True}
+    for s in (Sampling(temperature=0.0), Sampling(temperature=1.2, top_k=0, top_p=1.0,
+                                                  min_p=0.0, seed=11)):
+        free = _draws(eng, s, ids, 12)
+        cut = _draws(eng, dataclasses.replace(s, **budget), ids, 12)
+        assert cut[:3] == free[:3] and tuple(cut[3:6]) == forced, (free, cut)
+    # a block it never opens forces nothing
+    closed = dataclasses.replace(Sampling(temperature=0.0), **{
+        **budget, "reasoning_budget_open": False})
+    assert _draws(eng, closed, ids, 8) == _draws(eng, Sampling(temperature=0.0), ids, 8)

@@ -118,6 +118,42 @@ def test_reasoning_is_separated_on_the_openai_api(thinking: Server) -> None:
     assert off.usage.completion_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}])
+def test_a_reasoning_budget_forces_the_end_of_reasoning(thinking: Server,
+                                                        sampling: dict[str, Any]) -> None:
+    """llama-server's reasoning budget: after N reasoning tokens the closing tag is forced
+    (after the budget's message), so the reasoning is the first N tokens of the unbounded
+    run's, and what follows is the answer. Greedy, and seeded through the sampler chain; the
+    request's field, Anthropic's `thinking.budget_tokens`, and 0 (closed at once)."""
+    c = openai.OpenAI(base_url=thinking.v1, api_key="k", max_retries=0, timeout=600)
+
+    def ask(**extra: Any) -> Any:
+        return c.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+                                         max_tokens=16, extra_body={**sampling, **extra})
+    free = ask().choices[0].message.reasoning_content
+    cut = ask(reasoning_budget_tokens=4, reasoning_budget_message=" Enough.")
+    m, details = cut.choices[0].message, cut.usage.completion_tokens_details
+    assert m.reasoning_content.endswith(" Enough.") and free.startswith(
+        m.reasoning_content.removesuffix(" Enough.")), (free, m.reasoning_content)
+    assert len(m.reasoning_content.removesuffix(" Enough.")) < len(free)
+    # the reasoning's tokens: 4 of the model's, the message's and the closing tag's
+    assert details is not None and 4 < details.reasoning_tokens < cut.usage.completion_tokens
+    assert ask(thinking_budget_tokens=4).choices[0].message.reasoning_content == \
+        m.reasoning_content.removesuffix(" Enough."), "llama-server's other name for it"
+    at_once = ask(reasoning_budget_tokens=0).choices[0].message
+    assert not getattr(at_once, "reasoning_content", None) and at_once.content
+    if sampling["temperature"]:
+        return  # Anthropic's API takes no seed
+    an = anthropic.Anthropic(base_url=thinking.url, api_key="k", max_retries=0, timeout=600)
+    thought = [an.messages.create(
+        model="m", max_tokens=16, messages=[MESSAGES[1]],  # type: ignore[list-item]
+        thinking={"type": "enabled", "budget_tokens": n}, extra_body=sampling).content[0]
+        for n in (1024, 4)]
+    assert [b.type for b in thought] == ["thinking", "thinking"]
+    long, short = (b.thinking for b in thought)  # type: ignore[union-attr]
+    assert long.startswith(short) and len(short) < len(long), (long, short)
+
+
 @pytest.mark.parametrize(("pieces", "end", "expected"), [
     (["<think>", "a", "b", "</think>", "x"], "</think>", 4),  # up to the closing token
     (["a", "</", "think>", "x", "y"], "</think>", 3),  # a tag split over two tokens

@@ -5,8 +5,12 @@ does; a repository not in the cache, or without that quant, is one line, not a t
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -21,11 +25,11 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "pg-test/SmolLM2-135M-Instruct-GGUF"
 
 
-def hub_cache(tmp: Path, files: dict[str, Path | None]) -> Path:
-    """A Hugging Face cache holding REPO's snapshot COMMIT with `files` (a link to a real file,
-    or an empty one)."""
+def hub_cache(tmp: Path, files: dict[str, Path | None], name: str = REPO) -> Path:
+    """A Hugging Face cache holding the repository `name`'s snapshot COMMIT with `files` (a
+    link to a real file, or an empty one)."""
     cache = tmp / "hub"
-    repo = cache / ("models--" + REPO.replace("/", "--"))
+    repo = cache / ("models--" + name.replace("/", "--"))
     snap = repo / "snapshots" / COMMIT
     snap.mkdir(parents=True)
     (repo / "refs").mkdir()
@@ -159,3 +163,120 @@ def test_a_split_model_loads_through_the_worker_from_the_cache(tmp_path: Path) -
         r = c.chat.completions.create(model="m", max_tokens=3, temperature=0,
                                       messages=[{"role": "user", "content": "hi"}])
         assert r.choices[0].message.content is not None
+
+
+DRAFT = "pg-test/SmolLM2-draft-GGUF"
+TOKEN = "hf_s3cretT0ken0123456789"
+
+
+@contextlib.contextmanager
+def hub_at(answer: int = 401) -> Iterator[list[tuple[str, str, str]]]:
+    """A listener where the hub would be, on loopback (the real hub cannot be reached from the
+    tests): it records each request (method, path, its Authorization header) and answers the
+    hub's probe with 200, anything else with `answer`."""
+    seen: list[tuple[str, str, str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            seen.append((self.command, self.path, self.headers.get("Authorization", "")))
+            code = 200 if self.path == "/" else answer
+            body = b"" if code == 200 else b'{"error": "Invalid credentials in Authorization"}'
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        import huggingface_hub.constants as hf  # read from the environment once, at import
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(hf, "ENDPOINT", f"http://127.0.0.1:{srv.server_address[1]}")
+            mp.setattr(hf, "HF_HUB_OFFLINE", False)
+            yield seen
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_draft_model_comes_from_its_own_repository(tmp_path: Path) -> None:
+    """llama-server's -hfd (and its other spellings, and its variable): the draft model's GGUF
+    picked by its quant as -hf picks the model's; with it, -md names the file in that
+    repository; --offline takes both from the cache and asks the hub nothing."""
+    cache = hub_cache(tmp_path, {"m-Q4_K_M.gguf": None})
+    hub_cache(tmp_path, {"d-Q4_K_M.gguf": None, "d-Q8_0.gguf": None, "sub/d-F16.gguf": None},
+              DRAFT)
+    snap = cache / ("models--" + DRAFT.replace("/", "--")) / "snapshots" / COMMIT
+    import huggingface_hub.constants as hf
+
+    with hub_at() as seen, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf, "HF_HUB_CACHE", str(cache))
+        for argv, env, file in [
+                (["-hf", REPO, "-hfd", DRAFT, "--offline"], {}, "d-Q4_K_M.gguf"),
+                (["-hf", REPO, "--hf-repo-draft", DRAFT + ":q8_0", "--offline"], {},
+                 "d-Q8_0.gguf"),
+                (["-hf", REPO, "-hfrd", DRAFT, "-md", "sub/d-F16.gguf", "--offline"], {},
+                 "sub/d-F16.gguf"),
+                (["-hf", REPO, "--spec-draft-hf", DRAFT + ":Q8_0"], {"LLAMA_ARG_OFFLINE": "1"},
+                 "d-Q8_0.gguf"),
+                (["-hf", REPO], {"LLAMA_ARG_SPEC_DRAFT_HF_REPO": DRAFT,
+                                 "PREFIXGATE_OFFLINE": "true"}, "d-Q4_K_M.gguf")]:
+            cfg = serve_config(argv, environ=env)
+            assert cfg.spec_draft_model == str(snap / file), argv
+            assert "draft-simple" in cfg.spec_type, "a draft model means draft-simple"
+        assert seen == [], "offline, the hub is asked nothing"
+        with pytest.raises(SystemExit) as e:
+            serve_config(["-hf", REPO, "-hfd", DRAFT + ":IQ2_XS", "--offline"], environ={})
+        assert str(e.value).startswith(f"prefixgate: -hfd {DRAFT}:IQ2_XS: no GGUF file of quant")
+        # an absolute draft path is a file here and wins (what a worker is given)
+        assert serve_config(["-hf", REPO, "-hfd", DRAFT, "-md", "/models/d.gguf", "--offline"],
+                            environ={}).spec_draft_model == "/models/d.gguf"
+
+
+def test_the_hub_token_reaches_the_hub_and_nothing_else(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """llama-server's -hft, and its variable HF_TOKEN: sent to the hub as its bearer token;
+    the start says what the hub answered (not "unreachable"), and shows no token."""
+    import huggingface_hub.constants as hf
+
+    cache = hub_cache(tmp_path, {"m-Q4_K_M.gguf": None})
+    with hub_at(401) as seen, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf, "HF_HUB_CACHE", str(cache))
+        for argv, env in [(["-hf", "pg-test/gated-GGUF", "-hft", TOKEN], {}),
+                          (["-hf", "pg-test/gated-GGUF"], {"HF_TOKEN": TOKEN}),
+                          (["-hf", REPO, "-hfd", "pg-test/gated-GGUF", "--hf-token", TOKEN],
+                           {})]:
+            seen.clear()
+            with pytest.raises(SystemExit) as e:
+                serve_config(argv, environ=env)
+            assert "pg-test/gated-GGUF" in str(e.value) and TOKEN not in str(e.value)
+            assert "the hub refused it" in str(e.value) and "401" in str(e.value), e
+            asked = [(m, a) for m, path, a in seen if path != "/"]
+            assert asked and all(a == f"Bearer {TOKEN}" for _, a in asked), seen
+        assert TOKEN not in capsys.readouterr().err
+        with pytest.raises(SystemExit) as e:  # an invalid value of it is not shown either
+            serve_config(["--offline=maybe", "-hft", TOKEN], environ={})
+        assert TOKEN not in str(e.value)
+
+
+def test_offline_asks_the_hub_nothing(tmp_path: Path) -> None:
+    """Without --offline the hub is probed first; with it, never (as HF_HUB_OFFLINE=1)."""
+    import huggingface_hub.constants as hf
+
+    cache = hub_cache(tmp_path, {"m-Q4_K_M.gguf": None})
+    with hub_at(404) as seen, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf, "HF_HUB_CACHE", str(cache))
+        serve_config(["-hf", REPO, "--offline"], environ={})
+        assert seen == []
+        with contextlib.suppress(SystemExit):
+            serve_config(["-hf", REPO], environ={})
+        assert seen[:1] == [("HEAD", "/", "")], seen

@@ -66,7 +66,8 @@ def test_the_table_reads_what_llama_server_takes() -> None:
 
 # --- every spelling, one class -----------------------------------------------------------------
 
-# a value each works option accepts (the others take "1"); -m so that -hf downloads nothing
+# a value each works option accepts (the others take "1"); -m so that -hf downloads nothing,
+# and an absolute -md so that -hfd does not (DRAFT_FILE)
 VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "auto",
           "-lzm": "auto", "--reasoning-format": "none", "-rea": "off", "--reasoning-budget": "0",
           "--chat-template-kwargs": '{"a": 1}', "-c": "4096", "-ngl": "0", "--port": "8081",
@@ -74,7 +75,9 @@ VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "a
           "-ot": "exps=CPU", "--host": "127.0.0.1", "--api-key": SECRET,
           "--chat-template-file": "t.jinja", "--api-key-file": "keys.txt", "-a": "coder",
           "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5",
-          "--rope-scaling": "yarn", "--numa": "distribute", "--chat-template": "chatml"}
+          "--rope-scaling": "yarn", "--numa": "distribute", "--chat-template": "chatml",
+          "--spec-draft-hf": "user/draft:Q8_0"}
+DRAFT_FILE = ["-md", "/models/draft.gguf"]
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w.-]*")
 
 
@@ -90,6 +93,8 @@ def test_every_spelling_parses_to_its_one_class(spelling: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     kind, why = classify(spelling)
     argv = ["-m", "model.gguf", *argv_of(spelling)]
+    if spellings()[spelling][0].name == "--spec-draft-hf":
+        argv += DRAFT_FILE
     if spelling in ("-h", "--help", "--usage", "--version"):
         with pytest.raises(SystemExit) as e:
             serve_config(argv, environ={})
@@ -156,8 +161,8 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["-mg", "0"], "prefixgate: -mg: choosing the main GPU"),
-    (["--spec-draft-hf", "u/r"], "prefixgate: --spec-draft-hf: a draft model from Hugging "
-                                 "Face is not supported yet"),
+    (["--spec-draft-hf", "u/not-cached", "--offline"], "prefixgate: -hfd u/not-cached: not in "
+                                                       "the Hugging Face cache"),
     (["--spec-type", "draft-simple"], "prefixgate: --spec-type draft-simple drafts with a "
                                       "draft model"),
     (["--draft-max", "16"], "prefixgate: --draft-max: removed in llama.cpp too"),
@@ -168,7 +173,7 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
     (["--spec-ngram-mod-n-match", "0"], "prefixgate: --spec-ngram-mod-n-match 0: ngram size N "
                                         "must be between 1 and 1024 inclusive"),
     (["-ag"], "prefixgate: -ag: the server's built-in tools"),
-    (["--mmproj", "p.gguf"], "prefixgate: --mmproj: images are not supported yet"),
+    (["-dev", "CUDA0"], "prefixgate: -dev: choosing devices by name is not supported yet"),
     (["-p", "hi"], "prefixgate: -p: not a llama-server option (llama.cpp's"),
     (["-mx", "1"], "prefixgate: not supported: -mx "),  # neither llama.cpp's nor ours
     (["-c"], "prefixgate: -c: expects a value"),

@@ -185,16 +185,19 @@ def test_an_unknown_load_mode_is_one_line() -> None:
 def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> None:  # type: ignore[no-untyped-def]
     """The same flags a llama-server user types (a quantized V cache needs flash attention, as
     in llama-server), both SDKs with the key, a wrong key refused, the alias as the model id,
-    and the key in no output."""
+    the log lines in --log-file too, a projector said as not loaded, and the keys (the API's,
+    the hub's) in no output."""
     import anthropic
     import openai
 
     from tests.conftest import running
 
+    logged = tmp_path / "llama.log"
     line = ["-m", model_path, "-c", "8192", "-ngl", "0", "-fa", "on", "-ctk", "q8_0", "-ctv",
             "q8_0", "--jinja", "-np", "1", "-a", "coder", "--api-key", SECRET, "--metrics",
             "-ub", "64", "--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "4096",
-            "--numa", "distribute"]
+            "--numa", "distribute", "--log-file", str(logged), "--mmproj", "mmproj.gguf",
+            "-hft", SECRET]
     with running(tmp_path, *line) as srv:
         oa = openai.OpenAI(base_url=srv.v1, api_key=SECRET, max_retries=0, timeout=120)
         r = oa.chat.completions.create(model="coder", messages=[{"role": "user", "content":
@@ -221,6 +224,14 @@ def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> No
         assert [w["ok"] for w in props["exact"]] == [True]
         log = srv.log()
     assert SECRET not in log
+    # --log-file: the proxy's and the worker's lines, as stderr has them
+    lines = logged.read_text().splitlines()
+    assert SECRET not in "\n".join(lines)
+    assert [x for x in lines if " prefixgate INFO prefixgate ready on " in x]
+    assert [x for x in lines if " worker0 INFO worker 0: exact reuse proven" in x]
+    assert [x for x in lines if "--mmproj: accepted for llama-server's command line, no effect "
+            "here: no vision projector is loaded" in x], "a projector given is said"
+    assert set(lines) <= set(log.splitlines())
 
 
 @pytest.mark.model

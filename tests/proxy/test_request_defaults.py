@@ -84,7 +84,11 @@ def test_built_in_values_are_the_workers() -> None:
     from proxy.defaults import BUILT_IN
 
     assert BUILT_IN == {k: getattr(Sampling(), k) for k in BUILT_IN}
-    assert set(Sampling.__dataclass_fields__) - set(BUILT_IN) == {"seed"}
+    # the seed, and the reasoning budget in the worker's terms (token ids: a request's own)
+    assert set(Sampling.__dataclass_fields__) - set(BUILT_IN) == {
+        "seed", "reasoning_budget_tokens", "reasoning_budget_start", "reasoning_budget_end",
+        "reasoning_budget_forced", "reasoning_budget_open"}
+    assert Sampling().reasoning_budget_tokens == -1
 
 
 def test_nothing_set_changes_nothing() -> None:
@@ -99,7 +103,16 @@ def test_template_variables_a_request_over_the_server() -> None:
     assert d.template_kwargs == {"enable_thinking": True, "x": 1, "reasoning_effort": "high",
                                  "preserve_reasoning": True}
     assert defaults("--reasoning", "off").template_kwargs == {"enable_thinking": False}
-    assert defaults("--reasoning-budget", "0").template_kwargs == {"enable_thinking": False}
+    # a budget is not a template variable (llama-server's current meaning of 0: the block is
+    # closed at once, by the sampler): the worker forces the end of reasoning
+    budget = defaults("--reasoning-budget", "0", "--reasoning-budget-message", "Done.")
+    assert budget.template_kwargs == {}
+    assert budget.apply(request()).sampling == {"reasoning_budget_tokens": 0,
+                                                "reasoning_budget_message": "Done."}
+    assert budget.apply(request(sampling={"reasoning_budget_tokens": 9})).sampling[
+        "reasoning_budget_tokens"] == 9, "a request's own budget wins"
+    assert budget.props()["params_source"]["reasoning_budget_tokens"] == "command line"
+    assert defaults().props()["params"]["reasoning_budget_tokens"] == -1
     assert defaults("--no-reasoning-preserve").template_kwargs == {"preserve_reasoning": False}
     req = defaults("-rea", "off").apply(request(template_kwargs={"enable_thinking": True}))
     assert req.template_kwargs == {"enable_thinking": True}
@@ -117,8 +130,7 @@ def test_the_default_maximum_of_generated_tokens() -> None:
     (["--chat-template-kwargs", "[1]"], "invalid value for --chat-template-kwargs: '[1]' (a "
                                         "JSON object)"),
     (["--chat-template-kwargs", "{"], "invalid value for --chat-template-kwargs: '{' ("),
-    (["--reasoning-budget", "512"], "prefixgate: --reasoning-budget 512: a budget of thinking "
-                                    "tokens is not supported yet"),
+    (["--reasoning-budget", "-2"], "prefixgate: --reasoning-budget -2: give -1 (no limit), 0"),
     (["--reasoning-format", "think"], "invalid value for --reasoning-format: 'think' (one of "
                                       "auto, deepseek, deepseek-legacy, none)"),
     (["-rea", "maybe"], "invalid value for --reasoning: 'maybe' (one of on, off, auto)"),

@@ -5,6 +5,7 @@ request asks that prefixgate does not do is a 400 that names it."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -164,3 +165,65 @@ def test_llama_server_s_grammar_field() -> None:
     with pytest.raises(BadRequest) as e:
         parse_chat({"messages": MSG, "grammar": 5}, "")
     assert e.value.param == "grammar"
+
+
+def test_a_reasoning_budget_is_llama_server_s_request_fields() -> None:
+    """`reasoning_budget_tokens` (else `thinking_budget_tokens`; -1: the server's), the
+    budget's message, and Anthropic's `thinking.budget_tokens` (10000 when not given, as
+    llama-server's Anthropic API takes it); a wrong one is a 400 naming it."""
+    from proxy.anthropic_api import thinking_budget
+
+    assert parse_sampling({"reasoning_budget_tokens": 64, "thinking_budget_tokens": 9,
+                           "reasoning_budget_message": "Enough."}) == {
+        "reasoning_budget_tokens": 64, "reasoning_budget_message": "Enough."}
+    assert parse_sampling({"thinking_budget_tokens": 0}) == {"reasoning_budget_tokens": 0}
+    assert parse_sampling({"reasoning_budget_start_tag": "<t>", "reasoning_budget_end_tag":
+                           "</t>"}) == {"reasoning_budget_start_tag": "<t>",
+                                        "reasoning_budget_end_tags": ("</t>",)}
+    assert parse_sampling({"reasoning_budget_tokens": -1, "thinking_budget_tokens": 5}) == {}
+    assert thinking_budget({"thinking": {"type": "enabled", "budget_tokens": 2048}}) == {
+        "reasoning_budget_tokens": 2048}
+    assert thinking_budget({"thinking": {"type": "enabled"}}) == {
+        "reasoning_budget_tokens": 10000}
+    for off in ({}, {"thinking": {"type": "disabled"}}, {"thinking": {"type": "adaptive"}}):
+        assert thinking_budget(off) == {}
+    for body, param in [({"reasoning_budget_tokens": -2}, "reasoning_budget_tokens"),
+                        ({"thinking_budget_tokens": "9"}, "thinking_budget_tokens"),
+                        ({"reasoning_budget_message": 1}, "reasoning_budget_message"),
+                        ({"reasoning_budget_end_tags": [1]}, "reasoning_budget_end_tags")]:
+        with pytest.raises(BadRequest) as e:
+            parse_sampling(body)
+        assert e.value.param == param
+    with pytest.raises(BadRequest) as e:
+        thinking_budget({"thinking": {"type": "enabled", "budget_tokens": -5}})
+    assert e.value.param == "thinking.budget_tokens"
+
+
+def test_a_reasoning_budget_reaches_the_worker_as_token_ids() -> None:
+    """The tags' and the message's tokens, with the model's own tokenizer; where the model
+    writes no reasoning block in tags it changes nothing, and is dropped."""
+    from proxy.config import default_model
+    from proxy.gguf import read_metadata
+    from proxy.tokenizer import load_tokenizer
+
+    path = default_model()
+    tok = load_tokenizer(path, read_metadata(path))
+    asked = {"temperature": 0.0, "reasoning_budget_tokens": 5,
+             "reasoning_budget_message": " Enough."}
+    got = samplers.resolve_budget(asked, "<think>", ("</think>",), True, tok.encode)
+    close = tuple(tok.encode("</think>"))
+    assert got == {"temperature": 0.0, "reasoning_budget_tokens": 5,
+                   "reasoning_budget_start": tuple(tok.encode("<think>")),
+                   "reasoning_budget_end": (close,),
+                   "reasoning_budget_forced": (*tok.encode(" Enough."), *close),
+                   "reasoning_budget_open": True}
+    from backend.sampling import Sampling
+
+    wire = Sampling.from_json(json.loads(json.dumps(got)))  # as the job's wire carries it
+    assert wire.reasoning_budget_end == (close,) and wire.reasoning_budget_open
+    assert samplers.resolve_budget(asked, "", (), False, tok.encode) == {"temperature": 0.0}
+    # several closing tags: any ends the block, the first is forced
+    two = samplers.resolve_budget({"reasoning_budget_tokens": 1}, "<t>", ("</t>", "<end>"),
+                                  False, tok.encode)
+    assert two["reasoning_budget_end"] == (tuple(tok.encode("</t>")), tuple(tok.encode("<end>")))
+    assert two["reasoning_budget_forced"] == tuple(tok.encode("</t>"))
