@@ -80,20 +80,20 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans it
     ignore_eos: bool = False
     # a reasoning budget (policies.reasoning_budget): the most tokens (-1: none), the block's
-    # opening tokens, the sequences that end it, what is forced at its end, and whether the
-    # prompt opened it
+    # opening tokens, the sequences that end it, what is forced at its end, and the generation
+    # prompt's tokens, fed to it first
     reasoning_budget_tokens: int = -1
     reasoning_budget_start: tuple[int, ...] = ()
     reasoning_budget_end: tuple[tuple[int, ...], ...] = ()
     reasoning_budget_forced: tuple[int, ...] = ()
-    reasoning_budget_open: bool = False
+    reasoning_budget_prefill: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Sampling:
         names = cls.__dataclass_fields__
         out = {k: v for k, v in d.items() if k in names and v is not None}
         for k in ("dry_sequence_breakers", "samplers", "reasoning_budget_start",
-                  "reasoning_budget_forced"):
+                  "reasoning_budget_forced", "reasoning_budget_prefill"):
             if k in out:
                 out[k] = tuple(out[k])
         if "reasoning_budget_end" in out:
@@ -155,10 +155,11 @@ class Sampler:
         # a reasoning budget, where the block's tags are known; a grammar (a forced call, which
         # does not reason, or the answer's format) leaves it out
         self.budget = Budget.of(s.reasoning_budget_tokens, s.reasoning_budget_start,
-                                s.reasoning_budget_end, s.reasoning_budget_forced,
-                                s.reasoning_budget_open) \
+                                s.reasoning_budget_end, s.reasoning_budget_forced) \
             if s.reasoning_budget_tokens >= 0 and s.reasoning_budget_start and \
             s.reasoning_budget_end and not grammar else None
+        for token in s.reasoning_budget_prefill if self.budget is not None else ():
+            self.budget.prefill(token, utf8_complete(self._piece(token)))
         self.cur: Any = None  # with a grammar or a budget: the candidates (the module docstring)
         if grammar or self.budget is not None:
             self.cur = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),

@@ -3,9 +3,10 @@ llama.cpp's reasoning-budget sampler does it (common/reasoning-budget.cpp; llama
 `--reasoning-budget N`, a request's `reasoning_budget_tokens`, Anthropic's
 `thinking.budget_tokens`).
 
-    Budget(tokens, start, ends, forced, open) -> a machine; then, for each token generated:
-    b.forced -> the token the next draw must take, or None
-    b.accept(token, complete)   the token taken (`complete`: its text ends a UTF-8 character,
+    Budget.of(tokens, start, ends, forced) -> a machine
+    b.prefill(token, complete)  each token of the generation prompt, first
+    b.forced_token -> the token the next draw must take, or None
+    b.accept(token, complete)   each token drawn (`complete`: its text ends a UTF-8 character,
                                 `utf8_complete(piece)`)
 
 States, as llama.cpp's:
@@ -18,9 +19,13 @@ States, as llama.cpp's:
 - **done**: passthrough; a new `start` re-arms it with a fresh budget (models that reason in
   several blocks).
 
-`open`: the prompt itself opened the block (the generation prompt ends inside `<think>`), so it
-starts counting, as llama.cpp's sampler does after it is fed the generation prompt. A budget of 0
-forces the end at once. Sequences are matched on the tokens generated, each match starting
+The generation prompt's tokens are fed first, as llama.cpp's sampler is fed them: a template
+that opens the block there (`<think>\n`) starts it counting, and its tokens after the tag count
+against the budget. One deliberate difference: a prompt token never stands for a forced one.
+llama.cpp advances the forced sequence on the prompt's tokens too, so where the budget is spent
+inside the generation prompt (0, with `\n` after the tag) it forces the closing tag's tail, or
+nothing where the tag is one token (Qwen3.5: the model then reasons without a limit); here the
+closing tag is forced whole. Sequences are matched on the tokens seen, each match starting
 afresh after the last (llama.cpp's matcher resets on a match).
 """
 
@@ -75,11 +80,14 @@ class Budget:
 
     @classmethod
     def of(cls, tokens: int, start: Sequence[int], ends: Sequence[Sequence[int]],
-           forced: Sequence[int], open_: bool) -> Budget:
-        b = cls(tokens, tuple(start), tuple(tuple(e) for e in ends if e), tuple(forced))
-        if open_:
-            b._arm()
-        return b
+           forced: Sequence[int]) -> Budget:
+        return cls(tokens, tuple(start), tuple(tuple(e) for e in ends if e), tuple(forced))
+
+    def prefill(self, token: int, complete: bool = True) -> None:
+        """A token of the generation prompt: as a drawn one, except that it never stands for a
+        forced one (the module docstring)."""
+        if self.state != FORCING:
+            self.accept(token, complete)
 
     def _arm(self) -> None:
         self.remaining = self.tokens

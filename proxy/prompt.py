@@ -266,20 +266,19 @@ class PromptBuilder:
 
     def _budget(self, req: ChatRequest, text: str) -> dict[str, Any]:
         """The request's reasoning budget in token ids: a chat's tags are its dialect's (as
-        llama-server takes the template's), raw text's those the request names, open where
-        its `generation_prompt` opened the block."""
+        llama-server takes the template's) and its generation prompt the prompt's tail from the
+        opening tag where that opened the block; raw text's are what the request names."""
         s = req.sampling
-        if req.prompt is not None:  # open where the generation prompt it names opens it
-            start, ends = s.get("reasoning_budget_start_tag", ""), \
-                s.get("reasoning_budget_end_tags", ())
-            gen = s.get("reasoning_budget_generation_prompt", "")
-            inside = bool(start) and gen.rfind(start) > max((gen.rfind(e) for e in ends),
-                                                            default=-1)
-            return samplers.resolve_budget(s, start, ends, inside, self.tok.encode)
+        if req.prompt is not None:
+            return samplers.resolve_budget(
+                s, s.get("reasoning_budget_start_tag", ""), s.get("reasoning_budget_end_tags", ()),
+                s.get("reasoning_budget_generation_prompt", ""), self.tok.encode)
         think = self.dialect.think
-        return samplers.resolve_budget(s, think[0] if think else "",
-                                       think[1:] if think else (),
-                                       think is not None and self.dialect.inside_think(text),
+        if think is None:
+            return samplers.resolve_budget(s, "", (), "", self.tok.encode)
+        inside = self.dialect.inside_think(text)
+        return samplers.resolve_budget(s, think[0], think[1:],
+                                       text[text.rfind(think[0]):] if inside else "",
                                        self.tok.encode)
 
     def prepare(self, req: ChatRequest, n_ctx: int, default_scope: Scope) -> Prepared:

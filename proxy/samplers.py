@@ -7,8 +7,8 @@ choose them (the worker draws with them: backend/sampling.py).
                                    "top_k;temperature"`, `-l 15043+1`, `--ignore-eos`...) become
                                    these (proxy/llama_cli.py)
     resolve(sampling, encode, decode) -> dict    logit biases by text, as token ids
-    resolve_budget(sampling, start, ends, inside, encode) -> dict    a reasoning budget as
-                                   token ids
+    resolve_budget(sampling, start, ends, generation_prompt, encode) -> dict    a reasoning
+                                   budget as token ids
     refuse_unsupported(body)       what a request asks that prefixgate does not do: a 400
 
 The names are llama-server's request fields and `backend.sampling.Sampling`'s; the bounds are
@@ -222,14 +222,14 @@ def resolve(sampling: dict[str, Any], encode: Callable[[str], list[int]],
     return {**sampling, "logit_bias": tuple(out)}
 
 
-def resolve_budget(sampling: dict[str, Any], start: str, ends: tuple[str, ...], inside: bool,
-                   encode: Callable[[str], list[int]]) -> dict[str, Any]:
+def resolve_budget(sampling: dict[str, Any], start: str, ends: tuple[str, ...],
+                   generation_prompt: str, encode: Callable[[str], list[int]]) -> dict[str, Any]:
     """`sampling` with its reasoning budget as the worker applies it (backend.sampling): the
-    token ids of the reasoning block's opening tag (`start`) and closing ones (`ends`), and of
-    what is forced at its end (the budget's message, then the first closing tag), and whether
-    the prompt opened the block (`inside`). A budget without tags (a model that writes no
-    reasoning in tags: Harmony's channels; raw text that names none) changes nothing, as in
-    llama-server, and is dropped."""
+    token ids of the reasoning block's opening tag (`start`) and closing ones (`ends`), of what
+    is forced at its end (the budget's message, then the first closing tag), and of the
+    generation prompt (fed to it first, as llama.cpp feeds its sampler). A budget without tags
+    (a model that writes no reasoning in tags: Harmony's channels; raw text that names none)
+    changes nothing, as in llama-server, and is dropped."""
     out = {k: v for k, v in sampling.items() if not k.startswith("reasoning_budget_")}
     n = sampling.get("reasoning_budget_tokens", -1)
     if n < 0 or not start or not ends:
@@ -239,7 +239,8 @@ def resolve_budget(sampling: dict[str, Any], start: str, ends: tuple[str, ...], 
     return {**out, "reasoning_budget_tokens": n, "reasoning_budget_start": tuple(encode(start)),
             "reasoning_budget_end": closes,
             "reasoning_budget_forced": (*(encode(message) if message else ()), *closes[0]),
-            "reasoning_budget_open": inside}
+            "reasoning_budget_prefill": tuple(encode(generation_prompt))
+            if generation_prompt else ()}
 
 
 # what a request may ask that prefixgate does not do: field -> (the value that asks nothing,

@@ -176,7 +176,7 @@ def test_a_reasoning_budget_forces_its_end_through_the_chain(echo: tuple[Engine,
     forced = (2000, 2001, CLOSE)
     budget = {"reasoning_budget_tokens": 3, "reasoning_budget_start": (OPEN,),
               "reasoning_budget_end": ((CLOSE,),), "reasoning_budget_forced": forced,
-              "reasoning_budget_open": True}
+              "reasoning_budget_prefill": (OPEN,)}
     for s in (Sampling(temperature=0.0), Sampling(temperature=1.2, top_k=0, top_p=1.0,
                                                   min_p=0.0, seed=11)):
         free = _draws(eng, s, ids, 12)
@@ -184,5 +184,5 @@ def test_a_reasoning_budget_forces_its_end_through_the_chain(echo: tuple[Engine,
         assert cut[:3] == free[:3] and tuple(cut[3:6]) == forced, (free, cut)
     # a block it never opens forces nothing
     closed = dataclasses.replace(Sampling(temperature=0.0), **{
-        **budget, "reasoning_budget_open": False})
+        **budget, "reasoning_budget_prefill": ()})
     assert _draws(eng, closed, ids, 8) == _draws(eng, Sampling(temperature=0.0), ids, 8)

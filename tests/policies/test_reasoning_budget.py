@@ -18,10 +18,12 @@ from policies.reasoning_budget import (
 OPEN, CLOSE, MSG = 10, 11, 12  # <think>, </think>, a one-token budget message
 
 
-def run(b: Budget, tokens: list[int], incomplete: frozenset[int] = frozenset()
-        ) -> list[tuple[int | None, str]]:
+def run(b: Budget, tokens: list[int], incomplete: frozenset[int] = frozenset(),
+        prefill: tuple[int, ...] = ()) -> list[tuple[int | None, str]]:
     """(the forced token before each draw, the state after it): a forced token is taken, else
-    the next of `tokens`."""
+    the next of `tokens`; `prefill` (the generation prompt's) is fed first."""
+    for token in prefill:
+        b.prefill(token, token not in incomplete)
     out = []
     it = iter(tokens)
     while True:
@@ -34,7 +36,7 @@ def run(b: Budget, tokens: list[int], incomplete: frozenset[int] = frozenset()
 
 
 def test_it_counts_from_the_opening_tag_and_forces_the_end_when_spent() -> None:
-    b = Budget.of(3, [OPEN], [[CLOSE]], [CLOSE], open_=False)
+    b = Budget.of(3, [OPEN], [[CLOSE]], [CLOSE])
     assert run(b, [1, OPEN, 2, 3, 4, 5, 6]) == [
         (None, IDLE), (None, COUNTING), (None, COUNTING), (None, COUNTING),
         (None, FORCING),  # the third reasoning token spends it
@@ -42,42 +44,53 @@ def test_it_counts_from_the_opening_tag_and_forces_the_end_when_spent() -> None:
         (None, DONE), (None, DONE)]
 
 
-def test_a_prompt_that_opened_the_block_counts_from_the_first_token() -> None:
-    b = Budget.of(2, [OPEN], [[CLOSE]], [MSG, CLOSE], open_=True)
-    assert run(b, [1, 2, 3]) == [(None, COUNTING), (None, FORCING), (MSG, FORCING),
-                                 (CLOSE, DONE), (None, DONE)]
+def test_a_generation_prompt_that_opens_the_block_counts_its_own_tokens() -> None:
+    """As llama.cpp feeds its sampler the generation prompt (`<think>` then `\n`): the tokens
+    after the tag count against the budget."""
+    b = Budget.of(3, [OPEN], [[CLOSE]], [MSG, CLOSE])
+    assert run(b, [1, 2, 3], prefill=(20, OPEN, 21)) == [
+        (None, COUNTING), (None, FORCING), (MSG, FORCING), (CLOSE, DONE), (None, DONE)]
+    b = Budget.of(3, [OPEN], [[CLOSE]], [CLOSE])
+    assert run(b, [1], prefill=(OPEN, 21, CLOSE)) == [(None, DONE)], "opened and closed"
 
 
 def test_a_natural_end_within_the_budget_forces_nothing() -> None:
-    b = Budget.of(5, [OPEN], [[CLOSE]], [CLOSE], open_=True)
-    assert run(b, [1, CLOSE, 2, 3, 4, 5, 6]) == [(None, COUNTING), (None, DONE)] + \
-        [(None, DONE)] * 5
+    b = Budget.of(5, [OPEN], [[CLOSE]], [CLOSE])
+    assert run(b, [1, CLOSE, 2, 3, 4, 5, 6], prefill=(OPEN,)) == [
+        (None, COUNTING), (None, DONE)] + [(None, DONE)] * 5
 
 
 def test_zero_ends_the_block_at_once() -> None:
-    assert run(Budget.of(0, [OPEN], [[CLOSE]], [CLOSE], open_=True), [7]) == [
+    assert run(Budget.of(0, [OPEN], [[CLOSE]], [CLOSE]), [7], prefill=(OPEN,)) == [
         (CLOSE, DONE), (None, DONE)]
-    assert run(Budget.of(0, [OPEN], [[CLOSE]], [CLOSE], open_=False), [OPEN, 7]) == [
+    assert run(Budget.of(0, [OPEN], [[CLOSE]], [CLOSE]), [OPEN, 7]) == [
         (None, FORCING), (CLOSE, DONE), (None, DONE)]
 
 
+def test_a_prompt_token_never_stands_for_a_forced_one() -> None:
+    """The deliberate difference from llama.cpp (the module docstring): spent inside the
+    generation prompt (0, then `\n`), the closing tag is still forced whole."""
+    b = Budget.of(0, [OPEN], [[CLOSE]], [8, CLOSE])
+    assert run(b, [7], prefill=(OPEN, 21)) == [(8, FORCING), (CLOSE, DONE), (None, DONE)]
+
+
 def test_a_spent_budget_waits_for_a_whole_character() -> None:
-    b = Budget.of(2, [OPEN], [[CLOSE]], [CLOSE], open_=True)
+    b = Budget.of(2, [OPEN], [[CLOSE]], [CLOSE])
     # token 2 ends inside a UTF-8 character, and so does 3: forced after 4 completes it
-    assert run(b, [1, 2, 3, 4, 5], frozenset({2, 3})) == [
+    assert run(b, [1, 2, 3, 4, 5], frozenset({2, 3}), prefill=(OPEN,)) == [
         (None, COUNTING), (None, WAITING), (None, WAITING), (None, FORCING), (CLOSE, DONE),
         (None, DONE)]
 
 
 def test_a_new_block_gets_a_fresh_budget() -> None:
-    b = Budget.of(1, [OPEN], [[CLOSE]], [CLOSE], open_=True)
-    assert [s for _, s in run(b, [1, 2, OPEN, 3, 4])] == [
+    b = Budget.of(1, [OPEN], [[CLOSE]], [CLOSE])
+    assert [s for _, s in run(b, [1, 2, OPEN, 3, 4], prefill=(OPEN,))] == [
         FORCING, DONE, DONE, COUNTING, FORCING, DONE, DONE]
 
 
 @pytest.mark.parametrize("tokens", [[5, 6, 7], [5, 5, 6, 7]])
 def test_sequences_of_several_tokens_match_at_their_end(tokens: list[int]) -> None:
-    b = Budget.of(9, [5, 6], [[7, 8], [8]], [7, 8], open_=False)
+    b = Budget.of(9, [5, 6], [[7, 8], [8]], [7, 8])
     states = [s for _, s in run(b, tokens)]
     assert states[-2:] == [COUNTING, COUNTING] and b.remaining == 8
     b.accept(8)
@@ -85,8 +98,8 @@ def test_sequences_of_several_tokens_match_at_their_end(tokens: list[int]) -> No
 
 
 def test_no_forced_tokens_is_no_forcing() -> None:
-    b = Budget.of(1, [OPEN], [[CLOSE]], [], open_=True)
-    assert run(b, [1, 2]) == [(None, DONE), (None, DONE)]
+    b = Budget.of(1, [OPEN], [[CLOSE]], [])
+    assert run(b, [1, 2], prefill=(OPEN,)) == [(None, DONE), (None, DONE)]
 
 
 @pytest.mark.parametrize(("piece", "complete"), [

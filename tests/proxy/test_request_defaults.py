@@ -87,7 +87,7 @@ def test_built_in_values_are_the_workers() -> None:
     # the seed, and the reasoning budget in the worker's terms (token ids: a request's own)
     assert set(Sampling.__dataclass_fields__) - set(BUILT_IN) == {
         "seed", "reasoning_budget_tokens", "reasoning_budget_start", "reasoning_budget_end",
-        "reasoning_budget_forced", "reasoning_budget_open"}
+        "reasoning_budget_forced", "reasoning_budget_prefill"}
     assert Sampling().reasoning_budget_tokens == -1
 
 

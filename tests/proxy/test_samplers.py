@@ -210,20 +210,20 @@ def test_a_reasoning_budget_reaches_the_worker_as_token_ids() -> None:
     tok = load_tokenizer(path, read_metadata(path))
     asked = {"temperature": 0.0, "reasoning_budget_tokens": 5,
              "reasoning_budget_message": " Enough."}
-    got = samplers.resolve_budget(asked, "<think>", ("</think>",), True, tok.encode)
+    got = samplers.resolve_budget(asked, "<think>", ("</think>",), "<think>\n", tok.encode)
     close = tuple(tok.encode("</think>"))
     assert got == {"temperature": 0.0, "reasoning_budget_tokens": 5,
                    "reasoning_budget_start": tuple(tok.encode("<think>")),
                    "reasoning_budget_end": (close,),
                    "reasoning_budget_forced": (*tok.encode(" Enough."), *close),
-                   "reasoning_budget_open": True}
+                   "reasoning_budget_prefill": tuple(tok.encode("<think>\n"))}
     from backend.sampling import Sampling
 
     wire = Sampling.from_json(json.loads(json.dumps(got)))  # as the job's wire carries it
-    assert wire.reasoning_budget_end == (close,) and wire.reasoning_budget_open
-    assert samplers.resolve_budget(asked, "", (), False, tok.encode) == {"temperature": 0.0}
+    assert wire.reasoning_budget_end == (close,) and wire.reasoning_budget_prefill
+    assert samplers.resolve_budget(asked, "", (), "", tok.encode) == {"temperature": 0.0}
     # several closing tags: any ends the block, the first is forced
     two = samplers.resolve_budget({"reasoning_budget_tokens": 1}, "<t>", ("</t>", "<end>"),
-                                  False, tok.encode)
+                                  "", tok.encode)
     assert two["reasoning_budget_end"] == (tuple(tok.encode("</t>")), tuple(tok.encode("<end>")))
     assert two["reasoning_budget_forced"] == tuple(tok.encode("</t>"))
