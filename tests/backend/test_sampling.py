@@ -186,3 +186,33 @@ def test_a_reasoning_budget_forces_its_end_through_the_chain(echo: tuple[Engine,
     closed = dataclasses.replace(Sampling(temperature=0.0), **{
         **budget, "reasoning_budget_prefill": ()})
     assert _draws(eng, closed, ids, 8) == _draws(eng, Sampling(temperature=0.0), ids, 8)
+
+
+def test_a_reasoning_budget_in_a_verify_batch(echo: tuple[Engine, list[int]]) -> None:
+    """Speculation's verify (backend.worker.verify): the rows of one batch are drawn in order,
+    each drawn token fed to the budget, so the forced token is the correction that ends the
+    accepted drafts, at the same place as one token a step."""
+    eng, ids = echo
+    OPEN, CLOSE = 1000, 1001
+    budget = {"reasoning_budget_tokens": 2, "reasoning_budget_start": (OPEN,),
+              "reasoning_budget_end": ((CLOSE,),), "reasoning_budget_forced": (2000, CLOSE),
+              "reasoning_budget_prefill": (OPEN,)}
+    s = dataclasses.replace(Sampling(temperature=0.0), **budget)
+    stepwise = _draws(eng, s, ids, 6)
+    free = _draws(eng, Sampling(temperature=0.0), ids, 6)
+    assert stepwise[:2] == free[:2] and stepwise[2:4] == [2000, CLOSE]
+    eng.truncate(0, 0)
+    eng.prefill(0, ids)
+    sampler = eng.sampler(s)
+    try:
+        waiting = eng.sample(0, sampler)  # the budget's first token
+        drafts = free[1:5]  # a draft of the unbounded answer: the budget parts from it
+        eng.evaluate([(0, [waiting, *drafts])], every=[0])
+        rows = []
+        for i in range(len(drafts) + 1):
+            rows.append(eng.sample(0, sampler, i))
+            if i == len(drafts) or rows[-1] != drafts[i]:
+                break
+    finally:
+        sampler.close()
+    assert [waiting, *rows] == stepwise[:3], "the draft accepted up to the budget, then forced"

@@ -6,6 +6,7 @@ from what the cache wrote to disk before the sleep: the answer a cold run gives.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -65,13 +66,17 @@ def test_idle_workers_leave_memory_and_a_request_wakes_them(tmp_path: Path) -> N
         assert srv.get("/metrics")[0] == 200 and srv.get_json("/props")["is_sleeping"]
         assert "asleep: the next request loads the workers again" in srv.get("/")[1]
         assert not workers_of(srv), "answering them woke nothing"
-        text, source, cached = ask(srv, "Which file should I read first?")
-        assert text == expected, "a hit after the sleep answers as a cold run does"
-        assert source == "disk" and cached > 0, (source, cached)
-        assert workers_of(srv) and not srv.get_json("/props")["is_sleeping"]
+        with ThreadPoolExecutor(2) as pool:  # two at once: one wake, both answered
+            first, other = pool.map(lambda q: ask(srv, q), [
+                "Which file should I read first?", "And then which one?"])
+        assert first[0] == expected, "a hit after the sleep answers as a cold run does"
+        # the shared prefix came back from the disk for whichever ran first (the other then
+        # extends its live KV)
+        assert "disk" in (first[1], other[1]) and first[2] > 0 and other[2] > 0, (first, other)
+        assert other[0] and workers_of(srv) and not srv.get_json("/props")["is_sleeping"]
         log = srv.log()
     assert "no request for 2 s (--sleep-idle-seconds): the workers leave memory" in log
-    assert "a request wakes the workers" in log and "awake in " in log
+    assert log.count("a request wakes the workers") == 1 and "awake in " in log
 
 
 @pytest.mark.parametrize(("now", "used", "busy", "waiting", "ready", "sleep"), [
