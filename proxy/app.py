@@ -55,6 +55,7 @@ from proxy.edge import (
     METRICS,
     MODEL_ID,
     POOL,
+    api_path,
     check_auth,
     client_gone,
     gone,
@@ -83,7 +84,7 @@ log = logging.getLogger("prefixgate")
 
 def error_response(request: web.Request, e: ApiError) -> web.Response:
     """An error in the shape of the API the path belongs to."""
-    if request.path.startswith("/v1/messages"):
+    if api_path(request).startswith("/v1/messages"):
         return anthropic_response(e)
     return openai_response(e)
 
@@ -107,8 +108,9 @@ def health_json(app: web.Application) -> tuple[bool, dict[str, Any]]:
                     "live_tokens": sum(len(s.live_ids) for s in w.slots),
                     "slots": [{"id": s.index, "busy": s.busy, "live_tokens": len(s.live_ids)}
                               for s in w.slots]}),
-                **({} if w.ready else {"loading": loading_note(w.loading), "progress":
-                                       w.loading.progress if w.loading is not None else 0.0})}
+                **({} if w.ready else {"asleep": True} if pool.sleeping else {
+                    "loading": loading_note(w.loading),
+                    "progress": w.loading.progress if w.loading is not None else 0.0})}
                for w in (pool.workers if pool is not None else [])]
     if boot["ready"] and pool is not None and (pool.all_ready or pool.sleeping):
         # asleep, it serves: the next request wakes it (proxy/idle.py)
@@ -237,7 +239,7 @@ async def error_middleware(request: web.Request,
                            ) -> web.StreamResponse:
     try:
         boot = request.app.get(BOOT)  # (an app of a test may have none: it is ready)
-        if boot is not None and not boot["ready"] and request.path not in OPEN_WHILE_LOADING:
+        if boot is not None and not boot["ready"] and api_path(request) not in OPEN_WHILE_LOADING:
             raise Loading(boot["phase"])
         return await handler(request)
     except ApiError as e:  # after the run started, before a response was prepared: a worker lost

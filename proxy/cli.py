@@ -83,8 +83,12 @@ def serve(cfg: Config) -> None:
     # reference counting anyway.
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     app = make_app(cfg)
+    root = app
+    if cfg.api_prefix:  # llama-server's --api-prefix: every path below it, nothing else
+        root = web.Application(client_max_size=limits.with_overrides(cfg.limits).max_body_bytes)
+        root.add_subapp(cfg.api_prefix, app)
     try:
-        web.run_app(app, sock=sock, print=None, access_log=None)
+        web.run_app(root, sock=sock, print=None, access_log=None)
     except StartupError as e:  # a template that cannot be used: say why, no traceback
         raise SystemExit(f"prefixgate: {e}") from None
     if app[BOOT]["error"]:  # a worker that cannot serve this proxy, found after listening

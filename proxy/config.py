@@ -186,6 +186,9 @@ class Config:
     kv_events_topic: str = ""  # the events' ZMQ topic ("" for Dynamo; llm-d: kv@POD@MODEL)
     kv_block_size: int = 16  # tokens per published KV block (the router must use the same)
     max_queue: int = 16  # requests waiting for a worker before 429
+    # the path every endpoint is served below ("/llama": /llama/v1/chat/completions, ...), as
+    # llama-server's --api-prefix, for a reverse proxy that forwards a path; "" = none
+    api_prefix: str = ""
     # seconds with no request after which the local workers leave memory until the next one
     # (llama-server's --sleep-idle-seconds, proxy/idle.py); -1 never
     sleep_idle_seconds: int = -1
@@ -423,6 +426,10 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         rope.settings(cfg)
     except ValueError as e:
         raise SystemExit(f"prefixgate: {e}") from None
+    if cfg.api_prefix and (not cfg.api_prefix.startswith("/") or cfg.api_prefix.endswith("/")
+                           or "//" in cfg.api_prefix or "{" in cfg.api_prefix):
+        raise SystemExit(f"prefixgate: --api-prefix {cfg.api_prefix!r}: give a path that starts "
+                         "with / and does not end with one, as /llama")
     if cfg.sleep_idle_seconds == 0 or cfg.sleep_idle_seconds < -1:
         raise SystemExit(f"prefixgate: --sleep-idle-seconds {cfg.sleep_idle_seconds}: give the "
                          "idle seconds after which the workers leave memory, or -1 (never)")

@@ -101,6 +101,14 @@ def api_key_of(request: web.Request) -> str:
     return key
 
 
+def api_path(request: web.Request) -> str:
+    """The request's path below llama-server's --api-prefix (the path itself without one)."""
+    cfg = request.app.get(CONFIG)
+    prefix = cfg.api_prefix if cfg is not None else ""
+    return request.path[len(prefix):] or "/" if prefix and request.path.startswith(prefix) \
+        else request.path
+
+
 def check_auth(request: web.Request) -> str:
     """The tenant: the API key, checked against --api-keys when given."""
     key = api_key_of(request)

@@ -39,6 +39,8 @@ HELP = {
     "offline": "take --hf-repo and --hf-repo-draft from the Hugging Face cache only, as "
                "HF_HUB_OFFLINE=1: nothing is fetched",
     "log_file": "also append every log line to this file",
+    "api_prefix": "serve every endpoint below this path, e.g. /llama (/llama/v1/chat/"
+                  "completions), for a reverse proxy that forwards one",
     "sleep_idle_seconds": "after this many seconds with no request the workers leave memory "
                           "(the model and its KV) until the next request loads them again; "
                           "what the cache wrote to disk stays (-1: never)",
@@ -190,6 +192,7 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "hf_token": (("-hft",), "HF_TOKEN"),
     "offline": ((), "LLAMA_ARG_OFFLINE"),
     "log_file": ((), "LLAMA_ARG_LOG_FILE"),
+    "api_prefix": ((), "LLAMA_ARG_API_PREFIX"),
     "alias": (("-a",), "LLAMA_ARG_ALIAS"),
     "cors_origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
     "cors_methods": ((), "LLAMA_ARG_CORS_METHODS"),

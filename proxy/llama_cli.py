@@ -84,6 +84,7 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "-m": "model", "-hf": "hf_repo", "-hff": "hf_file", "-a": "alias",
     "--spec-draft-hf": "hf_repo_draft", "-hft": "hf_token", "--offline": ("offline", "", ""),
     "--log-file": "log_file", "--sleep-idle-seconds": "sleep_idle_seconds",
+    "--api-prefix": "api_prefix",
     "--host": "host", "--port": "port", "--api-key": "api_key", "--api-key-file": "api_keys",
     "--cors-origins": "cors_origins", "--cors-methods": "cors_methods",
     "--cors-headers": "cors_headers", "--cors-credentials": ("cors_credentials", "", ""),
@@ -235,7 +236,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
                                                 "--embd-normalize"),
     "TLS is not supported: put a TLS-terminating proxy in front": ("--ssl-key-file",
                                                                    "--ssl-cert-file"),
-    "an API path prefix is not supported yet": ("--api-prefix",),
     "serving static files is not supported": ("--path",),
     "the server's built-in tools, agent and MCP servers are not supported": (
         "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json", "-ag"),

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.edge import BOOT, METRICS, check_auth
+from proxy.edge import BOOT, CONFIG, METRICS, check_auth
 from proxy.errors import Unauthorized
 
 REFRESH_S = 5  # the page reloads itself this often
@@ -106,8 +106,10 @@ def _lines(lines: Sequence[tuple[float, str]]) -> str:
 
 
 def render(props: dict[str, Any] | None, health: dict[str, Any],
-           slots: list[dict[str, Any]], lines: Sequence[tuple[float, str]]) -> str:
-    """The page; `props` None while the server loads (then only `health` is known)."""
+           slots: list[dict[str, Any]], lines: Sequence[tuple[float, str]],
+           prefix: str = "") -> str:
+    """The page; `props` None while the server loads (then only `health` is known); its links
+    under `prefix` (--api-prefix)."""
     title = f"prefixgate · {props['model']}" if props else "prefixgate · loading"
     if props is None:
         body = _loading(health)
@@ -122,9 +124,9 @@ def render(props: dict[str, Any] | None, health: dict[str, Any],
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="refresh" content="{REFRESH_S}"><title>{_e(title)}</title>'
             f"<style>{STYLE}</style></head><body><h1>{_e(title)}</h1>{body}"
-            '<footer><a href="/health">/health</a> · <a href="/props">/props</a> · '
-            '<a href="/slots">/slots</a> · <a href="/metrics">/metrics</a> · '
-            "the log line: docs/reference.md</footer></body></html>")
+            "<footer>" + " · ".join(f'<a href="{_e(prefix)}{p}">{_e(prefix)}{p}</a>' for p in (
+                "/health", "/props", "/slots", "/metrics")) +
+            " · the log line: docs/reference.md</footer></body></html>")
 
 
 UNAUTHORIZED = ('<!doctype html><html lang="en"><head><meta charset="utf-8">'
@@ -147,10 +149,13 @@ def add_routes(app: web.Application,
             return web.Response(text=UNAUTHORIZED, status=401, content_type="text/html")
         app = request.app
         _, state = health(app)
+        cfg = app.get(CONFIG)  # (an app of a test may have none)
+        prefix = cfg.api_prefix if cfg is not None else ""
         if not app[BOOT]["ready"]:
-            text = render(None, state, [], [])
+            text = render(None, state, [], [], prefix)
         else:
-            text = render(await props(app), state, slots(app), list(app[METRICS].recent_lines))
+            text = render(await props(app), state, slots(app), list(app[METRICS].recent_lines),
+                          prefix)
         return web.Response(text=text, content_type="text/html",
                             headers={"Cache-Control": "no-store"})
 

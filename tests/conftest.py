@@ -95,7 +95,9 @@ def start_server(tmp: Path, *args: str, cache_dir: Path | None = None,
     logf = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                             env={**child_env(ROOT), **(env or {})})
-    srv = Server(f"http://127.0.0.1:{port}", port, cache_dir, proc, log_path)
+    # with --api-prefix every path is below it, /health too
+    prefix = args[args.index("--api-prefix") + 1] if "--api-prefix" in args else ""
+    srv = Server(f"http://127.0.0.1:{port}{prefix}", port, cache_dir, proc, log_path)
     deadline = time.time() + timeout_s
     try:
         while time.time() < deadline:

@@ -63,6 +63,7 @@ def test_idle_workers_leave_memory_and_a_request_wakes_them(tmp_path: Path) -> N
             time.sleep(0.2)
         health = srv.get_json("/health")
         assert health["status"] == "ok" and health["sleeping"] is True
+        assert [w["asleep"] for w in health["workers"]] == [True]
         assert srv.get("/metrics")[0] == 200 and srv.get_json("/props")["is_sleeping"]
         assert "asleep: the next request loads the workers again" in srv.get("/")[1]
         assert not workers_of(srv), "answering them woke nothing"
