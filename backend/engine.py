@@ -382,7 +382,8 @@ class Engine(States):
         q = None if slot is None else self.seqs[slot]
         return Sampler(self.vocab, sampling, grammar, frozenset(self.eog),
                        () if q is None else
-                       [int(t) for t in q.ids[max(0, q.n_live - sampling.history):q.n_live]])
+                       [int(t) for t in q.ids[max(0, q.n_live - sampling.history):q.n_live]],
+                       self.piece)
 
     # --- one slot alone: the self-check, tests and benchmarks -------------------------------
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +140,8 @@ class Sampler:
     decodes."""
 
     def __init__(self, vocab: Any, s: Sampling, grammar: str | None = None,
-                 eog: frozenset[int] = frozenset(), history: Sequence[int] = ()) -> None:
+                 eog: frozenset[int] = frozenset(), history: Sequence[int] = (),
+                 piece: Callable[[int], bytes] = lambda _: b"") -> None:
         self.chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params())
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
@@ -151,7 +152,7 @@ class Sampler:
             self.close()
             raise
         self.argmax = n_vocab if s.picks_greatest and not (grammar or bias) else 0
-        self.vocab = vocab
+        self.piece = piece  # a token's bytes (the engine's), for the budget's UTF-8 rule
         # a reasoning budget, where the block's tags are known; a grammar (a forced call, which
         # does not reason, or the answer's format) leaves it out
         self.budget = Budget.of(s.reasoning_budget_tokens, s.reasoning_budget_start,
@@ -159,7 +160,7 @@ class Sampler:
             if s.reasoning_budget_tokens >= 0 and s.reasoning_budget_start and \
             s.reasoning_budget_end and not grammar else None
         for token in s.reasoning_budget_prefill if self.budget is not None else ():
-            self.budget.prefill(token, utf8_complete(self._piece(token)))
+            self.budget.prefill(token, utf8_complete(self.piece(token)))
         self.cur: Any = None  # with a grammar or a budget: the candidates (the module docstring)
         if grammar or self.budget is not None:
             self.cur = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
@@ -250,7 +251,7 @@ class Sampler:
             return self._sample(ctx, row)
         forced = self.budget.forced_token
         token = self._sample(ctx, row) if forced is None else self._force(forced)
-        self.budget.accept(token, utf8_complete(self._piece(token)))
+        self.budget.accept(token, utf8_complete(self.piece(token)))
         return token
 
     def _force(self, token: int) -> int:
@@ -258,24 +259,11 @@ class Sampler:
         chain, whose state (penalties, the seeded draw) moves as it would."""
         if self.argmax:
             return token
-        cur = self.cur
-        cur["id"] = self.ids
-        cur["logit"] = -math.inf
-        cur["logit"][token] = 0.0
-        cur["p"] = 0.0
-        llama_cpp.llama_sampler_apply(self.chain, ctypes.byref(llama_cpp.llama_token_data_array(
-            cur.ctypes.data_as(llama_cpp.llama_token_data_p), len(cur), -1, False)))
+        logits = np.full(len(self.cur), -math.inf, dtype=np.float32)
+        logits[token] = 0.0
+        self._draw(logits, with_grammar=False)
         llama_cpp.llama_sampler_accept(self.chain, token)
         return token
-
-    def _piece(self, token: int) -> bytes:
-        """The token's text as llama.cpp's budget reads it (special tokens as nothing)."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:max(n, 0)]
 
     def _sample(self, ctx: Any, row: int) -> int:
         ptr = llama_cpp.llama_get_logits_ith(ctx, row) if self.argmax else None

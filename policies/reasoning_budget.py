@@ -43,12 +43,15 @@ class _Matcher:
 
     seqs: tuple[tuple[int, ...], ...]
     tail: list[int] = field(default_factory=list)
+    longest: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.longest = max((len(s) for s in self.seqs), default=0)
 
     def advance(self, token: int) -> int:
         """The index of the longest sequence the tokens seen now end with, else -1."""
         self.tail.append(token)
-        longest = max((len(s) for s in self.seqs), default=0)
-        del self.tail[:-longest or len(self.tail)]
+        del self.tail[:-self.longest or len(self.tail)]
         best = -1
         for i, s in enumerate(self.seqs):
             if s and len(s) <= len(self.tail) and tuple(self.tail[-len(s):]) == s and (
