@@ -2,7 +2,8 @@
 back, each a frozen value, encoded and parsed here and nowhere else.
 
     POST /run     body: Job.to_wire()      -> NDJSON, one event per line (encode_event)
-    POST /cancel  {"run_id"}               -> {"cancelled": bool}
+    POST /cancel  {"run_id", "prefilling"?} -> {"cancelled": bool} ("prefilling": only a run
+                                              that has not sampled yet stops)
     GET  /health                           -> WorkerInfo.to_wire() (200), or while it loads
                                               503 {"status": "loading", "phase", "progress"}
     GET  /events                           -> NDJSON of TierEvent, from the tiers as they are
@@ -13,7 +14,8 @@ Events of one run, in order:
     Prefill      after each prefill batch: how many prompt tokens the KV holds now
     Token        one per generated token (``id`` None for text held back and flushed at the end)
     Done         generation ended: why, which stop string matched, how many saves were started
-    Cancelled    instead of Done, after a /cancel: what the KV holds
+    Cancelled    instead of Done, after a /cancel: what the KV holds (a run that had sampled
+                 goes on past a "prefilling" cancel, and no Cancelled comes)
     Saved        a state file is durable (may come before or after Done)
     SaveFailed   a state file could not be written
     Error        the run failed; nothing more follows

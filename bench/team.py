@@ -429,6 +429,9 @@ def run_arm(arm: str, args: argparse.Namespace, trace: dict[str, list[Request]],
                      "p95": round(pct([r.ttft_s for r in rs], 0.95), 3), "n": len(rs)}
                  for c, rs in by.items()},
         "main_sources": [r.source for r in sorted(by["main"], key=lambda r: r.name)],
+        # runs that gave their slot to a short request (policies/preempt.py), from the log
+        "preemptions": None if arm == "llama-server" else
+        log.read_text(errors="replace").count("preempt: a request of"),
         "requests": [asdict(r) for r in results],
     }
     return out
@@ -571,7 +574,8 @@ def main(argv: list[str] | None = None) -> None:
         if a["arm"] != "llama-server":
             disk = [s for s in a["main_sources"][1:] if s == "disk"]
             checks.append(f"{a['arm']}: main turns restored from disk: {len(disk)} "
-                          f"(sources {' '.join(a['main_sources'])})")
+                          f"(sources {' '.join(a['main_sources'])}); runs preempted for a "
+                          f"short request: {a.get('preemptions')}")
         if peer is not None and a is not peer:
             a["wall_vs_llama_server"] = a["wall_s"] / peer["wall_s"]
             a["fresh_vs_llama_server"] = a["fresh_tokens"] / max(peer["fresh_tokens"], 1)

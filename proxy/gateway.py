@@ -8,6 +8,10 @@
         5. send the job and wait for the worker's Start (proxy.run.Run.open), so that any
            failure is known before an HTTP response is prepared
 
+A short request that finds every slot busy may take the slot of a run still prefilling a long
+prompt (policies/preempt.py); that run comes back through `requeue`: steps 1 to 3 again, first
+in the queue.
+
 The steps before (parse, normalize, render, tokenize) are the API edges' and proxy/prompt.py's;
 the ones after (execute on the worker, commit) are proxy/run.py's.
 """
@@ -27,8 +31,9 @@ import xxhash
 
 from backend.keys import prefix_keys
 from backend.shared import LOOKUP_TIMEOUT_S, SharedFault, SharedSkipped, SharedTier
-from policies.decide import Facts, Hit, Stored, WorkerFacts, decide
+from policies.decide import Facts, Hit, Plan, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs
+from policies.preempt import work
 from policies.prefix import common_prefix_len
 from policies.ring import Ring
 from policies.scope import Scope, parse_scope
@@ -39,6 +44,7 @@ from proxy.defaults import Defaults
 from proxy.metrics import Metrics
 from proxy.prompt import Prepared, PromptBuilder
 from proxy.run import Run, RunDeps
+from proxy.worker_link import Slot
 from proxy.workers import Pool
 
 log = logging.getLogger("prefixgate")
@@ -108,7 +114,8 @@ class Gateway:
         self._render = ThreadPoolExecutor(1, thread_name_prefix="render",
                                           initializer=below_the_engine)
         self._shared_lookups = ThreadPoolExecutor(2, thread_name_prefix="shared-lookup")
-        self.deps = RunDeps(pool, cache, metrics, self.spawn, cfg.request_timeout_s)
+        self.deps = RunDeps(pool, cache, metrics, self.spawn, cfg.request_timeout_s,
+                            self.requeue)
         self.shared: SharedTier | None = None  # the shared snapshot tier (--shared-tier)
         # llama-server's server-wide request defaults: the command line's, the model's
         self.defaults = Defaults.of(cfg, prompts.model_keys)
@@ -196,21 +203,13 @@ class Gateway:
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
         loop = asyncio.get_running_loop()
         asked = loop.time()
-        slot = await self.pool.acquire(list(ids), stored.longest, tenant)
+        slot = await self.pool.acquire(list(ids), stored.longest, tenant,
+                                       work(len(ids) - stored.longest, prep.max_tokens))
         self.metrics.queue_depth.set(self.pool.queue_depth)
         try:
             if loop.time() - asked > REQUEUED_LOOKUP_S:  # it waited for a slot: what the
                 stored = await self._lookup(facts, tenant)  # others saved meanwhile counts
-            recent = self.ring.recent(tenant, facts.scope.window) \
-                if facts.scope.kind == "auto" else []
-            w = slot.worker
-            plan = decide(facts, stored, WorkerFacts(slot.live_prefix(ids, tenant),
-                                                     slot.live_tenant == tenant,
-                                                     w.memory == "plain", w.batching, w.exact,
-                                                     w.costs),
-                          recent, self.knobs)
-            if self.cfg.debug_trace and plan.lookup == "miss":
-                self._trace_miss(ids, tenant)
+            plan = self._decide(facts, stored, slot, tenant)
             if facts.scope.kind != "off":
                 self.ring.push(tenant, ids)
                 if self.cache is not None:
@@ -219,9 +218,35 @@ class Gateway:
             salt = b"" if self.cache is None else await self.cache.read(self.cache.salt, tenant)
             run = Run(self.deps, prep, slot, plan, salt, tenant)
             await run.open()
+            await self.pool.hold(slot, run)  # it may give way to a short request now
             return run
         except BaseException:
             await self.pool.release(slot, [], tenant)
+            raise
+
+    def _decide(self, facts: Facts, stored: Stored, slot: Slot, tenant: str) -> Plan:
+        recent = self.ring.recent(tenant, facts.scope.window) \
+            if facts.scope.kind == "auto" else []
+        w = slot.worker
+        plan = decide(facts, stored, WorkerFacts(slot.live_prefix(facts.ids, tenant),
+                                                 slot.live_tenant == tenant,
+                                                 w.memory == "plain", w.batching, w.exact,
+                                                 w.costs),
+                      recent, self.knobs)
+        if self.cfg.debug_trace and plan.lookup == "miss":
+            self._trace_miss(facts.ids, tenant)
+        return plan
+
+    async def requeue(self, run: Run) -> tuple[Slot, Plan]:
+        """A run that gave its slot to a short request: the next free slot, before anyone
+        else's turn, and its plan there (what it left is in that worker's RAM tier)."""
+        facts = facts_of(run.prep, run.prep.scope if self.cache is not None else OFF)
+        stored = await self._lookup(facts, run.tenant)
+        slot = await self.pool.acquire(list(facts.ids), stored.longest, run.tenant, first=True)
+        try:
+            return slot, self._decide(facts, stored, slot, run.tenant)
+        except BaseException:
+            await self.pool.release(slot, [], run.tenant)
             raise
 
     def _trace_miss(self, ids: tuple[int, ...], tenant: str) -> None:

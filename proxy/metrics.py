@@ -76,6 +76,10 @@ class Metrics:
             "placeholder, by kind", ["kind"], registry=r)
         for kind in MEDIA_KINDS:
             self.media_placeholders.labels(kind)
+        self.preemptions = Counter(
+            "prefixgate_preemptions_total",
+            "Runs stopped while prefilling for a short request that found no idle slot; each "
+            "ran again from its prefix in the RAM tier (policies.preempt)", registry=r)
         self.restores_skipped = Counter(
             "prefixgate_restores_skipped_total",
             "Stored entries not restored because the worker prefills them faster", registry=r)

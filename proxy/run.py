@@ -2,7 +2,9 @@
 
 `Run` drives one run through the seams below: it sends the job, feeds the worker's events and
 its own to the pure state machine (`proxy.run_state.RunState`: the rules), and performs the
-effects it returns.
+effects it returns. A run preempted while it prefills (policies/preempt.py) runs again, once,
+on the slot the proxy gives it first (`RunDeps.requeue`): its client's stream goes on as if
+nothing happened, the first run's snapshots are still committed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,10 +39,12 @@ from proxy.run_state import (
     Emit,
     Fail,
     Finish,
+    Lapse,
     LostSaves,
     Progress,
     Record,
     Release,
+    Requeue,
     RunEvent,
     RunState,
     SaveFailure,
@@ -49,6 +53,7 @@ from proxy.run_state import (
     StreamLost,
     Touch,
     Usage,
+    Yield,
 )
 from proxy.speculation import log_fields
 
@@ -80,13 +85,15 @@ class WorkerClient(Protocol):
     def run(self, job: Job, timeout_s: float
             ) -> contextlib.AbstractAsyncContextManager[EventStream]: ...
 
-    async def cancel(self, run_id: str) -> bool: ...
+    async def cancel(self, run_id: str, prefilling: bool = False) -> bool: ...
 
 
 class Releaser(Protocol):
     async def release(self, w: Any, live_ids: list[int], tenant: str = "",
                       suspect: bool = False, floor: int = 0,
                       costs: dict[str, Any] | None = None) -> None: ...
+
+    async def lapse(self, w: Any) -> None: ...  # a yield came too late: lift its reservation
 
 
 class Committer(Protocol):
@@ -110,6 +117,8 @@ class RunDeps:
     metrics: Metrics
     spawn: Callable[[Any], None]  # run a background task the proxy awaits at shutdown
     timeout_s: float  # a worker run longer than this fails
+    # a preempted run's next slot and plan, first in the queue (proxy.gateway.Gateway.requeue)
+    requeue: Callable[[Run], Awaitable[tuple[WorkerClient, Plan]]] | None = None
 
 
 # --- the driver --------------------------------------------------------------------------
@@ -134,6 +143,8 @@ class Run:
         self._stream: EventStream | None = None
         self._queue: asyncio.Queue[str | BaseException | None] = asyncio.Queue()
         self._progress_logged_s = prep.arrived_s
+        self.preempted = False  # it gave its slot to a short request and ran again
+        self._gone = False  # the client went away
 
     @property
     def usage(self) -> Usage:
@@ -157,9 +168,31 @@ class Run:
                    p.req.sampling, p.max_tokens, p.req.stop, p.grammar,
                    waited_s=max(time.perf_counter() - p.arrived_s, 0.0), stream=p.req.stream)
 
+    @property
+    def left(self) -> int | None:
+        """Prompt tokens it has still to prefill while it may give its slot to a short request
+        (policies/preempt.py); None when it may not."""
+        st = self.state
+        return len(st.ids) - st.live_n if st.may_yield else None
+
+    def give_way(self) -> bool:
+        """A short request takes this slot: stop if still prefilling (False: it may not)."""
+        effects = self.state.apply(Yield())
+        if effects:
+            self.deps.spawn(self._perform_all(effects))
+        return bool(effects)
+
+    async def _perform_all(self, effects: list[Effect]) -> None:
+        for fx in effects:
+            await self._perform(fx)
+
     async def open(self) -> None:
         """Send the job and wait for its `Start`: any failure is known before a response is
         prepared. On failure the caller releases the worker."""
+        await self.open_stream()
+        self.deps.spawn(self._read())
+
+    async def open_stream(self) -> None:
         self._cm = self.worker.run(self.job(), self.deps.timeout_s)
         try:
             self._stream = await self._cm.__aenter__()
@@ -171,18 +204,18 @@ class Run:
         except BaseException:
             await self._close_stream()
             raise
-        self.deps.spawn(self._read())
 
-    async def _next(self) -> RunEvent:
-        assert self._stream is not None
+    async def _next(self, stream: EventStream | None = None) -> RunEvent:
+        stream = stream or self._stream
+        assert stream is not None
         try:
-            return await self._stream.next()
+            return await stream.next()
         except WorkerFailed as e:
             return StreamLost(e.message)
 
     async def _read(self) -> None:
         try:
-            while not self.state.closed:
+            while self._stream is not None and not self.state.closed:
                 ev = await self._next()
                 if self.ttft_s is None and isinstance(ev, Token | Done):
                     self.ttft_s = time.perf_counter() - self.prep.arrived_s
@@ -291,7 +324,8 @@ class Run:
             self.finish_reason,
             self.worker.label,
             (f" anchor_skipped=\"{plan.anchor_skipped}\"" if plan.anchor_skipped else "")
-            + (f" restore_skipped=\"{plan.restore_skipped}\"" if plan.restore_skipped else ""))
+            + (f" restore_skipped=\"{plan.restore_skipped}\"" if plan.restore_skipped else "")
+            + (" preempted=1" if self.preempted else ""))
 
     def _line(self, fmt: str, *args: object) -> None:
         """The request's one log line, kept among the recent ones too (the status page)."""
@@ -304,7 +338,7 @@ class Run:
 
     async def _release(self, fx: Release) -> None:
         st = self.state
-        if st.outcome != "ok":
+        if st.outcome not in ("ok", "preempted"):  # preempted: the pool said it
             u = self.usage
             self._line("%s prompt=%d cached=%d source=%s %s live=%d worker=%s",
                        self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source,
@@ -315,9 +349,59 @@ class Run:
     async def _send_cancel(self, fx: SendCancel) -> None:
         """The worker stops at its next prefill batch or token and keeps what it prefilled; a
         worker that does not take the cancel has its stream closed, which cancels the run too
-        (its snapshots are then lost)."""
-        if not await self.worker.cancel(self.run_id) and not self.state.ended:
+        (its snapshots are then lost). A preemption's cancel not taken: the run goes on."""
+        if not await self.worker.cancel(self.run_id, fx.prefilling) and not fx.prefilling \
+                and not self.state.ended:
             await self._close_stream()  # the reader sees the stream end and releases
+
+    async def _lapse(self, fx: Lapse) -> None:
+        await self.deps.pool.lapse(self.worker)
+
+    async def _requeue(self, fx: Requeue) -> None:
+        """Preempted: the first run's stream drains its snapshots on its own; the request runs
+        again, first in the queue, from what the first run left (its worker's RAM tier)."""
+        old, cm, stream = self.state, self._cm, self._stream
+        self._cm = self._stream = None
+        self.deps.spawn(self._drain(old, cm, stream))
+        self.deps.metrics.preemptions.inc()
+        self.preempted = True
+        if self._gone:
+            self._queue.put_nowait(None)
+            return
+        assert self.deps.requeue is not None, "a run gave way with nowhere to run again"
+        try:
+            worker, plan = await self.deps.requeue(self)
+        except Exception as e:  # no worker is reachable any more, or a bug (logged)
+            if not isinstance(e, WorkerFailed):
+                log.exception("a preempted run could not be queued again")
+            self._queue.put_nowait(e if isinstance(e, WorkerFailed) else WorkerFailed(
+                f"the request could not run again after giving way: {type(e).__name__}"))
+            return
+        self.worker, self.plan, self.run_id = worker, plan, uuid.uuid4().hex
+        self.state = RunState(old.ids, plan, yielded=True)
+        try:
+            await self.open_stream()
+        except WorkerFailed as e:
+            await self.deps.pool.release(worker, [], self.tenant)
+            self._stream = None
+            self._queue.put_nowait(e)
+            return
+        if self._gone:
+            await self._perform_all(self.state.apply(Abandon()))
+
+    async def _drain(self, state: RunState, cm: Any, stream: EventStream | None) -> None:
+        """A preempted run's stream after its end: the snapshots it had begun, committed."""
+        try:
+            while stream is not None and not state.closed:
+                for fx in state.apply(await self._next(stream)):
+                    if isinstance(fx, Commit | SaveFailure | LostSaves | Drop):
+                        await self._perform(fx)
+        finally:
+            if stream is not None:
+                stream.close()
+            if cm is not None:
+                with contextlib.suppress(Exception):
+                    await cm.__aexit__(None, None, None)
 
     async def _lost_saves(self, fx: LostSaves) -> None:
         log.warning("saves of this request lost: %s", fx.message)
@@ -363,6 +447,7 @@ class Run:
 
     async def aclose(self) -> None:
         """Abandon the run (the client went away); its snapshots are still committed."""
+        self._gone = True
         for fx in self.state.apply(Abandon()):
             await self._perform(fx)
 
@@ -371,5 +456,6 @@ _PERFORM: dict[type, Callable[[Run, Any], Any]] = {
     Emit: Run._emit, Finish: Run._finish, Fail: Run._fail, Commit: Run._commit,
     SaveFailure: Run._save_failure, Drop: Run._drop, Touch: Run._touch,
     Progress: Run._progress, Record: Run._record, Count: Run._count, Release: Run._release,
-    SendCancel: Run._send_cancel, LostSaves: Run._lost_saves,
+    SendCancel: Run._send_cancel, LostSaves: Run._lost_saves, Requeue: Run._requeue,
+    Lapse: Run._lapse,
 }

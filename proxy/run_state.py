@@ -23,6 +23,12 @@ Rules of the state machine:
   *closed* once the saves announced by `Done`/`Cancelled` are all in. After a failure, saves
   still missing are lost (`LostSaves`).
 - `Abandon` before the end: count it cancelled once, ask the worker to stop (`SendCancel`).
+- `Yield` (a short request takes the slot: policies/preempt.py), once per request and only
+  before any token: ask the worker to stop if it has not sampled (`SendCancel(prefilling)`).
+  Its `Cancelled` ends the run *preempted*: no outcome is counted and the consumer's stream
+  goes on; the worker is released with the prefix it holds and the driver runs the request
+  again (`Requeue`). A `Token` first means the worker had sampled: the yield lapses (`Lapse`:
+  the slot's reservation is lifted) and the run goes on.
 """
 
 from __future__ import annotations
@@ -63,7 +69,12 @@ class Shutdown:
     pass  # the proxy is stopping: the worker is going away too
 
 
-RunEvent = Event | StreamLost | Abandon | Shutdown
+@dataclass(frozen=True, slots=True)
+class Yield:
+    pass  # a short request takes this slot: stop if still prefilling (policies/preempt.py)
+
+
+RunEvent = Event | StreamLost | Abandon | Shutdown | Yield
 
 
 # --- effects ---------------------------------------------------------------------------------
@@ -131,7 +142,17 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class SendCancel:
-    pass
+    prefilling: bool = False  # only if the worker has not sampled (a preemption)
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    pass  # preempted: run the request again from what it left (the consumer's stream goes on)
+
+
+@dataclass(frozen=True, slots=True)
+class Lapse:
+    pass  # the worker had sampled when the yield came: the slot stays this run's
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +161,7 @@ class LostSaves:
 
 
 Effect = (Emit | Finish | Fail | Commit | SaveFailure | Drop | Touch | Progress | Record | Count
-          | Release | SendCancel | LostSaves)
+          | Release | SendCancel | LostSaves | Requeue | Lapse)
 
 
 @dataclass(slots=True)
@@ -173,6 +194,9 @@ class RunState:
     started: bool = False
     ended: bool = False  # the worker was released
     abandoned: bool = False
+    yielding: bool = False  # a Yield was sent and neither its Cancelled nor a Token came
+    yielded: bool = False  # it gave way once (or is the request's second run): never again
+    tokens: bool = False  # a token came
     outcome: str = ""
     saves_seen: int = 0
     saves_expected: int | None = None  # announced by Done/Cancelled
@@ -219,7 +243,12 @@ class RunState:
     def _token(self, ev: Token) -> list[Effect]:
         if ev.id is not None:
             self.gen_ids.append(ev.id)
-        return [Emit(ev.text)] if ev.text and not self.abandoned else []
+        fx: list[Effect] = [Emit(ev.text)] if ev.text and not self.abandoned else []
+        self.tokens = True
+        if self.yielding:
+            self.yielding = False
+            fx.insert(0, Lapse())
+        return fx
 
     def _done(self, ev: Done) -> list[Effect]:
         self.finish_reason = "stop" if ev.finish_reason == "stop_sequence" else ev.finish_reason
@@ -236,6 +265,9 @@ class RunState:
     def _cancelled(self, ev: Cancelled) -> list[Effect]:
         self.live_n = ev.n_live
         self.saves_expected = ev.pending_saves
+        if self.yielding and not self.abandoned and not self.ended:
+            self.yielding, self.ended, self.outcome = False, True, "preempted"
+            return [Release(self.ids[: self.live_n], floor=ev.floor), Requeue()]
         return self._end("cancelled", self.ids[: self.live_n], floor=ev.floor)
 
     def _saved(self, ev: Saved) -> list[Effect]:
@@ -260,6 +292,18 @@ class RunState:
     def _shutdown(self, ev: Shutdown) -> list[Effect]:
         self.saves_expected = self.saves_seen
         return self._end("cancelled", ())
+
+    @property
+    def may_yield(self) -> bool:
+        """It may still give its slot to a short request (policies/preempt.py)."""
+        return self.started and not (self.yielded or self.tokens or self.abandoned
+                                     or self.ended)
+
+    def _yield(self, ev: Yield) -> list[Effect]:
+        if not self.may_yield:
+            return []
+        self.yielding = self.yielded = True
+        return [SendCancel(prefilling=True)]
 
     def _abandon(self, ev: Abandon) -> list[Effect]:
         if self.abandoned or self.ended:
@@ -290,5 +334,5 @@ _HANDLERS: dict[type, Callable[[RunState, Any], list[Effect]]] = {
     Start: RunState._start, Prefill: RunState._prefill, Token: RunState._token,
     Done: RunState._done, Cancelled: RunState._cancelled, Saved: RunState._saved,
     SaveFailed: RunState._save_failed, Error: RunState._failed, StreamLost: RunState._failed,
-    Shutdown: RunState._shutdown, Abandon: RunState._abandon,
+    Shutdown: RunState._shutdown, Abandon: RunState._abandon, Yield: RunState._yield,
 }

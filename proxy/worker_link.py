@@ -102,6 +102,10 @@ class Slot:
     busy: bool = False
     acquired_at_restarts: int = 0  # the worker's `restarts` when acquired: see Pool.release
     used_s: float = 0.0  # when it last ran a request (monotonic)
+    # the run on it while it may give way to a short request (proxy.run.Run: `left`,
+    # `give_way`), and the waiter it is promised to once that run stops (policies/preempt.py)
+    holder: Any = None
+    reserved: object | None = None
 
     @property
     def worker_id(self) -> int:
@@ -130,15 +134,16 @@ class Slot:
                           self.live_floor)
 
     def view(self, slot_id: int, ids: list[int], tenant: str, borrow: int = 0) -> SlotView:
-        return SlotView(slot_id, self.live_prefix(ids, tenant), self.busy, self.ready,
+        return SlotView(slot_id, self.live_prefix(ids, tenant),
+                        self.busy or self.reserved is not None, self.ready,
                         len(self.live_ids), self.used_s, borrow)
 
     def run(self, job: Job, timeout_s: float) -> contextlib.AbstractAsyncContextManager[
             EventStream]:
         return self.worker.run(dataclasses.replace(job, slot=self.index), timeout_s)
 
-    async def cancel(self, run_id: str) -> bool:
-        return await self.worker.cancel(run_id)
+    async def cancel(self, run_id: str, prefilling: bool = False) -> bool:
+        return await self.worker.cancel(run_id, prefilling)
 
 
 @dataclass(eq=False)
@@ -170,6 +175,7 @@ class Worker:
     loading: Loading | None = None  # its /health while it loads
     # its RAM tier's entries, ref -> (tenant, ids), as its tier events say (Pool._listen)
     ram: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    ram_tier: bool = False  # it keeps states that give way in RAM (--cache-ram not 0)
     costs: Costs | None = None  # its measured prefill and restore costs (policies.costs)
     placement: dict[str, Any] = field(default_factory=dict)  # where its model went
 
@@ -203,6 +209,7 @@ class Worker:
         self.memory, self.batching = h.memory, Batching(h.align, frozenset(h.batch_ends))
         self.exact, self.exact_failure, self.decode = h.exact, h.exact_failure, h.decode
         self.borrows, self.boot_id = h.borrows, h.boot_id
+        self.ram_tier = h.cache_ram.get("budget_bytes", 0) != 0
         self.set_slots(h.slots)
         self.placement = dict(h.placement)  # its loading progress stands until it is ready
         self.learn(h.costs)
@@ -266,12 +273,16 @@ class Worker:
         except _UNREACHABLE as e:
             raise WorkerFailed(f"{self.name} failed: {e or type(e).__name__}") from e
 
-    async def cancel(self, run_id: str) -> bool:
+    async def cancel(self, run_id: str, prefilling: bool = False) -> bool:
         """Ask the worker to stop a run (its stream then reports `cancelled`); False when the
-        worker did not take it (the run already ended, or the worker is unreachable)."""
+        worker did not take it (the run already ended, or the worker is unreachable).
+        `prefilling`: only if it has not sampled yet (a preemption)."""
         assert self.session is not None
+        body: dict[str, Any] = {"run_id": run_id}
+        if prefilling:
+            body["prefilling"] = True
         try:
-            async with self.session.post(self.base_url + "/cancel", json={"run_id": run_id},
+            async with self.session.post(self.base_url + "/cancel", json=body,
                                          timeout=aiohttp.ClientTimeout(total=CANCEL_TIMEOUT_S)
                                          ) as r:
                 return r.status == 200

@@ -49,8 +49,9 @@ from backend import volume
 from backend.keys import CacheIdentity
 from backend.protocol import TierEvent, WorkerInfo, parse_event
 from backend.redact import redact_url
+from policies.preempt import Candidate, choose_victim
 from policies.prefix import Batching
-from policies.router import choose_slot
+from policies.router import WAIT_MARGIN_TOKENS, choose_slot
 from proxy.config import Config
 from proxy.errors import QueueFull, WorkerFailed
 from proxy.local_workers import LocalWorkers
@@ -87,6 +88,7 @@ class Pool(LocalWorkers):
         self.workers: list[Worker] = []
         self._cond = asyncio.Condition()
         self._waiting = 0
+        self._first = 0  # preempted runs waiting: they take the next free slot (`acquire`)
         self._tmpdir = tempfile.mkdtemp(prefix="prefixgate-")
         self._tasks: list[asyncio.Task[None]] = []
         self._rechecks: set[asyncio.Task[None]] = set()
@@ -358,14 +360,20 @@ class Pool(LocalWorkers):
     def slots(self) -> list[Slot]:
         return [s for w in self.workers for s in w.slots]
 
-    async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "") -> Slot:
-        """The slot to run this prompt on, marked busy; waits (bounded) when all are busy."""
+    async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "",
+                      work: int | None = None, first: bool = False) -> Slot:
+        """The slot to run this prompt on, marked busy; waits (bounded) when all are busy.
+        `work`: the request's work in prefill tokens (policies.preempt.work), where it may take
+        the slot of a run still prefilling a long prompt rather than wait; `first`: a run that
+        gave way, which takes the next free slot before anyone else."""
         self._check_reachable()
-        if self._waiting >= self.cfg.max_queue and not any(
+        if not first and self._waiting >= self.cfg.max_queue and not any(
                 s.ready and not s.busy for s in self.slots):
             raise QueueFull(f"all {len(self.slots)} slots are busy and "
                             f"{self._waiting} requests are waiting; retry shortly")
         self._waiting += 1
+        self._first += first
+        me, preempted = object(), work is None
         try:
             while True:
                 if self.sleeping:
@@ -373,18 +381,80 @@ class Pool(LocalWorkers):
                 async with self._cond:
                     while not self.sleeping:
                         slots = self.slots
-                        choice = choose_slot(slot_views(slots, ids, tenant), disk_hit)
-                        if choice is not None:
-                            s = slots[choice]
-                            if not s.busy:
-                                s.busy = True
-                                s.acquired_at_restarts = s.worker.restarts
-                                self.used_s = time.monotonic()
-                                return s
+                        mine = next((s for s in slots if s.reserved is me), None)
+                        if mine is not None and not mine.ready:
+                            mine.reserved = None  # its worker went down: queue as the others
+                        elif mine is not None:
+                            if not mine.busy:
+                                mine.reserved = None
+                                return self._take(mine)
+                        elif first or not self._first:
+                            # a run that gave way takes any idle slot (no margin to wait for)
+                            choice = choose_slot(slot_views(slots, ids, tenant), disk_hit,
+                                                 1 << 62 if first else WAIT_MARGIN_TOKENS)
+                            if choice is not None and not slots[choice].busy \
+                                    and slots[choice].reserved is None:
+                                return self._take(slots[choice])
+                            if not preempted and self._preempt(slots, me, work or 0,
+                                                               len(ids) - disk_hit):
+                                preempted = True  # at most one run gives way to it
+                                continue
                         await self._cond.wait()
                         self._check_reachable()
         finally:
             self._waiting -= 1
+            self._first -= first
+            for s in self.slots:
+                if s.reserved is me:  # it was cancelled while waiting for its slot
+                    s.reserved = None
+                    self._cond_notify_soon()
+
+    def _take(self, s: Slot) -> Slot:
+        s.busy = True
+        s.acquired_at_restarts = s.worker.restarts
+        self.used_s = time.monotonic()
+        return s
+
+    def _preempt(self, slots: list[Slot], me: object, work: int, prefill: int) -> bool:
+        """No idle slot: a run still prefilling a long prompt gives its slot to this short
+        request (policies/preempt.py); the slot is promised to it. False: none may (or a
+        slot is idle, and the router chose to wait for a busy one that holds its prefix)."""
+        if any(s.ready and not s.busy and s.reserved is None for s in slots):
+            return False
+        candidates = [Candidate(i, left) for i, s in enumerate(slots)
+                      if s.ready and s.busy and s.reserved is None and s.worker.ram_tier
+                      and s.worker.exact and s.holder is not None
+                      and (left := s.holder.left) is not None]
+        victim = choose_victim(work, candidates)
+        if victim is None or not slots[victim].holder.give_way():
+            return False
+        s = slots[victim]
+        s.reserved = me
+        log.info("preempt: a request of %d tokens to prefill takes slot %s from a run with %d "
+                 "left to prefill, which runs again from its prefix in the RAM tier", prefill,
+                 s.label, next(c.left for c in candidates if c.slot_id == victim))
+        return True
+
+    def _cond_notify_soon(self) -> None:
+        async def notify() -> None:
+            async with self._cond:
+                self._cond.notify_all()
+        task = asyncio.ensure_future(notify())
+        self._rechecks.add(task)
+        task.add_done_callback(self._rechecks.discard)
+
+    async def hold(self, s: Slot, holder: Any) -> None:
+        """The run on `s` started: a short request may ask it to give way from now on."""
+        async with self._cond:
+            if s.busy:
+                s.holder = holder
+                self._cond.notify_all()
+
+    async def lapse(self, s: Slot) -> None:
+        """Its run had sampled when asked to give way: the slot is no one's promise any more."""
+        async with self._cond:
+            s.reserved = None
+            self._cond.notify_all()
 
     async def release(self, s: Slot, live_ids: list[int], tenant: str = "",
                       suspect: bool = False, floor: int = 0,
@@ -411,5 +481,5 @@ class Pool(LocalWorkers):
                 task = asyncio.create_task(self._recheck(w))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
-            s.busy = False
+            s.busy, s.holder = False, None
             self._cond.notify_all()

@@ -169,7 +169,10 @@ class Core:
             return self._arrive(inp.job, world)
         if isinstance(inp, CancelRun):
             slot = next((s for s, j in self.jobs.items() if j.job.run_id == inp.run_id), None)
-            return [] if slot is None else self._end(slot, world)
+            if slot is None or inp.prefilling and self.jobs[slot].phase not in ("start",
+                                                                                "prefill"):
+                return []  # ended, or a preemption that came after its first sample
+            return self._end(slot, world)
         if isinstance(inp, Snapshotted):
             for k in self.jobs.values():
                 if k.job.run_id == inp.run_id:

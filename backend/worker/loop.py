@@ -199,8 +199,8 @@ class Loop:
     def arrive(self, job: Job) -> None:
         self.submit(Arrive(job))
 
-    def cancel(self, run_id: str) -> None:
-        self.submit(CancelRun(run_id))
+    def cancel(self, run_id: str, prefilling: bool = False) -> None:
+        self.submit(CancelRun(run_id, prefilling))
 
     def stats(self) -> dict[str, Any]:
         return self.tiers.stats()

@@ -91,6 +91,7 @@ class Arrive:
 @dataclass(frozen=True, slots=True)
 class CancelRun:
     run_id: str
+    prefilling: bool = False  # only while it has not sampled (a preemption: see proxy.run)
 
 
 @dataclass(frozen=True, slots=True)

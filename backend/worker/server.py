@@ -4,7 +4,8 @@ backend/protocol.py over the compute loop.
     GET  /health  -> WorkerInfo (while it loads: 503 {"status": "loading", ...}, `Boot`)
     POST /run     -> a Job in, its NDJSON event stream out (a malformed job is a 400, a job for
                      a slot that is running one a 409)
-    POST /cancel  -> {"run_id"}: stop that run at once (its stream reports `Cancelled`)
+    POST /cancel  -> {"run_id", "prefilling"?}: stop that run at once (its stream reports
+                     `Cancelled`); with "prefilling": true only if it has not sampled yet
     GET  /events  -> NDJSON of TierEvent: the RAM tier's entries as they are, then every change;
                      `?all=1`: every tier's (each slot's live KV, the shared tier's publishes too:
                      a KV-aware router's feed, computed only while someone asks for it)
@@ -230,7 +231,7 @@ class Worker:
         run = self.runs.get(run_id)
         if run is None or self.active.get(run.slot) != run_id or self.loop is None:
             return web.json_response({"cancelled": False}, status=404)
-        self.loop.cancel(run_id)
+        self.loop.cancel(run_id, body.get("prefilling") is True)
         return web.json_response({"cancelled": True})
 
     async def events(self, request: web.Request) -> web.StreamResponse:

@@ -264,6 +264,25 @@ def test_a_cancelled_prefill_keeps_what_it_evaluated() -> None:
     assert c.apply(CancelRun("r"), world(live(16), EMPTY)) == [], "once"
 
 
+def test_a_preemption_stops_a_prefill_but_not_a_run_that_sampled() -> None:
+    """A "prefilling" cancel (a short request takes the slot: proxy.run) stops a run before
+    its first sample, keeping what it evaluated; once the last batch sampled it is ignored
+    and the run goes on."""
+    c = core()
+    c.apply(Arrive(job()), world(EMPTY, EMPTY))
+    c.apply(Stepped(0, 0.1), world(live(8), EMPTY))
+    assert c.apply(CancelRun("r", prefilling=True), world(live(8), EMPTY)) == \
+        [Emit("r", Cancelled(8, 0, 0)), Finish(0)]
+    c.apply(Arrive(job(run="r2")), world(EMPTY, EMPTY))
+    for n in (8, 16, 24, 32):
+        c.apply(Stepped(0, 0.1), world(live(n), EMPTY))
+    effects = c.apply(Stepped(0, 0.1), world(live(40), EMPTY))
+    assert isinstance(effects[-1], Sample), "the last batch samples at once"
+    assert c.apply(CancelRun("r2", prefilling=True), world(live(40), EMPTY)) == []
+    assert c.apply(CancelRun("r2"), world(live(40), EMPTY))[0] == Emit("r2", Cancelled(
+        40, 0, 0)), "a client's cancel still stops it"
+
+
 def test_a_run_cancelled_while_it_reads_ignores_the_read() -> None:
     c = core()
     j = job(plan(restore=(Restore(32, b"k", "k.state", 10),)))

@@ -49,16 +49,19 @@ from proxy.run_state import (
     Emit,
     Fail,
     Finish,
+    Lapse,
     LostSaves,
     Progress,
     Record,
     Release,
+    Requeue,
     RunState,
     SaveFailure,
     SendCancel,
     Shutdown,
     StreamLost,
     Touch,
+    Yield,
 )
 from proxy.template import Rendered
 from proxy.worker_link import Worker
@@ -175,7 +178,41 @@ CASES: dict[str, tuple[list[Any], list[list[Any]], dict[str, Any]]] = {
         [[Touch(K300, 0.01)], [Emit("a")], [Finish(), Record(), Release((*IDS, 7))]],
         {"outcome": "ok", "closed": True, "finish": "stop", "stop": "\nUser:"},
     ),
+    # a short request takes the slot (policies/preempt.py): the worker stops at its next batch
+    # edge; the run ends preempted (nothing counted, the consumer's stream goes on), the
+    # worker is released with the prefix it holds, the snapshot taken is still committed, and
+    # the driver runs the request again; a second Yield asks nothing
+    "preempted while prefilling": (
+        [Start(0, 0, 0.0, ()), Prefill(128), Yield(), Yield(), Cancelled(256, 0, 1), SAVED_300],
+        [[], [Progress(128)], [SendCancel(prefilling=True)], [],
+         [Release(IDS[:256]), Requeue()], [Commit(SAVED_300)]],
+        {"outcome": "preempted", "closed": True},
+    ),
+    # the worker had sampled when the yield came: it goes on, the slot's reservation is lifted
+    "yield lapses": (
+        [Start(300, 300, 0.01, ()), Yield(), Token(7, "a"), done(1, 401, 0)],
+        [[Touch(K300, 0.01)], [SendCancel(prefilling=True)], [Lapse(), Emit("a")],
+         [Finish(), Record(), Release((*IDS, 7))]],
+        {"outcome": "ok", "closed": True},
+    ),
+    # never after a token, never before the start, and a client that left meanwhile wins
+    "no yield after a token": (
+        [Start(300, 300, 0.01, ()), Token(7, "a"), Yield(), done(1, 401, 0)],
+        [[Touch(K300, 0.01)], [Emit("a")], [], [Finish(), Record(), Release((*IDS, 7))]],
+        {"outcome": "ok", "closed": True},
+    ),
+    "abandoned while yielding": (
+        [Start(0, 0, 0.0, ()), Yield(), Abandon(), Cancelled(128, 0, 0)],
+        [[], [SendCancel(prefilling=True)], [Count("cancelled"), SendCancel()],
+         [Finish(), Release(IDS[:128])]],
+        {"outcome": "cancelled", "closed": True},
+    ),
 }
+
+
+def test_a_run_yields_only_once_it_started() -> None:
+    st = RunState(IDS, PLAN)
+    assert st.apply(Yield()) == [] and not st.yielded
 
 
 @pytest.mark.parametrize("events,effects,final", CASES.values(), ids=CASES.keys())
@@ -215,6 +252,7 @@ class FakeWorker:
         self.script = script
         self.cancelled = asyncio.Event()
         self.jobs: list[dict[str, Any]] = []
+        self.cancels: list[dict[str, Any]] = []
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         self.jobs.append(await request.json())
@@ -224,6 +262,7 @@ class FakeWorker:
         return resp
 
     async def cancel(self, request: web.Request) -> web.Response:
+        self.cancels.append(await request.json())
         self.cancelled.set()
         return web.json_response({"cancelled": True})
 
@@ -272,7 +311,11 @@ class Harness:
         self.worker.busy = True
         self.pool.workers.append(self.process)
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.deps = RunDeps(self.pool, self.cache, self.metrics, self._spawn, 60.0)
+        self.deps = RunDeps(self.pool, self.cache, self.metrics, self._spawn, 60.0,
+                            self._requeue)
+
+    async def _requeue(self, run: Run) -> tuple[Any, Plan]:
+        return await self.pool.acquire(list(IDS), 0, first=True), PLAN
 
     def _spawn(self, coro: Any) -> None:
         self.tasks.add(asyncio.ensure_future(coro))
@@ -419,4 +462,40 @@ async def test_a_job_the_worker_refuses_fails_before_any_response(tmp_path: Path
         with pytest.raises(WorkerFailed, match="malformed job"):
             await h.run()
         assert not h.tasks  # no reader was started: the caller releases the worker
+        await h.close()
+
+
+async def test_a_preempted_run_runs_again_and_its_client_sees_one_answer(
+        tmp_path: Path, entries: Callable[[Harness], dict[int, str]]) -> None:
+    """A short request took the slot (policies/preempt.py): the worker stops the prefill at a
+    batch edge; the run is released with that prefix, queued first, and sent again, which
+    starts from the RAM tier; the first run's snapshot is still committed; one answer, one
+    request counted, the log line says it."""
+    async def script(resp: web.StreamResponse, cancelled: asyncio.Event) -> None:
+        if len(fake.jobs) == 1:
+            await send(resp, Start(0, 0, 0.0, ()), Prefill(128))
+            await asyncio.wait_for(cancelled.wait(), 30)
+            await send(resp, Cancelled(256, 0, 1))
+            await asyncio.sleep(0.05)  # its file is written after the slot was given up
+            await send(resp, SAVED_300)
+        else:
+            await send(resp, Start(256, 0, 0.01, (), ram=256, tier="ram"), Token(7, "ok"),
+                       done(1, 401, 0))
+
+    async with fake_worker(script) as (fake, url):
+        h = Harness(tmp_path / "cache", url)
+        run = await h.run()
+        await h.pool.hold(h.worker, run)
+        assert run.left == 400 - 0 and h.worker.holder is run
+        assert run.give_way() and not run.give_way(), "once"
+        assert await run.text() == "ok"
+        await h.settle()
+        assert fake.cancels == [{"run_id": fake.jobs[0]["run_id"], "prefilling": True}]
+        assert len(fake.jobs) == 2 and fake.jobs[1]["run_id"] != fake.jobs[0]["run_id"]
+        assert entries(h) == {300: "scoped"}
+        assert run.preempted and run.usage.source == "ram" and run.usage.cached_tokens == 256
+        assert run.left is None, "the second run never gives way"
+        assert h.count("ok") == 1 and h.count("cancelled") == 0
+        assert h.metrics.preemptions._value.get() == 1
+        assert not h.worker.busy and h.worker.live_ids == [*IDS, 7]
         await h.close()

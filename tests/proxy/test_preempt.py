@@ -1,0 +1,66 @@
+"""Preemption through the real server (policies/preempt.py), on every kind of memory: one slot, a
+long prompt prefilling, and a title request that comes meanwhile. The title runs at once in the
+long run's slot; the long run stops at a batch edge, its prefix gives way to the RAM tier, and
+it runs again from there, answering as a cold run does; the log and the metric say so."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Server, running
+from tests.models import GPU_LAYERS, MODELS, model_file
+from tests.proxy.test_disk_cache import ask
+
+pytestmark = pytest.mark.model
+
+# about 2,400 tokens: several seconds of prefill on two cores for each model of the suite
+LONG = [{"role": "system", "content": "You review build notes."},
+        {"role": "user", "content": " ".join(
+            f"Note {i}: step {i} of the build writes out_{i}.o from src_{i}.c and links it."
+            for i in range(110)) + " Which note links out_7.o?"}]
+TITLE = [{"role": "user", "content": "Write a five-word title for a chat about build notes."}]
+
+
+def cold(srv: Server, messages: list[dict], max_tokens: int) -> str:
+    ask(srv, [{"role": "user", "content": "flush"}], max_tokens=1)
+    out = ask(srv, messages, max_tokens=max_tokens)
+    assert out["cached"] < 16
+    return str(out["text"])
+
+
+@pytest.mark.skipif(GPU_LAYERS > 0, reason="on a GPU the long prefill ends before a request's "
+                    "round trip: there is nothing to preempt")
+@pytest.mark.parametrize("name", MODELS)
+def test_a_title_takes_the_slot_of_a_long_prefill(name: str, tmp_path: Path) -> None:
+    with running(tmp_path / "cold", "--model", model_file(name), "--disk-prefix-cache",
+                 "off") as ref:
+        want_long, want_title = cold(ref, LONG, 12), cold(ref, TITLE, 8)
+    with running(tmp_path / "srv", "--model", model_file(name), "--cache-ram", "256") as srv:
+        done: dict[str, Any] = {}
+
+        def long_call() -> None:
+            done["long"] = ask(srv, LONG, max_tokens=12)
+            done["long_s"] = time.monotonic()
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                s["is_processing"] for s in json.loads(srv.get("/slots")[1])):
+            time.sleep(0.02)
+        title = ask(srv, TITLE, max_tokens=8)
+        title_s = time.monotonic()
+        t.join()
+        log = srv.log()
+        long = done["long"]
+        assert title["text"] == want_title and long["text"] == want_long, log
+        assert title_s < done["long_s"], "the title did not wait for the long answer"
+        assert "preempt: a request of" in log and "preempted=1" in log, log
+        assert long["source"] == "ram" and long["cached"] > 0, (long, log)
+        assert "prefixgate_preemptions_total 1.0" in srv.get("/metrics")[1]
