@@ -133,6 +133,9 @@ def slots_json(app: web.Application, mine: str | None = None) -> list[dict[str, 
                 "is_processing": s.busy, "ready": s.ready, "exact": s.worker.exact}
         if mine is None or s.live_tenant in ("", mine):
             slot["live_tokens"] = len(s.live_ids)
+            if s.busy and s.holder is not None:  # how much of its run's prompt is in
+                total, done = s.holder.progress
+                slot["prompt_progress"] = {"total": total, "processed": done}  # the KV
             slot["tenant"] = hashlib.sha256(s.live_tenant.encode()).hexdigest()[:12] \
                 if s.live_tenant else ""
         out.append(slot)

@@ -175,6 +175,11 @@ class Run:
         st = self.state
         return len(st.ids) - st.live_n if st.may_yield else None
 
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(prompt tokens, of them in the worker's KV now): `/slots` shows a long prefill."""
+        return len(self.state.ids), self.state.live_n
+
     def give_way(self) -> bool:
         """A short request takes this slot: stop if still prefilling (False: it may not)."""
         effects = self.state.apply(Yield())

@@ -19,18 +19,18 @@ from tests.proxy.test_disk_cache import ask
 
 pytestmark = pytest.mark.model
 
-# about 2,400 tokens: several seconds of prefill on two cores for each model of the suite
+# about 1,900 tokens: seconds of prefill on two cores (but the random Qwen3.5's fraction of one)
 LONG = [{"role": "system", "content": "You review build notes."},
         {"role": "user", "content": " ".join(
             f"Note {i}: step {i} of the build writes out_{i}.o from src_{i}.c and links it."
-            for i in range(110)) + " Which note links out_7.o?"}]
+            for i in range(64)) + " Which note links out_7.o?"}]
 TITLE = [{"role": "user", "content": "Write a five-word title for a chat about build notes."}]
 
 
 def cold(srv: Server, messages: list[dict], max_tokens: int) -> str:
     ask(srv, [{"role": "user", "content": "flush"}], max_tokens=1)
     out = ask(srv, messages, max_tokens=max_tokens)
-    assert out["cached"] < 16
+    assert out["cached"] <= 32, "at most the chat template's header stays live"
     return str(out["text"])
 
 
@@ -51,9 +51,10 @@ def test_a_title_takes_the_slot_of_a_long_prefill(name: str, tmp_path: Path) -> 
         t = threading.Thread(target=long_call)
         t.start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-                s["is_processing"] for s in json.loads(srv.get("/slots")[1])):
-            time.sleep(0.02)
+        while time.monotonic() < deadline and not any(  # a few batches of it are in
+                s.get("prompt_progress", {}).get("processed", 0) >= 256
+                for s in json.loads(srv.get("/slots")[1])):
+            time.sleep(0.01)
         title = ask(srv, TITLE, max_tokens=8)
         title_s = time.monotonic()
         t.join()
@@ -62,5 +63,5 @@ def test_a_title_takes_the_slot_of_a_long_prefill(name: str, tmp_path: Path) -> 
         assert title["text"] == want_title and long["text"] == want_long, log
         assert title_s < done["long_s"], "the title did not wait for the long answer"
         assert "preempt: a request of" in log and "preempted=1" in log, log
-        assert long["source"] == "ram" and long["cached"] > 0, (long, log)
+        assert long["source"] == "ram" and long["cached"] >= 256, (long, log)
         assert "prefixgate_preemptions_total 1.0" in srv.get("/metrics")[1]
