@@ -95,6 +95,8 @@ class Releaser(Protocol):
 
     async def lapse(self, w: Any) -> None: ...  # a yield came too late: lift its reservation
 
+    async def give_back(self, w: Any) -> None: ...  # acquired, never used: as it was
+
 
 class Committer(Protocol):
     """What a run commits to (proxy.cache.DiskCache); None when there is no disk cache."""
@@ -172,8 +174,8 @@ class Run:
     def left(self) -> int | None:
         """Prompt tokens it has still to prefill while it may give its slot to a short request
         (policies/preempt.py); None when it may not."""
-        st = self.state
-        return len(st.ids) - st.live_n if st.may_yield else None
+        st = self.state  # a plan that reuses nothing would lose its prefill: never
+        return len(st.ids) - st.live_n if st.may_yield and self.plan.keep_max > 0 else None
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -370,7 +372,8 @@ class Run:
         self.deps.spawn(self._drain(old, cm, stream))
         self.deps.metrics.preemptions.inc()
         self.preempted = True
-        if self._gone:
+        if self._gone:  # it left as the first run was released (its Abandon counted nothing)
+            await self._count(Count("cancelled"))
             self._queue.put_nowait(None)
             return
         assert self.deps.requeue is not None, "a run gave way with nowhere to run again"
@@ -381,6 +384,11 @@ class Run:
                 log.exception("a preempted run could not be queued again")
             self._queue.put_nowait(e if isinstance(e, WorkerFailed) else WorkerFailed(
                 f"the request could not run again after giving way: {type(e).__name__}"))
+            return
+        if self._gone:  # the client left while it waited: the slot goes back untouched
+            await self.deps.pool.give_back(worker)
+            await self._count(Count("cancelled"))
+            self._queue.put_nowait(None)
             return
         self.worker, self.plan, self.run_id = worker, plan, uuid.uuid4().hex
         self.state = RunState(old.ids, plan, yielded=True)

@@ -450,6 +450,12 @@ class Pool(LocalWorkers):
                 s.holder = holder
                 self._cond.notify_all()
 
+    async def give_back(self, s: Slot) -> None:
+        """A slot acquired and never run on (its request left): free, its live KV as it was."""
+        async with self._cond:
+            s.busy, s.holder = False, None
+            self._cond.notify_all()
+
     async def lapse(self, s: Slot) -> None:
         """Its run had sampled when asked to give way: the slot is no one's promise any more."""
         async with self._cond:

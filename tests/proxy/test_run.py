@@ -499,3 +499,39 @@ async def test_a_preempted_run_runs_again_and_its_client_sees_one_answer(
         assert h.metrics.preemptions._value.get() == 1
         assert not h.worker.busy and h.worker.live_ids == [*IDS, 7]
         await h.close()
+
+
+async def test_a_preempted_run_whose_client_leaves_while_it_waits_sends_nothing_more(
+        tmp_path: Path) -> None:
+    """The client goes while the preempted run waits for its next slot: the slot it gets is
+    given back as it was, no second job goes to the worker, the request counts as cancelled
+    once."""
+    slot_free = asyncio.Event()
+
+    async def script(resp: web.StreamResponse, cancelled: asyncio.Event) -> None:
+        await send(resp, Start(0, 0, 0.0, ()), Prefill(128))
+        await asyncio.wait_for(cancelled.wait(), 30)
+        await send(resp, Cancelled(256, 0, 0))
+
+    async with fake_worker(script) as (fake, url):
+        h = Harness(tmp_path / "cache", url)
+
+        async def requeue(run: Run) -> tuple[Any, Plan]:
+            await slot_free.wait()  # every slot busy meanwhile
+            return await h.pool.acquire(list(IDS), 0, first=True), PLAN
+
+        h.deps = RunDeps(h.pool, h.cache, h.metrics, h._spawn, 60.0, requeue)
+        run = await h.run()
+        assert run.give_way()
+        for _ in range(200):
+            if run.preempted:
+                break
+            await asyncio.sleep(0.01)
+        await run.aclose()
+        slot_free.set()
+        assert await run.text() == ""
+        await h.settle()
+        assert len(fake.jobs) == 1 and not h.worker.busy
+        assert h.worker.live_ids == list(IDS[:256]), "the first run's prefix, as released"
+        assert h.count("cancelled") == 1 and h.count("ok") == 0
+        await h.close()
