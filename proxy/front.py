@@ -28,6 +28,11 @@ request's body tells where it would go and why (Dynamo's overlap per host and ti
 nothing: how much of a prompt some host holds is for a key holder to see, and no other answer
 says it (`X-Prefixgate-Route` names the way, not the overlap).
 
+With `--api-prefix /PATH` (as the hosts run it) the front answers below the prefix only, as a
+host does, and forwards the path below it to each host's registered URL, which then names the
+host's prefix too (`prefixgate dynamo-worker --host-url http://HOST:8080/PATH`: its health is
+probed there as well).
+
 Auth is the server's (docs/security.md): with --api-key or --api-keys every path but `/health`
 takes one of the keys at the front, before anything is rendered or placed (a 401 in the API's
 shape), and the hosts check it again; a key option that yields no key stops the start; the
@@ -50,7 +55,7 @@ from aiohttp import web
 from backend.redact import redact_url
 from proxy import cors, limits
 from proxy.config import Config, add_arguments, configure_logging, from_args
-from proxy.edge import ALLOWED_KEYS, check_auth, parse_body
+from proxy.edge import ALLOWED_KEYS, CONFIG, api_path, check_auth, parse_body
 from proxy.errors import (
     ApiError,
     Unauthorized,
@@ -208,14 +213,16 @@ class Front:
             "hosts": {str(k): redact_url(v) for k, v in self.urls.items()}, "dynamo": scores})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        path = api_path(request)  # below --api-prefix: what the hosts' URLs are given
         try:  # before anything is read, rendered or placed
             check_auth(request)
         except Unauthorized as e:
-            return anthropic_response(e) if request.path.startswith("/v1/messages") \
+            return anthropic_response(e) if path.startswith("/v1/messages") \
                 else openai_response(e)
         body = await request.read()
-        ids = await asyncio.to_thread(self.prompt_ids, request.path, body) \
+        ids = await asyncio.to_thread(self.prompt_ids, path, body) \
             if request.method == "POST" else None
+        tail = path + (f"?{request.query_string}" if request.query_string else "")
         rid, skip = uuid.uuid4().hex, set[int]()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         assert self.session is not None
@@ -225,7 +232,7 @@ class Front:
                 break
             worker, url, why = choice
             try:
-                upstream = await self.session.request(request.method, url + request.path_qs,
+                upstream = await self.session.request(request.method, url + tail,
                                                       headers=headers, data=body)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 log.warning("host %s unreachable (%s): the next", redact_url(url),
@@ -235,7 +242,7 @@ class Front:
                     await self.router.free(rid)
                 continue
             return await self._relay(request, upstream, url, why, rid if ids else None)
-        return self._unavailable(request)
+        return self._unavailable(path)
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, url: str,
                      why: str, rid: str | None) -> web.StreamResponse:
@@ -262,25 +269,31 @@ class Front:
             if rid is not None:
                 await self.router.free(rid)
 
-    def _unavailable(self, request: web.Request) -> web.Response:
+    def _unavailable(self, path: str) -> web.Response:
         e = WorkerFailed("no prefixgate host can be reached through Dynamo's router: check "
                          "the hosts and their `prefixgate dynamo-worker`")
         e.status = 503
-        return anthropic_response(e) if request.path.startswith("/v1/messages") \
-            else openai_response(e)
+        return anthropic_response(e) if path.startswith("/v1/messages") else openai_response(e)
 
 
 def make_app(front: Front) -> web.Application:
+    """The front's app: its routes, below --api-prefix where one is given (the root app then
+    answers nothing else, as a host's)."""
     app = web.Application(client_max_size=front.bounds.max_body_bytes)
+    app[CONFIG] = front.cfg
     # the front's own policy for web pages, as serve's (a host's answer carries none of its own)
     cors.install(app, cors.Cors.of(front.cfg))
     if front.keys:
         app[ALLOWED_KEYS] = front.keys
-    app.cleanup_ctx.append(front.open)
     app.router.add_get("/health", front.health)
     app.router.add_post("/front/route", front.route)
     app.router.add_route("*", "/{tail:.*}", front.forward)
-    return app
+    root = app
+    if front.cfg.api_prefix:
+        root = web.Application(client_max_size=front.bounds.max_body_bytes)
+        root.add_subapp(front.cfg.api_prefix, app)
+    root.cleanup_ctx.append(front.open)
+    return root
 
 
 def main(argv: list[str]) -> None:

@@ -104,3 +104,21 @@ def test_kv_events_never_run_beside_tenant_isolation() -> None:
     with pytest.raises(SystemExit) as e:
         parse(["--kv-events", "tcp://127.0.0.1:5557", "--tenant-isolation"])
     assert "--tenant-isolation" in str(e.value)
+
+
+async def test_with_an_api_prefix_the_front_answers_below_it_only() -> None:
+    """As a host with --api-prefix: every path below the prefix, the API's own error shape by
+    the path below it, nothing outside it."""
+    c = await client(frozenset({KEY}), ["--api-prefix", "/llm"])
+    try:
+        r = await c.get("/llm/health")
+        assert r.status == 503 and (await r.json())["status"] == "no host"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        r = await c.post("/llm/v1/messages", json=body)
+        assert r.status == 401 and (await r.json())["type"] == "error"  # Anthropic's shape
+        r = await c.post("/llm/v1/chat/completions", json=body)
+        assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+        for path in ("/health", "/v1/chat/completions", "/llmv1/models"):
+            assert (await c.get(path)).status == 404, path
+    finally:
+        await c.close()
