@@ -16,6 +16,9 @@ Model:
 - Restore: ``s0 + nbytes / rate`` per source (disk: read, verify, load; RAM: load; shared: pull
   from the shared tier, verify, load), fitted the
   same way over that source's restores; with one size seen only the rate is fitted (s0 = 0).
+- Decode: the seconds of a decode step (every slot's token in it, as the steps run), the
+  samples' decayed mean: what one more generated token costs a short request's slot
+  (policies/preempt.py).
 - A restore *pays* when its estimate is below the estimate of prefilling the tokens it would
   save (``keep`` to ``n``): then it is done, otherwise those tokens are prefilled. Until both
   sides have been measured (a fresh worker) it pays: a restore is how its cost is learnt, and
@@ -89,6 +92,7 @@ class Costs:
     disk: Fit = field(default_factory=Fit)  # t = (1/rate)*bytes + s0
     ram: Fit = field(default_factory=Fit)
     shared: Fit = field(default_factory=Fit)  # a pull from the shared tier, read and loaded
+    decode: Fit = field(default_factory=Fit)  # t = step_s * 1: a decode step's seconds
 
     def add_prefill(self, start: int, end: int, seconds: float) -> Costs:
         if end <= start or seconds <= 0:
@@ -100,6 +104,12 @@ class Costs:
         if nbytes <= 0 or seconds <= 0:
             return self
         return replace(self, **{source: self.fit(source).add(float(nbytes), 1.0, seconds)})
+
+    def add_decode(self, seconds: float) -> Costs:
+        return replace(self, decode=self.decode.add(1.0, 0.0, seconds)) if seconds > 0 else self
+
+    def decode_step_s(self) -> float:
+        return self.decode.solve()[0]
 
     def fit(self, source: Source) -> Fit:
         return {"disk": self.disk, "ram": self.ram, "shared": self.shared}[source]
@@ -117,20 +127,25 @@ class Costs:
 
     def to_wire(self) -> dict[str, Any]:
         return {"prefill": self.prefill.to_wire(), "disk": self.disk.to_wire(),
-                "ram": self.ram.to_wire(), "shared": self.shared.to_wire()}
+                "ram": self.ram.to_wire(), "shared": self.shared.to_wire(),
+                "decode": self.decode.to_wire()}
 
     @classmethod
     def from_wire(cls, d: Any) -> Costs:
         if not isinstance(d, dict):
             raise ValueError(f"malformed costs {d!r}")
         return cls(Fit.from_wire(d["prefill"]), Fit.from_wire(d["disk"]),
-                   Fit.from_wire(d["ram"]), Fit.from_wire(d["shared"]))
+                   Fit.from_wire(d["ram"]), Fit.from_wire(d["shared"]),
+                   Fit.from_wire(d["decode"]) if "decode" in d else Fit())  # an older worker
 
     def summary(self, lengths: tuple[int, ...] = (1024, 4096, 16384, 32768)) -> dict[str, Any]:
         """What /props shows: prefill tokens/s of a whole prompt of each length, and each
         source's restore rate and fixed cost."""
         out: dict[str, Any] = {"samples": {"prefill": self.prefill.n, "disk": self.disk.n,
-                                           "ram": self.ram.n, "shared": self.shared.n}}
+                                           "ram": self.ram.n, "shared": self.shared.n,
+                                           "decode": self.decode.n}}
+        if self.decode.n:
+            out["decode_step_s"] = round(self.decode_step_s(), 4)
         if self.prefill.n:
             out["prefill_tokens_per_s"] = {str(n): round(n / s, 1) for n in lengths
                                            if (s := self.prefill_s(0, n)) > 0}

@@ -17,13 +17,17 @@ that frees; here it may take the slot of a run still prefilling a long prompt:
 
 Rules, pure (the pool asks, for a request that finds no idle ready slot):
 
-1. The waiter's work, in prefill tokens: the tokens it must prefill plus ``DECODE_TOKENS`` per
-   token it may generate (its ``max_tokens``: a bound, so the rule holds in the worst case).
+1. The waiter's work and each candidate's prefill left, in one unit per worker: seconds where
+   the worker has measured its prefill and its decode steps (`policies.costs`: the tokens the
+   waiter must prefill, plus a decode step for each token its ``max_tokens`` allows, a bound so
+   the rule holds in the worst case), else prefill tokens, ``DECODE_TOKENS`` for a generated
+   one (a fresh worker). So a GPU, where a generated token costs a hundred prompt tokens or
+   more, preempts for fewer requests than a CPU does.
 2. A candidate is a busy slot whose run has produced no token, has not given way before (at most
    once per request), and whose worker has a RAM tier (without one its prefix would be lost).
-3. The candidate with the most prefill left is preempted if that is at least ``RATIO`` times the
-   waiter's work (shortest remaining work first, with room for the state's trip to RAM and
-   back); otherwise none, and the waiter queues as before.
+3. Of the candidates whose prefill left is at least ``RATIO`` times the waiter's work (shortest
+   remaining work first, with room for the state's trip to RAM and back), the one with the
+   most left for that work is preempted; otherwise none, and the waiter queues as before.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# a generated token's cost in prefill tokens: a decode step evaluates one token through all the
-# weights, which a prefill batch shares among hundreds (on 2 CPU cores about 30 for the
-# default model: 88 ms a token against 2.8 ms a prompt token, bench/results/issue41; far more
-# on a GPU, where a title's answer is still short)
+from policies.costs import Costs
+
+# a generated token's cost in prefill tokens until the worker has measured both: a decode step
+# evaluates one token through all the weights, which a prefill batch shares among hundreds (on
+# 2 CPU cores about 30 for the default model: 88 ms a token against 2.8 ms a prompt token,
+# bench/results/issue41; far more on a GPU)
 DECODE_TOKENS = 16
 RATIO = 2  # the victim's prefill left, against the waiter's work
 
@@ -42,17 +48,29 @@ RATIO = 2  # the victim's prefill left, against the waiter's work
 @dataclass(frozen=True, slots=True)
 class Candidate:
     slot_id: int
-    left: int  # prompt tokens its run has still to prefill (it has produced no token)
+    left: float  # its run's prefill left (it has produced no token), in its worker's unit
+    work: float  # the waiter's work on that worker, in the same unit
+    seconds: bool = False  # the unit: seconds as measured, else prefill tokens
 
 
 def work(prefill: int, max_tokens: int) -> int:
-    """Rule 1: a request's work in prefill tokens."""
+    """Rule 1 on a worker that has measured nothing yet: a request's work in prefill tokens."""
     return max(prefill, 0) + DECODE_TOKENS * max(max_tokens, 0)
 
 
-def choose_victim(waiter_work: int, candidates: Sequence[Candidate]) -> int | None:
-    """Rule 3: the slot to preempt for a waiter of this work, or None."""
-    best = max(candidates, key=lambda c: (c.left, -c.slot_id), default=None)
-    if best is None or best.left < RATIO * max(waiter_work, 1):
-        return None
-    return best.slot_id
+def candidate(slot_id: int, costs: Costs | None, done: int, total: int,
+              waiter: tuple[int, int], max_tokens: int) -> Candidate:
+    """Rule 1: a run that has `done` of its `total` prompt tokens in its KV, against a waiter
+    that must prefill positions `waiter` (from, to) and may generate `max_tokens`."""
+    start, end = waiter
+    if costs is not None and costs.prefill.n and costs.decode.n:
+        return Candidate(slot_id, costs.prefill_s(done, total), costs.prefill_s(start, end)
+                         + max(max_tokens, 0) * costs.decode_step_s(), True)
+    return Candidate(slot_id, float(total - done), float(work(end - start, max_tokens)))
+
+
+def choose_victim(candidates: Sequence[Candidate]) -> int | None:
+    """Rule 3: the slot to preempt, or None."""
+    fit = [c for c in candidates if c.left >= RATIO * max(c.work, 1e-9)]
+    best = max(fit, key=lambda c: (c.left / max(c.work, 1e-9), -c.slot_id), default=None)
+    return None if best is None else best.slot_id

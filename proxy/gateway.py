@@ -33,7 +33,6 @@ from backend.keys import prefix_keys
 from backend.shared import LOOKUP_TIMEOUT_S, SharedFault, SharedSkipped, SharedTier
 from policies.decide import Facts, Hit, Plan, Stored, WorkerFacts, decide
 from policies.plan import CacheKnobs
-from policies.preempt import work
 from policies.prefix import common_prefix_len
 from policies.ring import Ring
 from policies.scope import Scope, parse_scope
@@ -203,8 +202,7 @@ class Gateway:
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
         loop = asyncio.get_running_loop()
         asked = loop.time()
-        slot = await self.pool.acquire(list(ids), stored.longest, tenant,
-                                       work(len(ids) - stored.longest, prep.max_tokens))
+        slot = await self.pool.acquire(list(ids), stored.longest, tenant, prep.max_tokens)
         self.metrics.queue_depth.set(self.pool.queue_depth)
         try:
             if loop.time() - asked > REQUEUED_LOOKUP_S:  # it waited for a slot: what the

@@ -49,7 +49,7 @@ from backend import volume
 from backend.keys import CacheIdentity
 from backend.protocol import TierEvent, WorkerInfo, parse_event
 from backend.redact import redact_url
-from policies.preempt import Candidate, choose_victim
+from policies.preempt import candidate, choose_victim
 from policies.prefix import Batching
 from policies.router import WAIT_MARGIN_TOKENS, choose_slot
 from proxy.config import Config
@@ -361,10 +361,10 @@ class Pool(LocalWorkers):
         return [s for w in self.workers for s in w.slots]
 
     async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "",
-                      work: int | None = None, first: bool = False) -> Slot:
+                      max_tokens: int | None = None, first: bool = False) -> Slot:
         """The slot to run this prompt on, marked busy; waits (bounded) when all are busy.
-        `work`: the request's work in prefill tokens (policies.preempt.work), where it may take
-        the slot of a run still prefilling a long prompt rather than wait; `first`: a run that
+        `max_tokens`: the most it may generate, where it may take the slot of a run still
+        prefilling a long prompt rather than wait (policies/preempt.py); `first`: a run that
         gave way, which takes the next free slot before anyone else."""
         self._check_reachable()
         if not first and self._waiting >= self.cfg.max_queue and not any(
@@ -373,7 +373,7 @@ class Pool(LocalWorkers):
                             f"{self._waiting} requests are waiting; retry shortly")
         self._waiting += 1
         self._first += first
-        me, preempted = object(), work is None
+        me, preempted = object(), max_tokens is None
         try:
             while True:
                 if self.sleeping:
@@ -395,8 +395,8 @@ class Pool(LocalWorkers):
                             if choice is not None and not slots[choice].busy \
                                     and slots[choice].reserved is None:
                                 return self._take(slots[choice])
-                            if not preempted and self._preempt(slots, me, work or 0,
-                                                               len(ids) - disk_hit):
+                            if not preempted and self._preempt(
+                                    slots, me, (disk_hit, len(ids)), max_tokens or 0):
                                 preempted = True  # at most one run gives way to it
                                 continue
                         await self._cond.wait()
@@ -415,24 +415,31 @@ class Pool(LocalWorkers):
         self.used_s = time.monotonic()
         return s
 
-    def _preempt(self, slots: list[Slot], me: object, work: int, prefill: int) -> bool:
+    def _preempt(self, slots: list[Slot], me: object, waiter: tuple[int, int],
+                 max_tokens: int) -> bool:
         """No idle slot: a run still prefilling a long prompt gives its slot to this short
         request (policies/preempt.py); the slot is promised to it. False: none may (or a
         slot is idle, and the router chose to wait for a busy one that holds its prefix)."""
         if any(s.ready and not s.busy and s.reserved is None for s in slots):
             return False
-        candidates = [Candidate(i, left) for i, s in enumerate(slots)
-                      if s.ready and s.busy and s.reserved is None and s.worker.ram_tier
-                      and s.worker.exact and s.holder is not None
-                      and (left := s.holder.left) is not None]
-        victim = choose_victim(work, candidates)
+        lefts = {i: (left, s.holder.progress[0]) for i, s in enumerate(slots)
+                 if s.ready and s.busy and s.reserved is None and s.worker.ram_tier
+                 and s.worker.exact and s.holder is not None
+                 and (left := s.holder.left) is not None}
+        candidates = [candidate(i, slots[i].worker.costs, total - left, total, waiter,
+                                max_tokens) for i, (left, total) in lefts.items()]
+        victim = choose_victim(candidates)
         if victim is None or not slots[victim].holder.give_way():
             return False
         s = slots[victim]
         s.reserved = me
-        log.info("preempt: a request of %d tokens to prefill takes slot %s from a run with %d "
-                 "left to prefill, which runs again from its prefix in the RAM tier", prefill,
-                 s.label, next(c.left for c in candidates if c.slot_id == victim))
+        c = next(c for c in candidates if c.slot_id == victim)
+        log.info("preempt: a request of %d tokens to prefill (%d to generate at most: %s) takes "
+                 "slot %s from a run with %d left to prefill (%s), which runs again from its "
+                 "prefix in the RAM tier", waiter[1] - waiter[0], max_tokens,
+                 f"{c.work:.2f} s" if c.seconds else f"{c.work:.0f} token-equivalents",
+                 s.label, lefts[victim][0],
+                 f"{c.left:.2f} s" if c.seconds else f"{c.left:.0f} tokens")
         return True
 
     def _cond_notify_soon(self) -> None:

@@ -341,6 +341,7 @@ class Core:
             return effects + [StartSampling(slot, dict(j.job.sampling), j.job.grammar),
                               Sample(slot)]
         j.phase = "generate"  # its decode: it samples at once
+        self.costs = self.costs.add_decode(seconds)
         return [Sample(slot)]
 
     def _sampled(self, slot: int, j: _Job, s: Sampled, world: World,

@@ -34,10 +34,19 @@ def test_the_fits_recover_the_costs_they_were_fed() -> None:
     assert c.prefill_s(0, 4096) == pytest.approx(4096 / 20_000 + 1e-9 * 4095 * 4096 / 2,
                                                  rel=1e-2)
     summary = c.summary()
-    assert summary["samples"] == {"prefill": 5, "disk": 4, "ram": 4, "shared": 0}
+    assert summary["samples"] == {"prefill": 5, "disk": 4, "ram": 4, "shared": 0, "decode": 0}
     assert summary["disk_restore"]["bytes_per_s"] == pytest.approx(1e9, rel=1e-2)
     assert set(summary["prefill_tokens_per_s"]) == {"1024", "4096", "16384", "32768"}
     assert Costs.from_wire(c.to_wire()) == c
+
+
+def test_a_decode_step_is_the_mean_of_the_recent_ones_and_an_older_worker_has_none() -> None:
+    c = Costs().add_decode(0.02).add_decode(0.02).add_decode(0.0)  # no time: no sample
+    assert c.decode.n == 2 and c.decode_step_s() == pytest.approx(0.02)
+    assert c.summary()["decode_step_s"] == 0.02
+    assert Costs.from_wire(c.to_wire()) == c
+    older = {k: v for k, v in c.to_wire().items() if k != "decode"}
+    assert Costs.from_wire(older).decode.n == 0
 
 
 def test_one_shape_of_sample_is_all_rate_no_fixed_cost() -> None:
