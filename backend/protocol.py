@@ -16,6 +16,8 @@ Events of one run, in order:
     Done         generation ended: why, which stop string matched, how many saves were started
     Cancelled    instead of Done, after a /cancel: what the KV holds (a run that had sampled
                  goes on past a "prefilling" cancel, and no Cancelled comes)
+    Kept         a "prefilling" cancel not taken while it prefills (its state would not fit
+                 the RAM tier): the run goes on
     Saved        a state file is durable (may come before or after Done)
     SaveFailed   a state file could not be written
     Error        the run failed; nothing more follows
@@ -121,6 +123,11 @@ class Prefill:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    reason: str  # a "prefilling" cancel the run did not take: it goes on (no Cancelled comes)
+
+
+@dataclass(frozen=True, slots=True)
 class Token:
     id: int | None
     text: str
@@ -188,11 +195,12 @@ class TierEvent:
     ids: tuple[int, ...] = ()  # stored: exactly the tokens it holds
 
 
-Event = Start | Prefill | Token | Done | Cancelled | Saved | SaveFailed | Error | TierEvent
+Event = (Start | Prefill | Token | Done | Cancelled | Saved | SaveFailed | Error | TierEvent
+         | Kept)
 
 _NAMES: dict[type, str] = {Start: "start", Prefill: "prefill", Token: "token", Done: "done",
                            Cancelled: "cancelled", Saved: "saved", SaveFailed: "save_failed",
-                           Error: "error", TierEvent: "tier"}
+                           Error: "error", TierEvent: "tier", Kept: "kept"}
 _TYPES: dict[str, type] = {name: t for t, name in _NAMES.items()}
 
 

@@ -27,8 +27,9 @@ Rules of the state machine:
   before any token: ask the worker to stop if it has not sampled (`SendCancel(prefilling)`).
   Its `Cancelled` ends the run *preempted*: no outcome is counted and the consumer's stream
   goes on; the worker is released with the prefix it holds and the driver runs the request
-  again (`Requeue`). A `Token` first means the worker had sampled: the yield lapses (`Lapse`:
-  the slot's reservation is lifted) and the run goes on.
+  again (`Requeue`). A `Token` first means the worker had sampled, and `Kept` that it would not
+  stop (its state would not fit the RAM tier): the yield lapses (`Lapse`: the slot's
+  reservation is lifted) and the run goes on.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from backend.protocol import (
     Error,
     Event,
     Fault,
+    Kept,
     Prefill,
     Saved,
     SaveFailed,
@@ -262,6 +264,12 @@ class RunState:
         return self._end("cancelled" if self.abandoned else "ok", live, floor=ev.floor,
                          costs=ev.costs or None)
 
+    def _kept(self, ev: Kept) -> list[Effect]:
+        if not self.yielding:
+            return []
+        self.yielding = False
+        return [Lapse()]
+
     def _cancelled(self, ev: Cancelled) -> list[Effect]:
         self.live_n = ev.n_live
         self.saves_expected = ev.pending_saves
@@ -335,4 +343,5 @@ _HANDLERS: dict[type, Callable[[RunState, Any], list[Effect]]] = {
     Done: RunState._done, Cancelled: RunState._cancelled, Saved: RunState._saved,
     SaveFailed: RunState._save_failed, Error: RunState._failed, StreamLost: RunState._failed,
     Shutdown: RunState._shutdown, Abandon: RunState._abandon, Yield: RunState._yield,
+    Kept: RunState._kept,
 }

@@ -47,7 +47,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.protocol import Cancelled, Done, Error, Event, Fault, Job, Prefill, Start, Token
+from backend.protocol import (
+    Cancelled,
+    Done,
+    Error,
+    Event,
+    Fault,
+    Job,
+    Kept,
+    Prefill,
+    Start,
+    Token,
+)
 from backend.stops import StopMatcher
 from backend.worker.drafts import SlotDrafts, Speculation
 from backend.worker.messages import (
@@ -172,6 +183,9 @@ class Core:
             if slot is None or inp.prefilling and self.jobs[slot].phase not in ("start",
                                                                                 "prefill"):
                 return []  # ended, or a preemption that came after its first sample
+            if inp.prefilling and self.jobs[slot].phase == "prefill" and (
+                    self.ram_budget == 0 or 0 < self.ram_budget < world.slots[slot].nbytes):
+                return [Emit(inp.run_id, Kept("its state would not fit the RAM tier"))]
             return self._end(slot, world)
         if isinstance(inp, Snapshotted):
             for k in self.jobs.values():

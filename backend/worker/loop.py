@@ -147,7 +147,8 @@ class Loop:
         if isinstance(inp, Arrive) and not inp.job.stream:
             self.quiet.add(inp.job.run_id)
         try:
-            effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive)))
+            effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive) or (
+                isinstance(inp, CancelRun) and inp.prefilling)))  # its state's size counts
         except Exception:  # a bug: that job fails, the worker lives on
             log.exception("the worker's core failed on %s", type(inp).__name__)
             slot = getattr(inp, "slot", getattr(getattr(inp, "job", None), "slot", None))

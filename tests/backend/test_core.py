@@ -11,7 +11,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backend.protocol import Cancelled, Done, Error, Fault, Job, Prefill, Saved, Start, Token
+from backend.protocol import (
+    Cancelled,
+    Done,
+    Error,
+    Fault,
+    Job,
+    Kept,
+    Prefill,
+    Saved,
+    Start,
+    Token,
+)
 from backend.worker.core import Core
 from backend.worker.drafts import Speculation
 from backend.worker.messages import (
@@ -281,6 +292,18 @@ def test_a_preemption_stops_a_prefill_but_not_a_run_that_sampled() -> None:
     assert c.apply(CancelRun("r2", prefilling=True), world(live(40), EMPTY)) == []
     assert c.apply(CancelRun("r2"), world(live(40), EMPTY))[0] == Emit("r2", Cancelled(
         40, 0, 0)), "a client's cancel still stops it"
+
+
+def test_a_prefill_whose_state_would_not_fit_the_ram_tier_does_not_give_way() -> None:
+    """Its prefix would be lost (a state larger than the whole RAM tier is not kept): the run
+    goes on and says so (`Kept`); a client's cancel still stops it."""
+    c = core(ram=1000)
+    c.apply(Arrive(job()), world(EMPTY, EMPTY))
+    c.apply(Stepped(0, 0.1), world(live(8), EMPTY))
+    assert c.apply(CancelRun("r", prefilling=True), world(live(8, nbytes=5000), EMPTY)) == \
+        [Emit("r", Kept("its state would not fit the RAM tier"))]
+    assert c.apply(CancelRun("r", prefilling=True), world(live(8, nbytes=900), EMPTY)) == \
+        [Emit("r", Cancelled(8, 0, 0)), Finish(0)]
 
 
 def test_a_run_cancelled_while_it_reads_ignores_the_read() -> None:

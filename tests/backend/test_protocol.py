@@ -16,6 +16,7 @@ from backend.protocol import (
     Event,
     Fault,
     Job,
+    Kept,
     Prefill,
     Saved,
     SaveFailed,
@@ -173,6 +174,8 @@ EVENTS: list[Event] = [
     SaveFailed(n_tokens=20, key="6b3230", reason="scoped", fault="disk_full",
                message="No space left on device"),
     Error(message="llama_decode failed: -1"),
+    # A preemption's cancel the run did not take: it goes on.
+    Kept(reason="its state would not fit the RAM tier"),
     # Where the start came from is a typed field, never a prefix of a file name.
     Start(keep=256, restored=256, restore_s=0.5, faults=(), ram=0, tier="shared"),
     # A state entered the RAM tier, and one left it.

@@ -24,6 +24,7 @@ from backend.protocol import (
     Error,
     Event,
     Fault,
+    Kept,
     Prefill,
     Saved,
     SaveFailed,
@@ -192,6 +193,14 @@ CASES: dict[str, tuple[list[Any], list[list[Any]], dict[str, Any]]] = {
     "yield lapses": (
         [Start(300, 300, 0.01, ()), Yield(), Token(7, "a"), done(1, 401, 0)],
         [[Touch(K300, 0.01)], [SendCancel(prefilling=True)], [Lapse(), Emit("a")],
+         [Finish(), Record(), Release((*IDS, 7))]],
+        {"outcome": "ok", "closed": True},
+    ),
+    # the worker would not stop (its state would not fit the RAM tier): the yield lapses
+    "yield not taken": (
+        [Start(0, 0, 0.0, ()), Yield(), Kept("its state would not fit the RAM tier"),
+         Yield(), Token(7, "a"), done(1, 401, 0)],
+        [[], [SendCancel(prefilling=True)], [Lapse()], [], [Emit("a")],
          [Finish(), Record(), Release((*IDS, 7))]],
         {"outcome": "ok", "closed": True},
     ),
