@@ -362,6 +362,8 @@ class Run:
             await self._close_stream()  # the reader sees the stream end and releases
 
     async def _lapse(self, fx: Lapse) -> None:
+        if fx.reason:
+            log.info("preempt: the run on slot %s keeps it: %s", self.worker.label, fx.reason)
         await self.deps.pool.lapse(self.worker)
 
     async def _requeue(self, fx: Requeue) -> None:

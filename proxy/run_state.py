@@ -154,7 +154,8 @@ class Requeue:
 
 @dataclass(frozen=True, slots=True)
 class Lapse:
-    pass  # the worker had sampled when the yield came: the slot stays this run's
+    reason: str = ""  # the yield came too late ("": it had sampled) or was not taken: the slot
+    # stays this run's
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +269,7 @@ class RunState:
         if not self.yielding:
             return []
         self.yielding = False
-        return [Lapse()]
+        return [Lapse(ev.reason)]
 
     def _cancelled(self, ev: Cancelled) -> list[Effect]:
         self.live_n = ev.n_live

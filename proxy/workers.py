@@ -434,9 +434,9 @@ class Pool(LocalWorkers):
         s = slots[victim]
         s.reserved = me
         c = next(c for c in candidates if c.slot_id == victim)
-        log.info("preempt: a request of %d tokens to prefill (%d to generate at most: %s) takes "
-                 "slot %s from a run with %d left to prefill (%s), which runs again from its "
-                 "prefix in the RAM tier", waiter[1] - waiter[0], max_tokens,
+        log.info("preempt: a request of %d tokens to prefill (%d to generate at most: %s) asks "
+                 "slot %s of a run with %d left to prefill (%s) to give way; that run then "
+                 "runs again from its prefix in the RAM tier", waiter[1] - waiter[0], max_tokens,
                  f"{c.work:.2f} s" if c.seconds else f"{c.work:.0f} token-equivalents",
                  s.label, lefts[victim][0],
                  f"{c.left:.2f} s" if c.seconds else f"{c.left:.0f} tokens")

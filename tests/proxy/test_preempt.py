@@ -63,5 +63,32 @@ def test_a_title_takes_the_slot_of_a_long_prefill(name: str, tmp_path: Path) -> 
         assert title["text"] == want_title and long["text"] == want_long, log
         assert title_s < done["long_s"], "the title did not wait for the long answer"
         assert "preempt: a request of" in log and "preempted=1" in log, log
+        assert "keeps it" not in log
         assert long["source"] == "ram" and long["cached"] >= 256, (long, log)
         assert "prefixgate_preemptions_total 1.0" in srv.get("/metrics")[1]
+
+
+def test_a_prefill_whose_state_would_not_fit_the_ram_tier_keeps_its_slot(tmp_path: Path) -> None:
+    """A 1 MiB RAM tier cannot hold the long prompt's prefix: the worker does not stop it
+    (its progress would be lost), says so, and the title waits for its slot as before."""
+    with running(tmp_path / "srv", "--cache-ram", "1") as srv:
+        done: dict[str, Any] = {}
+
+        def long_call() -> None:
+            done["long"] = ask(srv, LONG, max_tokens=12)
+            done["long_s"] = time.monotonic()
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                s.get("prompt_progress", {}).get("processed", 0) >= 256
+                for s in json.loads(srv.get("/slots")[1])):
+            time.sleep(0.01)
+        ask(srv, TITLE, max_tokens=8)
+        title_s = time.monotonic()
+        t.join()
+        log = srv.log()
+        assert "keeps it: its state would not fit the RAM tier" in log, log
+        assert "preempted=1" not in log and done["long_s"] < title_s
+        assert "prefixgate_preemptions_total 0.0" in srv.get("/metrics")[1]

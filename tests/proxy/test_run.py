@@ -200,7 +200,8 @@ CASES: dict[str, tuple[list[Any], list[list[Any]], dict[str, Any]]] = {
     "yield not taken": (
         [Start(0, 0, 0.0, ()), Yield(), Kept("its state would not fit the RAM tier"),
          Yield(), Token(7, "a"), done(1, 401, 0)],
-        [[], [SendCancel(prefilling=True)], [Lapse()], [], [Emit("a")],
+        [[], [SendCancel(prefilling=True)], [Lapse("its state would not fit the RAM tier")],
+         [], [Emit("a")],
          [Finish(), Record(), Release((*IDS, 7))]],
         {"outcome": "ok", "closed": True},
     ),
