@@ -34,30 +34,40 @@ def cold(srv: Server, messages: list[dict], max_tokens: int) -> str:
     return str(out["text"])
 
 
-@pytest.mark.skipif(GPU_LAYERS > 0, reason="on a GPU the long prefill ends before a request's "
-                    "round trip: there is nothing to preempt")
+ON_CPU = pytest.mark.skipif(GPU_LAYERS > 0, reason="on a GPU the long prefill ends before a "
+                            "request's round trip: there is nothing to preempt")
+
+
+def title_during_long_prefill(srv: Server) -> tuple[dict[str, Any], dict, float]:
+    """The long request in a thread; the title once a few batches of it are in. (The long
+    answer and when it came, the title's answer, when it came.)"""
+    done: dict[str, Any] = {}
+
+    def long_call() -> None:
+        done["long"] = ask(srv, LONG, max_tokens=12)
+        done["long_s"] = time.monotonic()
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(
+            s.get("prompt_progress", {}).get("processed", 0) >= 256
+            for s in json.loads(srv.get("/slots")[1])):
+        time.sleep(0.01)
+    title = ask(srv, TITLE, max_tokens=8)
+    title_s = time.monotonic()
+    t.join()
+    return done, title, title_s
+
+
+@ON_CPU
 @pytest.mark.parametrize("name", MODELS)
 def test_a_title_takes_the_slot_of_a_long_prefill(name: str, tmp_path: Path) -> None:
     with running(tmp_path / "cold", "--model", model_file(name), "--disk-prefix-cache",
                  "off") as ref:
         want_long, want_title = cold(ref, LONG, 12), cold(ref, TITLE, 8)
     with running(tmp_path / "srv", "--model", model_file(name), "--cache-ram", "256") as srv:
-        done: dict[str, Any] = {}
-
-        def long_call() -> None:
-            done["long"] = ask(srv, LONG, max_tokens=12)
-            done["long_s"] = time.monotonic()
-
-        t = threading.Thread(target=long_call)
-        t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(  # a few batches of it are in
-                s.get("prompt_progress", {}).get("processed", 0) >= 256
-                for s in json.loads(srv.get("/slots")[1])):
-            time.sleep(0.01)
-        title = ask(srv, TITLE, max_tokens=8)
-        title_s = time.monotonic()
-        t.join()
+        done, title, title_s = title_during_long_prefill(srv)
         log = srv.log()
         long = done["long"]
         assert title["text"] == want_title and long["text"] == want_long, log
@@ -68,26 +78,12 @@ def test_a_title_takes_the_slot_of_a_long_prefill(name: str, tmp_path: Path) -> 
         assert "prefixgate_preemptions_total 1.0" in srv.get("/metrics")[1]
 
 
+@ON_CPU
 def test_a_prefill_whose_state_would_not_fit_the_ram_tier_keeps_its_slot(tmp_path: Path) -> None:
     """A 1 MiB RAM tier cannot hold the long prompt's prefix: the worker does not stop it
     (its progress would be lost), says so, and the title waits for its slot as before."""
     with running(tmp_path / "srv", "--cache-ram", "1") as srv:
-        done: dict[str, Any] = {}
-
-        def long_call() -> None:
-            done["long"] = ask(srv, LONG, max_tokens=12)
-            done["long_s"] = time.monotonic()
-
-        t = threading.Thread(target=long_call)
-        t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-                s.get("prompt_progress", {}).get("processed", 0) >= 256
-                for s in json.loads(srv.get("/slots")[1])):
-            time.sleep(0.01)
-        ask(srv, TITLE, max_tokens=8)
-        title_s = time.monotonic()
-        t.join()
+        done, _, title_s = title_during_long_prefill(srv)
         log = srv.log()
         assert "keeps it: its state would not fit the RAM tier" in log, log
         assert "preempted=1" not in log and done["long_s"] < title_s
