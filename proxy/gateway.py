@@ -197,7 +197,7 @@ class Gateway:
     async def start(self, prep: Prepared) -> Run:
         ids = prep.rendered.ids
         tenant = tenant_id(prep.req.tenant) if self.cfg.tenant_isolation else ""
-        facts = facts_of(prep, prep.scope if self.cache is not None else OFF)
+        facts = self._facts(prep)
         stored = await self._lookup(facts, tenant)
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
         loop = asyncio.get_running_loop()
@@ -222,6 +222,9 @@ class Gateway:
             await self.pool.release(slot, [], tenant)
             raise
 
+    def _facts(self, prep: Prepared) -> Facts:
+        return facts_of(prep, prep.scope if self.cache is not None else OFF)
+
     def _decide(self, facts: Facts, stored: Stored, slot: Slot, tenant: str) -> Plan:
         recent = self.ring.recent(tenant, facts.scope.window) \
             if facts.scope.kind == "auto" else []
@@ -238,7 +241,7 @@ class Gateway:
     async def requeue(self, run: Run) -> tuple[Slot, Plan]:
         """A run that gave its slot to a short request: the next free slot, before anyone
         else's turn, and its plan there (what it left is in that worker's RAM tier)."""
-        facts = facts_of(run.prep, run.prep.scope if self.cache is not None else OFF)
+        facts = self._facts(run.prep)
         stored = await self._lookup(facts, run.tenant)
         slot = await self.pool.acquire(list(facts.ids), stored.longest, run.tenant, first=True)
         try:

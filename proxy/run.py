@@ -412,22 +412,14 @@ class Run:
                     if isinstance(fx, Commit | SaveFailure | LostSaves | Drop):
                         await self._perform(fx)
         finally:
-            if stream is not None:
-                stream.close()
-            if cm is not None:
-                with contextlib.suppress(Exception):
-                    await cm.__aexit__(None, None, None)
+            await _close(cm, stream)
 
     async def _lost_saves(self, fx: LostSaves) -> None:
         log.warning("saves of this request lost: %s", fx.message)
 
     async def _close_stream(self) -> None:
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            if self._stream is not None:
-                self._stream.close()
-            with contextlib.suppress(Exception):  # closing a failed stream
-                await cm.__aexit__(None, None, None)
+        cm, self._cm = self._cm, None
+        await _close(cm, self._stream)
 
     # --- the consumer side -----------------------------------------------------------------
 
@@ -463,8 +455,16 @@ class Run:
     async def aclose(self) -> None:
         """Abandon the run (the client went away); its snapshots are still committed."""
         self._gone = True
-        for fx in self.state.apply(Abandon()):
-            await self._perform(fx)
+        await self._perform_all(self.state.apply(Abandon()))
+
+
+async def _close(cm: Any, stream: EventStream | None) -> None:
+    """A worker stream's end, whatever state it failed in."""
+    if cm is not None:
+        if stream is not None:
+            stream.close()
+        with contextlib.suppress(Exception):  # closing a failed stream
+            await cm.__aexit__(None, None, None)
 
 
 _PERFORM: dict[type, Callable[[Run, Any], Any]] = {

@@ -180,10 +180,10 @@ class Core:
             return self._arrive(inp.job, world)
         if isinstance(inp, CancelRun):
             slot = next((s for s, j in self.jobs.items() if j.job.run_id == inp.run_id), None)
-            if slot is None or inp.prefilling and self.jobs[slot].phase not in ("start",
-                                                                                "prefill"):
+            phase = self.jobs[slot].phase if slot is not None else ""
+            if slot is None or inp.prefilling and phase not in ("start", "prefill"):
                 return []  # ended, or a preemption that came after its first sample
-            if inp.prefilling and self.jobs[slot].phase == "prefill" and (
+            if inp.prefilling and phase == "prefill" and (
                     self.ram_budget == 0 or 0 < self.ram_budget < world.slots[slot].nbytes):
                 return [Emit(inp.run_id, Kept("its state would not fit the RAM tier"))]
             return self._end(slot, world)
