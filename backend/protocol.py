@@ -26,6 +26,9 @@ The stream ends after ``Done`` or ``Cancelled`` once the ``pending_saves`` annou
 all been reported as ``Saved`` or ``SaveFailed``, or after ``Error``.
 
 Both sides parse strictly: a missing field is a ``ValueError`` (a bug), never a default.
+`PROTOCOL` names this version of the whole: a proxy refuses a worker whose ``/health`` states
+another (a remote worker of an older version would take a "prefilling" cancel as a plain one
+and stop an answer under way).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from typing import Any
 from policies.decide import Plan
 from policies.prefix import keep_max
 from policies.sources import TIERS
+
+# bumped whenever a message above changes meaning (2: /cancel's "prefilling", Kept)
+PROTOCOL = 2
 
 FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
 
@@ -371,6 +377,7 @@ class WorkerInfo:
     identity: Identity  # its cache identity, the devices that compute included
     # speculative decoding (backend.worker.verify.report): {} where it is off
     speculation: dict[str, Any] = field(default_factory=dict)
+    protocol: int = PROTOCOL  # the worker protocol it speaks (a proxy takes only its own)
 
     def to_wire(self) -> dict[str, Any]:
         return {"ready": True, **asdict(self)}
@@ -380,6 +387,10 @@ class WorkerInfo:
         try:
             if not isinstance(d, dict) or d["ready"] is not True:
                 raise ValueError("not a ready worker's /health")
+            if d.get("protocol") != PROTOCOL:  # before 2, /health named none
+                theirs = d.get("protocol", 1)
+                raise ValueError(f"it speaks worker protocol {theirs!r}, this proxy "
+                                 f"{PROTOCOL}")
             ev = _tuples(cls, _fields(cls, d))
             ev["decode"] = DecodeInfo(**_fields(DecodeInfo, ev["decode"]))
             ev["identity"] = Identity(**_fields(Identity, ev["identity"]))

@@ -61,6 +61,7 @@ from proxy.worker_link import (
     StartupError,
     Worker,
     WorkerLoading,
+    WorkerMalformed,
     adopt_identity,
     incompatibility,
     slot_views,
@@ -227,6 +228,8 @@ class Pool(LocalWorkers):
             try:
                 h = await w.health(PROBE_TIMEOUT_S)
                 break
+            except WorkerMalformed as e:  # another version: say so, no traceback
+                raise StartupError(str(e)) from None
             except _UNREACHABLE as e:
                 if isinstance(e, WorkerLoading):  # loading: no limit while it makes progress
                     w.loading, start = e.status, loop.time()
@@ -271,6 +274,12 @@ class Pool(LocalWorkers):
                 if w.ready:
                     await self._lose(w, f"unreachable ({e or type(e).__name__})")
                 continue
+            except WorkerMalformed as e:  # another version took its place
+                timeouts = 0
+                if w.ready or w.down_reason != str(e):
+                    log.error("%s is kept out: %s", w.name, e)
+                    await self._lose(w, str(e))
+                continue
             timeouts = 0
             await self._on_health(w, h)
 
@@ -307,6 +316,8 @@ class Pool(LocalWorkers):
                 except (aiohttp.ClientError, OSError) as e:  # refused: it is gone
                     w.down_reason = f"unreachable after a lost stream ({e or type(e).__name__})"
                     return  # a local one is restarted by its supervisor, a remote one probed
+                except WorkerMalformed:
+                    return  # another version took its place: its watcher keeps it out
                 if h.boot_id == boot_id and not self._closing:
                     log.info("%s answers again after a lost stream", w.name)
                     await self._set_ready(w, True)
@@ -435,11 +446,10 @@ class Pool(LocalWorkers):
         s.reserved = me
         c = next(c for c in candidates if c.slot_id == victim)
         log.info("preempt: a request of %d tokens to prefill (%d to generate at most: %s) asks "
-                 "slot %s of a run with %d left to prefill (%s) to give way; that run then "
+                 "slot %s of a run with %d tokens left to prefill%s to give way; that run then "
                  "runs again from its prefix in the RAM tier", waiter[1] - waiter[0], max_tokens,
                  f"{c.work:.2f} s" if c.seconds else f"{c.work:.0f} token-equivalents",
-                 s.label, lefts[victim][0],
-                 f"{c.left:.2f} s" if c.seconds else f"{c.left:.0f} tokens")
+                 s.label, lefts[victim][0], f" ({c.left:.2f} s)" if c.seconds else "")
         return True
 
     def _cond_notify_soon(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any, get_args
 import pytest
 
 from backend.protocol import (
+    PROTOCOL,
     Cancelled,
     Done,
     Error,
@@ -298,7 +299,7 @@ INFO: dict[str, Any] = {
     "identity": {"model_path": "m.gguf", "n_ctx": 4096, "type_k": "f16", "type_v": "f16",
                  "flash_attn": "auto", "lib_version": "0.3.36", "swa_full": True,
                  "batch": 128, "compute": "CPU"},
-    "speculation": {"type": "ngram-mod", "drafts": True},
+    "speculation": {"type": "ngram-mod", "drafts": True}, "protocol": PROTOCOL,
 }
 
 
@@ -314,6 +315,16 @@ def test_worker_info_missing_field(field: str) -> None:
     # a worker that omitted `exact` (or anything else) is not taken as exact: it is refused
     d = {k: v for k, v in INFO.items() if k != field}
     with pytest.raises(ValueError):
+        WorkerInfo.from_wire(d)
+
+
+@pytest.mark.parametrize("protocol", [1, PROTOCOL + 1, str(PROTOCOL), None])
+def test_a_worker_of_another_protocol_is_refused(protocol: Any) -> None:
+    # a worker of an older version (its /health named no protocol) would take a "prefilling"
+    # cancel as a plain one: the proxy takes no worker whose protocol is not its own
+    d = {**INFO, "protocol": protocol} if protocol is not None else \
+        {k: v for k, v in INFO.items() if k != "protocol"}
+    with pytest.raises(ValueError, match=f"worker protocol .*this proxy {PROTOCOL}"):
         WorkerInfo.from_wire(d)
 
 

@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from backend.protocol import (
+    PROTOCOL,
     DecodeInfo,
     Identity,
     Prefill,
@@ -41,9 +42,10 @@ class DyingWorker:
     """Answers like a worker of the default model; every run streams a start, a prefill batch
     and one token, then the connection drops with no end of stream."""
 
-    def __init__(self, compute: str = "CPU (test)") -> None:
+    def __init__(self, compute: str = "CPU (test)", protocol: int = PROTOCOL) -> None:
         self.port = free_port()
         self.compute = compute  # the devices it says compute its KV (in its fingerprint)
+        self.protocol = protocol  # the worker protocol its /health names
         self.identity = dataclasses.replace(cache_identity(Config(
             n_ctx=N_CTX, ubatch_size=BATCH, flash_attn=FLASH_ATTN)),  # the suite's
             compute=compute)
@@ -65,7 +67,7 @@ class DyingWorker:
             decode=DecodeInfo("apart", True, "auto", "one slot"), threads=1, threads_batch=1,
             cache_volume="", costs=Costs().to_wire(), cache_ram={}, shared=None, writes={},
             borrowed={}, placement={}, checked={},
-            identity=Identity(**dataclasses.asdict(self.identity)))
+            identity=Identity(**dataclasses.asdict(self.identity)), protocol=self.protocol)
         return web.json_response(info.to_wire())
 
     async def run(self, request: web.Request) -> web.StreamResponse:
@@ -164,3 +166,52 @@ def test_workers_that_compute_on_other_devices_make_the_proxy_refuse(tmp_path: P
     said = str(exc.value)
     assert "computes on" in said and "CUDA (NVIDIA H100 80GB HBM3)" in said, said
     assert "CPU (AMD EPYC; AVX2)" in said and "Traceback" not in said
+
+
+def test_a_worker_of_another_version_is_refused_at_start_and_kept_out_later(
+        tmp_path: Path) -> None:
+    """A remote worker of another prefixgate version (its /health names another worker
+    protocol: an older one would take a preemption's "prefilling" cancel as a plain one and
+    stop an answer under way) stops the start with one line; one that turns into another
+    version while the proxy runs (replaced, upgraded alone) is kept out of routing, once
+    said, and taken back when it speaks this version again. A fake: a real worker of another
+    version cannot be had on demand."""
+    old = DyingWorker(protocol=1)
+    try:
+        with pytest.raises(RuntimeError) as exc:
+            start_server(tmp_path / "a", "--worker-url", f"http://127.0.0.1:{old.port}",
+                         "--disk-prefix-cache", "off")
+    finally:
+        old.stop()
+    said = str(exc.value)
+    assert f"worker protocol 1, this proxy {PROTOCOL}" in said, said
+    assert "same prefixgate version" in said and "Traceback" not in said
+
+    worker = DyingWorker()
+    try:
+        with running(tmp_path / "b", "--worker-url", f"http://127.0.0.1:{worker.port}",
+                     "--disk-prefix-cache", "off") as srv:
+            assert srv.get("/health")[0] == 200
+            worker.protocol = PROTOCOL + 1
+            deadline = time.monotonic() + 30
+            while srv.get("/health")[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            status, body = srv.get("/health")
+            assert status == 503, body
+            c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=60)
+            with pytest.raises(openai.APIStatusError) as e:
+                c.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore
+                                          max_tokens=5)
+            assert e.value.status_code == 503 and worker.runs == 0
+            time.sleep(3)  # several probes: said once
+            log = srv.log()
+            assert log.count("is kept out") == 1, log
+            assert f"protocol {PROTOCOL + 1}, this proxy" in log
+            worker.protocol = PROTOCOL
+            deadline = time.monotonic() + 30
+            while srv.get("/health")[0] != 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert srv.get("/health")[0] == 200
+            assert "Traceback" not in srv.log()
+    finally:
+        worker.stop()
