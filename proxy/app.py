@@ -55,6 +55,7 @@ from proxy.edge import (
     METRICS,
     MODEL_ID,
     POOL,
+    aliases_of,
     api_path,
     check_auth,
     client_gone,
@@ -443,7 +444,7 @@ def make_app(cfg: Config) -> web.Application:
     logging.getLogger("aiohttp.server").addFilter(ONE_LINE_REFUSALS)  # once, however many apps
     app[CONFIG] = cfg
     app[METRICS] = Metrics()
-    app[MODEL_ID] = cfg.alias or model_id_of(cfg.model_path)
+    app[MODEL_ID] = next(iter(aliases_of(cfg.alias)), None) or model_id_of(cfg.model_path)
     app[BOOT] = {"phase": "starting", "ready": False, "error": ""}
     keys = set(cfg.api_key)
     if cfg.api_keys:  # read before start (proxy.cli.read_key_file): said in one line there

@@ -20,7 +20,14 @@ from backend.cpus import usable_cpus
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
 from proxy import rope
-from proxy.flags import DEFAULT_VOLATILE, DEFAULT_VOLATILE_BLOCKS, HELP, LLAMA_SERVER
+from proxy.flags import (
+    ACCUMULATE,
+    DEFAULT_VOLATILE,
+    DEFAULT_VOLATILE_BLOCKS,
+    HELP,
+    LLAMA_SERVER,
+    Accumulate,
+)
 from proxy.values import CHOICE_FIELDS, OLD_LOAD_MODES, WORDS, coerce
 
 MAX_PARALLEL = 64  # slots per worker (llama.cpp's LLAMA_MAX_SEQ is 256)
@@ -287,7 +294,8 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> Non
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help_,
                            metavar="KEY" if f.name == "api_key" else None)
         else:
-            p.add_argument(*shorts, flag, *flags, dest=f.name, default=None, help=help_)
+            p.add_argument(*shorts, flag, *flags, dest=f.name, default=None, help=help_,
+                           **({"action": Accumulate} if f.name in ACCUMULATE else {}))
     if not only or "load_mode" in only:  # its older spellings
         p.add_argument("--mlock", dest="old_mlock", action="store_true", default=None,
                        help="an older spelling: --load-mode mmap+mlock (mlock with --no-mmap; "

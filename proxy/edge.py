@@ -68,6 +68,12 @@ def model_id_of(path: str) -> str:
     return Path(path).name.removesuffix(".gguf")
 
 
+def aliases_of(alias: str) -> list[str]:
+    """`-a`'s names (comma-separated, given again: more), in llama-server's order (a set's):
+    the first is the model's id, the others are shown beside it."""
+    return sorted({a.strip() for a in alias.split(",") if a.strip()})
+
+
 async def read_body(request: web.Request) -> bytes:
     """The raw body (size and encoding checked); `parse_body` then parses it off the loop."""
     try:
@@ -171,7 +177,8 @@ def model_card(app: web.Application) -> dict[str, Any]:
     cfg, mid = app[CONFIG], app[MODEL_ID]
     created = int(os.path.getmtime(cfg.model_path))
     return {"id": mid, "object": "model", "created": created, "owned_by": "prefixgate",
-            "context_length": cfg.slot_ctx, "max_model_len": cfg.slot_ctx}
+            "context_length": cfg.slot_ctx, "max_model_len": cfg.slot_ctx,
+            **({"aliases": aliases} if len(aliases := aliases_of(cfg.alias)) > 1 else {})}
 
 
 def reject(request: web.Request, api: str, e: ApiError, error: ErrorResponse

@@ -6,6 +6,11 @@ line is the one the Config resolves (tests/proxy/test_llama_options.py checks ea
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
 from policies.prefix import CPU_BATCH, GPU_BATCH
 from proxy import rope
 
@@ -244,3 +249,40 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "spec_draft_n_min": ((), "LLAMA_ARG_SPEC_DRAFT_N_MIN"),
     "spec_draft_p_min": (("--draft-p-min",), "LLAMA_ARG_SPEC_DRAFT_P_MIN"),
 }
+
+
+class Accumulate(argparse.Action):
+    """A flag that llama.cpp takes again and again, each time adding to what it said before
+    (`-ot A=CPU -ot B=CUDA0` keeps both overrides; `--chat-template-kwargs` merges its JSON
+    objects; `-a` names more aliases): joined with commas, as one `-ot A,B` or `-a x,y` means;
+    JSON objects merged, the later key winning. (argparse's own store would keep the last one
+    and drop the rest unsaid.)"""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
+        before, value = getattr(namespace, self.dest, None), str(values)
+        if before is not None and value:
+            value = _merged(before, value) if self.dest == "chat_template_kwargs" \
+                else f"{before},{value}"
+        setattr(namespace, self.dest, value or before)
+
+
+ACCUMULATE = ("override_tensor", "chat_template_kwargs", "alias")  # the fields taken so
+
+
+def _merged(before: str, value: str) -> str:
+    try:
+        a, b = json.loads(before), json.loads(value)
+    except ValueError:
+        return value if _is_json(before) else before  # the one that is not JSON is said later
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return value if isinstance(a, dict) else before
+    return json.dumps({**a, **b}, ensure_ascii=False)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from backend.protocol import (
     Event,
     Job,
     Loading,
+    TierEvent,
     WorkerInfo,
     parse_event,
     placement_note,
@@ -62,8 +63,9 @@ class StartupError(RuntimeError):
     """A worker cannot be used: the proxy refuses to start. The message says what to fix."""
 
 
-class WorkerMalformed(ValueError):
-    """A worker's /health that is not a `WorkerInfo` (another version, or not a worker)."""
+class WorkerMalformed(StartupError, ValueError):
+    """A worker's /health that is not a `WorkerInfo` (another version, or not a worker): at
+    start the proxy refuses to start (a `StartupError`), later the worker is kept out."""
 
 
 class EventStream:
@@ -255,6 +257,27 @@ class Worker:
                 raise WorkerMalformed(f"{self.name} answers /health with something this proxy "
                                       f"does not read ({e}): run the same prefixgate version "
                                       "on both") from None
+
+    async def follow_tiers(self, on_tier: Callable[[str, TierEvent | None], None] | None
+                           ) -> None:
+        """Its tier events (`GET /events`; all of them, `?all=1`, for `on_tier`) until the
+        stream ends or the worker restarts: its RAM tier's entries kept in `ram` (the proxy's
+        view of it), and each event to `on_tier`."""
+        assert self.session is not None
+        boot_id = self.boot_id
+        async with self.session.get(self.base_url + ("/events?all=1" if on_tier else "/events"),
+                                    timeout=aiohttp.ClientTimeout(total=None)) as r:
+            r.raise_for_status()
+            self.ram = {}
+            while self.boot_id == boot_id and (line := await r.content.readline()):
+                ev = parse_event(line)
+                if isinstance(ev, TierEvent) and on_tier is not None:
+                    on_tier(self.name, ev)
+                if isinstance(ev, TierEvent) and ev.tier == "ram":
+                    if ev.kind == "stored":
+                        self.ram[ev.ref] = (ev.tenant, ev.ids)
+                    else:
+                        self.ram.pop(ev.ref, None)
 
     @contextlib.asynccontextmanager
     async def run(self, job: Job, timeout_s: float) -> AsyncIterator[EventStream]:

@@ -11,7 +11,9 @@ Two kinds of worker behind the same HTTP API (backend/worker.py):
 
 Rules:
 
-- At startup every worker must answer `/health` with the proxy's fingerprint (same model file,
+- At startup every worker must answer `/health` in the proxy's worker protocol (a worker of
+  another version is refused, and kept out if it turns into one later) with the proxy's
+  fingerprint (same model file,
   n_ctx, KV types, flash-attn, llama-cpp-python version, and the devices that compute: the
   first worker says them, every other must compute on the same) and, when remote with the
   disk cache on, report the proxy's cache volume id (backend/volume.py). Otherwise the proxy
@@ -47,7 +49,7 @@ import aiohttp
 
 from backend import volume
 from backend.keys import CacheIdentity
-from backend.protocol import TierEvent, WorkerInfo, parse_event
+from backend.protocol import TierEvent, WorkerInfo
 from backend.redact import redact_url
 from policies.preempt import candidate, choose_victim
 from policies.prefix import Batching
@@ -146,32 +148,14 @@ class Pool(LocalWorkers):
         (`Worker.ram`). A stream that fails or ends forgets the view and connects again once the
         worker is ready."""
         while not self._closing:
-            if not w.ready or w.session is None:
-                await asyncio.sleep(EVENTS_RETRY_S)
-                continue
-            boot_id = w.boot_id
-            try:
-                async with w.session.get(w.base_url + ("/events?all=1" if self.on_tier
-                                                       else "/events"),
-                                         timeout=aiohttp.ClientTimeout(total=None)) as r:
-                    r.raise_for_status()
-                    w.ram = {}
-                    while line := await r.content.readline():
-                        ev = parse_event(line)
-                        if isinstance(ev, TierEvent) and self.on_tier is not None:
-                            self.on_tier(w.name, ev)
-                        if isinstance(ev, TierEvent) and ev.tier == "ram":
-                            if ev.kind == "stored":
-                                w.ram[ev.ref] = (ev.tenant, ev.ids)
-                            else:
-                                w.ram.pop(ev.ref, None)
-                        if w.boot_id != boot_id:
-                            break
-            except (*_UNREACHABLE, ValueError) as e:
-                log.debug("%s: its tier events stopped (%s)", w.name, e)
-            w.ram = {}
-            if self.on_tier is not None:
-                self.on_tier(w.name, None)
+            if w.ready and w.session is not None:
+                try:
+                    await w.follow_tiers(self.on_tier)
+                except (*_UNREACHABLE, ValueError) as e:
+                    log.debug("%s: its tier events stopped (%s)", w.name, e)
+                w.ram = {}
+                if self.on_tier is not None:
+                    self.on_tier(w.name, None)
             await asyncio.sleep(EVENTS_RETRY_S)
 
     # --- remote workers --------------------------------------------------------------------
@@ -228,8 +212,6 @@ class Pool(LocalWorkers):
             try:
                 h = await w.health(PROBE_TIMEOUT_S)
                 break
-            except WorkerMalformed as e:  # another version: say so, no traceback
-                raise StartupError(str(e)) from None
             except _UNREACHABLE as e:
                 if isinstance(e, WorkerLoading):  # loading: no limit while it makes progress
                     w.loading, start = e.status, loop.time()
@@ -275,10 +257,7 @@ class Pool(LocalWorkers):
                     await self._lose(w, f"unreachable ({e or type(e).__name__})")
                 continue
             except WorkerMalformed as e:  # another version took its place
-                timeouts = 0
-                if w.ready or w.down_reason != str(e):
-                    log.error("%s is kept out: %s", w.name, e)
-                    await self._lose(w, str(e))
+                await self._keep_out(w, str(e))
                 continue
             timeouts = 0
             await self._on_health(w, h)
@@ -291,16 +270,17 @@ class Pool(LocalWorkers):
             if w.ready:
                 await self._lose(w, "restarted (its live KV is gone)")
             log.warning("%s restarted (restart %d); its live KV is gone", w.name, w.restarts)
-        problem = self._incompatibility(h)
-        if problem:
-            if w.ready or w.down_reason != problem:
-                log.error("%s is kept out: %s", w.name, problem)
-                await self._lose(w, problem)
-            return
+        if problem := self._incompatibility(h):
+            return await self._keep_out(w, problem)
         if not w.ready:
             self._adopt(w, h)
             await self._set_ready(w, True)
             log.info("%s is back (pid %s)", w.name, h.pid)
+
+    async def _keep_out(self, w: Worker, problem: str) -> None:
+        if w.ready or w.down_reason != problem:  # said once
+            log.error("%s is kept out: %s", w.name, problem)
+            await self._lose(w, problem)
 
     async def _recheck(self, w: Worker) -> None:
         boot_id = w.boot_id

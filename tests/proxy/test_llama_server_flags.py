@@ -5,11 +5,14 @@ that shows no value, and the placement flags turned into llama.cpp's model param
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from backend import placement
 from proxy.cli import serve_config
 from proxy.config import Config, worker_argv
+from proxy.edge import aliases_of
 from proxy.values import LAZY_MODES, LOAD_MODES
 
 SECRET = "sk-test-0123456789"
@@ -149,6 +152,34 @@ def test_placement_flags_become_model_parameters() -> None:
         placement.apply(llama_cpp.llama_model_default_params(), override_tensor="x=CUDA7")
 
 
+def test_flags_llama_cpp_takes_again_add_to_each_other() -> None:
+    """`-ot` and `--chat-template-kwargs` add to what they said before in llama.cpp (a MoE
+    split over a GPU and the CPU is often two or three `-ot`): every one of them counts here
+    too, under either spelling, and a worker gets them all."""
+    cfg = serve_config(["-m", "m.gguf", "-ot", r"blk\.[0-3]\.ffn=CUDA0", "-ot", "exps=CPU",
+                        "--override-tensor", "attn_q=CPU",
+                        "--chat-template-kwargs", '{"enable_thinking": false, "x": 1}',
+                        "--chat-template-kwargs", '{"x": 2, "reasoning_effort": "high"}'],
+                       environ={"LLAMA_ARG_OVERRIDE_TENSOR": "lost=CPU"})
+    assert cfg.override_tensor == r"blk\.[0-3]\.ffn=CUDA0,exps=CPU,attn_q=CPU"
+    assert placement.overrides(cfg.override_tensor, 0) == [
+        (r"blk\.[0-3]\.ffn", "CUDA0"), ("exps", "CPU"), ("attn_q", "CPU")]
+    assert json.loads(cfg.chat_template_kwargs) == {"enable_thinking": False, "x": 2,
+                                                    "reasoning_effort": "high"}
+    argv = worker_argv(cfg)
+    assert argv[argv.index("--override-tensor") + 1] == cfg.override_tensor
+    # -a names aliases, comma-separated or given again; the model's id is the first of them
+    # in llama-server's order (a set's), the others shown beside it in /v1/models
+    named = serve_config(["-a", "qwen-coder, local", "-a", "coder"], environ={})
+    assert aliases_of(named.alias) == ["coder", "local", "qwen-coder"]
+    assert aliases_of("") == [] and aliases_of("one") == ["one"]
+    # one given once is as given; a value that is not JSON is still said as before
+    assert serve_config(["-ot", "exps=CPU"], environ={}).override_tensor == "exps=CPU"
+    with pytest.raises(SystemExit, match="--chat-template-kwargs"):
+        serve_config(["--chat-template-kwargs", "{bad", "--chat-template-kwargs", "{}"],
+                     environ={})
+
+
 def test_the_defaults_are_llama_servers_where_they_make_sense() -> None:
     cfg = Config()
     assert (cfg.split_mode, cfg.load_mode, cfg.lazy_mode, cfg.parallel) == ("layer", "auto",
@@ -184,7 +215,8 @@ def test_an_unknown_load_mode_is_one_line() -> None:
 @pytest.mark.model
 def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> None:  # type: ignore[no-untyped-def]
     """The same flags a llama-server user types (a quantized V cache needs flash attention, as
-    in llama-server), both SDKs with the key, a wrong key refused, the alias as the model id,
+    in llama-server), both SDKs with the key, a wrong key refused, the first alias as the model
+    id,
     the log lines in --log-file too, a projector said as not loaded, and the keys (the API's,
     the hub's) in no output."""
     import anthropic
@@ -194,10 +226,10 @@ def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> No
 
     logged = tmp_path / "llama.log"
     line = ["-m", model_path, "-c", "8192", "-ngl", "0", "-fa", "on", "-ctk", "q8_0", "-ctv",
-            "q8_0", "--jinja", "-np", "1", "-a", "coder", "--api-key", SECRET, "--metrics",
-            "-ub", "64", "--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "4096",
-            "--numa", "distribute", "--log-file", str(logged), "--mmproj", "mmproj.gguf",
-            "-hft", SECRET]
+            "q8_0", "--jinja", "-np", "1", "-a", "zed-coder", "-a", "coder", "--api-key", SECRET,
+            "--metrics", "-ub", "64", "--rope-scaling", "yarn", "--rope-scale", "2",
+            "--yarn-orig-ctx", "4096", "--numa", "distribute", "--log-file", str(logged),
+            "--mmproj", "mmproj.gguf", "-hft", SECRET]
     with running(tmp_path, *line) as srv:
         oa = openai.OpenAI(base_url=srv.v1, api_key=SECRET, max_retries=0, timeout=120)
         r = oa.chat.completions.create(model="coder", messages=[{"role": "user", "content":
@@ -214,6 +246,9 @@ def test_serve_runs_a_llama_server_command_line(tmp_path, model_path: str) -> No
         import json
         import urllib.request
 
+        req = urllib.request.Request(srv.v1 + "/models", headers={"x-api-key": SECRET})
+        card = json.loads(urllib.request.urlopen(req, timeout=30).read())["data"][0]
+        assert card["aliases"] == ["coder", "zed-coder"]  # two -a: both names, as llama-server
         req = urllib.request.Request(srv.url + "/props", headers={"x-api-key": SECRET})
         props = json.loads(urllib.request.urlopen(req, timeout=30).read())
         assert props["model"] == "coder" and SECRET not in str(props)
