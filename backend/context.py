@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import llama_cpp
 
+from backend import kv_override
 from backend.cpus import allowed_cpus, usable_cpus
 from backend.placement import apply as placement_params
 from backend.placement import check_gpu_layers, compute_identity, offload_devices
@@ -203,6 +204,9 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     if rope:  # other positions' rotations: other bits
         where["rope"] = "RoPE " + ", ".join(f"{k} {v}" for k, v in sorted(rope.items()))
         compute += f"; {where['rope']}"
+    if kv := kv_override.describe(kv_override.parse(str(pl.get("override_kv", "")))):
+        where["metadata"] = kv  # other weights' settings: other bits
+        compute += f"; {kv}"
     if numa:
         where["numa"] = f"NUMA {numa}"
     if not kv_offload and where["gpu_layers"]:  # the KV and its attention on the host

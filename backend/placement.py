@@ -1,7 +1,7 @@
 """Where a model's weights go: llama-server's placement flags as llama.cpp model parameters.
 
     apply(params, split_mode, tensor_split, override_tensor, n_cpu_moe, load_mode, lazy_mode,
-          repack) -> keep
+          repack, override_kv) -> keep
 
 - ``split_mode`` (``-sm``): ``none``, ``layer`` or ``row`` across several GPUs;
   ``tensor_split`` (``-ts``): the proportions per GPU, "3,1".
@@ -26,6 +26,8 @@
   project's Intel Xeon test machines; llama.cpp has no switch for AMX alone). Repacked weights
   compute other bits, so whether they are used is in the compute identity.
 
+``override_kv`` (``--override-kv``): the model's metadata changed by key (backend/kv_override.py).
+
 The arrays llama.cpp reads during the load are returned (``keep``): the caller holds them until
 the model is loaded. A buffer name no device has is a ValueError that lists the names there are.
 """
@@ -40,6 +42,8 @@ import sys
 from typing import Any
 
 import llama_cpp
+
+from backend import kv_override
 
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 LOAD_MODES = {  # llama-server's --load-mode words -> enum llama_load_mode
@@ -142,8 +146,8 @@ def uses_repack(repack: str) -> bool:
 
 def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
           override_tensor: str = "", n_cpu_moe: int = 0, load_mode: str = "auto",
-          lazy_mode: str = "auto", repack: str = "auto") -> list[Any]:
-    keep: list[Any] = []
+          lazy_mode: str = "auto", repack: str = "auto", override_kv: str = "") -> list[Any]:
+    keep: list[Any] = kv_override.model_params(params, kv_override.parse(override_kv))
     params.use_extra_bufts = uses_repack(repack)
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"--split-mode is one of {', '.join(SPLIT_MODES)}")

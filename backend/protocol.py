@@ -412,7 +412,7 @@ def placement_note(p: Mapping[str, Any]) -> str:
 
     def gib(key: str) -> str:
         return f"{int(p.get(key, 0)) / 2**30:.2f} GiB"
-    more = "".join(f"; {p[k]}" for k in ("rope", "numa", "kv_offload")
+    more = "".join(f"; {p[k]}" for k in ("rope", "metadata", "numa", "kv_offload")
                    if p.get(k))  # backend/context.py
     if not p.get("gpu_layers"):
         batch = "".join(f"; {p[k]}" for k in ("batch", "padding") if p.get(k))  # worker/batch.py

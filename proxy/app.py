@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 
+from backend import kv_override
 from backend.cpus import usable_cpus
 from backend.index import Index
 from backend.protocol import placement_note
@@ -312,9 +313,11 @@ def _load_prompts(cfg: Config) -> PromptBuilder:
     try:
         return PromptBuilder.load(cfg.model_path, cfg.volatile_patterns, cfg.volatile_blocks,
                                   cfg.stable_layout, cfg.chat_template_file, cfg.tool_dialect,
-                                  cfg.chat_template)
+                                  cfg.chat_template, cfg.override_kv)
     except GGUFError as e:  # the model changed under us since proxy.cli checked it
         raise StartupError(f"the model {e}") from None
+    except kv_override.Mismatch as e:
+        raise StartupError(str(e)) from None
     except (jinja2.TemplateError, OSError, UnicodeDecodeError) as e:  # said in one line
         where = "--chat-template" if cfg.chat_template else cfg.chat_template_file or \
             f"{cfg.model_path} (its tokenizer.chat_template)"

@@ -176,8 +176,8 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
 
     placement = {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
                  "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
-                 "load_mode": cfg.load_mode, "lazy_mode": cfg.lazy_mode,
-                 "repack": cfg.repack, "kv_offload": cfg.kv_offload}  # backend/placement.py
+                 "load_mode": cfg.load_mode, "lazy_mode": cfg.lazy_mode, "repack": cfg.repack,
+                 "kv_offload": cfg.kv_offload, "override_kv": cfg.override_kv}  # placement.py
     return WorkerSpec(cfg.model_path, cfg.n_ctx, cfg.threads, cfg.n_gpu_layers, cfg.flash_attn,
                       cfg.cache_type_k, cfg.cache_type_v, cfg.swa_full, cfg.worker_batch,
                       cfg.exact_check, Path(cfg.cache_path), cache_identity(cfg), worker_id,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from backend import kv_override
 from backend.cpus import usable_cpus
 from backend.keys import CacheIdentity
 from policies.prefix import default_batch
@@ -85,6 +86,7 @@ class Config:
     # of the first N layers kept on the CPU (--n-cpu-moe: fits a big MoE model on a small GPU)
     override_tensor: str = ""
     n_cpu_moe: int = 0
+    override_kv: str = ""  # the model's metadata changed, "KEY=TYPE:VALUE,..." (kv_override)
     # how the weights are read (llama-server's -lm): auto (mapped) | none (read) | mmap | mlock |
     # mmap+mlock | dio; the older --mlock and --no-mmap are spellings of it
     load_mode: str = "auto"
@@ -324,7 +326,8 @@ SPEC_FIELDS = tuple(f.name for f in fields(Config) if f.name.startswith("spec_")
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
-                 "tensor_split", "override_tensor", "n_cpu_moe", "load_mode", "lazy_mode",
+                 "tensor_split", "override_tensor", "n_cpu_moe", "override_kv", "load_mode",
+                 "lazy_mode",
                  "kv_offload",
                  "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "log_file",
@@ -432,6 +435,7 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     cfg = resolve(cfg)
     try:
         rope.settings(cfg)
+        kv_override.parse(cfg.override_kv)
     except ValueError as e:
         raise SystemExit(f"prefixgate: {e}") from None
     if cfg.api_prefix and (not cfg.api_prefix.startswith("/") or cfg.api_prefix.endswith("/")

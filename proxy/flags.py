@@ -90,6 +90,8 @@ HELP = {
     "split_mode": "how to split the model across GPUs: layer | row | none",
     "tensor_split": "proportions of the model per GPU, e.g. 3,1",
     "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
+    "override_kv": "the model's metadata changed, KEY=TYPE:VALUE,... (TYPE int, float, bool or "
+                   "str; given again: more)",
     "n_cpu_moe": "keep the MoE experts of the first N layers on the CPU (-1: every layer, "
                  "llama-server's -cmoe)",
     "load_mode": "how the weights are read: auto (mapped) | none (read) | mmap | mlock (read "
@@ -267,7 +269,7 @@ class Accumulate(argparse.Action):
         setattr(namespace, self.dest, value or before)
 
 
-ACCUMULATE = ("override_tensor", "chat_template_kwargs", "alias")  # the fields taken so
+ACCUMULATE = ("override_tensor", "override_kv", "chat_template_kwargs", "alias")
 
 
 def _merged(before: str, value: str) -> str:

@@ -28,6 +28,7 @@ from proxy.worker_link import (
     child_env,
     incompatibility,
     loading_note,
+    metadata_of,
     worker_gpus,
 )
 
@@ -159,7 +160,7 @@ class LocalWorkers:
                     note += LOADING_NOTE_S
                 await asyncio.sleep(0.1)
         problem = incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path, "",
-                                  self.cfg.parallel)
+                                  self.cfg.parallel, metadata_of(self.cfg))
         if problem:
             raise StartupError(f"{w.name}: {problem}")
         self._adopt(w, h)

@@ -44,6 +44,7 @@ from typing import Any
 import jinja2
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from backend import kv_override
 from policies.scope import Scope, format_scope, parse_scope
 from proxy import samplers
 from proxy.chat import ChatRequest
@@ -197,14 +198,20 @@ class PromptBuilder:
     @classmethod
     def load(cls, model_path: str, volatile_patterns: tuple[str, ...] = (),
              volatile_blocks: tuple[str, ...] = (), stable_layout: bool = False,
-             template_file: str = "", tool_dialect: str = "", template: str = ""
-             ) -> PromptBuilder:
+             template_file: str = "", tool_dialect: str = "", template: str = "",
+             override_kv: str = "") -> PromptBuilder:
         """The model's own tokenizer and chat template, read from its GGUF (blocking);
         `template_file`: a chat template used instead of the GGUF's (users fix broken templates
         this way), or `template`, its source (`chatml`: ChatML, as llama-server takes it). A
-        template that does not compile raises `jinja2.TemplateSyntaxError`."""
+        template that does not compile raises `jinja2.TemplateSyntaxError`. `override_kv`: the
+        metadata as llama.cpp reads it with llama-server's --override-kv (a key the file has
+        with another type raises `kv_override.Mismatch`)."""
         meta = read_metadata(model_path)
-        tok = load_tokenizer(model_path, meta)
+        if overrides := kv_override.parse(override_kv):
+            kv_override.checked(meta, overrides)
+            meta = kv_override.applied(meta, overrides)
+        values = {o.key: o.value for o in overrides}  # llama.cpp's tokenizer reads them too
+        tok = load_tokenizer(model_path, meta, overrides=values or None)
         source = CHATML_TEMPLATE if template == "chatml" else template or (
             Path(template_file).read_text(encoding="utf-8") if template_file else
             meta.get("tokenizer.chat_template") or "")

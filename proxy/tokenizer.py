@@ -247,19 +247,19 @@ def load_tokenizer(
     *,
     verify: bool = True,
     cache_bytes: int = _DEFAULT_CACHE_BYTES,
+    overrides: dict[str, Any] | None = None,
 ) -> Tokenizer:
-    """The tokenizer of the GGUF at ``model_path`` (``metadata`` from ``gguf.read_metadata``).
-
+    """The tokenizer of the GGUF at ``model_path`` (``metadata`` from ``gguf.read_metadata``,
+    with ``overrides``, --override-kv's values by key, applied: llama.cpp's reads them too).
     ``verify`` compares a HF-built tokenizer with llama.cpp once at load (about 0.3 s) and falls
-    back to llama.cpp's tokenizer on any difference.
-    """
+    back to llama.cpp's tokenizer on any difference."""
     reason = _why_not_hf(metadata)
     if reason is None:
         tok = _build_hf_tokenizer(metadata, cache_bytes)
         if not verify:
             return tok
         try:
-            reference = _build_llama_tokenizer(model_path, cache_bytes)
+            reference = _build_llama_tokenizer(model_path, cache_bytes, overrides)
         except ImportError:
             log.info("llama_cpp is not importable; tokenizer not verified against llama.cpp")
             return tok
@@ -269,7 +269,7 @@ def load_tokenizer(
         log.warning("tokenizer: using llama.cpp's own tokenizer: built tokenizer %s", reason)
         return reference
     log.warning("tokenizer: using llama.cpp's own tokenizer: %s", reason)
-    return _build_llama_tokenizer(model_path, cache_bytes)
+    return _build_llama_tokenizer(model_path, cache_bytes, overrides)
 
 
 def _why_not_hf(md: dict[str, Any]) -> str | None:
@@ -420,12 +420,12 @@ def _checked_piece(pieces: list[bytes], token_id: int) -> bytes:
     return pieces[token_id]
 
 
-def _build_llama_tokenizer(model_path: str, cache_bytes: int) -> Tokenizer:
+def _build_llama_tokenizer(model_path: str, cache_bytes: int, overrides: Any = None) -> Tokenizer:
     import ctypes
 
     import llama_cpp
 
-    llama = llama_cpp.Llama(model_path, vocab_only=True, verbose=False)
+    llama = llama_cpp.Llama(model_path, vocab_only=True, verbose=False, kv_overrides=overrides)
     vocab = llama_cpp.llama_model_get_vocab(llama.model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     specials: dict[str, int] = {}

@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from backend import kv_override
 from backend.keys import CacheIdentity
 from backend.protocol import (
     DecodeInfo,
@@ -350,10 +351,21 @@ def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers:
     return devices[worker_id] if len(devices) >= workers else None
 
 
+def metadata_of(cfg: Any) -> str:
+    """A Config's --override-kv, as its workers describe it (the placement's `metadata`)."""
+    return kv_override.describe(kv_override.parse(cfg.override_kv))
+
+
 def incompatibility(h: WorkerInfo, identity: CacheIdentity | None, n_ctx: int,
-                    model_path: str, volume_id: str, slots: int = 1) -> str | None:
+                    model_path: str, volume_id: str, slots: int = 1, metadata: str = ""
+                    ) -> str | None:
     """Why a worker whose /health says `h` cannot serve this proxy (whose cache `identity` is
-    the first ready worker's, `adopt_identity`, if any came first), or None."""
+    the first ready worker's, `adopt_identity`, if any came first), or None. `metadata`: the
+    proxy's --override-kv, described (backend.kv_override.describe), which its tokenizer and
+    template read the model with."""
+    if (theirs := str(h.placement.get("metadata", ""))) != metadata:
+        return (f"it reads the model with {theirs or 'no metadata changed'}, the proxy with "
+                f"{metadata or 'no metadata changed'}: give both the same --override-kv")
     if h.n_ctx != n_ctx:
         return (f"it runs n_ctx {h.n_ctx} but the proxy expects {n_ctx}: start both with the "
                 "same --n-ctx")

@@ -66,6 +66,7 @@ from proxy.worker_link import (
     WorkerMalformed,
     adopt_identity,
     incompatibility,
+    metadata_of,
     slot_views,
 )
 
@@ -185,7 +186,7 @@ class Pool(LocalWorkers):
 
     def _incompatibility(self, h: WorkerInfo) -> str | None:
         return incompatibility(h, self.identity, self.cfg.n_ctx, self.cfg.model_path,
-                               self.volume_id, self.cfg.parallel)
+                               self.volume_id, self.cfg.parallel, metadata_of(self.cfg))
 
     @property
     def fingerprint(self) -> bytes:

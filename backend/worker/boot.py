@@ -89,7 +89,7 @@ def draft_model(spec: WorkerSpec, engine: Engine) -> DraftModel | None:
     if "draft-simple" not in spec.spec.types:
         return None
     return DraftModel.load(spec.spec_draft_model, engine, spec.spec_draft_ngl,
-                           spec.threads or None)
+                           spec.threads or None, str(spec.placement.get("override_kv", "")))
 
 
 def draft_identity(identity: keys.CacheIdentity, model: DraftModel) -> keys.CacheIdentity:

@@ -103,14 +103,16 @@ class DraftModel:
     kept: dict[int, tuple[str, Owner, np.ndarray, memoryview]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None
-             ) -> DraftModel:
+    def load(cls, path: str, target: Engine, n_gpu_layers: int, threads: int | None,
+             override_kv: str = "") -> DraftModel:
         """The draft model, a context of the target's slots and size; a ValueError (one line)
-        where it cannot draft for the target."""
+        where it cannot draft for the target. `override_kv`: the target's metadata overrides,
+        which llama-server gives its draft model too."""
         eng = Engine(path, target.n_ctx * len(target.seqs), threads, n_gpu_layers,
                      n_batch=target.n_batch, flash_attn=target.flash_attn,
                      n_seq=len(target.seqs), outputs=len(target.seqs),  # a row each
-                     placement={"repack": "on" if target.placement.get("repack") else "off"},
+                     placement={"repack": "on" if target.placement.get("repack") else "off",
+                                "override_kv": override_kv},
                      rope=target.rope)  # as llama-server gives its draft model
         why = incompatible(target, eng)
         if not why and eng.memory.kind == "recurrent":

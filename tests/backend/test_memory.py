@@ -322,6 +322,37 @@ def test_an_engine_reuses_only_at_batch_edges() -> None:
     ref.close()
 
 
+def test_metadata_overrides_compute_other_bits_keyed_apart_and_a_hit_is_still_exact(
+        name: str, engines: tuple[Engine, Engine]) -> None:
+    """llama-server's --override-kv (backend/kv_override.py) reaches llama.cpp's loader: a
+    norm's epsilon changed computes other logits, the compute identity says so, and a snapshot
+    restored under it is the cold run's under it."""
+    from proxy.gguf import read_metadata
+
+    arch = read_metadata(model_file(name))["general.architecture"]
+    override = f"{arch}.attention.layer_norm_rms_epsilon=float:0.25"
+    plain = engines[1]
+    ids = _ids(name, 2 * A + 5, seed=6)
+    _prefill_cold(plain, ids)
+    eng, ref = (_engine(name, placement={"override_kv": override}) for _ in range(2))
+    try:
+        assert eng.placement["metadata"] == f"metadata {override}"
+        assert eng.compute == plain.compute + f"; metadata {override}"
+        snaps: dict[int, memoryview] = {}
+        eng.prefill(0, ids, [A], lambda p: snaps.__setitem__(p, eng.snapshot(0)))
+        assert eng.last_logits(0).tobytes() != plain.last_logits(0).tobytes(), \
+            "the override changed nothing"
+        _prefill_cold(ref, ids)
+        assert _same_state(eng, ref) is None, "a cold run under it is one state"
+        eng.truncate(0, 0)
+        eng.restore(0, ids[:A], snaps[A])
+        eng.prefill(0, ids, [], lambda p: None)
+        assert _same_state(eng, ref) is None, "restored hit"
+    finally:
+        eng.close()
+        ref.close()
+
+
 YARN = {"rope_scaling": "yarn", "rope_freq_scale": 0.5, "yarn_orig_ctx": 4 * A}
 
 

@@ -76,7 +76,8 @@ VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "a
           "--chat-template-file": "t.jinja", "--api-key-file": "keys.txt", "-a": "coder",
           "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5",
           "--rope-scaling": "yarn", "--numa": "distribute", "--chat-template": "chatml",
-          "--spec-draft-hf": "user/draft:Q8_0", "--api-prefix": "/llama"}
+          "--spec-draft-hf": "user/draft:Q8_0", "--api-prefix": "/llama",
+          "--override-kv": "tokenizer.ggml.add_bos_token=bool:false"}
 DRAFT_FILE = ["-md", "/models/draft.gguf"]
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w.-]*")
 

@@ -81,10 +81,10 @@ def test_an_unknown_flag_is_one_line_that_shows_no_value(argv: list[str],
 def test_each_refused_llama_flag_is_its_own_line_that_shows_no_value(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        serve_config(["--override-kv", SECRET, "--api-key", SECRET, "--lora", SECRET],
+        serve_config(["--control-vector", SECRET, "--api-key", SECRET, "--lora", SECRET],
                      environ={})
     lines = str(e.value).splitlines()
-    assert [line.split(":")[:2] for line in lines] == [["prefixgate", " --override-kv"],
+    assert [line.split(":")[:2] for line in lines] == [["prefixgate", " --control-vector"],
                                                        ["prefixgate", " --lora"]]
     assert SECRET not in str(e.value) + capsys.readouterr().err
 
@@ -294,3 +294,48 @@ def test_a_kv_cache_off_the_gpu_reaches_the_worker_s_context() -> None:
         for got in (off, on):
             llama_cpp.llama_free(got.ctx)
             llama_cpp.llama_model_free(got.model)
+
+
+@pytest.mark.model
+def test_override_kv_reaches_the_tokenizer_and_the_workers(tmp_path, cold_server) -> None:  # type: ignore[no-untyped-def]
+    """--override-kv as llama-server takes it: the proxy's tokenizer reads the model as
+    llama.cpp does with it (add_bos_token: a BOS before raw text), the worker computes with it
+    (another answer than the plain server's), /props says it, and the self-check proves a hit
+    exact with it; a key the file has with another type stops the start in one line (llama.cpp
+    would keep the file's value and log a warning)."""
+    import urllib.request
+
+    import openai
+
+    from tests.conftest import running, start_server
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+
+    def ask(url: str) -> openai.types.chat.ChatCompletion:
+        c = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=120)
+        return c.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
+                                         max_tokens=12, temperature=0)
+
+    plain = ask(cold_server.v1)
+    bos, eps = "tokenizer.ggml.add_bos_token=bool:true", \
+        "llama.attention.layer_norm_rms_epsilon=float:0.25"
+    with running(tmp_path / "a", "--workers", "1", "--disk-prefix-cache", "off",
+                 "--override-kv", bos, "--override-kv", eps) as srv:
+        got = ask(srv.v1)
+        # SmolLM2's BOS is <|im_start|>, which its chat prompts start with: seen in raw text
+        def tokens(url: str) -> list[int]:
+            req = urllib.request.Request(url + "/tokenize", json.dumps(
+                {"content": "Hello", "add_special": True}).encode(),
+                {"Content-Type": "application/json"})
+            return list(json.loads(urllib.request.urlopen(req, timeout=30).read())["tokens"])
+
+        assert tokens(srv.url) == [1, *tokens(cold_server.url)]
+        assert got.choices[0].message.content != plain.choices[0].message.content
+        props = srv.get_json("/props")
+        assert props["placement"]["0"].endswith(f"; metadata {bos}, {eps}")
+        assert [w["ok"] for w in props["exact"]] == [True]
+    with pytest.raises(RuntimeError) as e:
+        start_server(tmp_path / "b", "--override-kv", "llama.block_count=float:2")
+    said = str(e.value)
+    assert "the model's llama.block_count is int, not float" in said
+    assert "Traceback" not in said
