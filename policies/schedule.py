@@ -28,7 +28,13 @@ run's batches):
    ends almost as soon as alone (a title's 200 tokens do not wait behind a subagent's 2,000);
    a prompt's due time moves only with that measure, so short prompts arriving one after
    another hold a long one back only until it is due (no prompt waits without end), and two
-   prompts never take turns batch by batch.
+   prompts never take turns batch by batch. Once the one due first is *late* (its due time has
+   passed: its prefill cannot end by it any more), serving it first gains it nothing, and a
+   prompt with less work left goes first (the modified due date: each prefill's key is
+   ``max(due, now + its work left)``), but only while what the late one has waited for such
+   passes stays under `PASS_SHARE` of its own prefill's time (`Account.passed_s`): a
+   summary's last 5 tokens no longer wait for a late subagent's 1,689, and a stream of short
+   prompts still holds a long one back a bounded time.
 2. The least served runs: each job's time counts from nothing when it came (its prefill batches
    and its decode steps), and the prefill due first (rule 1) and each generating slot compete
    by it; whichever has used the least time runs its step. Nobody knows how long an answer
@@ -93,6 +99,7 @@ DETERMINISTIC: tuple[Deterministic, ...] = ("auto", "on", "off")
 
 NOMINAL_TOKEN_S = 0.001  # a prefilled token's seconds until one was measured
 PER_TOKEN_WEIGHT = 0.3  # of the newest batch in the per-token estimate (a decaying mean)
+PASS_SHARE = 0.25  # of a late prefill's own time, the most it waits for shorter ones (rule 1)
 # `auto` takes the fixed shape only where a slot generating alone pays at most this for it: on
 # a GPU, which reads the weights once for all the rows, a row costs almost nothing; on 2 CPU
 # cores a step of 3 rows cost 1.45x one row on a 1.1B f16 model and about 2x on its Q4_K_M
@@ -201,6 +208,7 @@ class Account:
     total: int = 0  # the tokens its prefill had then
     prefilling: bool = False
     run: str = ""  # the job it accounts for (a slot's next job starts a new account)
+    passed_s: float = 0.0  # the time prefills due after it ran while it prefilled (rule 1)
 
 
 _UNUSED = Account()  # a slot's account before its first step
@@ -246,9 +254,14 @@ def charge(clock: Clock, step: Step, seconds: float) -> Clock:
         clock = replace(clock, per_token_s=per if not clock.per_token_s else
                         (1 - PER_TOKEN_WEIGHT) * clock.per_token_s + PER_TOKEN_WEIGHT * per)
     accounts = dict(clock.accounts)
+    if isinstance(step, Prefill) and step.slot in accounts:  # the prefills it passed
+        due = due_s(clock, step.slot)
+        accounts.update({s: replace(a, passed_s=a.passed_s + seconds)
+                         for s, a in accounts.items()
+                         if a.prefilling and s != step.slot and due_s(clock, s) < due})
     for s in (step.slot,) if isinstance(step, Prefill) else step.slots:
         a = accounts.get(s, _UNUSED)
-        accounts[s] = Account(a.used_s + seconds, a.began_s, a.total, a.prefilling, a.run)
+        accounts[s] = replace(a, used_s=a.used_s + seconds)
     return Clock(accounts, clock.per_token_s)
 
 
@@ -258,10 +271,11 @@ def due_s(clock: Clock, slot: int) -> float:
     return a.began_s + a.total * (clock.per_token_s or NOMINAL_TOKEN_S)
 
 
-def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int = 0
-              ) -> Step | None:
+def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int = 0,
+              now_s: float = 0.0) -> Step | None:
     """The step to run now (module rules); None when no task has compute to do. `tasks` in the
-    order the slots' jobs came; `rows_max`: the rows a llama_decode holds (0: no bound)."""
+    order the slots' jobs came; `rows_max`: the rows a llama_decode holds (0: no bound);
+    `now_s`: the clock's time now (0: none is late)."""
     order = {s: i for i, s in enumerate(clock.accounts)}
 
     def came(t: Task) -> int:
@@ -274,6 +288,13 @@ def next_step(tasks: Sequence[Task], clock: Clock, shapes: Shapes, rows_max: int
     waiting = sorted((t for t in tasks if t.waits), key=came)
     first = min(waiting, key=used, default=None)  # the first of the least used (rule 2)
     due = min(prefills, key=lambda t: (due_s(clock, t.slot), came(t)), default=None)
+    if due is not None and now_s > due_s(clock, due.slot):  # late: a shorter one may pass
+        per = clock.per_token_s or NOMINAL_TOKEN_S
+        short = min(prefills, key=lambda t: (max(due_s(clock, t.slot), now_s + t.left * per),
+                                             came(t)))
+        late = clock.accounts.get(due.slot, _UNUSED)
+        if short is not due and late.passed_s + short.n * per <= PASS_SHARE * late.total * per:
+            due = short
     if due is not None and (first is None or used(due) < used(first)):
         return Prefill(due.slot, due.n)
     if first is None:

@@ -121,7 +121,7 @@ class Loop:
             self.clock = track(self.clock, [(s, j.job.run_id, j.came_s)
                                             for s, j in self.core.jobs.items()],
                                tasks, world.now_s)
-            step = next_step(tasks, self.clock, self.shapes, self.engine.n_batch)
+            step = next_step(tasks, self.clock, self.shapes, self.engine.n_batch, world.now_s)
             if step is None:
                 continue
             if log.isEnabledFor(logging.DEBUG):

@@ -4,10 +4,13 @@ in tests/backend/test_slots.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from policies.schedule import (
     NOMINAL_TOKEN_S,
+    PASS_SHARE,
     STREAM_S,
     Account,
     Clock,
@@ -135,11 +138,14 @@ def test_a_shared_verify_holds_what_the_batch_holds() -> None:
     assert next_step(tasks, clk, AS_THEY_COME, rows_max=0) == Verify((0, 1, 2))
 
 
-def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() -> None:
+@pytest.mark.parametrize("with_clock", [False, True])
+def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due(
+        with_clock: bool) -> None:
     """A long prompt beside short prompts that arrive one after another (an agent's quick
     turns): the short ones run first only until the long one is due (its 1,000 tokens at 1 ms
     from 0 s: 1.0 s), then it runs every batch until it ends. Serving the shortest first
-    instead, the long one never ran here."""
+    instead, the long one never ran here. With the clock's time (the worker's), the late long
+    one lets short ones pass for at most PASS_SHARE of its own prefill's time more."""
     per_token, batch = 0.001, 100
     clk = Clock({0: Account(0.0, 0.0, 1000, True, "long")}, per_token)
     left, now, order, short = 1000, 0.0, [], 0
@@ -149,7 +155,8 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
                     [Task(0, left, batch), Task(1, 120, 120)], now)
         if clk.accounts[1].began_s != now:  # a new short prompt each round
             clk = Clock({**clk.accounts, 1: Account(0.0, now, 120, True, "short")}, per_token)
-        step = next_step([Task(0, left, min(batch, left)), Task(1, 120, 120)], clk, BATCHED)
+        step = next_step([Task(0, left, min(batch, left)), Task(1, 120, 120)], clk, BATCHED,
+                         now_s=now if with_clock else 0.0)
         assert isinstance(step, Prefill)
         now += step.n * per_token
         clk = charge(clk, step, step.n * per_token)
@@ -159,7 +166,32 @@ def test_a_stream_of_short_prompts_holds_a_long_one_back_only_until_it_is_due() 
         else:
             short += 120
     assert left == 0, "the long prompt never ended"
-    assert short <= 1000 + 120, f"{short} tokens of short prompts ran first"
+    passes = PASS_SHARE * 1000 + 120 if with_clock else 0
+    assert short <= 1000 + 120 + passes, f"{short} tokens of short prompts ran first"
+
+
+def test_a_late_prefill_lets_a_shorter_one_pass_a_bounded_time() -> None:
+    """Rule 1 once the prefill due first is late. Seen in the team bench's step log: a
+    summary's last 5 tokens (232 from 938.9 s) waited 8.7 s for a subagent's 1,689 (from
+    922.6 s, due at 931.0 s), which gained nothing by going first at 945 s."""
+    per = 0.005
+    clk = clock(per, s1=prefilling(922.6, 1689), s0=prefilling(938.9, 232, used_s=0.7))
+    tasks = [Task(1, left=1689, n=512), Task(0, left=5, n=5)]
+    assert next_step(tasks, clk, BATCHED, now_s=930.0) == Prefill(1, 512), "not late yet"
+    assert next_step(tasks, clk, BATCHED) == Prefill(1, 512), "no clock: none is late"
+    assert next_step(tasks, clk, BATCHED, now_s=945.0) == Prefill(0, 5), "late: it passes"
+    # a pass is charged to each prefill due before the one that ran
+    after = charge(clk, Prefill(0, 5), 0.05)
+    assert after.accounts[1].passed_s == pytest.approx(0.05)
+    assert after.accounts[0].passed_s == 0.0 and after.accounts[0].used_s == pytest.approx(0.75)
+    # the late one has waited its share for passes: it runs
+    spent = dataclasses.replace(clk.accounts[1], passed_s=PASS_SHARE * 1689 * per)
+    assert next_step(tasks, Clock({**clk.accounts, 1: spent}, per), BATCHED,
+                     now_s=945.0) == Prefill(1, 512)
+    # a generating slot that has used less still goes first (rule 2), as before
+    gen = clock(per, s1=prefilling(922.6, 1689), s0=prefilling(938.9, 232, used_s=0.7),
+                s2=Account(0.1))
+    assert next_step([*tasks, Task(2, waits=True)], gen, BATCHED, now_s=945.0) == Decode((2,))
 
 
 def test_track_admits_from_nothing_begins_and_ends_prefills_and_lets_jobs_go() -> None:
