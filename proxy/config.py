@@ -327,9 +327,8 @@ SPEC_FIELDS = tuple(f.name for f in fields(Config) if f.name.startswith("spec_")
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
                  "tensor_split", "override_tensor", "n_cpu_moe", "override_kv", "load_mode",
-                 "lazy_mode",
-                 "kv_offload",
-                 "flash_attn", "cache_type_k", "cache_type_v", "swa_full", "ubatch_size",
+                 "lazy_mode", "kv_offload", "flash_attn", "cache_type_k", "cache_type_v",
+                 "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "log_file",
                  "shared_tier", "shared_tier_secret", "deterministic", "repack", *rope.FIELDS,
                  "numa", *SPEC_FIELDS)

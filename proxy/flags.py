@@ -273,18 +273,19 @@ ACCUMULATE = ("override_tensor", "override_kv", "chat_template_kwargs", "alias")
 
 
 def _merged(before: str, value: str) -> str:
-    try:
-        a, b = json.loads(before), json.loads(value)
-    except ValueError:
-        return value if _is_json(before) else before  # the one that is not JSON is said later
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return value if isinstance(a, dict) else before
+    """Two JSON objects merged; where one is not a JSON object, the first such is kept (the
+    Config's check says it)."""
+    a, b = _object(before), _object(value)
+    if a is None:
+        return before
+    if b is None:
+        return value
     return json.dumps({**a, **b}, ensure_ascii=False)
 
 
-def _is_json(text: str) -> bool:
+def _object(text: str) -> dict[str, Any] | None:
     try:
-        json.loads(text)
+        value = json.loads(text)
     except ValueError:
-        return False
-    return True
+        return None
+    return value if isinstance(value, dict) else None
