@@ -1,7 +1,7 @@
 """The worker protocol: what the proxy sends a worker (a :class:`Job`) and the events it streams
 back, each a frozen value, encoded and parsed here and nowhere else.
 
-    POST /run     body: Job.to_wire()      -> NDJSON, one event per line (encode_event)
+    POST /run     body: Job.encode()       -> NDJSON, one event per line (encode_event)
     POST /cancel  {"run_id", "prefilling"?} -> {"cancelled": bool} ("prefilling": only a run
                                               that has not sampled yet stops)
     GET  /health                           -> WorkerInfo.to_wire() (200), or while it loads
@@ -25,6 +25,13 @@ Events of one run, in order:
 The stream ends after ``Done`` or ``Cancelled`` once the ``pending_saves`` announced there have
 all been reported as ``Saved`` or ``SaveFailed``, or after ``Error``.
 
+A job's body is one JSON line (``Job.to_wire()``: every field but the prompt, whose length is
+``n_ids``), then the prompt's ids as 4-byte little-endian signed integers: a 32K-token prompt
+as a JSON list took 2.7 ms to write on the proxy's event loop and 4.9 ms to read and check on
+the worker's, every request; as bytes it is a copy on the proxy and one conversion on the
+worker (``ids_of``), and the worker gets ``TokenIds`` whose ``packed`` its keys hash as they
+are.
+
 Both sides parse strictly: a missing field is a ``ValueError`` (a bug), never a default.
 `PROTOCOL` names this version of the whole: a proxy refuses a worker whose ``/health`` states
 another (a remote worker of an older version would take a "prefilling" cancel as a plain one
@@ -34,16 +41,20 @@ and stop an answer under way).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from policies.decide import Plan
-from policies.prefix import keep_max
+from policies.prefix import TokenIds, keep_max, pack
 from policies.sources import TIERS
 
-# bumped whenever a message above changes meaning (2: /cancel's "prefilling", Kept)
-PROTOCOL = 2
+# bumped whenever a message above changes meaning (2: /cancel's "prefilling", Kept; 3: the
+# job's ids as bytes after its JSON line)
+PROTOCOL = 3
 
 FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
 
@@ -68,22 +79,41 @@ class Job:
     stream: bool = True
 
     def to_wire(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "slot": self.slot, "ids": list(self.ids),
+        """Every field but the prompt's ids, which follow this line as bytes (``encode``)."""
+        return {"run_id": self.run_id, "slot": self.slot, "n_ids": len(self.ids),
                 "salt": self.salt.hex(),
                 "tenant": self.tenant, "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
                 "stop": list(self.stop), "grammar": self.grammar, "waited_s": self.waited_s,
                 "stream": self.stream}
 
+    def encode(self) -> bytes:
+        """POST /run's body: ``to_wire()`` as one JSON line, then the ids (``wire_ids``)."""
+        return json.dumps(self.to_wire()).encode() + b"\n" + wire_ids(self.ids)
+
     @classmethod
-    def from_wire(cls, d: Any) -> Job:
+    def decode(cls, body: bytes) -> Job:
+        """The job ``encode`` wrote; ``ValueError`` for anything else."""
+        head, newline, ids = body.partition(b"\n")
+        if not newline:
+            raise ValueError("malformed job: no line ends its fields")
+        try:
+            d = json.loads(head)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed job: {e}") from None
+        return cls.from_wire(d, ids_of(ids))
+
+    @classmethod
+    def from_wire(cls, d: Any, ids: TokenIds) -> Job:
+        """The job of fields `d` (``to_wire()``'s) and the prompt `ids` (``ids_of``)."""
         try:
             grammar = d["grammar"]
             if not isinstance(d["sampling"], dict) or not (grammar is None
                                                            or isinstance(grammar, str)):
                 raise ValueError("sampling must be an object, grammar a string or null")
-            job = cls(run_id=_check(d["run_id"], "str"),
-                      ids=tuple(_check(i, "int") for i in _check(d["ids"], "list")),
+            if _check(d["n_ids"], "int") != len(ids):
+                raise ValueError(f"{d['n_ids']} ids announced, {len(ids)} sent")
+            job = cls(run_id=_check(d["run_id"], "str"), ids=ids,
                       salt=bytes.fromhex(_check(d["salt"], "str")),
                       tenant=_check(d["tenant"], "str"),
                       plan=Plan.from_wire(d["plan"]), sampling=dict(d["sampling"]),
@@ -94,6 +124,8 @@ class Job:
                       stream=_check(d["stream"], "bool"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
+        except ValueError as e:
+            raise ValueError(f"malformed job: {e}") from None
         if job.slot < 0:
             raise ValueError(f"malformed job: slot {job.slot}")
         if not 0 <= job.waited_s < float("inf"):
@@ -104,6 +136,27 @@ class Job:
             raise ValueError(f"malformed job: keep_max {job.plan.keep_max} for a prompt of "
                              f"{len(job.ids)} tokens")
         return job
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def wire_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as 4-byte little-endian signed integers: ``TokenIds.packed`` as it is on a
+    little-endian host (the proxy's renders make them), else packed here."""
+    packed = ids.packed if isinstance(ids, TokenIds) else pack(ids)
+    return packed if _LITTLE else np.frombuffer(packed, "=i4").astype("<i4").tobytes()
+
+
+def ids_of(data: bytes) -> TokenIds:
+    """The ids ``wire_ids`` wrote, none negative; ``ValueError`` otherwise."""
+    if len(data) % 4:
+        raise ValueError(f"malformed job: {len(data)} bytes of ids, not a multiple of 4")
+    arr = np.frombuffer(data, "<i4")
+    if len(arr) and int(arr.min()) < 0:
+        raise ValueError(f"malformed job: a negative token id ({int(arr.min())})")
+    packed = bytes(data) if _LITTLE else arr.astype("=i4").tobytes()
+    return TokenIds(arr.tolist(), packed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ cached). Stages, each timed on the proxy's real code:
   them (candidate keys over the prompt, one LMDB read, the ring comparison, the save plan),
   against a real `backend.index.Index` in a temporary directory, filled as the earlier turns
   left it
+- send: `backend.protocol.Job.encode` of the request's job (its fields, then the prompt's ids),
+  the body the proxy POSTs to the worker
 
 then `anthropic`: the same session as Claude Code sends it, through the Anthropic API
 (`anthropic_api.parse_request`: the system prompt apart, tool results as blocks), parse and
@@ -135,7 +137,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
                   ) -> dict[str, Any]:
     from backend.index import Index
     from backend.keys import CacheIdentity, prefix_keys
-    from backend.protocol import Saved
+    from backend.protocol import Job, Saved
     from bench.prompts import load_builder, prepare, prepare_request
     from policies.decide import WorkerFacts, decide
     from policies.prefix import Batching
@@ -196,6 +198,9 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         prepare_t = timed(lambda: prepare_request(builder, next(prep_reqs)), reps)
         prep = prepare(builder, body)
         decide_t = timed(lambda: decide_one(prep), reps)
+        job = Job("bench", prep.rendered.ids, cache.salt(""), "", decide_one(prep)[1],
+                  {"temperature": 0.0}, DECODE_TOKENS, (), None)
+        send_t = timed(job.encode, reps)
         # the parts of prepare (a build before issue 23 has no PromptBuilder.messages: None)
         messages_t: tuple[float, float] | None = None
         render_t: tuple[float, float] | None = None
@@ -237,9 +242,9 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         "stored_entries": len(cache),
         "uncached_tail_tokens": n - prev_n, "reps": reps,
         "parse_ms": parse, "prepare_ms": prepare_t, "messages_ms": messages_t,
-        "render_prompt_ms": render_t, "decide_ms": decide_t,
-        "proxy_ms": tuple(a + b + c for a, b, c in zip(parse, prepare_t, decide_t, strict=True)),
-        "anthropic_ms": tuple(a + b for a, b in zip(anthropic_t, decide_t, strict=True)),
+        "render_prompt_ms": render_t, "decide_ms": decide_t, "send_ms": send_t,
+        "proxy_ms": tuple(map(sum, zip(parse, prepare_t, decide_t, send_t, strict=True))),
+        "anthropic_ms": tuple(map(sum, zip(anthropic_t, decide_t, send_t, strict=True))),
         "cold_prepare_ms": cold,
     }
 
@@ -299,11 +304,11 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "| prompt tokens | stored entries | new tail tokens | parse (limits + API) "
         "| prepare (messages + render + tokenize + boundaries) "
-        "| of which messages | of which render_prompt | decide | **proxy total** "
+        "| of which messages | of which render_prompt | decide | send | **proxy total** "
         "| the same, Anthropic API | worker | "
         "proxy / worker | proxy / worker CPU per thread | **proxy / worker floor** | "
         "cold prepare (new conversation) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(v: Any) -> str:
@@ -318,7 +323,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['prompt_tokens']} | {r.get('stored_entries', '-')} | "
             f"{r['uncached_tail_tokens']} | {ms(r['parse_ms'])} | "
             f"{ms(r['prepare_ms'])} | {ms(r['messages_ms'])} | {ms(r['render_prompt_ms'])} | "
-            f"{ms(r['decide_ms'])} | **{ms(r['proxy_ms'])}** | {ms(r.get('anthropic_ms'))} | "
+            f"{ms(r['decide_ms'])} | {ms(r.get('send_ms'))} | **{ms(r['proxy_ms'])}** | "
+            f"{ms(r.get('anthropic_ms'))} | "
             + (f"{w['worker_ms']:.0f}{est} | {r['proxy_fraction_of_worker']:.3%} | "
                f"{r['proxy_fraction_of_worker_idle']:.3%} | " if w else "- | - | - | ") +
             f"**{r['proxy_ms'][0] / floor_ms(r, rate):.2%}** | {ms(r['cold_prepare_ms'])} |")

@@ -61,8 +61,8 @@ def _model(vocab: Path) -> Path:
 
 def _run(port: int, job: Job, events: list[tuple[float, Event]]) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    conn.request("POST", "/run", body=json.dumps(job.to_wire()),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/run", body=job.encode(),
+                 headers={"Content-Type": "application/octet-stream"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"/run: {resp.status} {resp.read()!r}")

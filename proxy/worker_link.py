@@ -286,7 +286,7 @@ class Worker:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         try:
-            async with self.session.post(self.base_url + "/run", json=job.to_wire(),
+            async with self.session.post(self.base_url + "/run", data=job.encode(),
                                          timeout=timeout) as r:
                 r.raise_for_status()
                 self.streams.add(r)

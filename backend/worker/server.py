@@ -167,7 +167,7 @@ class Worker:
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         try:
-            job = Job.from_wire(await request.json())
+            job = Job.decode(await request.read())
         except ValueError as e:  # a proxy of another version, or a bug: say what is wrong
             return web.json_response({"error": str(e)}, status=400)
         slots = len(self.engine.seqs)

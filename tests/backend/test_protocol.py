@@ -26,10 +26,12 @@ from backend.protocol import (
     Token,
     WorkerInfo,
     encode_event,
+    ids_of,
     parse_event,
+    wire_ids,
 )
 from policies.decide import Plan, Restore, Save
-from policies.prefix import keep_max
+from policies.prefix import TokenIds, keep_max
 
 PLAN = Plan(
     restore=(Restore(30, b"\x01\x02", "ab/0102.state"), Restore(10, b"\x03", "03.state")),
@@ -64,17 +66,37 @@ def job_wire() -> dict[str, Any]:
     return d
 
 
+def job_of(d: Any, ids: tuple[int, ...] = IDS) -> Job:
+    return Job.from_wire(d, ids_of(wire_ids(ids)))
+
+
 @pytest.mark.parametrize("job", JOBS)
 def test_job_round_trip(job: Job) -> None:
-    assert Job.from_wire(json.loads(json.dumps(job.to_wire()))) == job
+    body = job.encode()
+    back = Job.decode(body)
+    assert back == job
+    # the ids arrive with their packed form, as the proxy's renders make them
+    assert isinstance(back.ids, TokenIds) and back.ids.packed == TokenIds(job.ids).packed
+    # after the fields' line, 4 little-endian bytes per id
+    assert body.endswith(b"".join(i.to_bytes(4, "little") for i in job.ids) or b"\n")
 
 
-@pytest.mark.parametrize("field", [f.name for f in fields(Job)])
+def test_job_ids_are_bytes_not_json() -> None:
+    """A 32K-token prompt: its ids travel as 128 KiB of bytes, not as a JSON list."""
+    ids = TokenIds(range(40_000, 72_000))
+    job = Job("r", ids, b"", "", Plan((), (), 0, True, "off", None, None), {}, 1, (), None)
+    body = job.encode()
+    head, _, raw = body.partition(b"\n")
+    assert len(raw) == 4 * len(ids) and len(head) < 1000
+    assert json.loads(head)["n_ids"] == len(ids) and Job.decode(body).ids == ids
+
+
+@pytest.mark.parametrize("field", [k for k in JOBS[0].to_wire()])
 def test_job_missing_field(field: str) -> None:
     d = job_wire()
     del d[field]
     with pytest.raises(ValueError):
-        Job.from_wire(d)
+        job_of(d)
 
 
 @pytest.mark.parametrize(
@@ -87,11 +109,14 @@ def test_job_missing_field(field: str) -> None:
         ("grammar", 5),
         ("grammar", ["root"]),
         # lists of the wrong things
-        ("ids", None),
-        ("ids", ["x"]),
         ("stop", None),
         ("sampling", None),
         ("max_tokens", None),
+        # the ids announced are the ids sent
+        ("n_ids", None),
+        ("n_ids", len(IDS) + 1),
+        ("n_ids", len(IDS) - 1),
+        ("n_ids", str(len(IDS))),
         # seconds the request waited: a finite count, from 0
         ("waited_s", -1.0),
         ("waited_s", 1e309),
@@ -103,7 +128,37 @@ def test_job_bad_value(field: str, value: Any) -> None:
     d = job_wire()
     d[field] = value
     with pytest.raises(ValueError):
-        Job.from_wire(d)
+        job_of(d)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",  # nothing
+        b'{"run_id": "r"}',  # no line ends the fields
+        b"{not json}\n",
+        b"\xff\xfe\n",
+        b"[1, 2]\n",
+        b"null\n",
+    ],
+)
+def test_job_malformed_body(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        Job.decode(body)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x01\x00\x00",  # not whole ids
+        (-1).to_bytes(4, "little", signed=True),  # a negative id
+        (5).to_bytes(4, "little") + (2**31).to_bytes(4, "little"),  # past int32: negative
+    ],
+)
+def test_job_bad_ids(raw: bytes) -> None:
+    head = json.dumps({**job_wire(), "n_ids": len(raw) // 4}).encode()
+    with pytest.raises(ValueError):
+        Job.decode(head + b"\n" + raw)
 
 
 @pytest.mark.parametrize(
@@ -129,26 +184,26 @@ def test_job_bad_value(field: str, value: Any) -> None:
 )
 def test_job_keep_max_leaves_the_last_token(n_ids: int, keep_max: int, ok: bool) -> None:
     d = job_wire()
-    d["ids"] = list(range(n_ids))
+    d["n_ids"] = n_ids
     d["plan"]["keep_max"] = keep_max
     if ok:
-        assert Job.from_wire(d).plan.keep_max == keep_max
+        assert job_of(d, tuple(range(n_ids))).plan.keep_max == keep_max
     else:
         with pytest.raises(ValueError):
-            Job.from_wire(d)
+            job_of(d, tuple(range(n_ids)))
 
 
 def test_job_plan_missing_field() -> None:
     d = job_wire()
     del d["plan"]["live_ok"]
     with pytest.raises(ValueError):
-        Job.from_wire(d)
+        job_of(d)
 
 
 @pytest.mark.parametrize("d", [None, [], "job", 5])
 def test_job_not_an_object(d: Any) -> None:
     with pytest.raises(ValueError):
-        Job.from_wire(d)
+        job_of(d)
 
 
 EVENTS: list[Event] = [
@@ -239,13 +294,13 @@ def test_invalid_line(line: bytes) -> None:
 # Typed, not coerced: a value of the wrong JSON type is a malformed message, never converted
 # (int("7"), a string taken as a list of characters, a bool taken as an int).
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", "7"), ("max_tokens", True), ("ids", "123"), ("stop", "</s>"),
+    ("max_tokens", "7"), ("max_tokens", True), ("n_ids", True), ("stop", "</s>"),
     ("run_id", None), ("sampling", [["temperature", 0]]), ("salt", 5), ("salt", "not hex"),
     ("tenant", None), ("stream", 0), ("stream", "false"), ("stream", None),
 ])
 def test_job_values_are_not_coerced(field: str, value: Any) -> None:
     with pytest.raises(ValueError):
-        Job.from_wire({**job_wire(), field: value})
+        job_of({**job_wire(), field: value})
 
 
 @pytest.mark.parametrize("plan_field,value", [

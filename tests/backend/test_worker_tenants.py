@@ -43,8 +43,8 @@ def job(ids: tuple[int, ...], tenant: str, run_id: str = "r", keep_max: int | No
 
 def run(w: WorkerProcess, j: Job, cancel_at_prefill: bool = False) -> list[Event]:
     conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=300)
-    conn.request("POST", "/run", body=json.dumps(j.to_wire()),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/run", body=j.encode(),
+                 headers={"Content-Type": "application/octet-stream"})
     resp = conn.getresponse()
     if resp.status != 200:
         conn.close()

@@ -39,8 +39,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
 
 def run(w: WorkerProcess, j: Job, seen: list[tuple[float, Event]]) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=300)
-    conn.request("POST", "/run", body=json.dumps(j.to_wire()),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/run", body=j.encode(),
+                 headers={"Content-Type": "application/octet-stream"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     while line := resp.readline():

@@ -24,6 +24,7 @@ from backend.protocol import (
     Error,
     Event,
     Fault,
+    Job,
     Kept,
     Prefill,
     Saved,
@@ -261,11 +262,11 @@ class FakeWorker:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.cancelled = asyncio.Event()
-        self.jobs: list[dict[str, Any]] = []
+        self.jobs: list[Job] = []
         self.cancels: list[dict[str, Any]] = []
 
     async def run(self, request: web.Request) -> web.StreamResponse:
-        self.jobs.append(await request.json())
+        self.jobs.append(Job.decode(await request.read()))
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         await self.script(resp, self.cancelled)
@@ -397,8 +398,8 @@ async def test_saves_after_done_are_committed_and_a_broken_entry_is_dropped(
         assert entry_of(h.index, K300) is None  # the broken entry is gone
         hit = entry_of(h.index, K100)
         assert hit is not None and hit.hits == 1
-        assert fake.jobs[0]["plan"] == PLAN.to_wire() and fake.jobs[0]["ids"] == list(IDS)
-        assert fake.jobs[0]["salt"] == (b"salt" * 4).hex()
+        assert fake.jobs[0].plan == PLAN and fake.jobs[0].ids == IDS
+        assert fake.jobs[0].salt == b"salt" * 4
         assert run.usage.cached_tokens == 100 and run.usage.source == "disk"
         assert h.count("ok") == 1
         await h.close()
@@ -500,8 +501,8 @@ async def test_a_preempted_run_runs_again_and_its_client_sees_one_answer(
         assert run.give_way() and not run.give_way(), "once"
         assert await run.text() == "ok"
         await h.settle()
-        assert fake.cancels == [{"run_id": fake.jobs[0]["run_id"], "prefilling": True}]
-        assert len(fake.jobs) == 2 and fake.jobs[1]["run_id"] != fake.jobs[0]["run_id"]
+        assert fake.cancels == [{"run_id": fake.jobs[0].run_id, "prefilling": True}]
+        assert len(fake.jobs) == 2 and fake.jobs[1].run_id != fake.jobs[0].run_id
         assert entries(h) == {300: "scoped"}
         assert run.preempted and run.usage.source == "ram" and run.usage.cached_tokens == 256
         assert run.left is None, "the second run never gives way"

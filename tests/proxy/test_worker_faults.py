@@ -24,6 +24,7 @@ from backend.protocol import (
     PROTOCOL,
     DecodeInfo,
     Identity,
+    Job,
     Prefill,
     Start,
     Token,
@@ -72,10 +73,10 @@ class DyingWorker:
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         self.runs += 1
-        job = await request.json()
+        job = Job.decode(await request.read())
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        n = len(job["ids"])
+        n = len(job.ids)
         for ev in (Start(0, 0, 0.0, ()), Prefill(n), Token(42, "Once")):
             await resp.write(encode_event(ev))
         assert request.transport is not None
