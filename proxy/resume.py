@@ -34,6 +34,11 @@ not know. ``strftime_now`` is noted: a render resumes from another only while th
 the same. Messages are compared strictly (``same``): ``1``, ``1.0``
 and ``true`` render differently, and so do the same keys in another order.
 
+A render may also be told which render to resume from (``render``'s `source`): the one of the
+same messages without the generation prompt, for the one with it, when the template reads
+``add_generation_prompt`` nowhere inside a loop or a macro (``reads_after_loops``; checks at the
+loop's start as above). The proxy then keeps one render per conversation, not two.
+
 Each render also records the offsets the template had written when it pulled and first read
 each message after pulling it (``Run.pulled``, ``Run.read``); proxy/template.py reads the
 messages' starts off them. A resumed render replays the earlier one's records up to ``k``, so
@@ -56,7 +61,7 @@ from jinja2.runtime import LoopContext, Macro, Namespace, missing
 
 from proxy.traced import LOOP_NEXT, Signed, TracedIter, TracedList, TracedMessage, current, wrapped
 
-__all__ = ["Run", "Runs", "render", "resumable", "same"]
+__all__ = ["Run", "Runs", "reads_after_loops", "render", "resumable", "same"]
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +343,18 @@ def _same_state(old: dict[str, Any], new: dict[str, Any], common: int,
     return True
 
 
+def reads_after_loops(ast: nodes.Template, name: str) -> bool:
+    """Whether the template reads the variable `name` nowhere inside a loop or a macro: then a
+    top-level loop over the messages runs alike whatever its value, as far as the rules'
+    checks at the loop's start (the text before it, every top-level variable, namespaces) have
+    found the state alike, and a render may resume from one given another value (``render``'s
+    `source`)."""
+    for scope in ast.find_all((nodes.For, nodes.Macro, nodes.CallBlock)):
+        if any(n.name == name for n in scope.find_all(nodes.Name)):
+            return False
+    return True
+
+
 def resumable(source: str, ast: nodes.Template) -> bool:
     """Whether renders of this template may resume (see the module rules)."""
     if "changed(" in source:
@@ -399,15 +416,17 @@ class Runs:
 
 def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
            messages: list[dict[str, Any]], context: dict[str, Any], keep: bool = True,
-           positions: bool = True) -> Run:
+           positions: bool = True, source: Run | None = None) -> Run:
     """Render `template` (a compiled jinja2 Template) with `context` and the recorded
     `messages`, resuming from the best of `runs` (None: from the start); raises what the
     template raises. `keep`: remember this render for later ones. `messages` may be
     ``Signed`` already (computed once for all renders of one request). `positions`: whether
     ``Run.pulled`` and ``Run.read`` will be read (a render that resumes from one without them
-    must not want them: it renders in full)."""
-    source, common = None, 0
-    if runs is not None:
+    must not want them: it renders in full). `source`: resume from this render of the same
+    messages instead, whose context differs at most in variables the template reads only
+    after its loops over the messages (``reads_after_loops``: the caller's proof)."""
+    common = 0 if source is None else len(messages)
+    if source is None and runs is not None:
         if not isinstance(messages, Signed):
             messages = Signed(messages)
         source, common = runs.find(key, messages.chain, messages.sigs)

@@ -74,8 +74,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# recorded renders kept for later ones to resume: two per conversation (with and without the
-# generation prompt), each holding its text
+# recorded renders kept for later ones to resume, each holding its text: one per conversation
+# (without the generation prompt; the render with it resumes from that one, `late_prompt`), or
+# two for a template that reads the flag inside a loop
 _RECENT_RENDERS = 64
 # located message starts remembered across requests (two ints each)
 _PREFIX_CACHE_ENTRIES = 65536
@@ -154,6 +155,10 @@ class ChatTemplate:
         self.prefixes = StartCache(_PREFIX_CACHE_ENTRIES)
         # recent recorded renders, for later ones to resume (proxy/resume.py)
         self.runs = resume.Runs(_RECENT_RENDERS) if resume.resumable(source, ast) else None
+        # the render with the generation prompt may resume from the one without (made first
+        # for the message starts) at its last message: one render kept per request
+        self.late_prompt = self.runs is not None and resume.reads_after_loops(
+            ast, "add_generation_prompt")
         self.extra: dict[str, Any] = {}  # the request's template variables (bound())
         # tools by their objects' identity -> (the objects, kept alive; their JSON): a request
         # that re-sends the same tools (proxy/limits.py reuses them) serializes them once
@@ -195,15 +200,19 @@ class ChatTemplate:
         return (hit[1], json.dumps(self.extra, ensure_ascii=False, default=repr))
 
     def record(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool, key: tuple[Any, ...], keep: bool = True) -> Run:
+               add_generation_prompt: bool, key: tuple[Any, ...], keep: bool = True,
+               source: Run | None = None) -> Run:
         """``render(messages, tools, add_generation_prompt)`` as a recorded render, resumed
         from a recent one of the same conversation where that is proven to change nothing
         (proxy/resume.py); `key`: ``key_of(tools)``. `keep`: remember it for later renders.
         The message starts are read off kept renders without the generation prompt only, so
-        only those keep the offsets where each message was pulled and read."""
+        only those keep the offsets where each message was pulled and read. `source`: the
+        render of the same messages without the generation prompt, to resume from (only
+        where ``late_prompt``)."""
+        assert source is None or (self.late_prompt and add_generation_prompt and not keep)
         return resume.render(self._template, self.runs, (add_generation_prompt, *key), messages,
                              self._context([], tools, add_generation_prompt), keep,
-                             positions=keep and not add_generation_prompt)
+                             positions=keep and not add_generation_prompt, source=source)
 
     def _context(
         self, messages: list[Any], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
@@ -249,19 +258,31 @@ def render_prompt(
     plain = messages  # indexed below without the Signed wrapper's own __getitem__
     if template.runs is not None:
         messages = traced.Signed(messages)  # one signature per message for all its renders
-    run = template.record(messages, tools, not continue_final, key)
+    bare = None  # the render without the generation prompt, when it is made first
     if continue_final:
+        run = bare = template.record(messages, tools, False, key)  # raises as the template does
         text = _open_final_message(run.text, str(messages[-1].get("content") or ""))
+        shared = run.shared
     else:
-        text = run.text
+        if template.late_prompt:
+            bare = _bare(template, messages, tools, key)
+        full = template.record(messages, tools, True, key, keep=bare is None, source=bare)
+        run, text = bare or full, full.text
+        # characters known to be the previous text's: through the render without the prompt
+        # (equal to this text as far as `full` resumed from it, and to the previous one's as
+        # far as it resumed from that one, which began the previous text as far as "late")
+        shared = full.shared if bare is None else min(
+            full.shared, bare.shared, bare.prior.get("late", 0))
+        if bare is not None:
+            bare.memo["late"] = len(bare.text) if text.startswith(bare.text) else 0
     prior = run.prior
     shapes = prior.get("shapes", [])[: run.common]
     shapes += [shape_of(m) for m in messages[len(shapes):]]
     run.memo["shapes"] = shapes
-    starts = message_char_starts(template, messages, tools, text, key,
-                                  run if continue_final else None, shapes)  # index -> offset
+    starts = message_char_starts(template, messages, tools, text, key, bare,
+                                  shapes)  # index -> offset
     old_text = prior.get("tokens", ("",))[0]
-    equal = common_prefix_len(text, old_text, run.shared) if prior else 0  # chars as before
+    equal = common_prefix_len(text, old_text, shared) if prior else 0  # chars as before
     headers: dict[int, tuple[int, int, int | None]] = {}
     header_ends = header_char_ends(plain, starts, text, headers,
                                     prior.get("headers", {}), min(equal, len(text)),
@@ -303,6 +324,17 @@ def render_prompt(
         positions = list(map(shift.__add__, positions))
     message_starts = _message_starts(run, positions, list(map(roles.__getitem__, located)))
     return Rendered(text, ids, tuple(boundaries), message_starts)
+
+
+def _bare(template: ChatTemplate, messages: list[dict[str, Any]],
+          tools: list[dict[str, Any]] | None, key: tuple[Any, ...]) -> Run | None:
+    """The recorded render of `messages` without the generation prompt (kept, its starts
+    read); None when the template fails on them."""
+    try:
+        return template.record(messages, tools, False, key)
+    except Exception as exc:
+        log.debug("template failed on the traced messages: %s", exc)
+        return None
 
 
 def _message_starts(run: Run, positions: list[int], roles: list[str]

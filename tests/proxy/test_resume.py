@@ -58,6 +58,26 @@ def test_a_template_that_reads_nothing_of_the_end_still_resumes() -> None:
     assert warm == fresh and resumed == 3
 
 
+def test_the_generation_prompt_is_proven_late_only_where_no_loop_reads_it() -> None:
+    """A render with the generation prompt resumes from the one without only for a template
+    that reads the flag nowhere inside a loop or a macro; one that reads it before its loop
+    passes the proof, and the loop's start finds the state it put in variables unlike."""
+    late = {name: ChatTemplate(src, "<s>", "</s>").late_prompt for name, src in REAL.items()}
+    assert late.pop("openai-gpt-oss-120b") is False  # it reads the flag inside its loop
+    assert all(late.values()), late
+    assert not ChatTemplate(GAPS["prompt-inside-loop"], "<s>", "</s>").late_prompt
+    tpl = ChatTemplate(GAPS["prompt-before-loop"], "<s>", "</s>")
+    assert tpl.late_prompt
+    messages = [USER, ANSWER, AGAIN]
+    bare = tpl.record(messages, None, False, tpl.key_of(None))
+    prompted = tpl.record(messages, None, True, tpl.key_of(None), keep=False, source=bare)
+    assert prompted.resumed == 0 and prompted.text == tpl.render(messages, None, True)
+    plain = ChatTemplate(PLAIN + "{% if add_generation_prompt %}>{% endif %}", "<s>", "</s>")
+    bare = plain.record(messages, None, False, plain.key_of(None))
+    prompted = plain.record(messages, None, True, plain.key_of(None), keep=False, source=bare)
+    assert prompted.resumed == 2 and prompted.text == bare.text + ">"
+
+
 ROLES = st.sampled_from(["user", "assistant"])
 MESSAGE = st.fixed_dictionaries({"role": ROLES, "content": st.sampled_from(
     ["a", "b", "Fix it", "ok", ""])})
@@ -122,5 +142,8 @@ def replay_against_fresh(source: str, start: list[dict[str, Any]],
             with pytest.raises(type(e)):
                 tpl.record(messages, None, gen, tpl.key_of(None))
             continue
-        assert tpl.record(messages, None, gen, tpl.key_of(None)).text == fresh, \
-            (messages, gen)
+        run = tpl.record(messages, None, gen, tpl.key_of(None))
+        assert run.text == fresh, (messages, gen)
+        if tpl.late_prompt and not gen:  # the render with the prompt, resumed from this one
+            prompted = tpl.record(messages, None, True, tpl.key_of(None), keep=False, source=run)
+            assert prompted.text == tpl.render(messages, None, True), messages
