@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from policies.decide import Plan
-from policies.prefix import TokenIds, keep_max, pack
+from policies.prefix import TokenIds, keep_max, packed_of
 from policies.sources import TIERS
 
 # bumped whenever a message above changes meaning (2: /cancel's "prefilling", Kept; 3: the
@@ -144,7 +144,7 @@ _LITTLE = sys.byteorder == "little"
 def wire_ids(ids: Sequence[int]) -> bytes:
     """Token ids as 4-byte little-endian signed integers: ``TokenIds.packed`` as it is on a
     little-endian host (the proxy's renders make them), else packed here."""
-    packed = ids.packed if isinstance(ids, TokenIds) else pack(ids)
+    packed = packed_of(ids)
     return packed if _LITTLE else np.frombuffer(packed, "=i4").astype("<i4").tobytes()
 
 
@@ -155,8 +155,7 @@ def ids_of(data: bytes) -> TokenIds:
     arr = np.frombuffer(data, "<i4")
     if len(arr) and int(arr.min()) < 0:
         raise ValueError(f"malformed job: a negative token id ({int(arr.min())})")
-    packed = bytes(data) if _LITTLE else arr.astype("=i4").tobytes()
-    return TokenIds(arr.tolist(), packed)
+    return TokenIds.from_packed(bytes(data) if _LITTLE else arr.astype("=i4").tobytes())
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,7 @@ import xxhash
 
 from backend import buffers, direct_write
 from backend.keys import CacheKey
+from policies.prefix import TokenIds
 
 log = logging.getLogger(__name__)
 
@@ -456,6 +457,8 @@ def _check_tokens(head: bytes, header: StateHeader, prompt_ids: Sequence[int], p
 
 def _pack_u32(ids: Sequence[int]) -> bytes:
     """Token ids as u32 little-endian bytes; OverflowError for an id outside u32."""
+    if isinstance(ids, TokenIds):
+        ids = np.asarray(ids)  # its packed bytes, read in place
     if hasattr(ids, "astype"):  # numpy: no per-element Python loop
         arr: Any = ids
         if len(arr) and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):

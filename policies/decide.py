@@ -93,7 +93,7 @@ RESTORE_CANDIDATES = 1 + RESTORE_FALLBACKS  # stored entries read per request, l
 
 @dataclass(frozen=True, slots=True)
 class Facts:
-    ids: tuple[int, ...]
+    ids: Sequence[int]  # policies.prefix.TokenIds from a render
     message_starts: tuple[MessageStart, ...]
     scope: Scope  # effective: "off" when there is no disk cache
 

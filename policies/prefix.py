@@ -12,12 +12,12 @@ Rules:
   (Comparing the whole span first does not pay: on a mismatch it compares the shared part twice.)
 - Two texts are compared in place: ``str.startswith`` of the whole span, then bisected (about
   30 us for two 180K-character bodies that part at their end, against about 100 us in chunks).
-- ``TokenIds``: a tuple of token ids that also carries ``packed``, the same ids as 4-byte native
-  integers. Where both sides have it, ``common_prefix_len`` compares them with ``bytes.startswith``
-  (memcmp, no copy; bisected only when they differ): about 5 us for two 32K-token prompts
-  instead of about 170 us. Whoever builds ids a turn at a time (``proxy.template``) makes them;
-  anything else is compared as before. Equal ids always have equal packed forms, so the answer
-  is the same either way.
+- ``TokenIds``: token ids held as ``packed``, the same ids as 4-byte native integers, read in
+  place (a sequence equal to the tuple of the same ids). Where either side is one,
+  ``common_prefix_len`` compares packed forms with ``bytes.startswith`` (memcmp, no copy;
+  bisected only when they differ): about 5 us for two 32K-token prompts instead of about
+  170 us. The proxy's renders and the worker protocol make them; anything else is compared as
+  before. Equal ids always have equal packed forms, so the answer is the same either way.
 - ``live_reuse(shared, live_n, floor)``: what a worker's live state can keep of a prompt that
   shares ``shared`` tokens with its ``live_n`` live ones, when its memory can be cut back no
   further than ``floor`` (0 for plain attention, ``live_n`` for a recurrent state: only the whole
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 # Ids compared per slice while walking forward: big enough that the Python loop runs ~30 times
 # for a 30K-token prompt, small enough that the bisect inside the mismatching chunk is short.
@@ -49,19 +49,88 @@ def pack(ids: Iterable[int]) -> bytes:
     return array(_PACK, ids).tobytes()
 
 
-class TokenIds(tuple[int, ...]):
-    """Token ids, with ``packed``: the same ids packed (``pack``), built alongside them."""
+class TokenIds(Sequence[int]):
+    """Token ids held packed: ``packed`` is the ids as 4-byte native integers (``pack``), and
+    the sequence reads them in place. A prompt's ids are copied, sliced, joined, compared,
+    sent to a worker and hashed for keys every request; as bytes each of those is a copy of
+    memory, where a tuple of 32K Python ints took 50-200 us a pass (a reference taken on every
+    int). Equal to a tuple (or another ``TokenIds``) of the same ids, and hashed alike; a slice
+    or a sum is a ``TokenIds``; numpy reads it without a copy (``__array__``)."""
 
-    packed: bytes
+    __slots__ = ("packed", "_view", "_hash")
 
-    def __new__(cls, ids: Iterable[int], packed: bytes | None = None) -> TokenIds:
-        self = super().__new__(cls, ids)
-        self.packed = pack(self) if packed is None else packed
-        assert len(self.packed) == len(self) * ID_BYTES
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        self._set(ids.packed if isinstance(ids, TokenIds) else pack(ids))
+
+    @classmethod
+    def from_packed(cls, packed: bytes) -> TokenIds:
+        """The ids `packed` holds (4-byte native integers), not copied."""
+        self = cls.__new__(cls)
+        self._set(packed)
         return self
 
+    def _set(self, packed: bytes) -> None:
+        assert len(packed) % ID_BYTES == 0, "packed token ids are whole 4-byte integers"
+        self.packed = packed
+        self._view = memoryview(packed).cast("i")  # _PACK
+        self._hash: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> TokenIds: ...
+
+    def __getitem__(self, index: int | slice) -> int | TokenIds:
+        if isinstance(index, slice):
+            return TokenIds.from_packed(self._view[index].tobytes())
+        value: int = self._view[index]
+        return value
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view)
+
+    def tolist(self) -> list[int]:
+        out: list[int] = self._view.tolist()
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return self.packed == other.packed
+        if isinstance(other, tuple):
+            return len(other) == len(self) and tuple(self._view.tolist()) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(tuple(self._view.tolist()))
+        return self._hash
+
+    def __add__(self, other: Sequence[int]) -> TokenIds:
+        if not isinstance(other, TokenIds | tuple | list):
+            return NotImplemented
+        return TokenIds.from_packed(self.packed + (other.packed if isinstance(other, TokenIds)
+                                                   else pack(other)))
+
+    def __radd__(self, other: Sequence[int]) -> TokenIds:
+        if not isinstance(other, tuple | list):
+            return NotImplemented
+        return TokenIds.from_packed(pack(other) + self.packed)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self._view.tolist()!r})"
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TokenIds, (tuple(self), self.packed))
+        return (TokenIds.from_packed, (self.packed,))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        import numpy as np  # only where numpy asks: the policies import no numpy
+
+        arr = np.frombuffer(self.packed, dtype=np.intc)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
 def _common_packed(a: bytes, b: bytes, start: int) -> int:
@@ -93,11 +162,16 @@ def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
     return ids if isinstance(ids, tuple | str) else tuple(ids)
 
 
+def packed_of(ids: Sequence[int]) -> bytes:
+    """``pack(ids)``, read off ``TokenIds`` as they are."""
+    return ids.packed if isinstance(ids, TokenIds) else pack(ids)
+
+
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
     """Number of leading items ``a`` and ``b`` share: token ids, or characters of two texts;
     ``start``: a number of them known to be shared already."""
-    if isinstance(a, TokenIds) and isinstance(b, TokenIds):
-        return _common_packed(a.packed, b.packed, start)
+    if isinstance(a, TokenIds) or isinstance(b, TokenIds):  # the other packed once, if need be
+        return _common_packed(packed_of(a), packed_of(b), start)
     if isinstance(a, str) and isinstance(b, str):
         return _common_in_place(a, b, start, 1)
     ta, tb = _as_tuple(a), _as_tuple(b)
@@ -222,7 +296,7 @@ class Batching:
         n, size = len(ids), max(self.size, 1)
         if not self.ends or size == 1:
             return Edges(n, size)
-        packed = ids.packed if isinstance(ids, TokenIds) else pack(ids)
+        packed = packed_of(ids)
         # a recent prompt's edges up to where it parts from this one are this one's (the rule
         # looks back only): the walk resumes there, and only the new ids are searched
         recent = _RECENT_EDGES.setdefault(self, [])

@@ -76,7 +76,7 @@ class RadixTree:
 
     def match(self, ids: Sequence[int]) -> list[tuple[int, bytes]]:
         """Every stored prefix of ``ids``: ``(n_tokens, key)``, longest first."""
-        ids = ids if isinstance(ids, tuple) else tuple(ids)
+        ids = ids if isinstance(ids, tuple | TokenIds) else tuple(ids)
         packed = ids.packed if isinstance(ids, TokenIds) else None
         found: list[tuple[int, bytes]] = []
         node, pos = self._root, 0

@@ -7,8 +7,8 @@ Rules:
   into a full ring drops the oldest prompt of any tenant.
 - ``recent(tenant, n)`` returns up to ``n`` of that tenant's prompts, most recent first; other
   tenants' prompts are never compared with (isolation), they only share the capacity.
-- A pushed prompt is stored as a tuple (a list is copied, so later changes to it do not leak
-  in; a tuple, ``TokenIds`` included, is kept as it is), so ``common_prefix_len`` compares it
+- A pushed prompt is stored as a tuple or ``TokenIds`` (a list is copied, so later changes to it
+  do not leak in; the others are kept as they are), so ``common_prefix_len`` compares it
   without converting.
 
 ``auto:N`` reads the first N entries of ``recent`` before the current prompt is pushed, so a
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+
+from policies.prefix import TokenIds
 
 DEFAULT_CAPACITY = 256
 
@@ -33,15 +35,15 @@ class Ring:
             raise ValueError(f"ring capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         # Most recent at the left; the deque drops from the right when full.
-        self._entries: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=capacity)
+        self._entries: deque[tuple[str, Sequence[int]]] = deque(maxlen=capacity)
 
     def push(self, tenant: str, ids: Sequence[int]) -> None:
         """Record ``ids`` as ``tenant``'s most recent prompt."""
-        self._entries.appendleft((tenant, ids if isinstance(ids, tuple) else tuple(ids)))
+        self._entries.appendleft((tenant, ids if isinstance(ids, tuple | TokenIds) else tuple(ids)))
 
-    def recent(self, tenant: str, n: int) -> list[tuple[int, ...]]:
+    def recent(self, tenant: str, n: int) -> list[Sequence[int]]:
         """Up to ``n`` of ``tenant``'s prompts, most recent first."""
-        out: list[tuple[int, ...]] = []
+        out: list[Sequence[int]] = []
         if n <= 0:
             return out
         for owner, ids in self._entries:

@@ -202,7 +202,7 @@ class Gateway:
         self.metrics.queue_depth.set(self.pool.queue_depth + 1)
         loop = asyncio.get_running_loop()
         asked = loop.time()
-        slot = await self.pool.acquire(list(ids), stored.longest, tenant, prep.max_tokens)
+        slot = await self.pool.acquire(ids, stored.longest, tenant, prep.max_tokens)
         self.metrics.queue_depth.set(self.pool.queue_depth)
         try:
             if loop.time() - asked > REQUEUED_LOOKUP_S:  # it waited for a slot: what the
@@ -243,7 +243,7 @@ class Gateway:
         else's turn, and its plan there (what it left is in that worker's RAM tier)."""
         facts = self._facts(run.prep)
         stored = await self._lookup(facts, run.tenant)
-        slot = await self.pool.acquire(list(facts.ids), stored.longest, run.tenant, first=True)
+        slot = await self.pool.acquire(facts.ids, stored.longest, run.tenant, first=True)
         try:
             return slot, self._decide(facts, stored, slot, run.tenant)
         except BaseException:

@@ -45,6 +45,7 @@ import jinja2
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from backend import kv_override
+from policies.prefix import TokenIds
 from policies.scope import Scope, format_scope, parse_scope
 from proxy import samplers
 from proxy.chat import ChatRequest
@@ -248,9 +249,9 @@ class PromptBuilder:
         if req.prompt is not None:
             text = self.normalizer.text(req.prompt)
             self.check_text(len(text), n_ctx, "prompt")
-            ids = tuple(self.tok.encode(text))
+            ids = TokenIds(self.tok.encode(text))
             if self.tok.add_bos and self.tok.bos_id is not None:
-                ids = (self.tok.bos_id, *ids)
+                ids = TokenIds((self.tok.bos_id,)) + ids
             return Rendered(req.prompt, ids, (len(ids),), ()), answer_grammar(req)
         messages, tools = self.messages(req)
         self.check_text(content_chars(messages), n_ctx)

@@ -89,7 +89,7 @@ class WorkerClient(Protocol):
 
 
 class Releaser(Protocol):
-    async def release(self, w: Any, live_ids: list[int], tenant: str = "",
+    async def release(self, w: Any, live_ids: Sequence[int], tenant: str = "",
                       suspect: bool = False, floor: int = 0,
                       costs: dict[str, Any] | None = None) -> None: ...
 
@@ -350,7 +350,7 @@ class Run:
             self._line("%s prompt=%d cached=%d source=%s %s live=%d worker=%s",
                        self.prep.req.api, u.prompt_tokens, u.cached_tokens, u.source,
                        st.outcome, len(fx.live_ids), self.worker.label)
-        await self.deps.pool.release(self.worker, list(fx.live_ids), self.tenant, fx.suspect,
+        await self.deps.pool.release(self.worker, fx.live_ids, self.tenant, fx.suspect,
                                      fx.floor, fx.costs)
 
     async def _send_cancel(self, fx: SendCancel) -> None:

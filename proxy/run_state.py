@@ -34,7 +34,7 @@ Rules of the state machine:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ from backend.protocol import (
     Token,
 )
 from policies.decide import Plan
+from policies.prefix import TokenIds
 
 # --- the proxy's own events ------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class Count:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    live_ids: tuple[int, ...]
+    live_ids: Sequence[int]
     suspect: bool = False  # its stream was lost: it may have died (see Pool.release)
     floor: int = 0  # the shortest prefix of live_ids the worker's memory can be cut back to
     costs: dict[str, Any] | None = None  # the worker's measured costs, from its `Done`
@@ -185,7 +186,7 @@ class Usage:
 
 @dataclass(slots=True)
 class RunState:
-    ids: tuple[int, ...]
+    ids: Sequence[int]  # policies.prefix.TokenIds from a render
     plan: Plan
     usage: Usage = field(init=False)
     finish_reason: str = "length"  # "stop" | "length" (the API edge adds tool_calls)
@@ -260,7 +261,7 @@ class RunState:
         self.timings.update(prefill_s=ev.prefill_s, decode_s=ev.decode_s)
         self.draft = ev.draft
         self.saves_expected = ev.pending_saves
-        live = (*self.ids, *self.gen_ids)[: ev.n_live]
+        live = (TokenIds(self.ids) + self.gen_ids)[: ev.n_live]  # bytes, not ints, copied
         # abandoned: the cancel came too late, the run finished anyway
         return self._end("cancelled" if self.abandoned else "ok", live, floor=ev.floor,
                          costs=ev.costs or None)
@@ -320,7 +321,7 @@ class RunState:
         self.abandoned = True
         return [Count("cancelled"), SendCancel()]
 
-    def _end(self, outcome: str, live: tuple[int, ...], failure: str | None = None,
+    def _end(self, outcome: str, live: Sequence[int], failure: str | None = None,
              suspect: bool = False, floor: int = 0, costs: dict[str, Any] | None = None
              ) -> list[Effect]:
         if self.ended:

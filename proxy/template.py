@@ -85,7 +85,7 @@ _PREFIX_CACHE_ENTRIES = 65536
 @dataclass(frozen=True, slots=True)
 class Rendered:
     text: str  # the template's output
-    ids: tuple[int, ...]  # the prompt's token ids, BOS included when the model adds one
+    ids: TokenIds  # the prompt's token ids, BOS included when the model adds one
     # sorted token positions safe to cut at: message starts, role header ends where detectable,
     # the generation prompt's start, and len(ids)
     boundaries: tuple[int, ...]
@@ -309,7 +309,7 @@ def render_prompt(
 
     shift = 0
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-        ids = TokenIds((tok.bos_id, *ids), pack((tok.bos_id,)) + ids.packed)
+        ids = TokenIds.from_packed(pack((tok.bos_id,)) + ids.packed)
         shift = 1
     at = token_at.__getitem__
     boundaries = sorted({*(map(shift.__add__, map(at, offsets)) if shift else map(at, offsets)),
@@ -351,7 +351,7 @@ def _message_starts(run: Run, positions: list[int], roles: list[str]
 
 
 def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
-               ) -> tuple[list[Segment], tuple[int, ...], int, int]:
+               ) -> tuple[list[Segment], TokenIds, int, int]:
     """(segments, ids, the character offset and the token count up to which they are the
     previous text's) of `text`: the segments of the text the render `run` resumed from, equal
     to this one in its first `equal` characters, are reused up to a special token both share
@@ -365,9 +365,7 @@ def _tokenized(tok: Tokenizer, run: Run, text: str, equal: int
             end = old_segments[k - 1].end
             more = tok.encode_segments(text, end)
             segments = [*old_segments[:k], *more]
-            new = _joined(more)
-            ids = TokenIds(old_ids[:reused] + new,
-                           old_ids.packed[: reused * ID_BYTES] + pack(new))
+            ids = TokenIds.from_packed(old_ids.packed[: reused * ID_BYTES] + pack(_joined(more)))
             counts = [*old_counts[:k], *_counts(more, reused)]
             run.memo["tokens"] = (text, segments, ids, counts)
             return segments, ids, end, reused

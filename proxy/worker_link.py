@@ -99,7 +99,7 @@ class Slot:
 
     worker: Worker
     index: int
-    live_ids: list[int] = field(default_factory=list)  # the proxy's view of its live KV
+    live_ids: Sequence[int] = ()  # the proxy's view of its live KV
     live_tenant: str = ""  # whose prompt the live KV holds (tenant isolation)
     live_floor: int = 0  # the shortest prefix of live_ids its memory can be cut back to
     busy: bool = False
@@ -125,9 +125,9 @@ class Slot:
         return self.worker.ready
 
     def forget(self) -> None:
-        self.live_ids, self.live_tenant, self.live_floor = [], "", 0
+        self.live_ids, self.live_tenant, self.live_floor = (), "", 0
 
-    def live_prefix(self, ids: list[int] | tuple[int, ...], tenant: str) -> int:
+    def live_prefix(self, ids: Sequence[int], tenant: str) -> int:
         """Tokens of `ids` its live KV holds that this tenant may reuse: all it shares, or
         none where the worker's memory cannot be cut back that far (a recurrent state: only
         the whole live sequence; a sliding window: not behind the window)."""
@@ -136,7 +136,7 @@ class Slot:
         return live_reuse(common_prefix_len(self.live_ids, ids), len(self.live_ids),
                           self.live_floor)
 
-    def view(self, slot_id: int, ids: list[int], tenant: str, borrow: int = 0) -> SlotView:
+    def view(self, slot_id: int, ids: Sequence[int], tenant: str, borrow: int = 0) -> SlotView:
         return SlotView(slot_id, self.live_prefix(ids, tenant),
                         self.busy or self.reserved is not None, self.ready,
                         len(self.live_ids), self.used_s, borrow)
@@ -407,7 +407,7 @@ def adopt_identity(identity: CacheIdentity, h: WorkerInfo) -> CacheIdentity:
     return CacheIdentity(**{**dataclasses.asdict(h.identity), "model_path": identity.model_path})
 
 
-def slot_views(slots: list[Slot], ids: list[int], tenant: str) -> list[SlotView]:
+def slot_views(slots: list[Slot], ids: Sequence[int], tenant: str) -> list[SlotView]:
     """The router's view of each slot; `borrow`: what its worker can load into it from its
     memory (policies.sources): the longest prefix of the prompt its RAM tier holds (its
     tier events), and the longest live prefix of another of its slots where it copies

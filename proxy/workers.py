@@ -42,7 +42,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -352,7 +352,7 @@ class Pool(LocalWorkers):
     def slots(self) -> list[Slot]:
         return [s for w in self.workers for s in w.slots]
 
-    async def acquire(self, ids: list[int], disk_hit: int, tenant: str = "",
+    async def acquire(self, ids: Sequence[int], disk_hit: int, tenant: str = "",
                       max_tokens: int | None = None, first: bool = False) -> Slot:
         """The slot to run this prompt on, marked busy; waits (bounded) when all are busy.
         `max_tokens`: the most it may generate, where it may take the slot of a run still
@@ -460,7 +460,7 @@ class Pool(LocalWorkers):
             s.reserved = None
             self._cond.notify_all()
 
-    async def release(self, s: Slot, live_ids: list[int], tenant: str = "",
+    async def release(self, s: Slot, live_ids: Sequence[int], tenant: str = "",
                       suspect: bool = False, floor: int = 0,
                       costs: dict[str, Any] | None = None) -> None:
         """The run is over. `suspect`: its stream was lost, so the worker may have died; it
@@ -473,7 +473,7 @@ class Pool(LocalWorkers):
                 w.learn(costs)
             # a worker that restarted or went down while running this request holds nothing
             fresh = w.ready and w.restarts == s.acquired_at_restarts
-            s.live_ids = live_ids if fresh else []
+            s.live_ids = live_ids if fresh else ()
             s.live_floor = min(floor, len(s.live_ids))
             # an empty view belongs to nobody: a run that failed before the worker ran it
             # leaves the previous tenant's KV there, which the failing tenant must not reuse

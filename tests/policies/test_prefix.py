@@ -103,16 +103,30 @@ def test_texts_and_a_known_shared_start() -> None:
     assert common_prefix_len(a, a[:4096], 100) == 4096
 
 
-def test_token_ids_are_a_tuple_with_their_packed_form() -> None:
+def test_token_ids_read_their_packed_form_as_a_tuple_would() -> None:
     import pickle
 
+    import numpy as np
+
     ids = TokenIds([5, 70_000, 0, 2**31 - 1])
-    assert ids == (5, 70_000, 0, 2**31 - 1) and isinstance(ids, tuple)
-    assert len(ids.packed) == 4 * len(ids)
+    assert ids == (5, 70_000, 0, 2**31 - 1) and (5, 70_000, 0, 2**31 - 1) == ids
+    assert hash(ids) == hash((5, 70_000, 0, 2**31 - 1)) and ids != [5, 70_000, 0, 2**31 - 1]
+    assert len(ids) == 4 and len(ids.packed) == 4 * len(ids) and list(ids) == ids.tolist()
+    assert (ids[0], ids[-1], ids[1:3], ids[::2]) == (5, 2**31 - 1, (70_000, 0), (5, 0))
+    with pytest.raises(IndexError):
+        ids[4]
     again = pickle.loads(pickle.dumps(ids))
     assert (type(again), again, again.packed) == (TokenIds, ids, ids.packed)
-    assert ids[:2] == (5, 70_000)  # a slice is a plain tuple: compared the plain way
+    # slices and sums stay packed: their bytes are copied, not their ints
+    assert isinstance(ids[:2], TokenIds) and ids[:2].packed == ids.packed[:8]
+    assert ids[:2] + (1,) == (5, 70_000, 1) and (1,) + ids[:1] == (1, 5)
+    assert isinstance(ids[:2] + [1], TokenIds) and ids + ids == (*ids, *ids)
     assert common_prefix_len(ids, ids[:2] + (1,)) == 2
+    assert common_prefix_len(ids, (5, 70_000, 9)) == 2 == common_prefix_len([5, 70_000], ids)
+    assert TokenIds.from_packed(ids.packed) == ids and TokenIds(ids).packed is ids.packed
+    # numpy reads the packed ids in place
+    assert np.asarray(ids, dtype=np.intc).tolist() == list(ids)
+    assert np.asarray(ids).dtype == np.intc and np.array_equal(np.asarray(ids[1:]), ids[1:])
 
 
 # --- batch edges (policies.prefix.Batching) ---------------------------------------------------

@@ -375,7 +375,7 @@ async def test_a_worker_dying_mid_stream_fails_the_request_and_frees_the_worker(
         await h.settle()
         assert got == ["x"]
         # released, but suspect: it may have died, so it takes nothing until it answers again
-        assert (h.worker.busy, h.process.ready, h.worker.live_ids) == (False, False, [])
+        assert (h.worker.busy, h.process.ready, h.worker.live_ids) == (False, False, ())
         assert h.count("error") == 1 and h.count("ok") == 0
         await h.close()
 
@@ -442,7 +442,7 @@ async def test_a_client_that_leaves_cancels_the_run_and_its_snapshot_is_kept(
         await run.aclose()
         await h.settle()
         assert entries(h) == {300: "scoped"}
-        assert (h.worker.busy, h.worker.live_ids) == (False, list(IDS[:300]))
+        assert (h.worker.busy, h.worker.live_ids) == (False, IDS[:300])
         assert h.count("cancelled") == 1
         await h.close()
 
@@ -508,7 +508,7 @@ async def test_a_preempted_run_runs_again_and_its_client_sees_one_answer(
         assert run.left is None, "the second run never gives way"
         assert h.count("ok") == 1 and h.count("cancelled") == 0
         assert h.metrics.preemptions._value.get() == 1
-        assert not h.worker.busy and h.worker.live_ids == [*IDS, 7]
+        assert not h.worker.busy and h.worker.live_ids == (*IDS, 7)
         await h.close()
 
 
@@ -543,6 +543,6 @@ async def test_a_preempted_run_whose_client_leaves_while_it_waits_sends_nothing_
         assert await run.text() == ""
         await h.settle()
         assert len(fake.jobs) == 1 and not h.worker.busy
-        assert h.worker.live_ids == list(IDS[:256]), "the first run's prefix, as released"
+        assert h.worker.live_ids == IDS[:256], "the first run's prefix, as released"
         assert h.count("cancelled") == 1 and h.count("ok") == 0
         await h.close()
