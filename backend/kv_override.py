@@ -39,15 +39,18 @@ class Override:
 
     def __str__(self) -> str:
         value = str(self.value).lower() if self.type == "bool" else self.value
-        return f"{self.key}={self.type}:{value}"
+        item = f"{self.key}={self.type}:{value}"
+        # quoted as llama.cpp's list reads it back (a string value may hold commas)
+        return f'"{item.replace(chr(34), chr(34) * 2)}"' if "," in item or '"' in item else item
 
 
 def parse(text: str) -> tuple[Override, ...]:
-    """`KEY=TYPE:VALUE` items, comma-separated (the flag given again: joined with commas); a
-    ValueError that names the item and what is wrong. Stricter than llama.cpp's `atol` and
+    """`KEY=TYPE:VALUE` items, comma-separated (the flag given again: joined with commas; an
+    item in double quotes may hold commas, as llama.cpp reads it: `csv_row`); a ValueError that
+    names the item and what is wrong. Stricter than llama.cpp's `atol` and
     `atof`, which read `12abc` as 12 and `x` as 0: such a value is refused."""
     out: dict[str, Override] = {}
-    for item in (x.strip() for x in text.split(",")):
+    for item in (x.strip() for x in csv_row(text)):
         if not item:
             continue
         key, eq, rest = item.partition("=")
@@ -66,6 +69,36 @@ def parse(text: str) -> tuple[Override, ...]:
             raise ValueError(f"--override-kv gives {key} twice ({out[key]}, then {o}): give "
                              "it once")
     return tuple(out.values())
+
+
+def csv_row(text: str) -> list[str]:
+    """`text` split at its commas as llama.cpp's `parse_csv_row` splits a flag's list: a field
+    that begins with a double quote runs to the closing one, commas included, and ``""``
+    inside it is one quote; a quote inside an unquoted field is itself."""
+    fields: list[str] = []
+    field: list[str] = []
+    quoted, i = False, 0
+    while i < len(text):
+        ch = text[i]
+        if ch == '"' and not quoted:
+            if field:
+                field.append(ch)  # inside an unquoted field: a character like another
+            else:
+                quoted = True
+        elif ch == '"':
+            if text.startswith('""', i):
+                field.append(ch)
+                i += 1
+            else:
+                quoted = False
+        elif ch == "," and not quoted:
+            fields.append("".join(field))
+            field = []
+        else:
+            field.append(ch)
+        i += 1
+    fields.append("".join(field))
+    return fields
 
 
 def _value(kind: str, raw: str) -> int | float | bool | str:

@@ -29,6 +29,19 @@ def test_llama_cpp_s_own_example_and_each_type() -> None:
     assert kv_override.parse("") == () and kv_override.describe(()) == ""
 
 
+def test_a_quoted_item_holds_commas_as_llama_cpp_reads_it() -> None:
+    """llama.cpp splits the list with `parse_csv_row`: a field in double quotes runs to the
+    closing quote, `""` is one quote, and a quote inside an unquoted field is a character."""
+    got = kv_override.parse('"general.name=str:a, b",x.n=int:2,"c=str:say ""hi""",d=str:e"f')
+    assert got == (Override("general.name", "str", "a, b"), Override("x.n", "int", 2),
+                   Override("c", "str", 'say "hi"'), Override("d", "str", 'e"f'))
+    # described so that it reads back the same, and no two lists describe alike
+    assert kv_override.parse(",".join(map(str, got))) == got
+    one, two = kv_override.parse('"a=str:x,b=int:1"'), kv_override.parse("a=str:x,b=int:1")
+    assert (len(one), len(two)) == (1, 2) and kv_override.describe(one) != kv_override.describe(two)
+    assert kv_override.csv_row('a,"b,c",,"d""e"') == ["a", "b,c", "", 'd"e']
+
+
 @pytest.mark.parametrize(("text", "said"), [
     ("a.b", "give KEY=TYPE:VALUE"), ("a.b=1", "give KEY=TYPE:VALUE"),
     ("=int:1", "give KEY=TYPE:VALUE"), ("a=uint:1", "give KEY=TYPE:VALUE"),
