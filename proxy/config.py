@@ -422,10 +422,14 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                     cfg.hf_repo_draft, cfg.spec_draft_model, "-hfd"))
         except ValueError as e:
             raise SystemExit(f"prefixgate: {e}") from None
+    try:
+        overrides = kv_override.parse(cfg.override_kv)
+    except ValueError as e:
+        raise SystemExit(f"prefixgate: {e}") from None
     if cfg.n_ctx == 0:  # llama-server's -c 0: the context the model was trained with
         from proxy.gguf import trained_ctx
 
-        cfg = dataclasses.replace(cfg, n_ctx=trained_ctx(cfg.model_path))
+        cfg = dataclasses.replace(cfg, n_ctx=trained_ctx(cfg.model_path, overrides))
     cores = usable_cpus()  # llama-server's -t -1: every CPU (of a container's cpuset)
     cfg = dataclasses.replace(cfg, threads=cores if cfg.threads < 0 else cfg.threads,
                               threads_batch=cores if cfg.threads_batch < 0 else cfg.threads_batch)
@@ -434,7 +438,6 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     cfg = resolve(cfg)
     try:
         rope.settings(cfg)
-        kv_override.parse(cfg.override_kv)
     except ValueError as e:
         raise SystemExit(f"prefixgate: {e}") from None
     if cfg.api_prefix and (not cfg.api_prefix.startswith("/") or cfg.api_prefix.endswith("/")

@@ -32,6 +32,9 @@ import stat
 import struct
 from typing import Any
 
+from backend import kv_override
+from backend.kv_override import Override
+
 __all__ = ["GGUFError", "check_file", "read_metadata"]
 
 _MAGIC = b"GGUF"
@@ -259,11 +262,12 @@ def _read(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], _Reader, int]:
     return metadata, reader, n_tensors
 
 
-def trained_ctx(path: str) -> int:
+def trained_ctx(path: str, overrides: tuple[Override, ...] = ()) -> int:
     """The context a GGUF model was trained with (`{arch}.context_length`, llama.cpp's
-    n_ctx_train), for -c 0; a file that does not say is one line."""
+    n_ctx_train, as `--override-kv` may change it), for -c 0; a file that does not say is one
+    line."""
     try:
-        meta = read_metadata(path)
+        meta = kv_override.applied(read_metadata(path), overrides)
     except (OSError, GGUFError) as e:
         raise SystemExit(f"prefixgate: -c 0 takes the model's trained context, but {path} "
                          f"cannot be read: {getattr(e, 'strerror', None) or e}") from None

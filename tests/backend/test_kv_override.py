@@ -100,3 +100,11 @@ def test_the_flag_under_llama_server_s_name_adds_up_and_is_checked() -> None:
     assert cfg.override_kv == "a=int:1,b=bool:false,c=str:x"
     with pytest.raises(SystemExit, match="--override-kv 'a=int:x': 'x' is not a int"):
         serve_config(["--override-kv", "a=int:x"], environ={})
+
+
+def test_c_0_takes_the_trained_context_as_overridden() -> None:
+    """llama-server's -c 0 is the model's n_ctx_train, which llama.cpp reads with the overrides
+    applied: an overridden `{arch}.context_length` is the context served."""
+    trained = serve_config(["-c", "0"], environ={}).n_ctx
+    cfg = serve_config(["-c", "0", "--override-kv", "llama.context_length=int:4096"], environ={})
+    assert trained > 4096 and cfg.n_ctx == 4096
