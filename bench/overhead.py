@@ -21,7 +21,9 @@ cached). Stages, each timed on the proxy's real code:
   against a real `backend.index.Index` in a temporary directory, filled as the earlier turns
   left it
 - send: `backend.protocol.Job.encode` of the request's job (its fields, then the prompt's ids),
-  the body the proxy POSTs to the worker
+  the body the proxy POSTs to the worker (before worker protocol 3: the job as JSON); and,
+  apart from the proxy's total, the worker's read of that body (`Job.decode`: parsed and
+  checked, before it can start)
 
 then `anthropic`: the same session as Claude Code sends it, through the Anthropic API
 (`anthropic_api.parse_request`: the system prompt apart, tool results as blocks), parse and
@@ -200,7 +202,15 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         decide_t = timed(lambda: decide_one(prep), reps)
         job = Job("bench", prep.rendered.ids, cache.salt(""), "", decide_one(prep)[1],
                   {"temperature": 0.0}, DECODE_TOKENS, (), None)
-        send_t = timed(job.encode, reps)
+        # the body POSTed to the worker: the ids as bytes after a JSON line, or (a build before
+        # worker protocol 3) all of it as JSON, as aiohttp's json= wrote it
+        new_wire = hasattr(job, "encode")
+        send_t = timed(job.encode if new_wire else lambda: json.dumps(job.to_wire()).encode(),
+                       reps)
+        # and what the worker does with that body before it can start: read and check it
+        wire = job.encode() if new_wire else json.dumps(job.to_wire()).encode()
+        read_t = timed((lambda: Job.decode(wire)) if new_wire
+                       else lambda: Job.from_wire(json.loads(wire)), reps)
         # the parts of prepare (a build before issue 23 has no PromptBuilder.messages: None)
         messages_t: tuple[float, float] | None = None
         render_t: tuple[float, float] | None = None
@@ -243,6 +253,7 @@ def measure_proxy(target: int, reps: int, entries: int = 0, fill_shape: str = "s
         "uncached_tail_tokens": n - prev_n, "reps": reps,
         "parse_ms": parse, "prepare_ms": prepare_t, "messages_ms": messages_t,
         "render_prompt_ms": render_t, "decide_ms": decide_t, "send_ms": send_t,
+        "worker_read_ms": read_t,
         "proxy_ms": tuple(map(sum, zip(parse, prepare_t, decide_t, send_t, strict=True))),
         "anthropic_ms": tuple(map(sum, zip(anthropic_t, decide_t, send_t, strict=True))),
         "cold_prepare_ms": cold,
@@ -307,8 +318,8 @@ def markdown(res: dict[str, Any]) -> str:
         "| of which messages | of which render_prompt | decide | send | **proxy total** "
         "| the same, Anthropic API | worker | "
         "proxy / worker | proxy / worker CPU per thread | **proxy / worker floor** | "
-        "cold prepare (new conversation) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "cold prepare (new conversation) | the worker's read of the job |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(v: Any) -> str:
@@ -327,7 +338,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"{ms(r.get('anthropic_ms'))} | "
             + (f"{w['worker_ms']:.0f}{est} | {r['proxy_fraction_of_worker']:.3%} | "
                f"{r['proxy_fraction_of_worker_idle']:.3%} | " if w else "- | - | - | ") +
-            f"**{r['proxy_ms'][0] / floor_ms(r, rate):.2%}** | {ms(r['cold_prepare_ms'])} |")
+            f"**{r['proxy_ms'][0] / floor_ms(r, rate):.2%}** | {ms(r['cold_prepare_ms'])} | "
+            f"{ms(r.get('worker_read_ms'))} |")
     lines += ["", "All times in ms. proxy / worker: the proxy's CPU time against the worker's "
               "wall time as measured (on a loaded machine the worker's wall time is inflated); "
               "proxy / worker CPU per thread: against the worker's CPU time divided by its "

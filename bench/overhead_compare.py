@@ -27,9 +27,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = [("parse_ms", "parse (limits + API)"), ("prepare_ms", "prepare"),
           ("messages_ms", "of which messages"), ("render_prompt_ms", "of which render_prompt"),
-          ("decide_ms", "decide"), ("proxy_ms", "**proxy total**"),
+          ("decide_ms", "decide"), ("send_ms", "send (the job to the worker)"),
+          ("proxy_ms", "**proxy total**"),
           ("anthropic_ms", "the same through the Anthropic API (Claude Code)"),
-          ("cold_prepare_ms", "cold prepare (new conversation)")]
+          ("cold_prepare_ms", "cold prepare (new conversation)"),
+          ("worker_read_ms", "the worker's read of the job (not the proxy's)")]
 
 
 def run(tree: Path, sizes: str, reps: int, out: Path) -> dict[str, Any]:
