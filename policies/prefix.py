@@ -129,8 +129,10 @@ class TokenIds(Sequence[int]):
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         import numpy as np  # only where numpy asks: the policies import no numpy
 
-        arr = np.frombuffer(self.packed, dtype=np.intc)
-        return arr if dtype is None else arr.astype(dtype, copy=False)
+        arr = np.frombuffer(self.packed, dtype=np.intc)  # read-only: the bytes are shared
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            return arr.astype(dtype)  # a new array
+        return arr.copy() if copy else arr  # np.array() asks for a copy it may write to
 
 
 def _common_packed(a: bytes, b: bytes, start: int) -> int:

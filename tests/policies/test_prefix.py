@@ -127,6 +127,9 @@ def test_token_ids_read_their_packed_form_as_a_tuple_would() -> None:
     # numpy reads the packed ids in place
     assert np.asarray(ids, dtype=np.intc).tolist() == list(ids)
     assert np.asarray(ids).dtype == np.intc and np.array_equal(np.asarray(ids[1:]), ids[1:])
+    mine = np.array(ids)  # a copy it may write to; the ids stay as they were
+    mine[0] = 9
+    assert ids[0] == 5 and np.array(ids, dtype=np.int64).flags.writeable
 
 
 # --- batch edges (policies.prefix.Batching) ---------------------------------------------------
