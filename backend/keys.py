@@ -38,10 +38,8 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +47,7 @@ from typing import NewType
 
 import xxhash
 
-from policies.prefix import BATCHING_RULE, CPU_BATCH, TokenIds
+from policies.prefix import BATCHING_RULE, CPU_BATCH, packed_le
 
 log = logging.getLogger(__name__)
 
@@ -264,14 +262,7 @@ def pack_ids(ids: Sequence[int]) -> bytes:
     """Token ids as int32 little-endian bytes (the byte string keys are computed over)."""
     if hasattr(ids, "astype"):  # a numpy array: convert without a per-element Python loop
         return bytes(ids.astype("<i4", copy=False).tobytes())
-    if isinstance(ids, TokenIds) and sys.byteorder == "little":
-        return ids.packed  # the same bytes, made with the ids
-    packed = ids if isinstance(ids, array) and ids.typecode == "i" else array("i", ids)
-    assert packed.itemsize == 4, "this platform's C int is not 32 bits"
-    if sys.byteorder == "big":
-        packed = array("i", packed)
-        packed.byteswap()
-    return packed.tobytes()
+    return packed_le(ids)
 
 
 def prefix_keys(salt: bytes, ids: Sequence[int], positions: Sequence[int]) -> dict[int, CacheKey]:
@@ -283,7 +274,7 @@ def prefix_keys(salt: bytes, ids: Sequence[int], positions: Sequence[int]) -> di
     wanted = sorted({n for n in positions if 1 <= n <= len(ids)})
     if not wanted:
         return {}
-    view = memoryview(pack_ids(ids if isinstance(ids, TokenIds) else ids[: wanted[-1]]))
+    view = memoryview(pack_ids(ids[: wanted[-1]]))
     state = xxhash.xxh3_128(salt)
     keys: dict[int, CacheKey] = {}
     done = 0

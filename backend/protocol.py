@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from policies.decide import Plan
-from policies.prefix import TokenIds, keep_max, packed_of
+from policies.prefix import TokenIds, keep_max, packed_le
 from policies.sources import TIERS
 
 # bumped whenever a message above changes meaning (2: /cancel's "prefilling", Kept; 3: the
@@ -88,8 +88,9 @@ class Job:
                 "stream": self.stream}
 
     def encode(self) -> bytes:
-        """POST /run's body: ``to_wire()`` as one JSON line, then the ids (``wire_ids``)."""
-        return json.dumps(self.to_wire()).encode() + b"\n" + wire_ids(self.ids)
+        """POST /run's body: ``to_wire()`` as one JSON line, then the ids (``packed_le``:
+        4-byte little-endian, ``TokenIds`` as they are)."""
+        return json.dumps(self.to_wire()).encode() + b"\n" + packed_le(self.ids)
 
     @classmethod
     def decode(cls, body: bytes) -> Job:
@@ -141,15 +142,8 @@ class Job:
 _LITTLE = sys.byteorder == "little"
 
 
-def wire_ids(ids: Sequence[int]) -> bytes:
-    """Token ids as 4-byte little-endian signed integers: ``TokenIds.packed`` as it is on a
-    little-endian host (the proxy's renders make them), else packed here."""
-    packed = packed_of(ids)
-    return packed if _LITTLE else np.frombuffer(packed, "=i4").astype("<i4").tobytes()
-
-
 def ids_of(data: bytes) -> TokenIds:
-    """The ids ``wire_ids`` wrote, none negative; ``ValueError`` otherwise."""
+    """The ids ``Job.encode`` wrote, none negative; ``ValueError`` otherwise."""
     if len(data) % 4:
         raise ValueError(f"malformed job: {len(data)} bytes of ids, not a multiple of 4")
     arr = np.frombuffer(data, "<i4")

@@ -65,7 +65,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from policies.prefix import TokenIds, common_prefix_len
+from policies.prefix import common_prefix_len, frozen
 from policies.scope import Scope
 
 Reason = Literal["cold", "anchor-refresh", "scoped", "growing", "continued", "full"]
@@ -119,8 +119,7 @@ def anchor_position(starts: Sequence[MessageStart]) -> int | None:
 
 
 def _longest_recent_prefix(ids: Sequence[int], recent: Sequence[Sequence[int]]) -> int:
-    # converted once, not per ring entry
-    ids = ids if isinstance(ids, tuple | TokenIds) else tuple(ids)
+    ids = frozen(ids)  # converted once, not per ring entry
     best = 0
     for other in recent:
         if len(other) <= best:

@@ -26,6 +26,7 @@ Rules:
 
 from __future__ import annotations
 
+import sys
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -164,9 +165,26 @@ def _as_tuple(ids: Sequence[Any]) -> Sequence[Any]:
     return ids if isinstance(ids, tuple | str) else tuple(ids)
 
 
+def frozen(ids: Sequence[int]) -> Sequence[int]:
+    """`ids` as a tuple: not copied where they are one or ``TokenIds`` (a list is copied, so
+    later changes to it do not leak in)."""
+    return ids if isinstance(ids, tuple | TokenIds) else tuple(ids)
+
+
 def packed_of(ids: Sequence[int]) -> bytes:
     """``pack(ids)``, read off ``TokenIds`` as they are."""
     return ids.packed if isinstance(ids, TokenIds) else pack(ids)
+
+
+def packed_le(ids: Sequence[int]) -> bytes:
+    """The ids as 4-byte little-endian integers: the bytes the worker protocol sends and the
+    cache keys hash, the same on every host (``TokenIds`` on a little-endian one: as they are)."""
+    packed = packed_of(ids)
+    if sys.byteorder == "big":
+        swapped = array(_PACK, packed)
+        swapped.byteswap()
+        packed = swapped.tobytes()
+    return packed
 
 
 def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, pack
+from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, frozen, pack
 
 
 @dataclass(eq=False, slots=True)
@@ -76,7 +76,7 @@ class RadixTree:
 
     def match(self, ids: Sequence[int]) -> list[tuple[int, bytes]]:
         """Every stored prefix of ``ids``: ``(n_tokens, key)``, longest first."""
-        ids = ids if isinstance(ids, tuple | TokenIds) else tuple(ids)
+        ids = frozen(ids)
         packed = ids.packed if isinstance(ids, TokenIds) else None
         found: list[tuple[int, bytes]] = []
         node, pos = self._root, 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from policies.prefix import TokenIds
+from policies.prefix import frozen
 
 DEFAULT_CAPACITY = 256
 
@@ -39,7 +39,7 @@ class Ring:
 
     def push(self, tenant: str, ids: Sequence[int]) -> None:
         """Record ``ids`` as ``tenant``'s most recent prompt."""
-        self._entries.appendleft((tenant, ids if isinstance(ids, tuple | TokenIds) else tuple(ids)))
+        self._entries.appendleft((tenant, frozen(ids)))
 
     def recent(self, tenant: str, n: int) -> list[Sequence[int]]:
         """Up to ``n`` of ``tenant``'s prompts, most recent first."""

@@ -81,11 +81,16 @@ def message_char_starts(
     `run`: the recorded render of ``messages`` without a generation prompt, when there is one;
     `shapes`: the messages' ``_shape``s, when known."""
     key = template.key_of(tools) if key is None else key
-    run = run or _recorded(template, messages, tools, key)
+    run = run or recorded(template, messages, tools, key)
     if run is not None:
         known = _known_starts(run, text)
-        if text.startswith(run.text):  # the definition of the generation prompt's start
+        late = text.startswith(run.text)  # the definition of the generation prompt's start
+        if late:
             known[len(messages)] = len(run.text)
+        # how far the text begins as this render does (all of a continued message's, which ends
+        # inside it), for the next turn's render_prompt
+        run.memo["late"] = len(run.text) if late else \
+            len(text) if run.text.startswith(text) else 0
         shapes = [shape_of(m) for m in messages] if shapes is None else shapes
         firsts = run.memo["firsts"] = _shape_firsts(shapes, run.prior.get("firsts"), run.common)
         for candidate in _traced_starts(template, messages, tools, text, key, run, known):
@@ -102,7 +107,7 @@ def message_char_starts(
     return starts
 
 
-def _recorded(template: Renders, messages: list[dict[str, Any]],
+def recorded(template: Renders, messages: list[dict[str, Any]],
               tools: list[dict[str, Any]] | None, key: tuple[Any, ...]) -> Run | None:
     """The recorded render of `messages` without the generation prompt; None when the
     template fails on them."""
@@ -198,7 +203,7 @@ def _traced_starts(
     after the first turn. No candidates when the template fails on the recorded messages.
     """
     key = template.key_of(tools) if key is None else key
-    run = run or _recorded(template, messages, tools, key)
+    run = run or recorded(template, messages, tools, key)
     if run is None:
         return []
     whole = run.text

@@ -59,7 +59,13 @@ from policies.plan import MessageStart
 from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, pack
 from proxy import resume, traced
 from proxy.resume import Run
-from proxy.starts import StartCache, header_char_ends, message_char_starts, shape_of
+from proxy.starts import (
+    StartCache,
+    header_char_ends,
+    message_char_starts,
+    recorded,
+    shape_of,
+)
 from proxy.tokenizer import Segment, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -262,10 +268,12 @@ def render_prompt(
     if continue_final:
         run = bare = template.record(messages, tools, False, key)  # raises as the template does
         text = _open_final_message(run.text, str(messages[-1].get("content") or ""))
-        shared = run.shared
+        # known to be the previous text's as far as this render resumed from the previous
+        # one, which began the previous text (prompted or continued) as far as "late"
+        shared = min(run.shared, run.prior.get("late", 0))
     else:
         if template.late_prompt:
-            bare = _bare(template, messages, tools, key)
+            bare = recorded(template, messages, tools, key)
         full = template.record(messages, tools, True, key, keep=bare is None, source=bare)
         run, text = bare or full, full.text
         # characters known to be the previous text's: through the render without the prompt
@@ -273,8 +281,6 @@ def render_prompt(
         # far as it resumed from that one, which began the previous text as far as "late")
         shared = full.shared if bare is None else min(
             full.shared, bare.shared, bare.prior.get("late", 0))
-        if bare is not None:
-            bare.memo["late"] = len(bare.text) if text.startswith(bare.text) else 0
     prior = run.prior
     shapes = prior.get("shapes", [])[: run.common]
     shapes += [shape_of(m) for m in messages[len(shapes):]]
@@ -324,17 +330,6 @@ def render_prompt(
         positions = list(map(shift.__add__, positions))
     message_starts = _message_starts(run, positions, list(map(roles.__getitem__, located)))
     return Rendered(text, ids, tuple(boundaries), message_starts)
-
-
-def _bare(template: ChatTemplate, messages: list[dict[str, Any]],
-          tools: list[dict[str, Any]] | None, key: tuple[Any, ...]) -> Run | None:
-    """The recorded render of `messages` without the generation prompt (kept, its starts
-    read); None when the template fails on them."""
-    try:
-        return template.record(messages, tools, False, key)
-    except Exception as exc:
-        log.debug("template failed on the traced messages: %s", exc)
-        return None
 
 
 def _message_starts(run: Run, positions: list[int], roles: list[str]

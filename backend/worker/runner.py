@@ -185,7 +185,7 @@ class Runner:
             with self.tiers.moving(eng.state_bytes(e.slot)):  # until made (then queued)
                 state = eng.snapshot(e.slot)
         ids = job.ids[: e.n]
-        key = keys.prefix_keys(job.salt, job.ids, [e.n])[e.n]  # its packed ids, as they came
+        key = keys.prefix_keys(job.salt, ids, [e.n])[e.n]
         if self.tiers.on_disk(key):
             return Snapshotted(e.run_id, False)
         tokens = q.ids[: e.n].copy()

@@ -28,10 +28,9 @@ from backend.protocol import (
     encode_event,
     ids_of,
     parse_event,
-    wire_ids,
 )
 from policies.decide import Plan, Restore, Save
-from policies.prefix import TokenIds, keep_max
+from policies.prefix import TokenIds, keep_max, packed_le
 
 PLAN = Plan(
     restore=(Restore(30, b"\x01\x02", "ab/0102.state"), Restore(10, b"\x03", "03.state")),
@@ -67,7 +66,7 @@ def job_wire() -> dict[str, Any]:
 
 
 def job_of(d: Any, ids: tuple[int, ...] = IDS) -> Job:
-    return Job.from_wire(d, ids_of(wire_ids(ids)))
+    return Job.from_wire(d, ids_of(packed_le(ids)))
 
 
 @pytest.mark.parametrize("job", JOBS)

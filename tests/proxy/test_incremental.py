@@ -140,3 +140,25 @@ def test_a_fault_while_resuming_costs_a_full_render_not_the_request(
     got = render_prompt(warm, tok, second, TOOLS)
     assert got == render_prompt(ChatTemplate(source, "<s>", "</s>"), tok, second, TOOLS)
     assert "resuming a render failed" in caplog.text
+
+
+PREFIX_BY_FLAG = ("{% if add_generation_prompt %}[asked]{% else %}[told]{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_continued_message_after_a_prompted_turn_equals_the_full_one(tok: Tokenizer) -> None:
+    """A template that reads the generation flag only outside its loop writes another text
+    before the loop with it than without: the render without it still resumes from the last
+    turn's, whose tokenized text is the prompted one, so what the two texts share is not what
+    the renders share (a continued final message, then a prompted turn again)."""
+    warm = ChatTemplate(PREFIX_BY_FLAG, "<s>", "</s>")
+    assert warm.late_prompt
+    talk = [{"role": "user", "content": f"Step {i}, please." * 20} for i in range(6)]
+    for messages, continued in ((talk[:3], False),
+                                ([*talk[:4], {"role": "assistant", "content": "Sure"}], True),
+                                ([*talk[:5], {"role": "assistant", "content": "Sure, so"}], True),
+                                (talk, False)):
+        cold = ChatTemplate(PREFIX_BY_FLAG, "<s>", "</s>")
+        got = prepared(warm, tok, messages, None, continued)
+        assert got == prepared(cold, tok, messages, None, continued), (len(messages), continued)
