@@ -1,6 +1,7 @@
 """A radix tree over stored entries' token ids: every stored prefix of a prompt, found by its ids.
 
-After SGLang's early ``radix_cache.py``: nodes hold runs of token ids, not single tokens; a node
+After SGLang's early ``radix_cache.py``: nodes hold runs of token ids, not single tokens, as
+``TokenIds`` (packed: an insert, a split or a merge copies bytes, never 32K Python ints); a node
 that ends exactly where a stored entry ends carries that entry's key. Plain data, no I/O.
 
 Rules:
@@ -9,15 +10,14 @@ Rules:
   where a new entry ends inside it or where ids diverge from it, so every entry sits at a node's
   end. Inserting a key again (at any position) moves it.
 - ``match(ids)``: every stored entry that is a prefix of ``ids``, as ``(n_tokens, key)``, longest
-  first. Walking compares whole runs with C-level slice comparisons, or, for ``TokenIds``, with
-  ``bytes.startswith`` against each node's packed run (no copy): about one Python step per node
-  on the path.
+  first. Walking compares each node's packed run in place in the prompt's (``bytes.startswith``,
+  ids not held as ``TokenIds`` packed once): about one Python step per node on the path.
 - ``delete(key)``: the entry goes; a node left with no entry and no child is removed, and a node
   with no entry and one child merges with it, so the tree stays as small as its entries.
-- ``ids_of(key)``: the full token ids of an entry; ``parent_of(key)``: the longest stored entry
-  that is a proper prefix of it (None at the top); ``children_of(key)``: the nearest stored
-  entries below it. The index persists each entry as its parent plus the ids past the parent, so
-  the tree is rebuilt from LMDB at start.
+- ``ids_of(key)``: the full token ids of an entry (``TokenIds``); ``parent_of(key)``: the
+  longest stored entry that is a proper prefix of it (None at the top); ``children_of(key)``:
+  the nearest stored entries below it. The index persists each entry as its parent plus the
+  ids past the parent, so the tree is rebuilt from LMDB at start.
 - ``Forest``: one tree per tenant; tenants never see each other's entries.
 """
 
@@ -26,25 +26,25 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, frozen, pack
+from policies.prefix import ID_BYTES, TokenIds, common_prefix_len
 
 
 @dataclass(eq=False, slots=True)
 class _Node:
-    run: tuple[int, ...]  # the ids from the parent's end to this node's end
+    run: TokenIds  # the ids from the parent's end to this node's end
     parent: _Node | None
     depth: int  # tokens from the root to this node's end
     key: bytes | None = None  # the entry stored for exactly `depth` tokens
     children: dict[int, _Node] = field(default_factory=dict)  # first id of the run -> child
-    packed: bytes = b""  # the run packed (policies.prefix.pack), kept with it
 
-    def __post_init__(self) -> None:
-        self.packed = pack(self.run)
+
+def _packed(ids: Sequence[int]) -> TokenIds:
+    return ids if isinstance(ids, TokenIds) else TokenIds(ids)
 
 
 class RadixTree:
     def __init__(self) -> None:
-        self._root = _Node((), None, 0)
+        self._root = _Node(TokenIds(), None, 0)
         self._nodes: dict[bytes, _Node] = {}  # key -> its node
 
     def __len__(self) -> int:
@@ -54,7 +54,7 @@ class RadixTree:
         return key in self._nodes
 
     def insert(self, ids: Sequence[int], key: bytes) -> None:
-        ids = tuple(ids)
+        ids = _packed(ids)
         assert ids, "an entry holds at least one token"
         self.delete(key)
         node, pos = self._root, 0
@@ -65,7 +65,7 @@ class RadixTree:
                 node.children[ids[pos]] = leaf
                 node = leaf
                 break
-            m = common_prefix_len(child.run, ids[pos : pos + len(child.run)])
+            m = common_prefix_len(child.run, ids[pos : pos + len(child.run)])  # bytes
             if m < len(child.run):
                 child = self._split(child, m)
             node, pos = child, pos + m
@@ -76,8 +76,7 @@ class RadixTree:
 
     def match(self, ids: Sequence[int]) -> list[tuple[int, bytes]]:
         """Every stored prefix of ``ids``: ``(n_tokens, key)``, longest first."""
-        ids = frozen(ids)
-        packed = ids.packed if isinstance(ids, TokenIds) else None
+        packed = _packed(ids).packed
         found: list[tuple[int, bytes]] = []
         node, pos = self._root, 0
         while pos < len(ids):
@@ -85,8 +84,7 @@ class RadixTree:
             if child is None:
                 break
             n = len(child.run)
-            if (not packed.startswith(child.packed, pos * ID_BYTES) if packed is not None
-                    else ids[pos : pos + n] != child.run):
+            if not packed.startswith(child.run.packed, pos * ID_BYTES):
                 break  # the prompt ends or diverges inside this run: no entry there
             node, pos = child, pos + n
             if node.key is not None:
@@ -102,13 +100,13 @@ class RadixTree:
         self._prune(node)
         return True
 
-    def ids_of(self, key: bytes) -> tuple[int, ...]:
+    def ids_of(self, key: bytes) -> TokenIds:
         node: _Node | None = self._nodes[key]
-        runs: list[tuple[int, ...]] = []
+        runs: list[bytes] = []
         while node is not None:
-            runs.append(node.run)
+            runs.append(node.run.packed)
             node = node.parent
-        return tuple(i for run in reversed(runs) for i in run)
+        return TokenIds.from_packed(b"".join(reversed(runs)))
 
     def parent_of(self, key: bytes) -> tuple[int, bytes] | None:
         """The longest stored entry that is a proper prefix of ``key``'s, as (n_tokens, key)."""
@@ -142,7 +140,6 @@ class RadixTree:
         upper = _Node(node.run[:m], parent, node.depth - len(node.run) + m)
         parent.children[upper.run[0]] = upper
         node.run = node.run[m:]
-        node.packed = node.packed[m * ID_BYTES :]
         node.parent = upper
         upper.children[node.run[0]] = node
         return upper
@@ -158,7 +155,6 @@ class RadixTree:
             if len(node.children) == 1:  # merge with the only child
                 (child,) = node.children.values()
                 child.run = node.run + child.run
-                child.packed = node.packed + child.packed
                 child.parent = parent
                 parent.children[child.run[0]] = child
             return
