@@ -145,12 +145,18 @@ class Layout:
         self._pairs = IdMemo(1024)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        roles = [m.get("role") for m in messages]
-        if "system" not in roles or "user" not in roles:
+        s = u = -1  # the first system message before the first user message, and that one
+        for i, m in enumerate(messages if self._res else ()):
+            role = m.get("role")
+            if role == "user":
+                u = i
+                break
+            if role == "system" and s < 0:
+                s = i
+        if s < 0 or u < 0:
             return messages
-        s, u = roles.index("system"), roles.index("user")
         system, user = messages[s].get("content"), messages[u].get("content")
-        if s > u or not isinstance(system, str) or not isinstance(user, str):
+        if not isinstance(system, str) or not isinstance(user, str):
             return messages
         moved = self._memo.get((system, user), _NONE)
         if moved is _NONE:

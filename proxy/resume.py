@@ -399,10 +399,21 @@ class Runs:
             return None, 0
         return run, lo
 
-    def add(self, run: Run) -> None:
+    def add(self, run: Run, superseded: Run | None = None, common: int = 0) -> None:
+        """`run` remembered. `superseded`: the render it resumed from, whose first `common`
+        messages are `run`'s, when that is all of them or all but the last (the same
+        conversation a turn later, or its last turn sent again otherwise, as proxy/memo.py's
+        PrefixMemo lets go): it goes at once, not another conversation's render at the end of
+        the LRU, so the renders kept are conversations, not turns. Its prefixes up to
+        `common` are `run`'s now; its last, where `run` does not share it, is dropped."""
         with self._lock:
+            index = self._index.setdefault(run.key, {})
+            index.update(dict.fromkeys(run.chain, run))
+            if superseded is not None and self._runs.pop(id(superseded), None) is not None:
+                for h in superseded.chain[common + 1 :]:
+                    if index.get(h) is superseded:
+                        del index[h]
             self._runs[id(run)] = run
-            self._index.setdefault(run.key, {}).update(dict.fromkeys(run.chain, run))
             while len(self._runs) > self.max_runs:
                 _, old = self._runs.popitem(last=False)
                 index = self._index[old.key]
@@ -448,7 +459,8 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
     run.text = "".join(run.pieces)
     run.pieces = []
     run.loop = None
-    run.source = None  # a chain of sources would keep every earlier render alive
+    source, run.source = run.source, None  # a chain of sources would keep every render alive
     if keep and runs is not None:
-        runs.add(run)
+        runs.add(run, source if source is not None and source.key == run.key
+                 and 0 < common >= len(source.messages) - 1 else None, common)
     return run

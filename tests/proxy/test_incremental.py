@@ -162,3 +162,25 @@ def test_a_continued_message_after_a_prompted_turn_equals_the_full_one(tok: Toke
         cold = ChatTemplate(PREFIX_BY_FLAG, "<s>", "</s>")
         got = prepared(warm, tok, messages, None, continued)
         assert got == prepared(cold, tok, messages, None, continued), (len(messages), continued)
+
+
+def test_the_renders_kept_are_conversations_not_turns(tok: Tokenizer) -> None:
+    """A turn's render supersedes the one it resumed from: after many turns of one conversation
+    the template keeps one render of it, and a conversation that waited meanwhile still
+    resumes from its own (before, each turn took a place among the 64 kept)."""
+    source = REAL["Qwen3-Coder"]
+    warm = ChatTemplate(source, "<s>", "</s>")
+    assert warm.runs is not None
+    other = [{"role": "user", "content": "Write a haiku. " * 30}]
+    render_prompt(warm, tok, other)
+    talk: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    for t in range(100):
+        talk = [*talk, {"role": "assistant", "content": f"Done {t}."},
+                {"role": "user", "content": f"Now step {t}."}]
+        render_prompt(warm, tok, talk)
+    assert len(warm.runs._runs) <= 2 + (not warm.late_prompt) * 2
+    later = [*other, {"role": "assistant", "content": "Leaves fall."},
+             {"role": "user", "content": "Another."}]
+    got = render_prompt(warm, tok, later)
+    assert resumed(warm) > 0  # it resumed from its own render, 100 turns later
+    assert got == render_prompt(ChatTemplate(source, "<s>", "</s>"), tok, later)
