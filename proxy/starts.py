@@ -3,7 +3,7 @@ character offsets `proxy.template.render_prompt` turns into the prompt's safe bo
 rules are in proxy/template.py's docstring).
 
     message_char_starts(template, messages, tools, text, key, run, shapes) -> {index: offset}
-    header_char_ends(messages, starts, text, headers, prior, equal, common) -> offsets
+    header_char_ends(messages, starts, text, prior, equal, common) -> (offsets, record)
     shape_of(message)                  what a message's start depends on (its role, its kind)
     StartCache                         located starts remembered across requests
 """
@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import is_not, itemgetter
+from operator import is_not
 from typing import Any, Protocol
 
 from proxy import traced
@@ -302,48 +302,47 @@ def _fingerprint(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
+Headers = tuple[list[int], list[int], list[int | None]]  # header_char_ends' record
+
+
 def header_char_ends(
     messages: Sequence[dict[str, Any]], starts: dict[int, int], text: str,
-    found: dict[int, tuple[int, int, int | None]] | None = None,
-    before: dict[int, tuple[int, int, int | None]] | None = None,
-    equal: int = 0, common: int = 0,
-) -> list[int]:
-    """Char offsets where a located message's content begins after its role header. `found`
-    gets (begin, end, offset or None) per located message; `before` is that of the previous
-    text, equal to this one in its first `equal` characters, whose first `common` messages
-    are these: a message among them searched for in the same span of the shared text is not
-    searched again."""
-    before = before or {}
+    before: Headers | None = None, equal: int = 0, common: int = 0,
+) -> tuple[list[int], Headers]:
+    """(char offsets where a located message's content begins after its role header, the
+    record of this search: the located messages, their spans' edges, what was found in each
+    or None). `before` is that record of the previous text, equal to this one in its first
+    `equal` characters, whose first `common` messages are these: a message among them
+    searched for in the same span of the shared text is not searched again."""
     located = sorted(starts)
     offsets = list(map(starts.__getitem__, located))  # ascending, as the starts are
     if located and located[-1] == len(messages):
         located.pop()  # the generation prompt: only where the last message ends
     else:
         offsets.append(len(text))
+    old_located, old_offsets, old_ats = before or ([], [], [])
     # the leading messages searched in the same span of the shared text before: taken as found
-    # then (every one of them, compared as lists in C; else each is looked at below)
-    m = min(bisect_left(located, common), bisect_right(offsets, equal, 1) - 1)
-    olds = list(map(before.get, located[:m], repeat(_NOT_FOUND)))
-    if list(map(itemgetter(0, 1), olds)) != list(zip(offsets[:m], offsets[1 : m + 1],
-                                                     strict=True)):
-        m, olds = 0, []
-    ats = list(map(itemgetter(2), olds))
-    if found is not None:
-        found.update(zip(located[:m], olds, strict=True))
+    # then (compared as lists in C; else each is looked at below)
+    m = min(bisect_left(located, common), bisect_right(offsets, equal, 1) - 1,
+            len(old_located))
+    if located[:m] != old_located[:m] or offsets[: m + 1] != old_offsets[: m + 1]:
+        m = 0
+    ats = old_ats[:m]
+    olds: dict[int, tuple[int, int, int | None]] | None = None
     for k in range(m, len(located)):
         i, begin, end = located[k], offsets[k], offsets[k + 1]
-        old = before.get(i)
-        if old is not None and i < common and old[0] == begin and old[1] == end <= equal:
-            at = old[2]
-        else:
-            at = _header_end(messages[i], text, begin, end)
-        if found is not None:
-            found[i] = (begin, end, at)
-        ats.append(at)
-    return list(compress(ats, map(is_not, ats, repeat(None))))
+        if i < common and end <= equal:
+            if olds is None:  # spans searched before, by message
+                olds = dict(zip(old_located, zip(old_offsets, old_offsets[1:], old_ats,
+                                                 strict=True), strict=True))
+            old = olds.get(i)
+            if old is not None and old[0] == begin and old[1] == end:
+                ats.append(old[2])
+                continue
+        ats.append(_header_end(messages[i], text, begin, end))
+    return list(compress(ats, map(is_not, ats, repeat(None)))), (located, offsets, ats)
 
 
-_NOT_FOUND = (None, None, None)  # no span searched before
 
 
 def _header_end(message: dict[str, Any], text: str, begin: int, end: int) -> int | None:

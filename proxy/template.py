@@ -289,47 +289,53 @@ def render_prompt(
                                   shapes)  # index -> offset
     old_text = prior.get("tokens", ("",))[0]
     equal = common_prefix_len(text, old_text, shared) if prior else 0  # chars as before
-    headers: dict[int, tuple[int, int, int | None]] = {}
-    header_ends = header_char_ends(plain, starts, text, headers,
-                                    prior.get("headers", {}), min(equal, len(text)),
-                                    run.common)
-    run.memo["headers"] = headers
+    header_ends, run.memo["headers"] = header_char_ends(
+        plain, starts, text, prior.get("headers"), min(equal, len(text)), run.common)
 
     offsets = sorted({*starts.values(), *header_ends})
     segments, ids, reused, tokens = _tokenized(tok, run, text, equal)
-    old_at: dict[int, int] = prior.get("positions", {})
-    below = offsets[: bisect.bisect_left(offsets, reused)]  # mapped as before, where known
-    if old_at.keys() >= set(below):
-        token_at = dict(zip(below, map(old_at.__getitem__, below), strict=True))
-    else:
-        token_at = {o: old_at[o] for o in below if o in old_at}
-    rest = offsets[len(below):] if len(token_at) == len(below) else \
-        [o for o in offsets if o not in token_at]
-    if rest and rest[0] >= reused and reused:
-        k = bisect.bisect_left(segments, reused, key=lambda s: s.start)
-        token_at.update(zip(rest, (tokens + p for p in tok.token_positions(
-            text, segments[k:], rest)), strict=True))
-    elif rest:
-        token_at.update(zip(rest, tok.token_positions(text, segments, rest), strict=True))
-    run.memo["positions"] = token_at
-
+    positions = _positions(tok, text, segments, offsets, reused, tokens,
+                           prior.get("positions", ([], [])))
+    run.memo["positions"] = (offsets, positions)
     shift = 0
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids = TokenIds.from_packed(pack((tok.bos_id,)) + ids.packed)
         shift = 1
-    at = token_at.__getitem__
-    boundaries = sorted({*(map(shift.__add__, map(at, offsets)) if shift else map(at, offsets)),
-                         len(ids)})
+    if shift:
+        positions = list(map(shift.__add__, positions))
+    at = dict(zip(offsets, positions, strict=True)).__getitem__
+    # ascending, as the offsets are (a token position never falls as its offset grows)
+    boundaries = sorted(dict.fromkeys([*positions, len(ids)]))
     located = sorted(starts)
     del located[bisect.bisect_left(located, len(plain)):]
     roles = prior.get("roles", [])[: run.common]
     roles += [str(m.get("role", "")) for m in plain[len(roles):]]
     run.memo["roles"] = roles
-    positions = list(map(at, map(starts.__getitem__, located)))
-    if shift:
-        positions = list(map(shift.__add__, positions))
-    message_starts = _message_starts(run, positions, list(map(roles.__getitem__, located)))
+    message_starts = _message_starts(run, list(map(at, map(starts.__getitem__, located))),
+                                     list(map(roles.__getitem__, located)))
     return Rendered(text, ids, tuple(boundaries), message_starts)
+
+
+def _positions(tok: Tokenizer, text: str, segments: list[Segment], offsets: list[int],
+               reused: int, tokens: int, prior: tuple[list[int], list[int]]) -> list[int]:
+    """The token position of each of the ascending character `offsets` of `text` (split into
+    `segments`, the first `tokens` tokens of which, up to character `reused`, are the previous
+    text's). `prior`: the previous text's offsets and positions: the leading offsets below
+    `reused` they share map as they did (compared as lists in C; else each found by offset)."""
+    old_offsets, old_positions = prior
+    j = bisect.bisect_left(offsets, reused)
+    if offsets[:j] == old_offsets[:j]:
+        known, rest = old_positions[:j], offsets[j:]
+    else:  # the offsets below `reused` known before, by offset; the rest found below
+        old_at = dict(zip(old_offsets, old_positions, strict=True))
+        token_at = {o: old_at[o] for o in offsets[:j] if o in old_at}
+        rest = [o for o in offsets if o not in token_at]
+        found = dict(zip(rest, tok.token_positions(text, segments, rest), strict=True))
+        return [token_at[o] if o in token_at else found[o] for o in offsets]
+    if rest and reused:
+        k = bisect.bisect_left(segments, reused, key=lambda s: s.start)
+        return known + [tokens + p for p in tok.token_positions(text, segments[k:], rest)]
+    return known + tok.token_positions(text, segments, rest)
 
 
 def _message_starts(run: Run, positions: list[int], roles: list[str]

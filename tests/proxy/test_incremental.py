@@ -184,3 +184,25 @@ def test_the_renders_kept_are_conversations_not_turns(tok: Tokenizer) -> None:
     got = render_prompt(warm, tok, later)
     assert resumed(warm) > 0  # it resumed from its own render, 100 turns later
     assert got == render_prompt(ChatTemplate(source, "<s>", "</s>"), tok, later)
+
+
+def test_positions_carried_from_the_last_text_are_the_ones_found_afresh(tok: Tokenizer) -> None:
+    """`_positions` takes the leading offsets' token positions from the text before where its
+    offsets below the reused characters are the same list, finds each by offset where they
+    are not (an offset located now and not then), and both equal what the segments give."""
+    from proxy.template import _positions
+
+    text = "".join(f"<|im_start|>user\nStep {i}: read src/f{i}.py, then x = {i}.<|im_end|>\n"
+                   for i in range(12))
+    segments = tok.encode_segments(text)
+    offsets = sorted({*range(0, len(text), 37), *(s.start for s in segments), len(text)})
+    fresh = tok.token_positions(text, segments, offsets)
+    k = len(segments) // 2
+    while not segments[k - 1].special:
+        k -= 1
+    reused, tokens = segments[k - 1].end, sum(len(s.ids) for s in segments[:k])
+    below = [o for o in offsets if o < reused]
+    others = [o for o in offsets if o != below[len(below) // 2]]  # one offset not located then
+    for prior in (([], []), (offsets, fresh),
+                  (others, tok.token_positions(text, segments, others))):
+        assert _positions(tok, text, segments, offsets, reused, tokens, prior) == fresh
