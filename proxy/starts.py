@@ -75,15 +75,17 @@ def message_char_starts(
     key: tuple[Any, ...] | None = None,
     run: Run | None = None,
     shapes: list[Any] | None = None,
+    equal: tuple[str, int] = ("", 0),
 ) -> dict[int, int]:
     """Message index (len(messages): the generation prompt) -> char offset where it starts:
     the traced starts when a sample checks out, else every prefix rendered (module docstring).
     `run`: the recorded render of ``messages`` without a generation prompt, when there is one;
-    `shapes`: the messages' ``_shape``s, when known."""
+    `shapes`: the messages' ``_shape``s, when known; `equal`: a text and how many leading
+    characters this one shares with it, when known."""
     key = template.key_of(tools) if key is None else key
     run = run or recorded(template, messages, tools, key)
     if run is not None:
-        known = _known_starts(run, text)
+        known = _known_starts(run, text, equal)
         late = text.startswith(run.text)  # the definition of the generation prompt's start
         if late:
             known[len(messages)] = len(run.text)
@@ -118,15 +120,18 @@ def recorded(template: Renders, messages: list[dict[str, Any]],
         return None
 
 
-def _known_starts(run: Run, text: str) -> dict[int, int]:
+def _known_starts(run: Run, text: str, equal: tuple[str, int] = ("", 0)) -> dict[int, int]:
     """The starts the render this one resumed from had verified, of the messages the two
-    share, when ``text`` still begins with what they cover."""
+    share, when ``text`` still begins with what they cover (`equal`: a text and how many
+    leading characters this one shares with it, when known)."""
     if "starts" not in run.prior or run.common == 0:
         return {}
     starts, old_text = run.prior["starts"]
     known = dict(starts) if max(starts, default=0) <= run.common else \
         {i: s for i, s in starts.items() if i <= run.common}
     end = max(known.values(), default=0)
+    if old_text is equal[0] and end <= equal[1]:
+        return known
     return known if text.startswith(old_text[:end]) else {}
 
 
@@ -251,7 +256,11 @@ def _checked(
             return None
         if start is not None:
             verified[i] = start
-    verified.update(known.items() & starts.items())  # the known starts the candidate has
+    # the known starts the candidate has (all of them, as a rule: compared in C first)
+    if list(map(starts.get, known)) == list(known.values()):
+        verified.update(known)
+    else:
+        verified.update(known.items() & starts.items())
     return starts
 
 

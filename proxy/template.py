@@ -285,10 +285,10 @@ def render_prompt(
     shapes = prior.get("shapes", [])[: run.common]
     shapes += [shape_of(m) for m in messages[len(shapes):]]
     run.memo["shapes"] = shapes
-    starts = message_char_starts(template, messages, tools, text, key, bare,
-                                  shapes)  # index -> offset
     old_text = prior.get("tokens", ("",))[0]
     equal = common_prefix_len(text, old_text, shared) if prior else 0  # chars as before
+    starts = message_char_starts(template, messages, tools, text, key, bare,
+                                  shapes, (old_text, equal))  # index -> offset
     header_ends, run.memo["headers"] = header_char_ends(
         plain, starts, text, prior.get("headers"), min(equal, len(text)), run.common)
 
