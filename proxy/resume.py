@@ -147,7 +147,7 @@ class Run:
 
     __slots__ = ("key", "messages", "context", "text", "loops", "log", "pulled", "read", "at",
                  "pieces", "seen", "length", "loop", "source", "common", "resumed", "shared",
-                 "memo", "prior", "clock", "sigs", "chain", "positions")
+                 "memo", "prior", "clock", "sigs", "chain", "positions", "kept")
 
     def __init__(self, key: tuple[Any, ...], messages: list[dict[str, Any]],
                  context: dict[str, Any], source: Run | None, common: int) -> None:
@@ -174,6 +174,9 @@ class Run:
         # whether `pulled` and `read` are wanted (a render without the generation prompt whose
         # starts are read): only then does a resumed render replay its source's records
         self.positions = True
+        # whether it is kept for later renders to resume from: only then are its loops'
+        # boundaries recorded (a render that is not kept only reads its source's)
+        self.kept = True
         # what proxy.template derived from this render (verified starts, segments), and what it
         # had derived from the source's
         self.memo: dict[str, Any] = {}
@@ -222,6 +225,8 @@ class Run:
         elif it.loop is not loop:
             return
         assert loop is not None
+        if not self.kept:
+            return
         loop.pos.append(it.pos)
         loop.at.append(self.at)
         loop.spaces.append(tuple(dict(_attrs(it.namespaces[n])) for n in loop.names))
@@ -276,12 +281,13 @@ class Run:
                 else:
                     read[i] = at
             self.log += entries
-        loop.pos += old.pos[:b]
-        loop.at += old.at[:b]
-        loop.spaces += old.spaces[:b]
-        loop.seen += old.seen[:b]
-        loop.length += old.length[:b]
-        loop.log += old.log[:b]
+        if self.kept:
+            loop.pos += old.pos[:b]
+            loop.at += old.at[:b]
+            loop.spaces += old.spaces[:b]
+            loop.seen += old.seen[:b]
+            loop.length += old.length[:b]
+            loop.log += old.log[:b]
         self.at = self.shared = old.at[b]
         self.seen, self.length = old.seen[b], old.length[b]
         if caller.f_code is LOOP_NEXT:
@@ -443,6 +449,7 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
         source, common = runs.find(key, messages.chain, messages.sigs)
     run = Run(key, messages, context, source, common)
     run.positions = positions
+    run.kept = keep and runs is not None
     if isinstance(messages, Signed):
         run.sigs, run.chain = messages.sigs, messages.chain
         items = messages.traced()
