@@ -21,7 +21,7 @@ import llama_cpp
 from backend import kv_override
 from backend.cpus import allowed_cpus, usable_cpus
 from backend.placement import apply as placement_params
-from backend.placement import check_gpu_layers, compute_identity, offload_devices
+from backend.placement import check_gpu_layers, chosen, compute_identity, offload_devices
 from policies.prefix import default_batch
 
 log = logging.getLogger("prefixgate.engine")
@@ -108,11 +108,14 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
         if t not in CACHE_TYPES:
             raise ValueError(f"unknown KV cache type {t!r} (one of {', '.join(CACHE_TYPES)})")
     backend_init(numa)
-    gpus = check_gpu_layers(n_gpu_layers)
+    pl = dict(placement or {})
+    # the GPUs that compute (-dev, -sm none with -mg): the ready line and the cache identity
+    gpus = check_gpu_layers(n_gpu_layers, chosen(str(pl.get("device", "")),
+                                                 str(pl.get("split_mode", "layer")),
+                                                 int(pl.get("main_gpu", 0) or 0)))
     mp = llama_cpp.llama_model_default_params()
     # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
     mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers
-    pl = dict(placement or {})
     kv_offload = bool(pl.pop("kv_offload", True))  # a context's parameter, not the model's
     keep: list[Any] = placement_params(mp, **pl)  # held while loading
     if progress is not None:  # llama.cpp's loading progress, 0..1
@@ -121,7 +124,7 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
             return True
         keep.append(llama_cpp.llama_progress_callback(report))
         mp.progress_callback = keep[-1]
-    free0 = [d["free"] for d in gpus]
+    free0 = [d["free"] for d in offload_devices()]
     rss0 = resident_bytes()
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), mp)
     del keep

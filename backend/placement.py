@@ -1,10 +1,16 @@
 """Where a model's weights go: llama-server's placement flags as llama.cpp model parameters.
 
     apply(params, split_mode, tensor_split, override_tensor, n_cpu_moe, load_mode, lazy_mode,
-          repack, override_kv) -> keep
+          repack, override_kv, device, main_gpu) -> keep
+    chosen(device, split_mode, main_gpu) -> the offload devices that compute
 
 - ``split_mode`` (``-sm``): ``none``, ``layer`` or ``row`` across several GPUs;
   ``tensor_split`` (``-ts``): the proportions per GPU, "3,1".
+- ``device`` (``-dev``): the GPUs to offload to, by llama.cpp's names ("CUDA0,CUDA1",
+  matched without case as llama.cpp does), ``none`` for none (every layer on the CPU), ""
+  for every one; ``main_gpu`` (``-mg``): with ``split_mode`` none, the one of those that
+  holds the whole model (-1: none). ``chosen`` says which compute, for the ready line and the
+  cache key's identity: a state is keyed on the GPUs that made it, not on every GPU present.
 - ``override_tensor`` (``-ot``): "PATTERN=BUFFER,..."; a tensor whose name matches a regex
   PATTERN goes to the named buffer type ("CPU", "CUDA0", ... as `ggml_backend_buft_name` names
   them); ``n_cpu_moe`` (``--n-cpu-moe``): the MoE experts of the first N layers stay on the CPU
@@ -146,8 +152,19 @@ def uses_repack(repack: str) -> bool:
 
 def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
           override_tensor: str = "", n_cpu_moe: int = 0, load_mode: str = "auto",
-          lazy_mode: str = "auto", repack: str = "auto", override_kv: str = "") -> list[Any]:
+          lazy_mode: str = "auto", repack: str = "auto", override_kv: str = "",
+          device: str = "", main_gpu: int = 0) -> list[Any]:
     keep: list[Any] = kv_override.model_params(params, kv_override.parse(override_kv))
+    params.main_gpu = main_gpu
+    names = device_names(device)
+    if names is not None:  # llama.cpp's NULL-terminated list of the devices to offload to
+        ggml = _ggml()
+        handles = {ggml.ggml_backend_dev_name(h).decode(errors="replace").lower(): h
+                   for h in map(ggml.ggml_backend_dev_get, range(ggml.ggml_backend_dev_count()))}
+        chosen(device, split_mode, main_gpu)  # each name checked, in one line
+        arr_d = (ctypes.c_void_p * (len(names) + 1))(*[handles[n.lower()] for n in names], None)
+        keep.append(arr_d)
+        params.devices = ctypes.cast(arr_d, ctypes.c_void_p)
     params.use_extra_bufts = uses_repack(repack)
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"--split-mode is one of {', '.join(SPLIT_MODES)}")
@@ -210,11 +227,53 @@ def offload_devices() -> list[dict[str, Any]]:
     return [d for d in devices() if d["type"] != "cpu"]
 
 
-def check_gpu_layers(n_gpu_layers: int) -> list[dict[str, Any]]:
-    """The devices GPU layers can go to; GPU layers on a build that has none is a ValueError
-    that says how to fix it: llama.cpp would run them on the CPU without a word."""
+def device_names(device: str) -> list[str] | None:
+    """-dev's names ([] for ``none``); None where it names none (every device)."""
+    names = [n.strip() for n in device.split(",") if n.strip()]
+    if not names:
+        return None
+    return [] if [n.lower() for n in names] == ["none"] else names
+
+
+def chosen(device: str = "", split_mode: str = "layer", main_gpu: int = 0
+           ) -> list[dict[str, Any]]:
+    """The offload devices that compute, as llama.cpp picks them from -dev, -sm and -mg: the
+    ones named (every one where none is), and with ``split_mode`` none only the `main_gpu`th
+    of those (none where it is -1). A name no device has, or a `main_gpu` out of range, is a
+    ValueError that lists what there is."""
     gpus = offload_devices()
-    if n_gpu_layers and not gpus:
+    names = device_names(device)
+    if names is not None:
+        by_name = {d["name"].lower(): d for d in gpus}
+        missing = [n for n in names if n.lower() not in by_name]
+        if missing:
+            raise ValueError(
+                f"-dev {device}: no device {', '.join(missing)} to offload to here (there are: "
+                f"{', '.join(d['name'] for d in gpus) or 'none; the CPU computes'}; "
+                "`prefixgate doctor` lists them)")
+        gpus = [by_name[n.lower()] for n in names]
+    if split_mode == "none" and gpus:
+        if names is None:  # llama.cpp's own list: the GPUs, or the integrated ones if none
+            gpus = [d for d in gpus if d["type"] == "gpu"] or \
+                [d for d in gpus if d["type"] == "igpu"] or gpus
+        if main_gpu < 0:
+            return []
+        if main_gpu >= len(gpus):
+            raise ValueError(f"-mg {main_gpu}: with -sm none the model goes to one of "
+                             f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''} "
+                             f"({', '.join(d['name'] for d in gpus)}): give 0 to "
+                             f"{len(gpus) - 1}")
+        gpus = [gpus[main_gpu]]
+    return gpus
+
+
+def check_gpu_layers(n_gpu_layers: int, gpus: list[dict[str, Any]] | None = None
+                     ) -> list[dict[str, Any]]:
+    """The devices GPU layers go to (`gpus`, `chosen`'s; else every offload device); GPU
+    layers on a build that has none is a ValueError that says how to fix it: llama.cpp would
+    run them on the CPU without a word."""
+    gpus = offload_devices() if gpus is None else gpus
+    if n_gpu_layers and not offload_devices():
         raise ValueError(
             f"-ngl {'all' if n_gpu_layers < 0 else n_gpu_layers} asks for GPU layers, but this "
             "llama-cpp-python has no GPU backend (a CPU-only build): install the CUDA build "

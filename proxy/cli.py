@@ -175,6 +175,7 @@ def worker_spec(cfg: Config, worker_id: int = 0, socket_path: str | None = None,
     from proxy.speculation import draft_gpu_layers, spec_config
 
     placement = {"split_mode": cfg.split_mode, "tensor_split": cfg.tensor_split,
+                 "device": cfg.device, "main_gpu": cfg.main_gpu,
                  "override_tensor": cfg.override_tensor, "n_cpu_moe": cfg.n_cpu_moe,
                  "load_mode": cfg.load_mode, "lazy_mode": cfg.lazy_mode, "repack": cfg.repack,
                  "kv_offload": cfg.kv_offload, "override_kv": cfg.override_kv}  # placement.py
@@ -292,6 +293,18 @@ def serve_config(argv: list[str], environ: dict[str, str] | None = None) -> Conf
                          "llama-cpp-python has no GPU backend (a CPU-only build), so every "
                          "layer runs on the CPU; for GPU layers install the CUDA build (`make "
                          "serve GPU=cuda`, or deploy/Dockerfile)")
+            cfg = dataclasses.replace(cfg, n_gpu_layers=0)
+    if not cfg.worker_url and (cfg.device or cfg.split_mode == "none"):
+        from backend.placement import chosen
+
+        try:  # a device the workers would not find: one line now, not a worker's failure
+            gpus = chosen(cfg.device, cfg.split_mode, cfg.main_gpu)
+        except ValueError as e:
+            raise SystemExit(f"prefixgate: {e}") from None
+        if not gpus and cfg.n_gpu_layers:
+            notes.append(f"-dev {cfg.device}: no device to offload to, so every layer runs on "
+                         "the CPU" if cfg.device else f"-sm none -mg {cfg.main_gpu}: no GPU "
+                         "holds the model, so every layer runs on the CPU")
             cfg = dataclasses.replace(cfg, n_gpu_layers=0)
     return dataclasses.replace(cfg, llama_notes=tuple(notes))
 

@@ -82,6 +82,10 @@ class Config:
     # ("3,1"; "" = by free memory)
     split_mode: str = "layer"
     tensor_split: str = ""
+    # the GPUs to offload to, by llama.cpp's names ("CUDA0,CUDA1"; none: the CPU only; "":
+    # every one), and with split_mode none the one of them that holds the model (-1: none)
+    device: str = ""
+    main_gpu: int = 0
     # tensors kept in another buffer: "PATTERN=BUFFER,..." (llama.cpp's -ot), and the MoE experts
     # of the first N layers kept on the CPU (--n-cpu-moe: fits a big MoE model on a small GPU)
     override_tensor: str = ""
@@ -326,7 +330,8 @@ SPEC_FIELDS = tuple(f.name for f in fields(Config) if f.name.startswith("spec_")
 # What a worker process reads of the Config: `prefixgate worker` takes these flags (and their
 # variables), and the proxy spawns its local workers with them.
 WORKER_FIELDS = ("model", "n_ctx", "threads", "threads_batch", "n_gpu_layers", "split_mode",
-                 "tensor_split", "override_tensor", "n_cpu_moe", "override_kv", "load_mode",
+                 "tensor_split", "device", "main_gpu", "override_tensor", "n_cpu_moe",
+                 "override_kv", "load_mode",
                  "lazy_mode", "kv_offload", "flash_attn", "cache_type_k", "cache_type_v",
                  "swa_full", "ubatch_size",
                  "exact_check", "parallel", "cache_ram", "cache_dir", "log_level", "log_file",

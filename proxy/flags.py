@@ -89,6 +89,10 @@ HELP = {
     "threads_batch": "CPU threads per worker for prefill (0 = all cores)",
     "split_mode": "how to split the model across GPUs: layer | row | none",
     "tensor_split": "proportions of the model per GPU, e.g. 3,1",
+    "device": "the GPUs to offload to, by name: CUDA0,CUDA1 (none: the CPU only; "
+              "`prefixgate doctor` lists them)",
+    "main_gpu": "with -sm none, the GPU (of those -dev names) that holds the model (-1: "
+                "none); with -sm row, the one for intermediate results and the KV",
     "override_tensor": "tensor buffer overrides PATTERN=BUFFER,... (llama.cpp's -ot)",
     "override_kv": "the model's metadata changed, KEY=TYPE:VALUE,... (TYPE int, float, bool or "
                    "str; given again: more)",
@@ -213,6 +217,8 @@ LLAMA_SERVER: dict[str, tuple[tuple[str, ...], str]] = {
     "n_gpu_layers": (("-ngl", "--gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
     "split_mode": (("-sm",), "LLAMA_ARG_SPLIT_MODE"),
     "tensor_split": (("-ts",), "LLAMA_ARG_TENSOR_SPLIT"),
+    "device": (("-dev",), "LLAMA_ARG_DEVICE"),
+    "main_gpu": (("-mg",), "LLAMA_ARG_MAIN_GPU"),
     "override_tensor": (("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR"),
     "n_cpu_moe": (("-ncmoe",), "LLAMA_ARG_N_CPU_MOE"),
     "flash_attn": (("-fa",), "LLAMA_ARG_FLASH_ATTN"),

@@ -91,6 +91,7 @@ WORKS: dict[str, str | tuple[str, str, str]] = {
     "--chat-template-file": "chat_template_file", "--chat-template": "chat_template",
     "-c": "n_ctx", "-np": "parallel", "-t": "threads", "-tb": "threads_batch",
     "-ngl": "n_gpu_layers", "-sm": "split_mode", "-ts": "tensor_split", "-ot": "override_tensor",
+    "-dev": "device", "-mg": "main_gpu",
     "--override-kv": "override_kv",
     "-ncmoe": "n_cpu_moe", "-cmoe": ("n_cpu_moe", "-1", ""), "-lm": "load_mode",
     "-lzm": "lazy_mode", "-fa": "flash_attn", "-ctk": "cache_type_k", "-ctv": "cache_type_v",
@@ -218,10 +219,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
                                             "--lora-init-without-apply"),
     "control vectors are not supported yet": ("--control-vector", "--control-vector-scaled",
                                               "--control-vector-layer-range"),
-    "choosing devices by name is not supported yet (CUDA_VISIBLE_DEVICES picks the GPUs)":
-        ("-dev",),
-    "choosing the main GPU is not supported yet (CUDA_VISIBLE_DEVICES orders the GPUs)":
-        ("-mg",),
     "keeping dense FFN layers on the CPU is not supported yet": ("-ncffn",),
     "RPC devices are not supported": ("--rpc",),
     "listing devices is the doctor command's (prefixgate doctor)": ("--list-devices",),

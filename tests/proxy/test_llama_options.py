@@ -77,7 +77,7 @@ VALUES = {"-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0", "-sm": "layer", "-lm": "a
           "--spec-type": "ngram-mod", "--spec-draft-model": "d.gguf", "--spec-draft-p-min": "0.5",
           "--rope-scaling": "yarn", "--numa": "distribute", "--chat-template": "chatml",
           "--spec-draft-hf": "user/draft:Q8_0", "--api-prefix": "/llama",
-          "--override-kv": "tokenizer.ggml.add_bos_token=bool:false"}
+          "--override-kv": "tokenizer.ggml.add_bos_token=bool:false", "-dev": "none"}
 DRAFT_FILE = ["-md", "/models/draft.gguf"]
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w.-]*")
 
@@ -151,6 +151,10 @@ def test_no_llama_server_spelling_is_left_without_a_class() -> None:
     (["--rope-freq-base=1e6"], "rope_freq_base", 1e6),
     (["--yarn-beta-fast", "32"], "yarn_beta_fast", 32.0),
     (["--numa", "isolate"], "numa", "isolate"),
+    # -mg is llama-server's main GPU, never -m g; -dev names the GPUs (none: the CPU only)
+    (["-mg", "1"], "main_gpu", 1),
+    (["--main-gpu", "-1"], "main_gpu", -1),
+    (["-dev", "none"], "device", "none"),
     # a chat template's source on the command line (proxy/prompt.py), chatml by name
     (["--chat-template", "chatml"], "chat_template", "chatml"),
     (["--chat-template", "{{ messages[0].content }}"], "chat_template",
@@ -161,7 +165,6 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["-mg", "0"], "prefixgate: -mg: choosing the main GPU"),
     (["--spec-draft-hf", "u/not-cached", "--offline"], "prefixgate: -hfd u/not-cached: not in "
                                                        "the Hugging Face cache"),
     (["--spec-type", "draft-simple"], "prefixgate: --spec-type draft-simple drafts with a "
@@ -174,8 +177,9 @@ def test_what_argparse_misparsed(argv: list[str], field: str, value: object) -> 
     (["--spec-ngram-mod-n-match", "0"], "prefixgate: --spec-ngram-mod-n-match 0: ngram size N "
                                         "must be between 1 and 1024 inclusive"),
     (["-ag"], "prefixgate: -ag: the server's built-in tools"),
-    (["-dev", "CUDA0"], "prefixgate: -dev: choosing devices by name is not supported yet"),
     (["-p", "hi"], "prefixgate: -p: not a llama-server option (llama.cpp's"),
+    (["-dev", "VULKAN7"], "prefixgate: -dev VULKAN7: no device VULKAN7 to offload to here "
+                          "(there are: "),
     (["-mx", "1"], "prefixgate: not supported: -mx "),  # neither llama.cpp's nor ours
     (["-c"], "prefixgate: -c: expects a value"),
     (["--rope-scaling", "ntk"], "invalid value for --rope-scaling: 'ntk' (one of none, linear, "

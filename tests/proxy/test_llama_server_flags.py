@@ -339,3 +339,57 @@ def test_override_kv_reaches_the_tokenizer_and_the_workers(tmp_path, cold_server
     said = str(e.value)
     assert "the model's llama.block_count is int, not float" in said
     assert "Traceback" not in said
+
+
+GPUS = [{"name": "CUDA0", "description": "NVIDIA RTX 4090", "type": "gpu"},
+        {"name": "CUDA1", "description": "NVIDIA RTX 3090", "type": "gpu"},
+        {"name": "Vulkan0", "description": "AMD Radeon Graphics", "type": "igpu"}]
+
+
+def test_devices_and_main_gpu_choose_what_computes_as_llama_cpp_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """-dev and -mg (llama-server's; refused before): the GPUs that compute are the ones
+    named, in their order, and with -sm none the -mg'th of them, or of llama.cpp's own list
+    (the discrete GPUs, the integrated ones only where there are none); the cache identity
+    names only those. This machine has no GPU: the device list is given (the one fake here)."""
+    monkeypatch.setattr(placement, "offload_devices", lambda: GPUS)
+    names = lambda gpus: [d["name"] for d in gpus]  # noqa: E731
+    assert names(placement.chosen()) == ["CUDA0", "CUDA1", "Vulkan0"]  # as before: all
+    assert names(placement.chosen("cuda1,CUDA0")) == ["CUDA1", "CUDA0"]  # case as llama.cpp
+    assert placement.chosen("none") == [] and placement.chosen("NONE", "none", 0) == []
+    assert names(placement.chosen("", "none", 1)) == ["CUDA1"]  # not the iGPU's index
+    assert names(placement.chosen("CUDA1,Vulkan0", "none", 1)) == ["Vulkan0"]
+    assert placement.chosen("", "none", -1) == []
+    assert names(placement.chosen("", "layer", 1)) == ["CUDA0", "CUDA1", "Vulkan0"]
+    with pytest.raises(ValueError, match=r"-mg 2: with -sm none the model goes to one of 2 "
+                                         r"GPUs \(CUDA0, CUDA1\): give 0 to 1"):
+        placement.chosen("", "none", 2)
+    with pytest.raises(ValueError, match=r"-dev CUDA2,CPU: no device CUDA2, CPU to offload to "
+                                         r"here \(there are: CUDA0, CUDA1, Vulkan0;"):
+        placement.chosen("CUDA2,CPU")
+    one = placement.compute_identity(placement.chosen("", "none", 0), False)
+    other = placement.compute_identity(placement.chosen("", "none", 1), False)
+    assert one == "CUDA (NVIDIA RTX 4090)" and other == "CUDA (NVIDIA RTX 3090)"
+    # the proxy checks them before it spawns a worker, in one line
+    with pytest.raises(SystemExit, match="prefixgate: -mg 5: with -sm none"):
+        serve_config(["-m", "model.gguf", "-sm", "none", "-mg", "5"], environ={})
+    cfg = serve_config(["-m", "model.gguf", "-dev", "none", "-ngl", "99"], environ={})
+    assert cfg.n_gpu_layers == 0 and cfg.llama_notes == (
+        "-dev none: no device to offload to, so every layer runs on the CPU",)
+    assert "--device" in worker_argv(cfg) and "--main-gpu" in worker_argv(cfg)
+
+
+def test_no_devices_reach_llama_cpp_as_its_empty_list() -> None:
+    """-dev none: llama.cpp's NULL-terminated device list holds only its NULL (no offload);
+    no -dev: no list (every device); -mg reaches its field."""
+    import ctypes
+
+    import llama_cpp
+
+    mp = llama_cpp.llama_model_default_params()
+    keep = placement.apply(mp, device="none", main_gpu=1)
+    assert mp.devices and ctypes.cast(mp.devices, ctypes.POINTER(ctypes.c_void_p))[0] is None
+    assert mp.main_gpu == 1 and keep
+    mp = llama_cpp.llama_model_default_params()
+    placement.apply(mp)
+    assert not mp.devices and mp.main_gpu == 0
