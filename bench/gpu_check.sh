@@ -105,6 +105,11 @@ doctor() {
         2>/tmp/doctor.err || { rc=1; grep -v "^llama_\|^load\|^print_info\|^\." /tmp/doctor.err | tail -5; }
     }
   done
+  {  # -dev and -mg as llama.cpp picks them: the first GPU alone holds the model
+    echo "### tiny-q4_k_m.gguf, -dev CUDA0 -sm none -mg 0"
+    python3 -m proxy.cli doctor --model "$models/tiny-q4_k_m.gguf" -ngl 99 -dev CUDA0 -sm none \
+      -mg 0 2>/tmp/doctor.err || { rc=1; grep -v "^llama_\|^load\|^print_info\|^\." /tmp/doctor.err | tail -5; }
+  }
   return $rc
 }
 
