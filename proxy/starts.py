@@ -352,8 +352,6 @@ def header_char_ends(
     return list(compress(ats, map(is_not, ats, repeat(None)))), (located, offsets, ats)
 
 
-
-
 def _header_end(message: dict[str, Any], text: str, begin: int, end: int) -> int | None:
     content = message.get("content")
     if not isinstance(content, str) or not content.strip():
