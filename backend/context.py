@@ -110,9 +110,9 @@ def load(model_path: str, n_ctx: int, n_threads: int | None, n_gpu_layers: int, 
     backend_init(numa)
     pl = dict(placement or {})
     # the GPUs that compute (-dev, -sm none with -mg): the ready line and the cache identity
-    gpus = check_gpu_layers(n_gpu_layers, chosen(str(pl.get("device", "")),
-                                                 str(pl.get("split_mode", "layer")),
-                                                 int(pl.get("main_gpu", 0) or 0)))
+    check_gpu_layers(n_gpu_layers)
+    gpus = chosen(str(pl.get("device", "")), str(pl.get("split_mode", "layer")),
+                  int(pl.get("main_gpu", 0) or 0))
     mp = llama_cpp.llama_model_default_params()
     # -1: every layer (llama.cpp takes a count; -1 itself is not "all" there)
     mp.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers

@@ -156,13 +156,9 @@ def apply(params: Any, split_mode: str = "layer", tensor_split: str = "",
           device: str = "", main_gpu: int = 0) -> list[Any]:
     keep: list[Any] = kv_override.model_params(params, kv_override.parse(override_kv))
     params.main_gpu = main_gpu
-    names = device_names(device)
-    if names is not None:  # llama.cpp's NULL-terminated list of the devices to offload to
-        ggml = _ggml()
-        handles = {ggml.ggml_backend_dev_name(h).decode(errors="replace").lower(): h
-                   for h in map(ggml.ggml_backend_dev_get, range(ggml.ggml_backend_dev_count()))}
-        chosen(device, split_mode, main_gpu)  # each name checked, in one line
-        arr_d = (ctypes.c_void_p * (len(names) + 1))(*[handles[n.lower()] for n in names], None)
+    listed = named(device)
+    if listed is not None:  # llama.cpp's NULL-terminated list of the devices to offload to
+        arr_d = (ctypes.c_void_p * (len(listed) + 1))(*[d["handle"] for d in listed], None)
         keep.append(arr_d)
         params.devices = ctypes.cast(arr_d, ctypes.c_void_p)
     params.use_extra_bufts = uses_repack(repack)
@@ -207,7 +203,8 @@ DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}  # enum ggml_backend_
 
 def devices() -> list[dict[str, Any]]:
     """The devices this llama.cpp build can compute on: name ("CPU", "CUDA0"), description
-    ("NVIDIA H100 80GB HBM3"), type (cpu, gpu, igpu, accel), free and total bytes."""
+    ("NVIDIA H100 80GB HBM3"), type (cpu, gpu, igpu, accel), free and total bytes, and
+    llama.cpp's handle (a ``ggml_backend_dev_t``, for the model's device list)."""
     ggml = _ggml()
     out = []
     for i in range(ggml.ggml_backend_dev_count()):
@@ -218,7 +215,7 @@ def devices() -> list[dict[str, Any]]:
                     "description": (ggml.ggml_backend_dev_description(dev) or b"").decode(
                         errors="replace"),
                     "type": DEVICE_TYPES.get(ggml.ggml_backend_dev_type(dev), "other"),
-                    "free": free.value, "total": total.value})
+                    "free": free.value, "total": total.value, "handle": dev})
     return out
 
 
@@ -227,33 +224,36 @@ def offload_devices() -> list[dict[str, Any]]:
     return [d for d in devices() if d["type"] != "cpu"]
 
 
-def device_names(device: str) -> list[str] | None:
-    """-dev's names ([] for ``none``); None where it names none (every device)."""
+def named(device: str) -> list[dict[str, Any]] | None:
+    """The offload devices -dev names, in its order, matched without case ([] for ``none``);
+    None where it names none (every device). A name no such device has is a ValueError that
+    lists what there is."""
     names = [n.strip() for n in device.split(",") if n.strip()]
     if not names:
         return None
-    return [] if [n.lower() for n in names] == ["none"] else names
+    if [n.lower() for n in names] == ["none"]:
+        return []
+    gpus = offload_devices()
+    by_name = {d["name"].lower(): d for d in gpus}
+    missing = [n for n in names if n.lower() not in by_name]
+    if missing:
+        raise ValueError(
+            f"-dev {device}: no device {', '.join(missing)} to offload to here (there are: "
+            f"{', '.join(d['name'] for d in gpus) or 'none; the CPU computes'}; "
+            "`prefixgate doctor` lists them)")
+    return [by_name[n.lower()] for n in names]
 
 
 def chosen(device: str = "", split_mode: str = "layer", main_gpu: int = 0
            ) -> list[dict[str, Any]]:
     """The offload devices that compute, as llama.cpp picks them from -dev, -sm and -mg: the
-    ones named (every one where none is), and with ``split_mode`` none only the `main_gpu`th
-    of those (none where it is -1). A name no device has, or a `main_gpu` out of range, is a
-    ValueError that lists what there is."""
-    gpus = offload_devices()
-    names = device_names(device)
-    if names is not None:
-        by_name = {d["name"].lower(): d for d in gpus}
-        missing = [n for n in names if n.lower() not in by_name]
-        if missing:
-            raise ValueError(
-                f"-dev {device}: no device {', '.join(missing)} to offload to here (there are: "
-                f"{', '.join(d['name'] for d in gpus) or 'none; the CPU computes'}; "
-                "`prefixgate doctor` lists them)")
-        gpus = [by_name[n.lower()] for n in names]
+    ones named (`named`; every one where none is), and with ``split_mode`` none only the
+    `main_gpu`th of those (none where it is -1). A name no device has, or a `main_gpu` out of
+    range, is a ValueError that lists what there is."""
+    listed = named(device)
+    gpus = offload_devices() if listed is None else listed
     if split_mode == "none" and gpus:
-        if names is None:  # llama.cpp's own list: the GPUs, or the integrated ones if none
+        if listed is None:  # llama.cpp's own list: the GPUs, or the integrated ones if none
             gpus = [d for d in gpus if d["type"] == "gpu"] or \
                 [d for d in gpus if d["type"] == "igpu"] or gpus
         if main_gpu < 0:
@@ -267,13 +267,11 @@ def chosen(device: str = "", split_mode: str = "layer", main_gpu: int = 0
     return gpus
 
 
-def check_gpu_layers(n_gpu_layers: int, gpus: list[dict[str, Any]] | None = None
-                     ) -> list[dict[str, Any]]:
-    """The devices GPU layers go to (`gpus`, `chosen`'s; else every offload device); GPU
-    layers on a build that has none is a ValueError that says how to fix it: llama.cpp would
-    run them on the CPU without a word."""
-    gpus = offload_devices() if gpus is None else gpus
-    if n_gpu_layers and not offload_devices():
+def check_gpu_layers(n_gpu_layers: int) -> list[dict[str, Any]]:
+    """The devices GPU layers can go to; GPU layers on a build that has none is a ValueError
+    that says how to fix it: llama.cpp would run them on the CPU without a word."""
+    gpus = offload_devices()
+    if n_gpu_layers and not gpus:
         raise ValueError(
             f"-ngl {'all' if n_gpu_layers < 0 else n_gpu_layers} asks for GPU layers, but this "
             "llama-cpp-python has no GPU backend (a CPU-only build): install the CUDA build "

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from policies.prefix import ID_BYTES, TokenIds, common_prefix_len
+from policies.prefix import ID_BYTES, TokenIds, common_prefix_len, packed_of
 
 
 @dataclass(eq=False, slots=True)
@@ -36,10 +36,6 @@ class _Node:
     depth: int  # tokens from the root to this node's end
     key: bytes | None = None  # the entry stored for exactly `depth` tokens
     children: dict[int, _Node] = field(default_factory=dict)  # first id of the run -> child
-
-
-def _packed(ids: Sequence[int]) -> TokenIds:
-    return ids if isinstance(ids, TokenIds) else TokenIds(ids)
 
 
 class RadixTree:
@@ -54,7 +50,7 @@ class RadixTree:
         return key in self._nodes
 
     def insert(self, ids: Sequence[int], key: bytes) -> None:
-        ids = _packed(ids)
+        ids = TokenIds.from_packed(packed_of(ids))  # TokenIds' bytes not copied
         assert ids, "an entry holds at least one token"
         self.delete(key)
         node, pos = self._root, 0
@@ -65,7 +61,7 @@ class RadixTree:
                 node.children[ids[pos]] = leaf
                 node = leaf
                 break
-            m = common_prefix_len(child.run, ids[pos : pos + len(child.run)])  # bytes
+            m = common_prefix_len(child.run, ids[pos : pos + len(child.run)])
             if m < len(child.run):
                 child = self._split(child, m)
             node, pos = child, pos + m
@@ -76,7 +72,7 @@ class RadixTree:
 
     def match(self, ids: Sequence[int]) -> list[tuple[int, bytes]]:
         """Every stored prefix of ``ids``: ``(n_tokens, key)``, longest first."""
-        packed = _packed(ids).packed
+        packed = packed_of(ids)
         found: list[tuple[int, bytes]] = []
         node, pos = self._root, 0
         while pos < len(ids):

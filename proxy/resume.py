@@ -467,7 +467,8 @@ def render(template: Any, runs: Runs | None, key: tuple[Any, ...],
     run.pieces = []
     run.loop = None
     source, run.source = run.source, None  # a chain of sources would keep every render alive
-    if keep and runs is not None:
+    if run.kept:
+        assert runs is not None
         runs.add(run, source if source is not None and source.key == run.key
                  and 0 < common >= len(source.messages) - 1 else None, common)
     return run
