@@ -10,7 +10,10 @@ that frees; here it may take the slot of a run still prefilling a long prompt:
   sampled is never stopped), its prefix is a cold run's state at a batch edge (the cache's own
   invariant: `backend.worker.core`), which gives way to its worker's RAM tier when the short
   request takes the slot;
-- the short request runs there at once;
+- the short request runs there at once: its worker, having stopped the run, holds its next step
+  up to ``HANDOVER_S`` for the short request's job (which comes once the proxy has seen the
+  run end, a few milliseconds later), rather than start another slot's step that the job would
+  then wait for (a prefill batch deep in a context: seconds on a CPU);
 - the stopped run goes first in the queue (`proxy.workers.Pool.acquire`) and starts again from
   its prefix in the RAM tier on the first slot that frees: its client sees a later first token,
   never a different answer (a restored prefix is bit for bit the cold run's).
@@ -43,6 +46,10 @@ from policies.costs import Costs
 # bench/results/issue41; far more on a GPU)
 DECODE_TOKENS = 16
 RATIO = 2  # the victim's prefill left, against the waiter's work
+# the longest a worker holds its next step for the short request's job after a preemption's
+# cancel: the round trip through the proxy (the run's end read, its slot handed on, the job
+# sent) takes milliseconds; a job that has not come by then does not hold the other slots longer
+HANDOVER_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from backend.worker.messages import (
 )
 from backend.worker.runner import Runner
 from backend.worker.tiers import Tiers
+from policies.preempt import HANDOVER_S
 from policies.schedule import (
     Clock,
     Decode,
@@ -72,6 +73,9 @@ class Loop:
         self.resting = threading.Event()  # set while no slot has compute to do
         self.resting.set()
         self.clock = Clock()
+        # (slot, until): a preemption emptied the slot for a short request whose job comes
+        # next; no step starts before it does, or until then (policies.preempt, HANDOVER_S)
+        self.handover: tuple[int, float] | None = None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="reader")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self.runner = Runner(engine, tiers, self._write)
@@ -107,10 +111,17 @@ class Loop:
         while True:
             world = self._world()
             tasks = self.core.tasks(world)
-            while not tasks or not self.inbox.empty():  # wait for input when there is no
-                if not tasks:  # compute; else take what came
+            while not tasks or not self.inbox.empty() or self.handover:  # wait for input when
+                if not tasks:  # there is no compute; else take what came
                     self.resting.set()
-                inp = self.inbox.get()
+                try:
+                    inp = self.inbox.get(timeout=None if not tasks or not self.handover else
+                                         max(self.handover[1] - time.perf_counter(), 0.0))
+                except queue.Empty:  # the short request's job did not come in time
+                    log.debug("preempt: no job came for slot %d", self.handover[0]
+                              if self.handover else -1)
+                    self.handover = None
+                    break
                 if inp is None:
                     self.resting.set()
                     return
@@ -146,6 +157,10 @@ class Loop:
         """Apply an input and do its effects, each result applied at once (depth first)."""
         if isinstance(inp, Arrive) and not inp.job.stream:
             self.quiet.add(inp.job.run_id)
+        if isinstance(inp, Arrive) and self.handover and self.handover[0] == inp.job.slot:
+            self.handover = None
+        given = next((s for s, j in self.core.jobs.items() if j.job.run_id == inp.run_id),
+                     None) if isinstance(inp, CancelRun) and inp.prefilling else None
         try:
             effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive) or (
                 isinstance(inp, CancelRun) and inp.prefilling)))  # its state's size counts
@@ -157,6 +172,8 @@ class Loop:
             return
         for e in effects:
             self._do(e)
+        if given is not None and given not in self.core.jobs:  # it gave its slot away
+            self.handover = (given, time.perf_counter() + HANDOVER_S)
 
     def _do(self, e: Effect) -> None:
         if isinstance(e, Emit):

@@ -21,7 +21,7 @@ import pytest
 
 from backend import layout, selfcheck
 from backend.engine import Engine
-from backend.protocol import Done, Event, Job, Prefill, Start, Token
+from backend.protocol import Cancelled, Done, Event, Job, Prefill, Start, Token
 from backend.ramtier import RamTier
 from backend.sampling import Sampling
 from backend.worker.core import Core
@@ -60,16 +60,16 @@ class Worker:
     decode step."""
 
     def __init__(self, eng: Engine, shapes: Shapes | None = None, cache: Path | None = None,
-                 fault: str = "") -> None:
+                 fault: str = "", ram: int = 0) -> None:
         self.eng, self.events = eng, []  # type: list[tuple[float, str, Event]]
         self.wakes: list[tuple[str, Event, bool]] = []  # what woke the HTTP thread at once
         self.logits: dict[int, list[bytes]] = {s: [] for s in range(len(eng.seqs))}
         self.steps: list[int] = []  # the slots of each decode step
         self.lock, self.ended = threading.Lock(), threading.Condition()
         self.finished: set[str] = set()
-        self.tiers = tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(0),
+        self.tiers = tiers = Tiers(cache or Path("/nonexistent"), b"f" * 16, RamTier(ram),
                                    eng.prepare, self._emit, fault=fault, spare=eng.spare_bytes)
-        core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", 0, True,
+        core = Core(len(eng.seqs), eng.batching, eng.memory.kind == "plain", ram, True,
                     eng.n_ctx)
         shapes = shapes or Shapes(eng.decode_shape, True, "")
         eng.decode_shape = shapes.decode
@@ -321,6 +321,38 @@ def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None
     arrived = order.index("short")
     beside = sum(run == "long" for run in order[arrived:last])
     assert beside <= 3, f"the long prefill ran {beside} batches before the short one ended"
+
+
+def test_a_slot_given_away_waits_for_the_short_request_before_another_step(name: str) -> None:
+    """A preemption (policies.preempt): the run prefilling on slot 0 is cancelled to give its
+    slot to a short request, whose job comes once its client has seen the run end (as the proxy
+    sends it). The worker holds its next step for that job rather than start another of slot
+    1's prefill batches, which the short request would wait for (seconds each on a CPU deep in
+    a context); the short prompt then runs first (due first) and computes what it does alone."""
+    long, other = _ids(name, 12 * SLOT_BATCH, 11), _ids(name, 14 * SLOT_BATCH + 8, 12)
+    short = _ids(name, SLOT_BATCH + 20, 13)
+    want = _alone(name, [short], gen=1)[0]
+    eng = _engine(name, 2)
+    try:
+        w = Worker(eng, ram=-1)
+        w.submit("other", other, 1, gen=1)
+        w.submit("long", long, 0, gen=1)
+        while sum(isinstance(e, Prefill) for e in w.of("long")) < 2:
+            time.sleep(0.001)
+        w.loop.cancel("long", prefilling=True)
+        w.wait("long")
+        time.sleep(0.02)  # the proxy's round trip: the run's end read, the slot handed on
+        w.submit("short", short, 0, gen=1)
+        w.wait("short", "other")
+        w.stop()
+    finally:
+        eng.close()
+    assert w.logits[0][-1] == want[0][0], "the short prompt differs from it alone"
+    steps = [(run, e) for _, run, e in w.events if isinstance(e, Prefill | Cancelled)]
+    names = [run for run, _ in steps]
+    given = next(i for i, (_, e) in enumerate(steps) if isinstance(e, Cancelled))
+    between = names[given + 1:names.index("short")]
+    assert between == [], f"slot 1 ran {len(between)} batches while its job was on its way"
 
 
 def test_a_generating_slot_is_not_slowed_to_a_token_per_prefill_batch(name: str) -> None:
