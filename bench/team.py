@@ -286,9 +286,11 @@ class Result:
     prompt: int
     fresh: int  # prompt tokens prefilled (not from any cache)
     source: str  # prefixgate's cache source; "-" for llama-server
+    sent_s: float = 0.0  # when it was sent, from the replay's start
 
 
-def send(port: int, req: Request, llama_server: bool) -> Result:
+def send(port: int, req: Request, llama_server: bool, t0: float) -> Result:
+    sent = time.perf_counter() - t0
     if llama_server:
         path, body = "/v1/completions", {
             "prompt": req.text, "max_tokens": req.body["max_tokens"], "temperature": 0,
@@ -305,7 +307,7 @@ def send(port: int, req: Request, llama_server: bool) -> Result:
         prompt = int(u.get("prompt_tokens", 0))
         cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         fresh, source = prompt - cached, r.headers.get("x-prefixgate-cache-source", "?")
-    return Result(req.cls, req.name, r.ttft_s, r.total_s, prompt, fresh, source)
+    return Result(req.cls, req.name, r.ttft_s, r.total_s, prompt, fresh, source, round(sent, 2))
 
 
 def replay(port: int, trace: dict[str, list[Request]], llama_server: bool) -> list[Result]:
@@ -314,11 +316,12 @@ def replay(port: int, trace: dict[str, list[Request]], llama_server: bool) -> li
     lock = threading.Lock()
     threads: list[threading.Thread] = []
     errors: list[BaseException] = []
+    t0 = time.perf_counter()
 
     def go(reqs: list[Request]) -> None:
         try:
             for r in reqs:
-                res = send(port, r, llama_server)
+                res = send(port, r, llama_server, t0)
                 with lock:
                     results.append(res)
         except BaseException as e:  # noqa: BLE001 - reported after the join
@@ -620,7 +623,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"2 subagents {k.sub_tokens} tokens x {k.sub_turns} turns, "
                     f"{len(trace['background'])} background requests, max_tokens "
                     f"{k.max_tokens}",
-           "arms": results, "checks": checks}
+           "arms": results, "checks": checks,
+           # every round's requests per arm (the table reads the first round's)
+           "rounds": [{arm: rd[arm]["requests"] for arm in arms} for rd in rounds]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "team.json").write_text(json.dumps(res, indent=1))
