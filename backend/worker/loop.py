@@ -74,7 +74,7 @@ class Loop:
         self.resting.set()
         self.clock = Clock()
         # (slot, until): a preemption emptied the slot for a short request whose job comes
-        # next; no step starts before it does, or until then (policies.preempt, HANDOVER_S)
+        # next; no step starts before a job does, or until then (policies.preempt, HANDOVER_S)
         self.handover: tuple[int, float] | None = None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="reader")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="writer")
@@ -157,8 +157,8 @@ class Loop:
         """Apply an input and do its effects, each result applied at once (depth first)."""
         if isinstance(inp, Arrive) and not inp.job.stream:
             self.quiet.add(inp.job.run_id)
-        if isinstance(inp, Arrive) and self.handover and self.handover[0] == inp.job.slot:
-            self.handover = None
+        if isinstance(inp, Arrive):  # the job the slot was given away for (or another: the
+            self.handover = None  # proxy's round trip is over either way)
         given = next((s for s, j in self.core.jobs.items() if j.job.run_id == inp.run_id),
                      None) if isinstance(inp, CancelRun) and inp.prefilling else None
         try:
