@@ -9,6 +9,7 @@
     ├── NotFound (404, not_found_error)
     ├── MethodNotAllowed (405, invalid_request_error)
     ├── QueueFull (429, rate_limit_error)            with Retry-After
+    ├── NotSupported (501, not_supported_error)      llama-server's: a feature not served
     └── WorkerFailed (503/500, api_error)             the worker died or is unreachable
 
 Cache faults are not here: they never reach a client (they degrade to a miss).
@@ -95,6 +96,11 @@ class NotFound(ApiError):
 class MethodNotAllowed(ApiError):
     status = 405
     kind = "invalid_request_error"
+
+
+class NotSupported(ApiError):
+    status = 501
+    kind = "not_supported_error"
 
 
 class QueueFull(ApiError):

@@ -8,6 +8,8 @@ with them (issue 21):
                          it (normalized and laid out stable first, as a request would be)
     GET  /slots          every slot of every worker: id, worker, slot, n_ctx, is_processing,
                          live_tokens, a hash of the tenant whose KV it holds, exact
+    POST /slots/{id}     (save, restore, erase by file name: --slot-save-path's) a 501, as
+                         llama-server answers without that option: the states are kept here
     POST /completion     llama-server's native completion: {"prompt", "n_predict" (-1: to the
                          context's end), "stream", "stop", "temperature", "top_k", "top_p",
                          "min_p", "seed", "json_schema", "grammar", llama-server's other
@@ -55,7 +57,7 @@ from proxy.edge import (
     sse_response,
     with_pings,
 )
-from proxy.errors import ApiError, BadRequest, openai_response
+from proxy.errors import ApiError, BadRequest, NotSupported, openai_response
 from proxy.gateway import tenant_id
 from proxy.limits import Limits, check_request
 from proxy.limits import load as load_json
@@ -118,6 +120,16 @@ async def slots(request: web.Request) -> web.Response:
     key = check_auth(request)
     mine = tenant_id(key) if request.app[CONFIG].tenant_isolation else None
     return web.json_response(slots_json(request.app, mine))
+
+
+async def slot_action(request: web.Request) -> web.Response:
+    """llama-server's POST /slots/{id}?action=save|restore|erase, which it serves with
+    --slot-save-path: here every prompt's state is kept and found by its prefix, so there is
+    nothing to save or restore by name (llama-server's own answer without the option)."""
+    check_auth(request)
+    raise NotSupported("saving, restoring and erasing slots by file name is not supported: "
+                       "prefixgate keeps every prompt's state on disk itself and restores it "
+                       "for any request that begins with the same tokens")
 
 
 def slots_json(app: web.Application, mine: str | None = None) -> list[dict[str, Any]]:
@@ -214,6 +226,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
 def add_routes(app: web.Application, health: Any, models: Any) -> None:
     app.router.add_get("/slots", slots)
+    app.router.add_post("/slots/{id_slot}", slot_action)
     app.router.add_post("/completion", completion)
     app.router.add_post("/completions", completion)
     app.router.add_post("/tokenize", _handler(tokenize))

@@ -150,6 +150,8 @@ _IGNORED_GROUPS: dict[str, tuple[str, ...]] = {
     "prefixgate lays out the slots' KV memory itself": ("-kvu", "--kv-unified", "-no-kvu",
                                                         "--no-kv-unified",
                                                         "--kv-unified-per-slot"),
+    _OWN_CACHE + " (every state is kept on disk and found by its prefix; POST /slots save "
+    "and restore by file name are not served)": ("--slot-save-path",),
     "a slot is chosen by the longest prefix it shares with the prompt":
         ("-sps", "--slot-prompt-similarity"),
     "the context is never shifted: a prompt longer than a slot is refused":
@@ -238,8 +240,6 @@ _REFUSED_GROUPS: dict[str, tuple[str, ...]] = {
         "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json", "-ag"),
     "serving several models (router mode) is not supported": (
         "--models-dir", "--models-preset", "--models-max", "--models-autoload"),
-    "saving slots to files is not supported (the disk cache keeps states)":
-        ("--slot-save-path",),
     "returning the model's output unparsed is not supported yet": ("--skip-chat-parsing",),
     "logging as JSON or each prompt to a file is not supported (prefixgate logs plain "
     "lines)": ("--log-jsonl", "--log-prompts-dir"),

@@ -87,6 +87,15 @@ def test_health_models_and_props_in_llama_servers_shapes(server: Server) -> None
         props["build_info"]
 
 
+def test_slot_save_and_restore_by_name_is_llama_servers_501(server: Server) -> None:
+    """--slot-save-path is taken (a note: the states are kept here by their prefix); its
+    actions answer as llama-server's do without it, in the OpenAI error shape."""
+    for action in ("save", "restore", "erase"):
+        status, err = post(server, f"/slots/0?action={action}", {"filename": "a.bin"})
+        assert status == 501 and err["error"]["type"] == "not_supported_error", err
+        assert "restores it for any request" in err["error"]["message"]
+
+
 FORECAST = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
             "properties": {"city": {"type": "string", "maxLength": 20},
                            "days": {"type": "integer", "minimum": 1, "maximum": 9}}}

@@ -108,6 +108,15 @@ def test_slots_share_the_context_as_in_llama_server(capsys: pytest.CaptureFixtur
     assert not serve_config(["-np", "2"], environ={"LLAMA_ARG_N_PARALLEL": "-1"}).llama_notes
 
 
+def test_a_slot_save_path_is_taken_with_a_note() -> None:
+    """llama-server's compose files often carry --slot-save-path: prefixgate keeps its
+    states itself, so the start goes on and one line says what the option would have done."""
+    cfg = serve_config(["--slot-save-path", "/data/slots", "-c", "2048"], environ={})
+    assert cfg.n_ctx == 2048
+    assert [n for n in cfg.llama_notes if n.startswith("--slot-save-path") and
+            "POST /slots save and restore" in n], cfg.llama_notes
+
+
 def test_what_is_not_supported_yet_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         serve_config(["-sm", "diagonal", "--api-key", SECRET], environ={})
