@@ -267,16 +267,14 @@ def chosen(device: str = "", split_mode: str = "layer", main_gpu: int = 0
     return gpus
 
 
-def check_gpu_layers(n_gpu_layers: int) -> list[dict[str, Any]]:
-    """The devices GPU layers can go to; GPU layers on a build that has none is a ValueError
-    that says how to fix it: llama.cpp would run them on the CPU without a word."""
-    gpus = offload_devices()
-    if n_gpu_layers and not gpus:
+def check_gpu_layers(n_gpu_layers: int) -> None:
+    """GPU layers on a build that has no device to offload to is a ValueError that says how to
+    fix it: llama.cpp would run them on the CPU without a word."""
+    if n_gpu_layers and not offload_devices():
         raise ValueError(
             f"-ngl {'all' if n_gpu_layers < 0 else n_gpu_layers} asks for GPU layers, but this "
             "llama-cpp-python has no GPU backend (a CPU-only build): install the CUDA build "
             "(`make serve GPU=cuda`, or deploy/Dockerfile; see the README), or give -ngl 0")
-    return gpus
 
 
 def compute_identity(gpus: list[dict[str, Any]], cpu_computes: bool, repack: bool = True

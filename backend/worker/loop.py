@@ -73,9 +73,9 @@ class Loop:
         self.resting = threading.Event()  # set while no slot has compute to do
         self.resting.set()
         self.clock = Clock()
-        # (slot, until): a preemption emptied the slot for a short request whose job comes
-        # next; no step starts before a job does, or until then (policies.preempt, HANDOVER_S)
-        self.handover: tuple[int, float] | None = None
+        # a preemption emptied a slot for a short request whose job comes next: no step
+        # starts before a job does, or before this time (policies.preempt, HANDOVER_S; 0: none)
+        self.handover_until = 0.0
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="reader")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="writer")
         self.runner = Runner(engine, tiers, self._write)
@@ -111,16 +111,16 @@ class Loop:
         while True:
             world = self._world()
             tasks = self.core.tasks(world)
-            while not tasks or not self.inbox.empty() or self.handover:  # wait for input when
-                if not tasks:  # there is no compute; else take what came
+            while not tasks or not self.inbox.empty() or self.handover_until:  # wait for
+                if not tasks:  # input when there is no compute; else take what came
                     self.resting.set()
+                wait = max(self.handover_until - time.perf_counter(), 0.0) \
+                    if tasks and self.handover_until else None
                 try:
-                    inp = self.inbox.get(timeout=None if not tasks or not self.handover else
-                                         max(self.handover[1] - time.perf_counter(), 0.0))
+                    inp = self.inbox.get(timeout=wait)
                 except queue.Empty:  # the short request's job did not come in time
-                    log.debug("preempt: no job came for slot %d", self.handover[0]
-                              if self.handover else -1)
-                    self.handover = None
+                    log.debug("preempt: no job came within the hand-over")
+                    self.handover_until = 0.0
                     break
                 if inp is None:
                     self.resting.set()
@@ -158,7 +158,7 @@ class Loop:
         if isinstance(inp, Arrive) and not inp.job.stream:
             self.quiet.add(inp.job.run_id)
         if isinstance(inp, Arrive):  # the job the slot was given away for (or another: the
-            self.handover = None  # proxy's round trip is over either way)
+            self.handover_until = 0.0  # proxy's round trip is over either way)
         given = next((s for s, j in self.core.jobs.items() if j.job.run_id == inp.run_id),
                      None) if isinstance(inp, CancelRun) and inp.prefilling else None
         try:
@@ -173,7 +173,7 @@ class Loop:
         for e in effects:
             self._do(e)
         if given is not None and given not in self.core.jobs:  # it gave its slot away
-            self.handover = (given, time.perf_counter() + HANDOVER_S)
+            self.handover_until = time.perf_counter() + HANDOVER_S
 
     def _do(self, e: Effect) -> None:
         if isinstance(e, Emit):
