@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -146,7 +146,42 @@ def probe_ids(eng: Engine) -> list[int]:
     return ids
 
 
-def run(eng: Engine) -> Report:
+class Progress:
+    """The probe tokens the check has prefilled over those it plans to (`planned`), told to
+    `report` (0..1) after each batch: on a CPU with a large batch (llama-server's `-ub 2048`)
+    the check prefills tens of thousands of tokens, for minutes on its first start."""
+
+    def __init__(self, planned: int, report: Callable[[float], None] | None) -> None:
+        self.planned, self.report, self.done = max(planned, 1), report, 0
+
+    def prefill(self, eng: Engine, slot: int, ids: list[int], stops_at: Sequence[int] = (),
+                on_stop: Callable[[int], None] | None = None) -> None:
+        """`Engine.prefill`, counted."""
+        last = eng.seqs[slot].n_live
+
+        def on_batch(n_live: int) -> None:
+            nonlocal last
+            self.done += max(n_live - last, 0)
+            last = n_live
+            if self.report is not None:
+                self.report(min(self.done / self.planned, 0.99))
+        eng.prefill(slot, ids, stops_at, on_stop, on_batch)
+
+
+def planned_tokens(eng: Engine) -> tuple[int, int]:
+    """(probe tokens, tokens the check prefills in all): the cold run, the live state extended
+    from the batch edge below half, each snapshot extended to the end, and with several slots
+    the last one again in another slot."""
+    ids = probe_ids(eng)
+    n, edges = len(ids), eng.batching.edges(ids)
+    points = sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < n})
+    live = n - edges.floor(n // 2) if eng.memory.kind != "recurrent" else 0
+    other = n - points[-1] if len(eng.seqs) > 1 and points else 0
+    return n, n + live + sum(n - p for p in points) + other
+
+
+def run(eng: Engine, progress: Callable[[float], None] | None = None) -> Report:
+    """The checks (module docstring); `progress` is told the fraction done after each batch."""
     t0 = time.perf_counter()
     if eng.inexact:  # a configuration no check can make exact
         return Report(False, (Row("configuration", False, eng.inexact),), 0, 0.0)
@@ -155,8 +190,9 @@ def run(eng: Engine) -> Report:
     sections = 2 if eng.memory.kind == "window" else 1
     points = sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < n})
     snaps: dict[int, bytes] = {}
+    done = Progress(planned_tokens(eng)[1], progress)
     eng.truncate(0, 0)
-    eng.prefill(0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
+    done.prefill(eng, 0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     cold_state, cold_logits = bytes(eng.snapshot(0)), eng.last_logits(0)
     verifies = eng.memory.kind != "recurrent" or eng.memory.rollback > 0
     cold_verify: dict[int, list[bytes]] = {}
@@ -174,7 +210,7 @@ def run(eng: Engine) -> Report:
         return Row(check, where is None, where or "")
 
     def extended(slot: int) -> tuple[bytes, np.ndarray]:
-        eng.prefill(slot, ids)
+        done.prefill(eng, slot, ids)
         return bytes(eng.snapshot(slot)), eng.last_logits(slot)
 
     if eng.memory.kind != "recurrent":  # the live state is the cold run's: cut it back first

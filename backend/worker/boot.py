@@ -161,12 +161,13 @@ def verdict_key(spec: WorkerSpec, engine: Engine, fingerprint: bytes) -> str:
     return verdicts.verdict_key(fingerprint, settings)
 
 
-def exactness(engine: Engine, worker_id: int, check: bool, key: str = ""
+def exactness(engine: Engine, worker_id: int, check: bool, key: str = "",
+              progress: Callable[[float], None] | None = None
               ) -> tuple[dict[str, Any], Proof]:
     """The start-up self-check's verdict, logged in one line, and what it proved of decode
     steps of several slots. Where it fails the worker reuses nothing. `key`: the verdict's name
     (`verdicts.verdict_key`); a passing verdict remembered under it stands for the check, a new
-    one is remembered ("": neither)."""
+    one is remembered ("": neither). `progress`: told the check's fraction done as it runs."""
     if not check:
         if engine.inexact:
             log.warning("worker %d: cache reuse off: %s", worker_id, engine.inexact)
@@ -176,7 +177,11 @@ def exactness(engine: Engine, worker_id: int, check: bool, key: str = ""
     verdict = verdicts.recall(key) if key and not engine.inexact else None
     remembered = verdict is not None
     if verdict is None:
-        report = selfcheck.run(engine)
+        probe, total = selfcheck.planned_tokens(engine)
+        log.info("worker %d: checking exact reuse on this machine once (remembered after it "
+                 "passes): %d probe tokens in batches of %d, %d tokens to prefill", worker_id,
+                 probe, engine.batching.size, total)
+        report = selfcheck.run(engine, progress)
         verdict = dict(report.to_wire())
         if key and report.ok:
             verdicts.remember(key, verdict)
@@ -219,11 +224,12 @@ class Boot:
         spec = self.spec
         try:
             engine = load_engine(spec, self._progress)
-            self.phase, self.progress = "self-check", 1.0
+            self.phase, self.progress = "self-check", 0.0
             identity = replace(spec.identity, compute=engine.compute, batch=engine.n_batch)
             fingerprint = identity.fingerprint()
             key = verdict_key(spec, engine, fingerprint)
-            checked, proof = exactness(engine, spec.worker_id, spec.exact_check, key)
+            checked, proof = exactness(engine, spec.worker_id, spec.exact_check, key,
+                                       self._progress)
             shapes = choose_decode(spec.deterministic, proof, spec.parallel,
                                    on_instead(spec, engine))
             engine.decode_shape = shapes.decode

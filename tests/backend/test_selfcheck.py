@@ -29,10 +29,14 @@ SETTINGS = {
 def test_the_self_check_proves_exact_reuse(name: str, settings: dict[str, str]) -> None:
     eng = Engine(model_file(name), 4096, 2, GPU_LAYERS, n_batch=BATCH,
                  **settings)  # type: ignore[arg-type]
-    report = selfcheck.run(eng)
+    seen: list[float] = []
+    report = selfcheck.run(eng, seen.append)
     eng.close()
     assert report.ok, report.failure
     assert report.decode is None, "one slot: no decode steps to batch"
+    # its progress (the loading worker's /health while it runs) rises batch by batch to about
+    # all it planned, and never says done before it is
+    assert len(seen) > 3 and seen == sorted(seen) and 0.9 <= seen[-1] <= 0.99, seen
     checks = [r.check.split("@")[0] for r in report.rows]
     assert checks.count("restore") == 2
     assert checks.count("live") == (0 if name == "qwen35" else 1)
