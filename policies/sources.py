@@ -33,6 +33,11 @@ Rules:
    pulled from the shared tier, then a whole state before one cut back, then the nearer tier,
    then the caller's order. The first is loaded; the others are fallbacks, tried in
    turn when one fails (a broken file, a shared entry gone).
+5. A prompt whose first tokens another slot is prefilling right now (subagents of one kind
+   started at once, with the same system prompt and tools) waits for that slot to pass them
+   and copies them, where that saves at least one batch over the best start it has now
+   (`follows`): computed twice side by side, they would take the device from each other and
+   end no sooner. The copy is a ``slot`` candidate then, under rules 1-4.
 
 Pure: plain data in, a value out.
 """
@@ -92,3 +97,9 @@ def choose_start(keep: int, candidates: Sequence[Candidate], limit: int, cuts: b
     skipped = longest if longest is not None and longest not in paying and (
         not order or min(longest.n_tokens, limit) > min(order[0].n_tokens, limit)) else None
     return Start(tuple(order), skipped)
+
+
+def follows(now: int, shared: int, batch: int) -> bool:
+    """Rule 5: wait for another slot's prefill to hold `shared` tokens of the prompt, where the
+    best start now holds `now` of them."""
+    return shared - now >= batch

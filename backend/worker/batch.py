@@ -64,11 +64,14 @@ def pads_here(eng: Engine, type_k: str, type_v: str) -> bool:
             and eng.n_batch >= FA_TILE)
 
 
-def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
+def measure(eng: Engine, batch: bool, pad: bool,
+            progress: Callable[[float], None] | None = None) -> dict[str, Any]:
     """{"depth", "pad_s": seconds of a batch of each of PAD_ROWS rows `depth` tokens into slot 0
     (where `pad`), "batch_depth", "token_s": seconds per prefilled token in batches of 128 and
     512 `batch_depth` tokens in (where `batch`)}; slot 0 is left empty; the parts that could
-    not be measured (a state that cannot be cut back) are left out."""
+    not be measured (a state that cannot be cut back) are left out. `progress`: told the
+    share of the tokens to evaluate evaluated, after each batch (a big model on a CPU measures
+    for minutes on its first start)."""
     batch, step = batch and eng.n_batch >= GPU_BATCH, eng.n_batch
     pad = pad and step >= FA_TILE
     if not batch and not pad:
@@ -80,13 +83,23 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
     ids = selfcheck.random_ids(eng, max(depth, batch_depth) + GPU_BATCH, 11)
     out: dict[str, Any] = {"depth": depth}
     least: dict[int, float] = {}
+    planned = max(depth + REPS * sum(PAD_ROWS) * pad + (
+        batch_depth - depth + CPU_BATCH + REPS * 2 * GPU_BATCH if batch else 0), 1)
+    done = 0
+
+    def evaluate(b: list[int]) -> None:
+        nonlocal done
+        eng.evaluate([(0, b)])
+        done += len(b)
+        if progress is not None:
+            progress(min(done / planned, 1.0))
 
     def timed(at: int, key: int, batches: list[list[int]]) -> bool:
         if eng.truncate(0, at) != at:
             return False
         t = time.perf_counter()
         for b in batches:
-            eng.evaluate([(0, b)])
+            evaluate(b)
         dt = time.perf_counter() - t
         least[key] = min(least.get(key, dt), dt)
         return True
@@ -95,7 +108,7 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
         if eng.truncate(0, start) != start:
             return False
         for i in range(start, end, step):
-            eng.evaluate([(0, ids[i:i + step])])
+            evaluate(ids[i:i + step])
         return True
     try:
         prefill(0, depth)
@@ -110,7 +123,7 @@ def measure(eng: Engine, batch: bool, pad: bool) -> dict[str, Any]:
             return out
         out["batch_depth"] = batch_depth
         at = batch_depth
-        eng.evaluate([(0, ids[at:at + CPU_BATCH])])  # the graph of 128 built once
+        evaluate(ids[at:at + CPU_BATCH])  # the graph of 128 built once
         for _ in range(REPS):
             for size in (CPU_BATCH, GPU_BATCH):
                 if not timed(at, size, [ids[i:i + size] for i in range(at, at + GPU_BATCH,
@@ -146,9 +159,9 @@ def _seconds(d: Any) -> dict[int, float]:
 
 
 def engine(name: str, worker_id: int, make: Callable[[int], Engine], batch: int,
-           types: tuple[str, str]) -> Engine:
+           types: tuple[str, str], progress: Callable[[float], None] | None = None) -> Engine:
     """The engine at the batch given or measured, with the padding measured where it may pay
-    (or both remembered under `name`), each choice said."""
+    (or both remembered under `name`), each choice said; `progress`: the measure's (`measure`)."""
     kept = measured.recall(KIND, name)
     eng, when = None, "remembered"
     if kept is None:
@@ -156,7 +169,7 @@ def engine(name: str, worker_id: int, make: Callable[[int], Engine], batch: int,
         if batch and not pads_here(eng, *types):
             return eng  # nothing to measure
         t = time.perf_counter()
-        kept = measure(eng, not batch, pads_here(eng, *types))
+        kept = measure(eng, not batch, pads_here(eng, *types), progress)
         when = f"measured at start in {time.perf_counter() - t:.1f} s"
         measured.remember(KIND, name, kept)
     token_s, pad_s = _seconds(kept.get("token_s")), _seconds(kept.get("pad_s"))

@@ -101,11 +101,12 @@ def draft_identity(identity: keys.CacheIdentity, model: DraftModel) -> keys.Cach
                    compute=eng.compute)
 
 
-def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None) -> Engine:
+def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = None,
+                measuring: Callable[[float], None] | None = None) -> Engine:
     """The worker's engine, as `serve` and `prefixgate doctor` load it; on a CPU, at the batch
     and flash attention padding `backend.worker.batch` measures (where not given). `progress`
     follows the first load only: an engine made again at the batch measured (from the page
-    cache) must not send it back to 0."""
+    cache) must not send it back to 0; `measuring`, the measure's."""
     made = 0
 
     def make(n_batch: int) -> Engine:
@@ -123,7 +124,7 @@ def load_engine(spec: WorkerSpec, progress: Callable[[float], None] | None = Non
     if not measured_at_start(spec.n_gpu_layers, spec.batch, spec.flash_attn):
         return make(spec.batch)
     return measured_engine(measure_name(spec), spec.worker_id, make, spec.batch,
-                           (spec.type_k, spec.type_v))
+                           (spec.type_k, spec.type_v), measuring)
 
 
 def measure_name(spec: WorkerSpec) -> str:
@@ -201,6 +202,9 @@ def exactness(engine: Engine, worker_id: int, check: bool, key: str = "",
     return {"checked": True, **verdict, "remembered": remembered}, proof
 
 
+MEASURING = "measuring prefill batches on this CPU (once)"
+
+
 class Boot:
     """The worker from its first second (module docstring). The load runs on its own thread; a
     load that fails stops the process with its one-line reason."""
@@ -215,6 +219,9 @@ class Boot:
         # a test's injected fault (PREFIXGATE_FAULT=slow-load): a disk that reads slowly
         self.slow = os.environ.get("PREFIXGATE_FAULT", "") == "slow-load"
 
+    def _measuring(self, p: float) -> None:
+        self.phase, self.progress = MEASURING, p
+
     def _progress(self, p: float) -> None:
         self.progress = p
         if self.slow:
@@ -223,7 +230,7 @@ class Boot:
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         spec = self.spec
         try:
-            engine = load_engine(spec, self._progress)
+            engine = load_engine(spec, self._progress, self._measuring)
             self.phase, self.progress = "self-check", 0.0
             identity = replace(spec.identity, compute=engine.compute, batch=engine.n_batch)
             fingerprint = identity.fingerprint()

@@ -25,7 +25,9 @@ A job's life (the events are `backend.protocol`'s, in its order):
    is a `Fault` in `Start` and the next candidate is tried; then whatever was loaded is cut back
    to what the prompt may keep (`Cut`), and `Start` is emitted (and the `Saved` of an entry
    pulled from the shared tier: a local entry now). Snapshots behind the reuse are copied from
-   the live KV (`Snapshot`, `behind`).
+   the live KV (`Snapshot`, `behind`). Where another slot is prefilling the prompt's first
+   tokens (rule 5 of `policies.sources`), the job first follows it: no compute of its own
+   until that slot holds them (or ends, or generates), then its start is chosen again.
 3. **Prefill.** A task for the scheduler (`tasks()`, `policies.schedule`) until the prompt is
    evaluated: each `Prefill` step one batch of the cold run's; after each, `Prefill` is emitted
    and a save point reached is snapshotted. The step that evaluates the last batch samples at
@@ -92,7 +94,7 @@ from policies.costs import Costs
 from policies.decide import Save
 from policies.prefix import Batching, Edges, live_reuse
 from policies.schedule import Task
-from policies.sources import COST_SOURCE, Candidate, Tier, choose_start
+from policies.sources import COST_SOURCE, Candidate, Tier, choose_start, follows
 
 # --- the machine --------------------------------------------------------------------------------
 
@@ -115,7 +117,7 @@ class _Job:
     from_memory: int = 0  # tokens restored from memory (another slot, a held state)
     saves: dict[int, Save] = field(default_factory=dict)
     pending: int = 0  # writes begun
-    phase: str = "start"  # start | prefill | generate | waits
+    phase: str = "start"  # start | follows | prefill | generate | waits
     prefill_from: int = 0
     busy_s: float = 0.0  # seconds its prefill batches took
     generating_s: float = 0.0  # when its generation began
@@ -125,6 +127,7 @@ class _Job:
     came_s: float = 0.0  # when its request came to the server (the worker's clock)
     drafts: SlotDrafts | None = None  # its speculation, while it generates
     fills: bool = False  # its draft model prefills its prompt (a `Filling` came, no step yet)
+    leader: tuple[int, str, int] = (-1, "", 0)  # it follows: (slot, run, tokens it waits for)
 
 
 @dataclass(slots=True)
@@ -164,6 +167,11 @@ class Core:
                                 fills=j.fills))
         return out
 
+    @property
+    def following(self) -> bool:
+        """A job waits for another slot's prefill (it starts from the memory when it wakes)."""
+        return any(j.phase == "follows" for j in self.jobs.values())
+
     def waiting(self, slot: int) -> int:
         """The token the slot's decode evaluates."""
         return self.jobs[slot].token
@@ -176,12 +184,18 @@ class Core:
     # --- inputs -----------------------------------------------------------------------------
 
     def apply(self, inp: Input, world: World) -> list[Effect]:
+        effects = self._apply(inp, world)
+        if self.following:
+            effects += self._wake(world)
+        return effects
+
+    def _apply(self, inp: Input, world: World) -> list[Effect]:
         if isinstance(inp, Arrive):
             return self._arrive(inp.job, world)
         if isinstance(inp, CancelRun):
             slot = next((s for s, j in self.jobs.items() if j.job.run_id == inp.run_id), None)
             phase = self.jobs[slot].phase if slot is not None else ""
-            if slot is None or inp.prefilling and phase not in ("start", "prefill"):
+            if slot is None or inp.prefilling and phase not in ("start", "follows", "prefill"):
                 return []  # ended, or a preemption that came after its first sample
             if inp.prefilling and phase == "prefill" and (
                     self.ram_budget == 0 or 0 < self.ram_budget < world.slots[slot].nbytes):
@@ -231,11 +245,56 @@ class Core:
         if self.exact and self.ram_budget != 0:
             effects += self._give_way(slot, job, ids, keep, live)
         if self.exact:
-            cands = self._memory(slot, job, ids, edges, limit, world) + [
-                Candidate(r.tier, r.n_tokens, True, r.size_bytes, -1 - i)
-                for i, r in enumerate(plan.restore) if r.n_tokens in edges]
-            j.order = list(choose_start(keep, cands, limit, self.cuts, self.costs).order)
+            j.order = self._order(slot, j, world)
+            leader = self._leader(slot, j, world)
+            if leader is not None:
+                j.phase, j.leader = "follows", leader
+                return effects
         return effects + self._attempt(slot, j, world)
+
+    def _order(self, slot: int, j: _Job, world: World) -> list[Candidate]:
+        """The states its prompt may start from, best first (`policies.sources.choose_start`)."""
+        cands = self._memory(slot, j.job, j.ids, j.edges, j.limit, world) + [
+            Candidate(r.tier, r.n_tokens, True, r.size_bytes, -1 - i)
+            for i, r in enumerate(j.job.plan.restore) if r.n_tokens in j.edges]
+        return list(choose_start(j.keep, cands, j.limit, self.cuts, self.costs).order)
+
+    def _leader(self, slot: int, j: _Job, world: World) -> tuple[int, str, int] | None:
+        """Another slot prefilling this prompt's first tokens, worth waiting for (rule 5 of
+        `policies.sources`): (its slot, its run, the batch edge it is to reach), or None. Only
+        where a slot's live KV can be copied in part (plain attention, a RAM tier)."""
+        if not (self.cuts and self.ram_budget != 0):
+            return None
+        now = max([j.keep, *(min(c.n_tokens, j.limit) for c in j.order[:1])])
+        best: tuple[int, str, int] | None = None
+        for s, k in self.jobs.items():
+            if s == slot or k.phase != "prefill" or self.owners[s] != (j.job.tenant,
+                                                                        j.job.salt):
+                continue
+            n = min(len(k.ids), len(j.ids), j.limit)
+            differ = np.flatnonzero(k.ids[:n] != j.ids[:n])
+            shared = j.edges.floor(int(differ[0]) if len(differ) else n)
+            if shared > world.slots[s].n_live and follows(now, shared, self.batching.size) \
+                    and (best is None or shared > best[2]):
+                best = (s, k.job.run_id, shared)
+        return best
+
+    def _wake(self, world: World) -> list[Effect]:
+        """The jobs that follow another slot's prefill, once it holds what they wait for, or
+        ended, or went on to generate (then with what it left): their start chosen again."""
+        effects: list[Effect] = []
+        for slot, j in list(self.jobs.items()):
+            if j.phase != "follows":
+                continue
+            s, run, until = j.leader
+            k = self.jobs.get(s)
+            if k is not None and k.job.run_id == run and k.phase == "prefill" \
+                    and world.slots[s].n_live < until:
+                continue
+            j.phase, j.leader = "start", (-1, "", 0)
+            j.order = self._order(slot, j, world)
+            effects += self._attempt(slot, j, world)
+        return effects
 
     def _give_way(self, slot: int, job: Job, ids: Ids, keep: int, live: Live) -> list[Effect]:
         """The part of the live KV a next request could reuse, cut back to a batch edge, before
@@ -414,7 +473,7 @@ class Core:
         """A cancelled job ends here: what its prefill evaluated stays live (a retry reuses it),
         snapshots taken are still written."""
         j = self.jobs[slot]
-        if j.phase == "start":  # nothing of this prompt is in the slot: the KV is as it was
+        if j.phase in ("start", "follows"):  # nothing of this prompt is in the slot yet
             n, floor = 0, 0
         else:
             n, floor = reusable(world.slots[slot])

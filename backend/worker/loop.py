@@ -163,7 +163,8 @@ class Loop:
                      None) if isinstance(inp, CancelRun) and inp.prefilling else None
         try:
             effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive) or (
-                isinstance(inp, CancelRun) and inp.prefilling)))  # its state's size counts
+                isinstance(inp, CancelRun) and inp.prefilling)  # its state's size counts
+                or self.core.following))  # a job that follows may start from any of them
         except Exception:  # a bug: that job fails, the worker lives on
             log.exception("the worker's core failed on %s", type(inp).__name__)
             slot = getattr(inp, "slot", getattr(getattr(inp, "job", None), "slot", None))

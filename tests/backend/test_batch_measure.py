@@ -22,8 +22,11 @@ def test_the_measure_reads_the_padding_and_the_batch_within_the_slot(
     # 512 after it), not the 2,048 and 4,096 of a long slot
     eng = Engine(model_file("smollm2"), 1536, 2, 0, n_batch=GPU_BATCH, flash_attn="on")
     try:
-        got = batch.measure(eng, batch=True, pad=True)
+        seen: list[float] = []
+        got = batch.measure(eng, batch=True, pad=True, progress=seen.append)
         assert eng.seqs[0].n_live == 0, "the measured slot is left empty"
+        # the loading worker's progress while it measures: batch by batch, to all it planned
+        assert len(seen) > 4 and seen == sorted(seen) and seen[-1] == 1.0, seen
     finally:
         eng.close()
     assert got["depth"] == got["batch_depth"] == 512

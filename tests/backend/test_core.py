@@ -210,6 +210,54 @@ def test_a_prompt_borrows_the_part_it_shares_of_another_slots_live_kv() -> None:
     assert c.apply(Arrive(job(slot=0)), world(EMPTY, other)) == [Cut(0, 0), start(0)]
 
 
+def test_a_prompt_another_slot_is_prefilling_follows_it_and_copies_its_part() -> None:
+    """Two subagents started at once, with the same system prompt and tools: the second waits
+    for the first's prefill to pass the 32 tokens they share (none of its own compute: no task)
+    and copies them, instead of computing them again beside it."""
+    c = core()
+    c.owners = [("a", SALT), ("a", SALT)]
+    assert c.apply(Arrive(job(slot=0, run="first")), world(EMPTY, EMPTY)) == \
+        [Cut(0, 0), start(0, run="first")]
+    second = replace(job(slot=1, run="second"), ids=IDS[:36] + (7, 7, 7, 7))  # shares 36: edge 32
+    assert c.apply(Arrive(second), world(live(8), EMPTY)) == [], "it follows: nothing yet"
+    assert [t.slot for t in c.tasks(world(live(8), EMPTY))] == [0], "the follower computes nothing"
+    # the first's batches: at 24 it still waits; at 32 it copies the 32 from slot 0
+    assert c.apply(Stepped(0, 0.1), world(live(24), EMPTY)) == [Emit("first", Prefill(24))]
+    fx = c.apply(Stepped(0, 0.1), world(live(32, nbytes=100), EMPTY))
+    cand = Candidate("slot", 32, False, 100, 0)
+    assert fx == [Emit("first", Prefill(32)), Load(1, "second", cand, 32, src=0)]
+    fx = c.apply(Loaded(1, "second", cand, 32, 0.01), world(live(32), live(32)))
+    assert fx == [Cut(1, 32), start(32, ram=32, run="second", tier="slot")]
+    assert [(t.slot, t.left) for t in c.tasks(world(live(32), live(32)))] == [(0, 8), (1, 8)]
+
+
+def test_a_follower_starts_from_what_is_there_when_its_leader_ends_or_is_cancelled() -> None:
+    c = core()
+    c.owners = [("a", SALT), ("a", SALT)]
+    c.apply(Arrive(job(slot=0, run="first")), world(EMPTY, EMPTY))
+    assert c.apply(Arrive(job(slot=1, run="second")), world(EMPTY, EMPTY)) == []
+    # a preemption of the follower itself ends it before it began: the slot's KV as it was
+    assert c.apply(CancelRun("second", prefilling=True), world(EMPTY, EMPTY)) == \
+        [Emit("second", Cancelled(0, 0, 0)), Finish(1)]
+    c.apply(Arrive(job(slot=1, run="third")), world(live(8), EMPTY))
+    # the leader cancelled at 16: the follower copies the 16 it left and prefills the rest
+    fx = c.apply(CancelRun("first"), world(live(16, nbytes=50), EMPTY))
+    cand = Candidate("slot", 16, False, 50, 0)
+    assert fx[-2:] == [Finish(0), Load(1, "third", cand, 16, src=0)]
+    # nothing to wait for: no follow where less than a batch would be saved, or no RAM tier
+    c = core()
+    c.owners = [("a", SALT), ("a", SALT)]
+    c.apply(Arrive(job(slot=0, run="first")), world(EMPTY, EMPTY))
+    # it shares 12 tokens with the first (the edge 8), and its own slot holds those 8 already
+    near = replace(job(slot=1, run="near"), ids=IDS[:12] + (7,) * 28)
+    assert c.apply(Arrive(near), world(live(0), live(8))) == [Cut(1, 8), start(8, run="near")]
+    c = core(ram=0)
+    c.owners = [("a", SALT), ("a", SALT)]
+    c.apply(Arrive(job(slot=0, run="first")), world(EMPTY, EMPTY))
+    assert c.apply(Arrive(job(slot=1, run="same")), world(EMPTY, EMPTY)) == \
+        [Cut(1, 0), start(0, run="same")]
+
+
 def test_prefill_snapshots_at_its_save_points_and_samples_after_its_last_batch() -> None:
     c = core()
     saves = (Save(8, "cold"), Save(24, "scoped"), Save(40, "full"), Save(36, "continued"))
