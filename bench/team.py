@@ -9,7 +9,8 @@
 The trace (synthetic, seeded, built here): a main Claude Code-shaped session (a system prompt
 with project notes, tool schemas; each turn appends an assistant tool call, its result and
 user text, about `--tail-tokens`), two subagent sessions started once the main session's
-second turn is answered (their own system prompt, the same tools), and background requests
+second turn is answered (their own system prompt, the same tools; with `--same-kind` one
+system prompt for both, as parallel subagents of one kind have), and background requests
 (a title after the first turn, a summary between later turns: about 300 tokens, sharing
 nothing with a session). Sent as clients send them: each session's turns one after another,
 the sessions and the background requests at the same time.
@@ -79,6 +80,7 @@ class Knobs:
     tail_tokens: int = 400
     max_tokens: int = 32
     seed: int = 0
+    same_kind: bool = False  # the two subagents of one kind: one system prompt, other tasks
 
 
 @dataclass(slots=True)
@@ -124,10 +126,12 @@ def make_trace(k: Knobs) -> dict[str, list[Request]]:
 
     trace = {"main": _session(rng, system("You are Claude Code, a coding agent.", k.main_tokens),
                               tools, k.turns, k.tail_tokens, k.max_tokens, "main", "main")}
+    kind = system("You are a subagent (general-purpose): do one task and report.",
+                  k.sub_tokens) if k.same_kind else ""
     for i in (1, 2):
         trace[f"sub{i}"] = _session(
-            rng, system(f"You are a subagent ({'search' if i == 1 else 'review'}): do one "
-                        "task and report.", k.sub_tokens),
+            rng, kind or system(f"You are a subagent ({'search' if i == 1 else 'review'}): do "
+                                "one task and report.", k.sub_tokens),
             tools, k.sub_turns, k.tail_tokens, k.max_tokens, "subagent", f"sub{i}")
     background = []
     for t in range(k.turns):
@@ -505,6 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--main-tokens", type=int, default=6000)
     p.add_argument("--sub-tokens", type=int, default=3000)
     p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--same-kind", action="store_true",
+                   help="both subagents of one kind (Claude Code's parallel Task calls): one "
+                   "system prompt, started at once with other tasks")
     p.add_argument("--tail-tokens", type=int, default=400)
     p.add_argument("--slot-ctx", type=int, default=12288)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -535,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"llama-server not found ({args.llama_server}); build it from the "
                          "llama-cpp-python sdist (README: benchmarks) and pass --llama-server")
     k = Knobs(args.main_tokens, args.sub_tokens, args.turns, 3, args.tail_tokens,
-              args.max_tokens, args.seed)
+              args.max_tokens, args.seed, args.same_kind)
     trace = make_trace(k)
     work = Path(tempfile.mkdtemp(prefix="prefixgate-team-"))
     try:
