@@ -354,11 +354,12 @@ class Identity:
 class Loading:
     """A loading worker's `/health` (503): how far it got."""
 
-    phase: str  # "loading the model", "self-check"
-    progress: float  # 0..1 (llama.cpp's progress callback)
+    phase: str  # "loading the model", "measuring prefill batches ...", "self-check"
+    progress: float  # 0..1, the model's load (llama.cpp's progress callback): only rises
     worker_id: int
     pid: int
     seconds: float  # since it started
+    step: float  # 0..1, the phase's own progress (the load's, then the measure's, the check's)
 
     def to_wire(self) -> dict[str, Any]:
         return {"ready": False, "status": "loading", **asdict(self)}

@@ -73,16 +73,17 @@ class RadixTree:
     def match(self, ids: Sequence[int]) -> list[tuple[int, bytes]]:
         """Every stored prefix of ``ids``: ``(n_tokens, key)``, longest first."""
         packed = packed_of(ids)
+        view = memoryview(packed).cast("i")  # ids read in C (a prompt's path: 80+ nodes)
         found: list[tuple[int, bytes]] = []
-        node, pos = self._root, 0
-        while pos < len(ids):
-            child = node.children.get(ids[pos])
+        node, pos, end = self._root, 0, len(view)
+        while pos < end:
+            child = node.children.get(view[pos])
             if child is None:
                 break
-            n = len(child.run)
-            if not packed.startswith(child.run.packed, pos * ID_BYTES):
+            run = child.run.packed
+            if not packed.startswith(run, pos * ID_BYTES):
                 break  # the prompt ends or diverges inside this run: no entry there
-            node, pos = child, pos + n
+            node, pos = child, pos + len(run) // ID_BYTES
             if node.key is not None:
                 found.append((pos, node.key))
         found.reverse()

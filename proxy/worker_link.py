@@ -332,10 +332,11 @@ def child_env(root: str | Path) -> dict[str, str]:
 
 
 def loading_note(status: Loading | None) -> str:
-    """"loading the model 42%" from a loading worker's /health ("starting" before it answers)."""
+    """"loading the model 42%" from a loading worker's /health ("starting" before it answers):
+    its phase and how far into it (the self-check counts its own batches)."""
     if status is None:
         return "starting"
-    return f"{status.phase} {status.progress:.0%}"
+    return f"{status.phase} {status.step:.0%}"
 
 
 def worker_gpus(visible: str | None, workers: int, worker_id: int, n_gpu_layers: int

@@ -211,7 +211,7 @@ class Boot:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.phase, self.progress = "loading the model", 0.0
+        self.phase, self.progress, self.step = "loading the model", 0.0, 0.0
         self.worker: Worker | None = None  # set once it serves
         self.shapes: Shapes | None = None
         self.error = ""
@@ -220,10 +220,13 @@ class Boot:
         self.slow = os.environ.get("PREFIXGATE_FAULT", "") == "slow-load"
 
     def _measuring(self, p: float) -> None:
-        self.phase, self.progress = MEASURING, p
+        self.phase, self.step = MEASURING, p
+
+    def _checking(self, p: float) -> None:
+        self.step = p
 
     def _progress(self, p: float) -> None:
-        self.progress = p
+        self.progress = self.step = p
         if self.slow:
             time.sleep(0.02)
 
@@ -231,12 +234,12 @@ class Boot:
         spec = self.spec
         try:
             engine = load_engine(spec, self._progress, self._measuring)
-            self.phase, self.progress = "self-check", 0.0
+            self.phase, self.progress, self.step = "self-check", 1.0, 0.0
             identity = replace(spec.identity, compute=engine.compute, batch=engine.n_batch)
             fingerprint = identity.fingerprint()
             key = verdict_key(spec, engine, fingerprint)
             checked, proof = exactness(engine, spec.worker_id, spec.exact_check, key,
-                                       self._progress)
+                                       self._checking)
             shapes = choose_decode(spec.deterministic, proof, spec.parallel,
                                    on_instead(spec, engine))
             engine.decode_shape = shapes.decode
@@ -304,7 +307,8 @@ class Boot:
             return await self.worker.health(request)
         return web.json_response(Loading(
             self.phase, round(self.progress, 3), self.spec.worker_id, os.getpid(),
-            round(time.monotonic() - self.started, 1)).to_wire(), status=503)
+            round(time.monotonic() - self.started, 1), round(self.step, 3)).to_wire(),
+            status=503)
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         if self.worker is None:
