@@ -178,10 +178,11 @@ def exactness(engine: Engine, worker_id: int, check: bool, key: str = "",
     verdict = verdicts.recall(key) if key and not engine.inexact else None
     remembered = verdict is not None
     if verdict is None:
-        probe, total = selfcheck.planned_tokens(engine)
-        log.info("worker %d: checking exact reuse on this machine once (remembered after it "
-                 "passes): %d probe tokens in batches of %d, %d tokens to prefill", worker_id,
-                 probe, engine.batching.size, total)
+        if not engine.inexact:  # (an inexact configuration fails without a check)
+            probe, total = selfcheck.planned_tokens(engine)
+            log.info("worker %d: checking exact reuse on this machine once (remembered after "
+                     "it passes): %d probe tokens in batches of %d, %d tokens to prefill",
+                     worker_id, probe, engine.batching.size, total)
         report = selfcheck.run(engine, progress)
         verdict = dict(report.to_wire())
         if key and report.ok:
