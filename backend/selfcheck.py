@@ -63,7 +63,7 @@ import numpy as np
 from backend import layout
 from backend.context import DecodeShape
 from backend.engine import Engine
-from policies.prefix import FA_TILE
+from policies.prefix import FA_TILE, Edges
 from policies.schedule import Proof
 
 log = logging.getLogger(__name__)
@@ -168,16 +168,27 @@ class Progress:
         eng.prefill(slot, ids, stops_at, on_stop, on_batch)
 
 
-def planned_tokens(eng: Engine) -> tuple[int, int]:
-    """(probe tokens, tokens the check prefills in all): the cold run, the live state extended
-    from the batch edge below half, each snapshot extended to the end, and with several slots
-    the last one again in another slot."""
+def _probe(eng: Engine) -> tuple[list[int], Edges, list[int]]:
+    """The probe's ids, their batch edges, and the two edges snapshotted: the first one and the
+    last one before the prompt's end."""
     ids = probe_ids(eng)
-    n, edges = len(ids), eng.batching.edges(ids)
-    points = sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < n})
+    edges = eng.batching.edges(ids)
+    return ids, edges, sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < len(ids)})
+
+
+def _planned(eng: Engine, n: int, edges: Edges, points: list[int]) -> int:
+    """Tokens the check prefills in all: the cold run, the live state extended from the batch
+    edge below half, each snapshot extended to the end, and with several slots the last one
+    again in another slot."""
     live = n - edges.floor(n // 2) if eng.memory.kind != "recurrent" else 0
     other = n - points[-1] if len(eng.seqs) > 1 and points else 0
-    return n, n + live + sum(n - p for p in points) + other
+    return n + live + sum(n - p for p in points) + other
+
+
+def planned_tokens(eng: Engine) -> tuple[int, int]:
+    """(probe tokens, tokens the check prefills in all), for the line said before it runs."""
+    ids, edges, points = _probe(eng)
+    return len(ids), _planned(eng, len(ids), edges, points)
 
 
 def run(eng: Engine, progress: Callable[[float], None] | None = None) -> Report:
@@ -185,12 +196,11 @@ def run(eng: Engine, progress: Callable[[float], None] | None = None) -> Report:
     t0 = time.perf_counter()
     if eng.inexact:  # a configuration no check can make exact
         return Report(False, (Row("configuration", False, eng.inexact),), 0, 0.0)
-    ids = probe_ids(eng)
-    n, edges = len(ids), eng.batching.edges(ids)
+    ids, edges, points = _probe(eng)
+    n = len(ids)
     sections = 2 if eng.memory.kind == "window" else 1
-    points = sorted({p for p in (edges.next(0), edges.keep_max) if 0 < p < n})
     snaps: dict[int, bytes] = {}
-    done = Progress(planned_tokens(eng)[1], progress)
+    done = Progress(_planned(eng, n, edges, points), progress)
     eng.truncate(0, 0)
     done.prefill(eng, 0, ids, points, lambda p: snaps.__setitem__(p, bytes(eng.snapshot(0))))
     cold_state, cold_logits = bytes(eng.snapshot(0)), eng.last_logits(0)

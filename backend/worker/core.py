@@ -89,6 +89,7 @@ from backend.worker.messages import (
     World,
     live_prefix,
     reusable,
+    shared_edge,
 )
 from policies.costs import Costs
 from policies.decide import Save
@@ -271,9 +272,7 @@ class Core:
             if s == slot or k.phase != "prefill" or self.owners[s] != (j.job.tenant,
                                                                         j.job.salt):
                 continue
-            n = min(len(k.ids), len(j.ids), j.limit)
-            differ = np.flatnonzero(k.ids[:n] != j.ids[:n])
-            shared = j.edges.floor(int(differ[0]) if len(differ) else n)
+            shared = shared_edge(k.ids, j.ids, j.edges, min(len(k.ids), len(j.ids), j.limit))
             if shared > world.slots[s].n_live and follows(now, shared, self.batching.size) \
                     and (best is None or shared > best[2]):
                 best = (s, k.job.run_id, shared)
@@ -325,9 +324,7 @@ class Core:
                     and 0 < live.nbytes and (self.ram_budget < 0
                                              or live.nbytes <= self.ram_budget)]
         for tier, ref, src, nbytes in sources:
-            n = min(len(src), len(ids), limit)
-            differ = np.flatnonzero(src[:n] != ids[:n])
-            e = edges.floor(int(differ[0]) if len(differ) else n)
+            e = shared_edge(src, ids, edges, min(len(src), len(ids), limit))
             whole = e == len(src) and tier != "slot"
             if e > 0 and (whole or (self.cuts and self.ram_budget != 0)):
                 out.append(Candidate(tier, e, whole, nbytes, ref))

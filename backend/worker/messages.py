@@ -42,15 +42,20 @@ class Live:
     nbytes: int = 0  # its state's size
 
 
+def shared_edge(other: Ids, ids: Ids, edges: Edges, n: int) -> int:
+    """The last batch edge of the prompt `ids` (`edges`) within the first `n` tokens it shares
+    with `other` (n at most both lengths)."""
+    differ = np.flatnonzero(other[:n] != ids[:n])
+    return edges.floor(int(differ[0]) if len(differ) else n)
+
+
 def live_prefix(live: Live, ids: Ids, edges: Edges, limit: int | None = None) -> int:
     """Tokens of the prompt `ids` the live KV holds exactly and can be cut back to, at a batch
     edge of the prompt (`edges`), at most `limit`."""
     n = min(live.exact_n, len(ids))
     if n == 0:
         return 0
-    differ = np.flatnonzero(live.ids[:n] != ids[:n])
-    n = int(differ[0]) if len(differ) else n
-    kept = live_reuse(edges.floor(n), live.n_live, live.floor)
+    kept = live_reuse(shared_edge(live.ids, ids, edges, n), live.n_live, live.floor)
     return kept if limit is None else min(kept, limit)
 
 
