@@ -3,13 +3,17 @@ share one system prompt and the tools and part at the user's task, sent together
 cold start (a new cache directory).
 
     python -m bench.fanout [--tree DIR ...] [--llama-server PATH] [--rounds N] [--words 1400]
+                           [-m MODEL.gguf] [-ub N]
 
 `--tree`: a prefixgate checkout to serve from (`-np 3`, its defaults; a worktree of an older
 commit for a before and after, its `.venv` beside it), in turn with the others, round after
 round. `--llama-server`: llama.cpp's server from the same llama.cpp, `-np 3 -c 65536 -t 2
 --jinja` (it renders the prompt with its own template: the token counts it prints differ).
-Prints each request's seconds to its answer's end (16 tokens at most: about its time to first
-token) per server and round; prefixgate's log lines (`ttft_s=`, `cached=`) are in the logs.
+`-m`: the model for every server (the embedded one if not given); `-ub`: the prefill batch for
+every server (else each its default; a prefixgate start on a CPU measures its own, once per
+cache directory). Prints each request's seconds to its answer's end (16 tokens at most: about
+its time to first token) per server and round; prefixgate's log lines (`ttft_s=`, `cached=`)
+are in the logs.
 """
 
 from __future__ import annotations
@@ -101,20 +105,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-server", default="")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--words", type=int, default=1400)
+    p.add_argument("-m", "--model", default="")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=0)
     a = p.parse_args(argv)
+    from proxy.config import default_model
+
+    model = a.model and str(Path(a.model).resolve()) or default_model()
+    same = ["-m", model, *(["-ub", str(a.ubatch_size)] if a.ubatch_size else [])]
     trees = [Path(t).resolve() for t in a.tree] or [ROOT]
     logs = Path(tempfile.mkdtemp(prefix="prefixgate-fanout-"))
     for r in range(a.rounds):
         for tree in trees:
             env = dict(os.environ, PREFIXGATE_CACHE_DIR=str(logs / f"cache-{r}-{tree.name}"))
-            got = serve([str(tree / ".venv/bin/python"), "-m", "proxy.cli", "serve", "-np", "3"],
-                        tree, env, logs / f"{tree.name}-{r}.log", a.words)
+            got = serve([str(tree / ".venv/bin/python"), "-m", "proxy.cli", "serve", "-np", "3",
+                         *same], tree, env, logs / f"{tree.name}-{r}.log", a.words)
             print(f"round {r} {tree}: {got} s (max {max(got)})", flush=True)
         if a.llama_server:
-            from proxy.config import default_model
-
-            got = serve([a.llama_server, "-m", default_model(), "-np", "3", "-c", "65536",
-                         "-t", "2", "--jinja"], ROOT, dict(os.environ),
+            got = serve([a.llama_server, *same, "-np", "3", "-c", "65536", "-t", "2",
+                         "--jinja"], ROOT, dict(os.environ),
                         logs / f"llama-server-{r}.log", a.words)
             print(f"round {r} llama-server: {got} s (max {max(got)})", flush=True)
     print(f"logs: {logs}")

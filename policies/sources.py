@@ -37,7 +37,9 @@ Rules:
    started at once, with the same system prompt and tools) waits for that slot to pass them
    and copies them, where that saves at least one batch over the best start it has now
    (`follows`): computed twice side by side, they would take the device from each other and
-   end no sooner. The copy is a ``slot`` candidate then, under rules 1-4.
+   end no sooner. The copy is a ``slot`` candidate then, under rules 1-4: whole where that
+   slot's state ends at the edge (a window or a recurrent state, which cannot be cut back to a
+   part, is copied at the moment its batch ends there).
 
 Pure: plain data in, a value out.
 """

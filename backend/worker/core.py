@@ -262,9 +262,12 @@ class Core:
 
     def _leader(self, slot: int, j: _Job, world: World) -> tuple[int, str, int] | None:
         """Another slot prefilling this prompt's first tokens, worth waiting for (rule 5 of
-        `policies.sources`): (its slot, its run, the batch edge it is to reach), or None. Only
-        where a slot's live KV can be copied in part (plain attention, a RAM tier)."""
-        if not (self.cuts and self.ram_budget != 0):
+        `policies.sources`): (its slot, its run, the batch edge it is to reach), or None. A
+        copy passes through host RAM: only with a RAM tier. Plain attention copies the part
+        from the slot's KV at any time; a window or a recurrent state is copied whole at the
+        moment that slot's KV ends at the edge (a batch of its prefill ends there: the edges
+        of two prompts are the same up to where they part, `policies.prefix.Batching`)."""
+        if self.ram_budget == 0:
             return None
         now = max([j.keep, *(min(c.n_tokens, j.limit) for c in j.order[:1])])
         best: tuple[int, str, int] | None = None
@@ -280,7 +283,9 @@ class Core:
 
     def _wake(self, world: World) -> list[Effect]:
         """The jobs that follow another slot's prefill, once it holds what they wait for, or
-        ended, or went on to generate (then with what it left): their start chosen again."""
+        ended, or went on to generate (then with what it left): their start chosen again. The
+        input that brings it there is the batch that ends at the edge: its KV ends there
+        still, as a whole copy of a window or a recurrent state needs."""
         effects: list[Effect] = []
         for slot, j in list(self.jobs.items()):
             if j.phase != "follows":
@@ -315,17 +320,18 @@ class Core:
         slots' live KV (its exact part), each up to the last batch edge it shares with the
         prompt. A copy of a live slot passes through host RAM: none larger than the budget."""
         out = []
-        sources: list[tuple[Tier, int, Ids, int]] = [
-            (h.tier, h.ref, h.ids, h.nbytes) for h in world.held
+        sources: list[tuple[Tier, int, Ids, int, bool]] = [
+            (h.tier, h.ref, h.ids, h.nbytes, True) for h in world.held
             if h.salt == job.salt and h.tenant == job.tenant]
-        sources += [("slot", s, live.ids[: live.exact_n], live.nbytes)
+        sources += [("slot", s, live.ids[: live.exact_n], live.nbytes,
+                     live.n_live == live.exact_n)  # its state ends where its exact part does
                     for s, live in enumerate(world.slots)
                     if s != slot and live.exact_n and self.owners[s] == (job.tenant, job.salt)
                     and 0 < live.nbytes and (self.ram_budget < 0
                                              or live.nbytes <= self.ram_budget)]
-        for tier, ref, src, nbytes in sources:
+        for tier, ref, src, nbytes, ends in sources:
             e = shared_edge(src, ids, edges, min(len(src), len(ids), limit))
-            whole = e == len(src) and tier != "slot"
+            whole = e == len(src) and ends
             if e > 0 and (whole or (self.cuts and self.ram_budget != 0)):
                 out.append(Candidate(tier, e, whole, nbytes, ref))
         return out

@@ -224,11 +224,34 @@ def test_a_prompt_another_slot_is_prefilling_follows_it_and_copies_its_part() ->
     # the first's batches: at 24 it still waits; at 32 it copies the 32 from slot 0
     assert c.apply(Stepped(0, 0.1), world(live(24), EMPTY)) == [Emit("first", Prefill(24))]
     fx = c.apply(Stepped(0, 0.1), world(live(32, nbytes=100), EMPTY))
-    cand = Candidate("slot", 32, False, 100, 0)
+    cand = Candidate("slot", 32, True, 100, 0)  # its state ends there: whole
     assert fx == [Emit("first", Prefill(32)), Load(1, "second", cand, 32, src=0)]
     fx = c.apply(Loaded(1, "second", cand, 32, 0.01), world(live(32), live(32)))
     assert fx == [Cut(1, 32), start(32, ram=32, run="second", tier="slot")]
     assert [(t.slot, t.left) for t in c.tasks(world(live(32), live(32)))] == [(0, 8), (1, 8)]
+
+
+def test_a_window_or_recurrent_state_is_followed_and_copied_whole_at_the_shared_edge() -> None:
+    """A memory that cannot be cut back to a part (a sliding window, a recurrent state): the
+    follower copies the first's whole state at the moment its batch ends at the edge they
+    share, before its next batch; a state that went past it is no copy, and it prefills."""
+    c = core(cuts=False)
+    c.owners = [("a", SALT), ("a", SALT)]
+    c.apply(Arrive(job(slot=0, run="first")), world(EMPTY, EMPTY))
+    second = replace(job(slot=1, run="second"), ids=IDS[:36] + (7, 7, 7, 7))  # shares 36: edge 32
+    assert c.apply(Arrive(second), world(live(8), EMPTY)) == [], "it follows"
+    assert c.apply(Stepped(0, 0.1), world(live(24, nbytes=90), EMPTY)) == \
+        [Emit("first", Prefill(24))], "24 is not the edge: no part of it is copied"
+    fx = c.apply(Stepped(0, 0.1), world(live(32, nbytes=100), EMPTY))
+    cand = Candidate("slot", 32, True, 100, 0)
+    assert fx == [Emit("first", Prefill(32)), Load(1, "second", cand, 32, src=0)]
+    # the first's state went on to 40: no copy of the 32 a third prompt shares with it
+    c.apply(Loaded(1, "second", cand, 32, 0.01), world(live(32), live(32)))
+    c.apply(Stepped(1, 0.1), world(live(32), live(40)))
+    c.apply(Sampled(1, 5, b"x", True), world(live(32), live(40)))  # the second ends
+    third = replace(job(slot=1, run="third"), ids=IDS[:36] + (8, 8, 8, 8))
+    assert c.apply(Arrive(third), world(live(40, exact=40, nbytes=120), EMPTY)) == \
+        [Cut(1, 0), start(0, run="third")]
 
 
 def test_a_follower_starts_from_what_is_there_when_its_leader_ends_or_is_cancelled() -> None:
@@ -242,7 +265,7 @@ def test_a_follower_starts_from_what_is_there_when_its_leader_ends_or_is_cancell
     c.apply(Arrive(job(slot=1, run="third")), world(live(8), EMPTY))
     # the leader cancelled at 16: the follower copies the 16 it left and prefills the rest
     fx = c.apply(CancelRun("first"), world(live(16, nbytes=50), EMPTY))
-    cand = Candidate("slot", 16, False, 50, 0)
+    cand = Candidate("slot", 16, True, 50, 0)
     assert fx[-2:] == [Finish(0), Load(1, "third", cand, 16, src=0)]
     # nothing to wait for: no follow where less than a batch would be saved, or no RAM tier
     c = core()

@@ -301,8 +301,9 @@ def test_a_prompt_another_slot_is_prefilling_is_copied_from_it_not_computed_agai
         name: str) -> None:
     """Rule 5 of policies.sources: two subagents started at once share their system prompt and
     tools; the second waits for the first's prefill to pass what they share and copies it
-    (plain attention: a slot's KV can be copied in part), computing only its own tail. Both
-    answer bit for bit as alone."""
+    (plain attention: that part of the slot's KV; a window or a recurrent state: the slot's
+    whole state as its batch ends at the edge), computing only its own tail. Both answer bit
+    for bit as alone."""
     shared = 3 * SLOT_BATCH + 20
     p = _ids(name, shared + 50, 11)
     q = p[:shared] + _ids(name, 70, 12)
@@ -315,16 +316,12 @@ def test_a_prompt_another_slot_is_prefilling_is_copied_from_it_not_computed_agai
         w.submit("second", q, 1, plan=reuse)
         w.wait("first", "second")
         w.stop()
-        copies = eng.memory.kind == "plain"
         edge = eng.batching.edges(q).floor(shared)
     finally:
         eng.close()
     for slot, run, ref in ((0, "first", want[0]), (1, "second", want[1])):
         assert (w.logits[slot], w.tokens(run)) == ref[:2], f"{run} differs from it alone"
     start = next(e for e in w.of("second") if isinstance(e, Start))
-    if not copies:  # a window or a recurrent state: each prefills its own
-        assert start.keep == 0
-        return
     assert (start.keep, start.tier) == (edge, "slot")
     order = [(run, e.n_live) for _, run, e in w.events if isinstance(e, Prefill)]
     first_own = order.index(next(o for o in order if o[0] == "second"))
