@@ -173,6 +173,15 @@ class Core:
         """A job waits for another slot's prefill (it starts from the memory when it wakes)."""
         return any(j.phase == "follows" for j in self.jobs.values())
 
+    def wakes_on(self, inp: Input) -> bool:
+        """Whether the input may wake a job that follows (`_wake`): only its leader's; the
+        others need not read every slot's state size (a dry run of llama.cpp's writer each)."""
+        leaders = {j.leader[:2] for j in self.jobs.values() if j.phase == "follows"}
+        if isinstance(inp, CancelRun):
+            return any(run == inp.run_id for _, run in leaders)
+        slot = inp.job.slot if isinstance(inp, Arrive) else getattr(inp, "slot", None)
+        return any(s == slot for s, _ in leaders)
+
     def waiting(self, slot: int) -> int:
         """The token the slot's decode evaluates."""
         return self.jobs[slot].token

@@ -164,7 +164,7 @@ class Loop:
         try:
             effects = self.core.apply(inp, self._world(full=isinstance(inp, Arrive) or (
                 isinstance(inp, CancelRun) and inp.prefilling)  # its state's size counts
-                or self.core.following))  # a job that follows may start from any of them
+                or self.core.wakes_on(inp)))  # a job that follows may start from any of them
         except Exception:  # a bug: that job fails, the worker lives on
             log.exception("the worker's core failed on %s", type(inp).__name__)
             slot = getattr(inp, "slot", getattr(getattr(inp, "job", None), "slot", None))

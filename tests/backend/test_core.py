@@ -231,6 +231,24 @@ def test_a_prompt_another_slot_is_prefilling_follows_it_and_copies_its_part() ->
     assert [(t.slot, t.left) for t in c.tasks(world(live(32), live(32)))] == [(0, 8), (1, 8)]
 
 
+def test_only_the_leaders_inputs_may_wake_a_follower() -> None:
+    """The loop reads every slot's state size (the full world) for an input that may wake a
+    follower: its leader's batch, sample or end; another slot's decode steps need not."""
+    c = core(slots=3)
+    c.owners = [("a", SALT)] * 3
+    c.apply(Arrive(job(slot=0, run="first")), world(EMPTY, EMPTY, EMPTY))
+    assert not c.wakes_on(Stepped(0, 0.1)), "nobody follows"
+    c.apply(Arrive(job(slot=1, run="second")), world(live(8), EMPTY, EMPTY))
+    assert c.following
+    assert [c.wakes_on(i) for i in (Stepped(0, 0.1), Sampled(0, 5, b"x", False),
+                                    Failed(0, "x"), CancelRun("first"))] == [True] * 4
+    assert [c.wakes_on(i) for i in (Stepped(2, 0.1), Sampled(2, 5, b"x", False),
+                                    CancelRun("other"), Snapshotted("first", True))] == [False] * 4
+    # an input of another slot, with a world that holds no sizes, leaves the follower waiting
+    assert c.apply(Stepped(2, 0.1), world(live(16), EMPTY, live(3))) == []
+    assert c.jobs[1].phase == "follows"
+
+
 def test_a_window_or_recurrent_state_is_followed_and_copied_whole_at_the_shared_edge() -> None:
     """A memory that cannot be cut back to a part (a sliding window, a recurrent state): the
     follower copies the first's whole state at the moment its batch ends at the edge they
