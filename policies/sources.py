@@ -30,7 +30,8 @@ Rules:
    this one); every nearer tier loads from memory (the ``ram`` cost), ``disk`` and ``shared``
    at their own. The longest usable candidate that does not pay is named (`Start.skipped`).
 4. Order: the most tokens first; on a tie, a state in memory before one read from the disk or
-   pulled from the shared tier, then a whole state before one cut back, then the nearer tier,
+   pulled from the shared tier, then a whole state before one cut back, then the one whose
+   bytes move fewer times (a held state before another slot's copy), then the nearer tier,
    then the caller's order. The first is loaded; the others are fallbacks, tried in
    turn when one fails (a broken file, a shared entry gone).
 5. A prompt whose first tokens another slot is prefilling right now (subagents of one kind
@@ -94,7 +95,7 @@ def choose_start(keep: int, candidates: Sequence[Candidate], limit: int, cuts: b
                                         COST_SOURCE[c.tier])]
     rank = {t: i for i, t in enumerate(TIERS)}
     order = sorted(paying, key=lambda c: (-min(c.n_tokens, limit), c.tier in READ,
-                                          not c.whole, rank[c.tier]))
+                                          not c.whole, MOVES.get(c.tier, 1), rank[c.tier]))
     longest = max(usable, key=lambda c: min(c.n_tokens, limit), default=None)
     skipped = longest if longest is not None and longest not in paying and (
         not order or min(longest.n_tokens, limit) > min(order[0].n_tokens, limit)) else None
