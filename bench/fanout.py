@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     from proxy.config import default_model
 
-    model = a.model and str(Path(a.model).resolve()) or default_model()
+    model = str(Path(a.model).resolve()) if a.model else default_model()
     same = ["-m", model, *(["-ub", str(a.ubatch_size)] if a.ubatch_size else [])]
     trees = [Path(t).resolve() for t in a.tree] or [ROOT]
     logs = Path(tempfile.mkdtemp(prefix="prefixgate-fanout-"))
