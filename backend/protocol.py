@@ -77,6 +77,9 @@ class Job:
     # whether its client reads the answer as it comes; false: tokens go out with the end
     # (policies.schedule.wake_now)
     stream: bool = True
+    # a short job nested on the slot's generating run: the worker parks that run (its state in
+    # host RAM) until this one ends, then puts it back as it was (policies.preempt, rule 4)
+    nest: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """Every field but the prompt's ids, which follow this line as bytes (``encode``)."""
@@ -85,7 +88,7 @@ class Job:
                 "tenant": self.tenant, "plan": self.plan.to_wire(),
                 "sampling": dict(self.sampling), "max_tokens": self.max_tokens,
                 "stop": list(self.stop), "grammar": self.grammar, "waited_s": self.waited_s,
-                "stream": self.stream}
+                "stream": self.stream, "nest": self.nest}
 
     def encode(self) -> bytes:
         """POST /run's body: ``to_wire()`` as one JSON line, then the ids (``packed_le``:
@@ -122,7 +125,7 @@ class Job:
                       stop=tuple(_check(s, "str") for s in _check(d["stop"], "list")),
                       grammar=grammar, slot=_check(d["slot"], "int"),
                       waited_s=float(_check(d["waited_s"], "float")),
-                      stream=_check(d["stream"], "bool"))
+                      stream=_check(d["stream"], "bool"), nest=_check(d["nest"], "bool"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed job: {type(e).__name__} {e}") from None
         except ValueError as e:

@@ -41,6 +41,11 @@ A job's life (the events are `backend.protocol`'s, in its order):
 5. **End.** `Done` (or `Cancelled` after a cancel, `Error` after a failure) with what the live
    KV holds that a next request may keep and the saves still coming; the slot takes a new job
    from then on. Saves are written on the writer thread and reported by it.
+
+A short job may come *nested* on a slot whose run generates (`Job.nest`, policies.preempt rule
+4): that run is parked between two of its steps (`Park`: its state byte for byte in host RAM)
+and the nested job lives as any other, without speculation; at its `Finish` the run is put back
+as it was (`Unpark`) and goes on; one whose client leaves meanwhile is dropped there.
 """
 
 from __future__ import annotations
@@ -71,12 +76,12 @@ from backend.worker.messages import (
     Emit,
     Filling,
     Finish,
-    GiveWay,
     Ids,
     Input,
     Live,
     Load,
     Loaded,
+    Park,
     Read,
     ReadDone,
     Sample,
@@ -85,15 +90,18 @@ from backend.worker.messages import (
     Snapshotted,
     StartSampling,
     Stepped,
+    Unpark,
     Verified,
     World,
+    give_way,
+    in_memory,
     live_prefix,
     reusable,
     shared_edge,
 )
 from policies.costs import Costs
 from policies.decide import Save
-from policies.prefix import Batching, Edges, live_reuse
+from policies.prefix import Batching, Edges
 from policies.schedule import Task
 from policies.sources import COST_SOURCE, Candidate, Tier, choose_start, follows
 
@@ -147,6 +155,8 @@ class Core:
     borrowed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("slot", "ram", "queued", "tokens"), 0))
     spec: Speculation | None = None  # speculative decoding (backend.worker.drafts)
+    # slot -> its generating run and the live KV's owner, while a nested job runs (`Park`)
+    parked: dict[int, tuple[_Job, tuple[str, bytes]]] = field(default_factory=dict)
     drafted: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted,
     # accepted, verifies] of the jobs that ended
 
@@ -204,6 +214,11 @@ class Core:
             return self._arrive(inp.job, world)
         if isinstance(inp, CancelRun):
             slot = next((s for s, j in self.jobs.items() if j.job.run_id == inp.run_id), None)
+            out = next((s for s, (j, _) in self.parked.items() if j.job.run_id == inp.run_id),
+                       None)
+            if out is not None and not inp.prefilling:  # its client left while it was parked
+                gone = self._ended(self.parked.pop(out)[0])
+                return [Emit(inp.run_id, Cancelled(0, 0, gone.pending)), Unpark(out, drop=True)]
             phase = self.jobs[slot].phase if slot is not None else ""
             if slot is None or inp.prefilling and phase not in ("start", "follows", "prefill"):
                 return []  # ended, or a preemption that came after its first sample
@@ -239,6 +254,11 @@ class Core:
         return [Emit(j.job.run_id, Error(inp.message)), *self._finish(inp.slot)]
 
     def _arrive(self, job: Job, world: World) -> list[Effect]:
+        parked: list[Effect] = []
+        if job.nest and job.slot in self.jobs:  # a short job nested on its generating run
+            if self.jobs[job.slot].phase != "waits" or job.slot in self.parked:
+                return [Emit(job.run_id, Error("its slot's run cannot be parked now"))]
+            parked, world = self._park(job.slot, world)
         assert job.slot not in self.jobs, f"slot {job.slot} is running a job"
         slot, plan = job.slot, job.plan
         ids = np.asarray(job.ids, dtype=np.intc)
@@ -251,9 +271,9 @@ class Core:
         j.came_s = world.now_s - job.waited_s
         j.saves = {s.n_tokens: s for s in plan.saves if self.exact and s.n_tokens in edges}
         self.jobs[slot] = j
-        effects: list[Effect] = []
+        effects = parked
         if self.exact and self.ram_budget != 0:
-            effects += self._give_way(slot, job, ids, keep, live)
+            effects += give_way(self.batching, self.owners[slot], slot, job, ids, keep, live)
         if self.exact:
             j.order = self._order(slot, j, world)
             leader = self._leader(slot, j, world)
@@ -262,9 +282,18 @@ class Core:
                 return effects
         return effects + self._attempt(slot, j, world)
 
+    def _park(self, slot: int, world: World) -> tuple[list[Effect], World]:
+        """The slot's run, between its steps, kept aside (`Park`) until the nested job's
+        `Finish`; the nested job sees the slot empty."""
+        self.parked[slot] = (self.jobs.pop(slot), self.owners[slot])
+        slots = list(world.slots)
+        slots[slot] = Live(slots[slot].ids[:0], 0, 0, 0)
+        return [Park(slot)], World(slots, world.held, world.now_s)
+
     def _order(self, slot: int, j: _Job, world: World) -> list[Candidate]:
         """The states its prompt may start from, best first (`policies.sources.choose_start`)."""
-        cands = self._memory(slot, j.job, j.ids, j.edges, j.limit, world) + [
+        cands = in_memory(slot, j.job, j.ids, j.edges, j.limit, world, self.owners, self.cuts,
+                          self.ram_budget) + [
             Candidate(r.tier, r.n_tokens, True, r.size_bytes, -1 - i)
             for i, r in enumerate(j.job.plan.restore) if r.n_tokens in j.edges]
         return list(choose_start(j.keep, cands, j.limit, self.cuts, self.costs).order)
@@ -308,42 +337,6 @@ class Core:
             j.order = self._order(slot, j, world)
             effects += self._attempt(slot, j, world)
         return effects
-
-    def _give_way(self, slot: int, job: Job, ids: Ids, keep: int, live: Live) -> list[Effect]:
-        """The part of the live KV a next request could reuse, cut back to a batch edge, before
-        this job replaces it; not where this prompt extends all of it."""
-        n = min(live.exact_n, live.n_live) if not (live.exact_n < live.n_live
-                                                    and live.exact_n < live.floor) else 0
-        if n > keep:
-            n = self.batching.edges(live.ids[:n].tolist()).floor(n)
-        tenant, salt = self.owners[slot]
-        if n <= keep or live_reuse(n, live.n_live, live.floor) != n or (
-                (tenant, salt) == (job.tenant, job.salt) and len(ids) >= n
-                and np.array_equal(live.ids[:n], ids[:n])):
-            return []
-        return [GiveWay(slot, n, salt, tenant)]
-
-    def _memory(self, slot: int, job: Job, ids: Ids, edges: Edges, limit: int,
-                world: World) -> list[Candidate]:
-        """Candidates in this worker's memory, of this salt and tenant: held states and other
-        slots' live KV (its exact part), each up to the last batch edge it shares with the
-        prompt. A copy of a live slot passes through host RAM: none larger than the budget."""
-        out = []
-        sources: list[tuple[Tier, int, Ids, int, bool]] = [
-            (h.tier, h.ref, h.ids, h.nbytes, True) for h in world.held
-            if h.salt == job.salt and h.tenant == job.tenant]
-        sources += [("slot", s, live.ids[: live.exact_n], live.nbytes,
-                     live.n_live == live.exact_n)  # its state ends where its exact part does
-                    for s, live in enumerate(world.slots)
-                    if s != slot and live.exact_n and self.owners[s] == (job.tenant, job.salt)
-                    and 0 < live.nbytes and (self.ram_budget < 0
-                                             or live.nbytes <= self.ram_budget)]
-        for tier, ref, src, nbytes, ends in sources:
-            e = shared_edge(src, ids, edges, min(len(src), len(ids), limit))
-            whole = e == len(src) and ends
-            if e > 0 and (whole or (self.cuts and self.ram_budget != 0)):
-                out.append(Candidate(tier, e, whole, nbytes, ref))
-        return out
 
     def _attempt(self, slot: int, j: _Job, world: World) -> list[Effect]:
         """Load the next candidate, or, with none left, begin from what the slot holds."""
@@ -419,8 +412,8 @@ class Core:
             self.costs = self.costs.add_prefill(j.prefill_from, len(j.ids), j.busy_s)
             j.phase, j.generating_s = "generate", world.now_s
             j.matcher = StopMatcher(j.job.stop)
-            if self.spec is not None and self.spec.on:
-                j.drafts = SlotDrafts.start(self.spec, j.ids)
+            if self.spec is not None and self.spec.on and slot not in self.parked:
+                j.drafts = SlotDrafts.start(self.spec, j.ids)  # a nested job's: none
             if j.job.max_tokens <= 0:
                 return effects + self._done(slot, j, world, "length", None)
             return effects + [StartSampling(slot, dict(j.job.sampling), j.job.grammar),
@@ -492,9 +485,15 @@ class Core:
         return [Emit(j.job.run_id, Cancelled(n, floor, j.pending)), *self._finish(slot)]
 
     def _finish(self, slot: int) -> list[Effect]:
-        j = self.jobs.pop(slot)
+        self._ended(self.jobs.pop(slot))
+        if slot in self.parked:  # the run its job was nested on, as it was
+            self.jobs[slot], self.owners[slot] = self.parked.pop(slot)
+            return [Finish(slot), Unpark(slot)]
+        return [Finish(slot)]
+
+    def _ended(self, j: _Job) -> _Job:
         for source, t in (j.drafts.totals.items() if j.drafts is not None else ()):
             total = self.drafted.setdefault(source, [0, 0, 0])
             total[:] = [a + b for a, b in zip(total, t, strict=True)]
-        return [Finish(slot)]
+        return j
 

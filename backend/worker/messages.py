@@ -8,7 +8,7 @@ plain frozen values, no I/O.
   (`Verified`) or its batch of a draft model's prompt (`Filling`).
 - Effects, each on the thread it belongs to (`backend.worker.loop`): `Emit` an event to a run's
   stream; on the compute thread `GiveWay`, `Load`, `Cut`, `Snapshot`, `StartSampling`, `Sample`,
-  `Finish`; on the reader thread `Read`.
+  `Finish`, `Park`, `Unpark`; on the reader thread `Read`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from backend.protocol import Event, Fault, Job
 from policies.decide import Save
-from policies.prefix import Edges, live_reuse
+from policies.prefix import Batching, Edges, live_reuse
 from policies.sources import Candidate, Tier
 
 Ids = npt.NDArray[np.intc]
@@ -86,6 +86,48 @@ class World:
     slots: Sequence[Live]
     held: Sequence[Held] = ()
     now_s: float = 0.0
+
+
+def give_way(batching: Batching, owner: tuple[str, bytes], slot: int, job: Job, ids: Ids,
+             keep: int, live: Live) -> list[GiveWay]:
+    """The part of the slot's live KV (`owner`'s) a next request could reuse, cut back to a
+    batch edge, before `job` (keeping `keep` of it) replaces it; not where this prompt extends
+    all of it."""
+    n = min(live.exact_n, live.n_live) if not (live.exact_n < live.n_live
+                                                and live.exact_n < live.floor) else 0
+    if n > keep:
+        n = batching.edges(live.ids[:n].tolist()).floor(n)
+    tenant, salt = owner
+    if n <= keep or live_reuse(n, live.n_live, live.floor) != n or (
+            owner == (job.tenant, job.salt) and len(ids) >= n
+            and np.array_equal(live.ids[:n], ids[:n])):
+        return []
+    return [GiveWay(slot, n, salt, tenant)]
+
+
+def in_memory(slot: int, job: Job, ids: Ids, edges: Edges, limit: int, world: World,
+              owners: Sequence[tuple[str, bytes]], cuts: bool, ram_budget: int
+              ) -> list[Candidate]:
+    """Candidates in the worker's memory for a job on `slot`, of its salt and tenant: held
+    states and other slots' live KV (its exact part; `owners`: each slot's), each up to the
+    last batch edge it shares with the prompt. A part of a state only where the memory `cuts`
+    and there is a RAM tier; a copy of a live slot passes through host RAM: none larger than
+    the budget."""
+    out = []
+    sources: list[tuple[Tier, int, Ids, int, bool]] = [
+        (h.tier, h.ref, h.ids, h.nbytes, True) for h in world.held
+        if h.salt == job.salt and h.tenant == job.tenant]
+    sources += [("slot", s, live.ids[: live.exact_n], live.nbytes,
+                 live.n_live == live.exact_n)  # its state ends where its exact part does
+                for s, live in enumerate(world.slots)
+                if s != slot and live.exact_n and owners[s] == (job.tenant, job.salt)
+                and 0 < live.nbytes and (ram_budget < 0 or live.nbytes <= ram_budget)]
+    for tier, ref, src, nbytes, ends in sources:
+        e = shared_edge(src, ids, edges, min(len(src), len(ids), limit))
+        whole = e == len(src) and ends
+        if e > 0 and (whole or (cuts and ram_budget != 0)):
+            out.append(Candidate(tier, e, whole, nbytes, ref))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,4 +298,21 @@ class Finish:
     slot: int
 
 
-Effect = Emit | GiveWay | Load | Read | Cut | Snapshot | StartSampling | Sample | Finish
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Keep the slot's generating run aside for a nested job: its whole state copied to host
+    RAM (byte for byte) with its sequence's fields and its sampler, the slot emptied."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unpark:
+    """Put the slot's parked run back as it was (after its nested job's `Finish`)."""
+
+    slot: int
+    drop: bool = False  # its run ended while parked: free what was kept, restore nothing
+
+
+Effect = (Emit | GiveWay | Load | Read | Cut | Snapshot | StartSampling | Sample | Finish | Park
+          | Unpark)

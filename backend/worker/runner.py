@@ -22,6 +22,8 @@ on the compute thread only, decides nothing, and reports each result as the core
   window's snapshot holds the state at the sequence's end only: `DraftModel.want`). A
   restore of a file or a queued snapshot that has one loads it into the slot's draft sequence.
 - Samplers are the slots' own (llama.cpp's chains), from `StartSampling` to `Finish`.
+- `Park` keeps a generating run's state, sequence fields and sampler aside for a nested job
+  (`backend.worker.core`); `Unpark` loads them back into its slot after that job's `Finish`.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ from backend.worker.messages import (
     Input,
     Load,
     Loaded,
+    Park,
     Sample,
     Sampled,
     Snapshot,
     Snapshotted,
     StartSampling,
     Stepped,
+    Unpark,
     Verified,
 )
 from backend.worker.tiers import Payload, Tiers
@@ -78,6 +82,9 @@ class Runner:
     # slot -> (its job's last snapshot's key, its tokens, the owner, the run): a twin to make
     # or make longer once the draft model holds the job's prompt (`_retwin`)
     twins: dict[int, tuple[keys.CacheKey, Ids, tuple[str, bytes], str]] = field(
+        default_factory=dict)
+    # slot -> its parked run's state, ids, exact_n, padded, rollback and sampler (`Park`)
+    parked: dict[int, tuple[memoryview, Ids, int, int, int, Sampler]] = field(
         default_factory=dict)
 
     def effect(self, e: Effect, core: Core) -> Input | None:
@@ -118,6 +125,33 @@ class Runner:
                 sampler.close()
             if self.tiers.every:
                 self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
+        elif isinstance(e, Park | Unpark):
+            return self._park(e, core)
+        return None
+
+    def _park(self, e: Park | Unpark, core: Core) -> Input | None:
+        """A generating run kept aside for a nested job, and put back: its state byte for byte
+        (counted as the worker's memory while kept), its sequence's fields, its sampler."""
+        eng, q = self.engine, self.engine.seqs[e.slot]
+        if isinstance(e, Park):
+            state = eng.snapshot(e.slot)
+            self.tiers.keeps(state)
+            self.parked[e.slot] = (state, q.ids[: q.n_live].copy(), q.exact_n, q.padded,
+                                   q.rollback, self.samplers.pop(e.slot))
+            eng.truncate(e.slot, 0)
+        else:
+            state, ids, exact_n, padded, rollback, sampler = self.parked.pop(e.slot)
+            if e.drop:
+                sampler.close()
+                return None
+            self.samplers[e.slot] = sampler  # freed by the run's `Finish`, whatever comes
+            try:
+                eng.restore(e.slot, ids, state)
+            except ValueError as ex:  # never expected: its own state, in its own context
+                return Failed(e.slot, f"its state did not load back: {ex}")
+            q.exact_n, q.padded, q.rollback = exact_n, max(q.padded, padded), rollback
+        if self.tiers.every:
+            self.tiers.said_live(live_event(eng, e.slot, core.owners[e.slot]))
         return None
 
     def _load(self, e: Load, core: Core) -> Loaded:

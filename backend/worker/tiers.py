@@ -131,6 +131,11 @@ class Tiers:
             with self.lock:
                 self._moving -= nbytes
 
+    def keeps(self, state: memoryview) -> None:
+        """Counts a state kept aside (a parked run's) as on its way until it is freed."""
+        with self.lock:
+            self._unfreed.append((weakref.ref(state.obj), state.nbytes))
+
     def moving_bytes(self) -> int:
         with self.lock:
             return self._moving_now()

@@ -38,6 +38,7 @@ from backend.worker.messages import (
     Live,
     Load,
     Loaded,
+    Park,
     Read,
     ReadDone,
     Sample,
@@ -46,6 +47,7 @@ from backend.worker.messages import (
     Snapshotted,
     StartSampling,
     Stepped,
+    Unpark,
     Verified,
     World,
 )
@@ -381,6 +383,52 @@ def test_a_preemption_stops_a_prefill_but_not_a_run_that_sampled() -> None:
     assert c.apply(CancelRun("r2", prefilling=True), world(live(40), EMPTY)) == []
     assert c.apply(CancelRun("r2"), world(live(40), EMPTY))[0] == Emit("r2", Cancelled(
         40, 0, 0)), "a client's cancel still stops it"
+
+
+def _generating(c: Core, run: str = "r") -> None:
+    """Slot 0's run has prefilled IDS and sampled a token that waits for its decode."""
+    c.apply(Arrive(job(run=run, max_tokens=9)), world(EMPTY, EMPTY))
+    for n in (8, 16, 24, 32, 40):
+        c.apply(Stepped(0, 0.1), world(live(n), EMPTY))
+    c.apply(Sampled(0, 7, b"x", False), world(live(40), EMPTY))
+
+
+def test_a_nested_job_parks_the_generating_run_and_puts_it_back_at_its_end() -> None:
+    """A short job nested on slot 0 (policies.preempt rule 4): its run is parked between its
+    steps, the nested job sees the slot empty (nothing kept, nothing given way), and at its end
+    the run is back as it was, its token waiting for its decode."""
+    c = core()
+    _generating(c)
+    nested = replace(job(run="n", max_tokens=1), nest=True)
+    assert c.apply(Arrive(nested), world(live(41, exact=40), EMPTY)) == \
+        [Park(0), Cut(0, 0), start(0, run="n")]
+    assert [(t.slot, t.left) for t in c.tasks(world(EMPTY, EMPTY))] == [(0, 40)]
+    for n in (8, 16, 24, 32, 40):
+        fx = c.apply(Stepped(0, 0.1), world(live(n), EMPTY))
+    assert fx[-1] == Sample(0)
+    fx = c.apply(Sampled(0, 5, b"y", False), world(live(40), EMPTY))
+    assert fx[-2:] == [Finish(0), Unpark(0)] and isinstance(fx[-3].event, Done)
+    assert (c.jobs[0].job.run_id, c.jobs[0].phase, c.waiting(0)) == ("r", "waits", 7)
+    assert c.owners[0] == ("a", SALT) and c.parked == {}
+    # a nested job for a run that is not between its decode steps: refused, the run goes on
+    c2 = core()
+    c2.apply(Arrive(job()), world(EMPTY, EMPTY))
+    assert c2.apply(Arrive(nested), world(live(8), EMPTY)) == \
+        [Emit("n", Error("its slot's run cannot be parked now"))]
+    assert c2.jobs[0].job.run_id == "r"
+
+
+def test_a_parked_run_whose_client_leaves_ends_where_it_is_kept() -> None:
+    c = core()
+    _generating(c)
+    c.apply(Arrive(replace(job(run="n"), nest=True)), world(live(41, exact=40), EMPTY))
+    assert c.apply(CancelRun("r", prefilling=True), world(EMPTY, EMPTY)) == [], \
+        "a preemption never stops a run that sampled"
+    assert c.apply(CancelRun("r"), world(EMPTY, EMPTY)) == \
+        [Emit("r", Cancelled(0, 0, 0)), Unpark(0, drop=True)]
+    assert c.jobs[0].job.run_id == "n" and c.parked == {}
+    fx = c.apply(CancelRun("n"), world(live(8), EMPTY))
+    assert fx == [Emit("n", Cancelled(8, 0, 0)), Finish(0)], "nothing to put back"
 
 
 def test_a_prefill_whose_state_would_not_fit_the_ram_tier_does_not_give_way() -> None:

@@ -98,9 +98,9 @@ class Worker:
                 self.ended.notify_all()
 
     def submit(self, run: str, ids: list[int], slot: int, gen: int = GEN,
-               plan: Plan = COLD, stream: bool = True) -> None:
+               plan: Plan = COLD, stream: bool = True, nest: bool = False) -> None:
         self.loop.arrive(Job(run, tuple(ids), b"", "", plan, {"temperature": 0.0}, gen, (),
-                             None, slot, stream=stream))
+                             None, slot, stream=stream, nest=nest))
 
     def wait(self, *runs: str, timeout_s: float = 600) -> None:
         with self.ended:
@@ -328,6 +328,48 @@ def test_a_prompt_another_slot_is_prefilling_is_copied_from_it_not_computed_agai
     assert max(n for run, n in order[:first_own] if run == "first") >= edge, \
         "the second computed a batch before the first passed what they share"
     assert all(n > edge for run, n in order if run == "second"), "it computed only its tail"
+
+
+def test_a_generating_run_parked_for_a_nested_job_goes_on_as_it_would_have(name: str) -> None:
+    """Rule 4 of policies.preempt: a short job comes nested on a slot whose run generates. The
+    run is parked between two of its decode steps (its state byte for byte in host RAM), the
+    short job runs on the slot, and the run is put back and goes on. Both answer bit for bit
+    as alone (every sample's logits), and the run's tokens stop while the short job runs.
+    Then a run whose client leaves while it is parked ends there, and the slot is the nested
+    job's."""
+    long, short = _ids(name, 2 * SLOT_BATCH + 30, 21), _ids(name, SLOT_BATCH + 10, 22)
+    gen = 16
+    want = _alone(name, [long, short], gen=gen)
+    eng = _engine(name, 1)
+    try:
+        w = Worker(eng)
+        w.submit("long", long, 0, gen=gen)
+        while len(w.tokens("long")) < 3:
+            time.sleep(0.001)
+        w.submit("short", short, 0, nest=True)
+        w.wait("long", "short")
+        order = [run for _, run, e in w.events if isinstance(e, Token) and e.id is not None]
+        k, n = order.index("short"), len(want[0][1])
+        assert order == ["long"] * k + ["short"] * GEN + ["long"] * (n - k), order
+        assert w.tokens("long") == want[0][1] and w.tokens("short") == want[1][1][:GEN]
+        assert w.logits[0] == want[0][0][:k] + want[1][0][:GEN] + want[0][0][k:], \
+            "a sample's logits differ from its run alone"
+        assert eng.seqs[0].n_live == len(long) + n - 1 and not w.loop.runner.parked
+        # the client of a parked run leaves: it ends, and the nested job goes on alone
+        w.submit("again", long, 0, gen=gen)
+        while len(w.tokens("again")) < 2:
+            time.sleep(0.001)
+        w.submit("nested", short, 0, nest=True)
+        while not w.of("nested"):
+            time.sleep(0.001)
+        w.loop.cancel("again")
+        w.wait("again", "nested")
+        w.stop()
+        held = eng.seqs[0].n_live
+    finally:
+        eng.close()
+    assert isinstance(w.of("again")[-1], Cancelled) and w.tokens("nested") == want[1][1][:GEN]
+    assert held == len(short) + GEN - 1 and not w.loop.runner.parked
 
 
 def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None:
