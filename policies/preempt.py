@@ -31,6 +31,17 @@ Rules, pure (the pool asks, for a request that finds no idle ready slot):
 3. Of the candidates whose prefill left is at least ``RATIO`` times the waiter's work (shortest
    remaining work first, with room for the state's trip to RAM and back), the one with the
    most left for that work is preempted; otherwise none, and the waiter queues as before.
+4. Where none is (every slot generates, as when an agent and its subagents all answer and a
+   title or a summary comes), a generating run may be *parked* for the waiter: its worker keeps
+   its state byte for byte in host RAM between two of its decode steps, runs the waiter's job
+   nested on that slot, and puts the run back at that job's end (`backend.worker.core`); the
+   run's tokens pause for the waiter's work, its answer never changes. What a run still has to
+   generate is unknown: it is taken as much again as it has generated (a run that has gone
+   for g tokens is as likely to stop before 2g as after, the scale-free guess), at most what
+   its `max_tokens` leaves, a decode step a token (rule 1's unit). Of the runs expected to go
+   on for at least ``RATIO`` times the waiter's work, whose worker has a RAM tier (a state in
+   host RAM is within its memory) and which no job is nested on yet, the one whose state is
+   smallest (its trip to host RAM and back) is parked; otherwise none.
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ RATIO = 2  # the victim's prefill left, against the waiter's work
 # cancel: the round trip through the proxy (the run's end read, its slot handed on, the job
 # sent) takes milliseconds; a job that has not come by then does not hold the other slots longer
 HANDOVER_S = 0.25
+# how often a request that waits for a slot asks rule 4 again: the runs generate meanwhile, and
+# what each is expected to go on for grows with what it has generated
+PARK_RECHECK_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +94,34 @@ def choose_victim(candidates: Sequence[Candidate]) -> int | None:
     """Rule 3: the slot to preempt, or None."""
     fit = [c for c in candidates if c.left >= RATIO * max(c.work, 1e-9)]
     best = max(fit, key=lambda c: (c.left / max(c.work, 1e-9), -c.slot_id), default=None)
+    return None if best is None else best.slot_id
+
+
+@dataclass(frozen=True, slots=True)
+class Generating:
+    slot_id: int
+    ahead: float  # its generation expected still (rule 4), in its worker's unit
+    work: float  # the waiter's work on that worker, in the same unit
+    live: int  # the tokens its state holds (prompt and generated)
+    seconds: bool = False
+
+
+def generating(slot_id: int, costs: Costs | None, generated: int, left: int, live: int,
+               waiter: tuple[int, int], max_tokens: int) -> Generating:
+    """Rule 4: a run that has generated `generated` tokens and may generate `left` more, its
+    state `live` tokens, against a waiter as in rule 1."""
+    ahead = min(generated, max(left, 0))
+    start, end = waiter
+    if costs is not None and costs.prefill.n and costs.decode.n:
+        step = costs.decode_step_s()
+        return Generating(slot_id, ahead * step, costs.prefill_s(start, end)
+                          + max(max_tokens, 0) * step, live, True)
+    return Generating(slot_id, float(ahead * DECODE_TOKENS),
+                      float(work(end - start, max_tokens)), live)
+
+
+def choose_parked(candidates: Sequence[Generating]) -> int | None:
+    """Rule 4: the slot whose run is parked for the waiter, or None."""
+    fit = [c for c in candidates if c.ahead >= RATIO * max(c.work, 1e-9)]
+    best = min(fit, key=lambda c: (c.live, -c.ahead, c.slot_id), default=None)
     return None if best is None else best.slot_id

@@ -178,6 +178,17 @@ class Run:
         return len(st.ids) - st.live_n if st.may_yield and self.plan.keep_max > 0 else None
 
     @property
+    def generating(self) -> tuple[int, int, int] | None:
+        """(tokens generated, the most it may still generate, tokens its state holds) while
+        it generates, where a short request may have it parked (policies/preempt.py rule 4);
+        None before its first token and once it ended."""
+        st = self.state
+        if not st.tokens or st.ended or st.abandoned:
+            return None
+        n = len(st.gen_ids)
+        return n, self.prep.max_tokens - n, len(st.ids) + n
+
+    @property
     def progress(self) -> tuple[int, int]:
         """(prompt tokens, of them in the worker's KV now): `/slots` shows a long prefill."""
         return len(self.state.ids), self.state.live_n

@@ -109,6 +109,12 @@ class Slot:
     # `give_way`), and the waiter it is promised to once that run stops (policies/preempt.py)
     holder: Any = None
     reserved: object | None = None
+    # a short job nested on its generating run (policies/preempt.py rule 4): the slot it runs
+    # on (`outer`: the slot whose run is parked for it) and, on that slot, the nested one;
+    # `ended`: its run ended while a job was nested on it (the slot frees when that job ends)
+    outer: Slot | None = None
+    nested: Slot | None = None
+    ended: bool = False
 
     @property
     def worker_id(self) -> int:
@@ -117,8 +123,8 @@ class Slot:
     @property
     def label(self) -> str:
         """For log lines: "0", or "0.1" for slot 1 of worker 0 when it has several."""
-        return f"{self.worker_id}.{self.index}" if len(self.worker.slots) > 1 \
-            else str(self.worker_id)
+        return (f"{self.worker_id}.{self.index}" if len(self.worker.slots) > 1
+                else str(self.worker_id)) + ("+nested" if self.outer is not None else "")
 
     @property
     def ready(self) -> bool:
@@ -143,7 +149,8 @@ class Slot:
 
     def run(self, job: Job, timeout_s: float) -> contextlib.AbstractAsyncContextManager[
             EventStream]:
-        return self.worker.run(dataclasses.replace(job, slot=self.index), timeout_s)
+        return self.worker.run(dataclasses.replace(job, slot=self.index,
+                                                   nest=self.outer is not None), timeout_s)
 
     async def cancel(self, run_id: str, prefilling: bool = False) -> bool:
         return await self.worker.cancel(run_id, prefilling)

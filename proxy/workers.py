@@ -51,11 +51,12 @@ from backend import volume
 from backend.keys import CacheIdentity
 from backend.protocol import TierEvent, WorkerInfo
 from backend.redact import redact_url
-from policies.preempt import candidate, choose_victim
+from policies.preempt import PARK_RECHECK_S
 from policies.prefix import Batching
 from policies.router import WAIT_MARGIN_TOKENS, choose_slot
 from proxy.config import Config
 from proxy.errors import QueueFull, WorkerFailed
+from proxy.give_way import free, park, preempt
 from proxy.local_workers import LocalWorkers
 from proxy.worker_link import (
     _UNREACHABLE,
@@ -387,11 +388,17 @@ class Pool(LocalWorkers):
                             if choice is not None and not slots[choice].busy \
                                     and slots[choice].reserved is None:
                                 return self._take(slots[choice])
-                            if not preempted and self._preempt(
+                            if not preempted and preempt(
                                     slots, me, (disk_hit, len(ids)), max_tokens or 0):
                                 preempted = True  # at most one run gives way to it
                                 continue
-                        await self._cond.wait()
+                            nest = None if preempted else park(
+                                slots, (disk_hit, len(ids)), max_tokens or 0)
+                            if nest is not None:
+                                return self._take(nest)
+                        with contextlib.suppress(TimeoutError):  # the runs that generate go
+                            await asyncio.wait_for(  # on: rule 4 is asked again as they do
+                                self._cond.wait(), None if preempted else PARK_RECHECK_S)
                         self._check_reachable()
         finally:
             self._waiting -= 1
@@ -406,32 +413,6 @@ class Pool(LocalWorkers):
         s.acquired_at_restarts = s.worker.restarts
         self.used_s = time.monotonic()
         return s
-
-    def _preempt(self, slots: list[Slot], me: object, waiter: tuple[int, int],
-                 max_tokens: int) -> bool:
-        """No idle slot: a run still prefilling a long prompt gives its slot to this short
-        request (policies/preempt.py); the slot is promised to it. False: none may (or a
-        slot is idle, and the router chose to wait for a busy one that holds its prefix)."""
-        if any(s.ready and not s.busy and s.reserved is None for s in slots):
-            return False
-        lefts = {i: (left, s.holder.progress[0]) for i, s in enumerate(slots)
-                 if s.ready and s.busy and s.reserved is None and s.worker.ram_tier
-                 and s.worker.exact and s.holder is not None
-                 and (left := s.holder.left) is not None}
-        candidates = [candidate(i, slots[i].worker.costs, total - left, total, waiter,
-                                max_tokens) for i, (left, total) in lefts.items()]
-        victim = choose_victim(candidates)
-        if victim is None or not slots[victim].holder.give_way():
-            return False
-        s = slots[victim]
-        s.reserved = me
-        c = next(c for c in candidates if c.slot_id == victim)
-        log.info("preempt: a request of %d tokens to prefill (%d to generate at most: %s) asks "
-                 "slot %s of a run with %d tokens left to prefill%s to give way; that run then "
-                 "runs again from its prefix in the RAM tier", waiter[1] - waiter[0], max_tokens,
-                 f"{c.work:.2f} s" if c.seconds else f"{c.work:.0f} token-equivalents",
-                 s.label, lefts[victim][0], f" ({c.left:.2f} s)" if c.seconds else "")
-        return True
 
     def _cond_notify_soon(self) -> None:
         async def notify() -> None:
@@ -451,7 +432,7 @@ class Pool(LocalWorkers):
     async def give_back(self, s: Slot) -> None:
         """A slot acquired and never run on (its request left): free, its live KV as it was."""
         async with self._cond:
-            s.busy, s.holder = False, None
+            free(s)
             self._cond.notify_all()
 
     async def lapse(self, s: Slot) -> None:
@@ -473,11 +454,12 @@ class Pool(LocalWorkers):
                 w.learn(costs)
             # a worker that restarted or went down while running this request holds nothing
             fresh = w.ready and w.restarts == s.acquired_at_restarts
-            s.live_ids = live_ids if fresh else ()
-            s.live_floor = min(floor, len(s.live_ids))
-            # an empty view belongs to nobody: a run that failed before the worker ran it
-            # leaves the previous tenant's KV there, which the failing tenant must not reuse
-            s.live_tenant = tenant if s.live_ids else ""
+            if s.outer is None:  # a nested job's KV gives way to its slot's run's at its end
+                s.live_ids = live_ids if fresh else ()
+                s.live_floor = min(floor, len(s.live_ids))
+                # an empty view belongs to nobody: a run that failed before the worker ran it
+                # leaves the previous tenant's KV there, which the failing tenant must not reuse
+                s.live_tenant = tenant if s.live_ids else ""
             s.used_s = self.used_s = time.monotonic()
             if suspect and w.ready:
                 w.ready, w.checking = False, True
@@ -485,5 +467,5 @@ class Pool(LocalWorkers):
                 task = asyncio.create_task(self._recheck(w))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
-            s.busy, s.holder = False, None
+            free(s)
             self._cond.notify_all()

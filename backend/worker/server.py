@@ -74,6 +74,7 @@ class Worker:
         self.boot_id = uuid.uuid4().hex  # new on every start: the proxy detects a restart
         self.runs: dict[str, _Run] = {}  # streaming runs
         self.active: dict[int, str] = {}  # slot -> the run it serves, until it ends
+        self.nests: dict[int, str] = {}  # slot -> the job nested on its run (`Job.nest`)
         self.listeners: dict[asyncio.Queue[TierEvent | None], bool] = {}  # -> wants every tier
         self.closing = False  # the server stops: event streams end (`close_streams`)
         self.aloop: asyncio.AbstractEventLoop | None = None
@@ -109,8 +110,10 @@ class Worker:
             run = self.runs.get(run_id)
             if run is None:
                 continue
-            if isinstance(event, Done | Cancelled | Error) and self.active.get(run.slot) == run_id:
-                del self.active[run.slot]  # the slot takes a new job from now on
+            if isinstance(event, Done | Cancelled | Error):
+                for taken in (self.active, self.nests):
+                    if taken.get(run.slot) == run_id:
+                        del taken[run.slot]  # the slot takes a new job from now on
             run.events.put_nowait(event)
 
     async def _beat(self) -> None:
@@ -174,17 +177,19 @@ class Worker:
         if job.slot >= slots:
             return web.json_response({"error": f"slot {job.slot}: this worker has {slots} "
                                                "(--parallel)"}, status=400)
-        if job.slot in self.active:  # one job per slot: two proxies, or a proxy's bug
+        # one job per slot, and one nested on its run (two proxies, or a proxy's bug)
+        taken = self.nests if job.nest and job.slot in self.active else self.active
+        if job.slot in taken or job.slot in self.nests:
             return web.json_response({"error": f"slot {job.slot} is running a job"},
                                      status=409)
         assert self.loop is not None
         run = self.runs[job.run_id] = _Run(job.slot, job.stream)
-        self.active[job.slot] = job.run_id
+        taken[job.slot] = job.run_id
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
         except BaseException:
-            self.active.pop(job.slot, None)
+            taken.pop(job.slot, None)
             self.runs.pop(job.run_id, None)
             raise
         if self.beat is None and job.stream:
@@ -216,8 +221,8 @@ class Worker:
                         self.loop.cancel(job.run_id)
         finally:
             watch.cancel()
-            if self.active.get(job.slot) == job.run_id:  # still running: it stops at once
-                self.loop.cancel(job.run_id)
+            if job.run_id in (self.active.get(job.slot), self.nests.get(job.slot)):
+                self.loop.cancel(job.run_id)  # still running: it stops at once
             self.runs.pop(job.run_id, None)
         with contextlib.suppress(ConnectionError):  # the proxy may close once it has `done`
             await resp.write_eof()
@@ -229,7 +234,8 @@ class Worker:
         body = await request.json()
         run_id = str(body.get("run_id")) if isinstance(body, dict) else ""
         run = self.runs.get(run_id)
-        if run is None or self.active.get(run.slot) != run_id or self.loop is None:
+        if run is None or run_id not in (self.active.get(run.slot), self.nests.get(run.slot)) \
+                or self.loop is None:
             return web.json_response({"cancelled": False}, status=404)
         self.loop.cancel(run_id, body.get("prefilling") is True)
         return web.json_response({"cancelled": True})

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tests.conftest import Server, running
@@ -88,3 +89,44 @@ def test_a_prefill_whose_state_would_not_fit_the_ram_tier_keeps_its_slot(tmp_pat
         assert "keeps it: its state would not fit the RAM tier" in log, log
         assert "preempted=1" not in log and done["long_s"] < title_s
         assert "prefixgate_preemptions_total 0.0" in srv.get("/metrics")[1]
+
+
+STORY = [{"role": "user", "content": "Tell a long story about a build server that never sleeps."}]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_title_runs_nested_on_a_slot_whose_run_generates(name: str, tmp_path: Path) -> None:
+    """Rule 4 of policies.preempt: one slot, its run generating a long answer, and a title
+    request that comes meanwhile. The run is parked (its state in host RAM), the title runs on
+    its slot and answers first, then the run goes on: both answers are word for word their
+    cold runs' (the run's every token after the park included), and the log says so."""
+    gen = 160
+    story = {"max_tokens": gen, "extra_body": {"ignore_eos": True}}
+    with running(tmp_path / "cold", "--model", model_file(name), "--disk-prefix-cache",
+                 "off") as ref:
+        want_story = ask(ref, STORY, **story)["text"]
+        want_title = cold(ref, TITLE, 4)
+    with running(tmp_path / "srv", "--model", model_file(name), "--cache-ram", "256") as srv:
+        c = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0, timeout=300)
+        ask(srv, TITLE, max_tokens=1)  # the worker measures its prefill and decode steps
+        chunks: list[str] = []
+        done: dict[str, float] = {}
+
+        def story_call() -> None:
+            for ch in c.chat.completions.create(model="m", messages=STORY, temperature=0,
+                                                stream=True, **story):  # type: ignore[arg-type]
+                chunks.append(ch.choices[0].delta.content or "" if ch.choices else "")
+            done["story_s"] = time.monotonic()
+
+        t = threading.Thread(target=story_call)
+        t.start()
+        deadline = time.monotonic() + 120
+        while len(chunks) < 32 and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.005)
+        title = ask(srv, TITLE, max_tokens=4)
+        title_s = time.monotonic()
+        t.join()
+        log = srv.log()
+    assert title["text"] == want_title and "".join(chunks) == want_story, log
+    assert title_s < done["story_s"], "the title waited for the story's end"
+    assert "park: a request of" in log and "+nested" in log, log

@@ -11,7 +11,18 @@ from dataclasses import dataclass
 import pytest
 
 from policies.costs import Costs
-from policies.preempt import DECODE_TOKENS, RATIO, Candidate, candidate, choose_victim, work
+from policies.preempt import (
+    DECODE_TOKENS,
+    PARK_RECHECK_S,
+    RATIO,
+    Candidate,
+    Generating,
+    candidate,
+    choose_parked,
+    choose_victim,
+    generating,
+    work,
+)
 from proxy.config import Config
 from proxy.worker_link import Slot, Worker
 from proxy.workers import Pool
@@ -62,6 +73,7 @@ class Holder:
     left: int | None
     asked: int = 0
     total: int = 4000
+    generating: tuple[int, int, int] | None = None  # (generated, may still, its state's tokens)
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -81,10 +93,11 @@ def pool(slots: int = 2, ram_tier: bool = True) -> Pool:
     return p
 
 
-async def busy(p: Pool, i: int, left: int | None) -> Holder:
+async def busy(p: Pool, i: int, left: int | None,
+               gen: tuple[int, int, int] | None = None) -> Holder:
     s = p.slots[i]
     s.busy = True
-    h = Holder(left)
+    h = Holder(left, generating=gen)
     await p.hold(s, h)
     return h
 
@@ -152,3 +165,85 @@ def test_a_promised_slot_looks_busy_to_the_router() -> None:
     s = Slot(Worker(0, "http://w0", ready=True), 0)
     s.reserved = object()
     assert s.view(0, [1], "").busy
+
+
+@pytest.mark.parametrize("candidates,want", [
+    ([], None),  # nothing generates
+    ([Generating(0, 2 * 400 - 1, 400, 100)], None),  # expected to end within RATIO works
+    ([Generating(0, RATIO * 400, 400, 100)], 0),
+    # of those that fit, the smallest state (its trip to host RAM and back), then the most
+    # ahead, then the lowest id
+    ([Generating(0, 5000, 400, 900), Generating(1, 900, 400, 300), Generating(2, 700, 400, 10)],
+     1),
+    ([Generating(2, 5000, 400, 300), Generating(1, 900, 400, 300)], 2),
+])
+def test_the_run_parked_for_a_short_request_is_the_smallest_that_goes_on_long_enough(
+        candidates: list[Generating], want: int | None) -> None:
+    assert choose_parked(candidates) == want
+
+
+def test_a_run_is_expected_to_go_on_as_long_again_as_it_has_generated() -> None:
+    g = generating(0, Costs(), 100, 900, 2100, (0, 230), 12)
+    assert (g.ahead, g.work, g.live, g.seconds) == (100 * DECODE_TOKENS, work(230, 12), 2100,
+                                                     False)
+    assert generating(0, Costs(), 100, 30, 2100, (0, 230), 12).ahead == 30 * DECODE_TOKENS, \
+        "at most what its max_tokens leaves"
+    gpu = Costs()
+    for _ in range(4):  # 0.1 ms a prompt token, 20 ms a step
+        gpu = gpu.add_prefill(0, 1000, 0.1).add_decode(0.02)
+    g = generating(0, gpu, 100, 900, 2100, (0, 230), 12)
+    assert g.seconds and g.ahead == pytest.approx(2.0) and g.work == pytest.approx(0.023 + 0.24)
+
+
+async def test_a_short_request_runs_nested_on_a_generating_slot_which_its_run_gets_back() -> None:
+    """Rule 4: every slot generates; a short request takes the slot of the run with the
+    smallest state expected to go on long enough, nested; at its end the slot is its run's
+    again, and free only once both ended, in either order."""
+    p = pool()
+    await busy(p, 0, None, (100, 900, 5000))
+    await busy(p, 1, None, (100, 900, 2000))
+    nest = await p.acquire(list(range(200)), 0, "", 12)
+    assert nest.outer is p.slots[1] and p.slots[1].nested is nest and nest.busy
+    assert nest.label == "0.1+nested" and nest.view(0, [1], "").busy
+    later = asyncio.create_task(p.acquire(list(range(200)), 0, "", 12))
+    await asyncio.sleep(0.01)
+    assert later.done() and (await later).outer is p.slots[0], "one job nested a slot"
+    await p.release(nest, list(range(210)))
+    assert p.slots[1].busy and p.slots[1].nested is None and p.slots[1].live_ids == ()
+    await p.release(p.slots[0], list(range(5)))  # its run ends before the job nested on it
+    assert p.slots[0].busy and p.slots[0].ended and list(p.slots[0].live_ids) == list(range(5))
+    third = asyncio.create_task(p.acquire([9], 0, "", 10**6))  # too long to nest
+    await asyncio.sleep(0.01)
+    assert not third.done(), "a slot stays busy while a job is nested on it"
+    await p.release((await later), [])
+    assert await third is p.slots[0] and not p.slots[0].ended
+
+
+async def test_no_run_is_parked_that_ends_soon_without_a_ram_tier_or_nested_already() -> None:
+    for p, gen in ((pool(), (10, 900, 500)), (pool(ram_tier=False), (100, 900, 500))):
+        await busy(p, 0, None, gen)
+        await busy(p, 1, None)  # prefilling, not long enough to give way
+        waiter = asyncio.create_task(p.acquire([1, 2, 3], 0, "", 12))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and p.slots[0].nested is None
+        waiter.cancel()
+    p = pool(1)
+    await busy(p, 0, None, (100, 900, 500))
+    first = await p.acquire([1, 2, 3], 0, "", 12)
+    second = asyncio.create_task(p.acquire([1, 2, 3], 0, "", 12))
+    await asyncio.sleep(0.01)
+    assert first.outer is p.slots[0] and not second.done(), "one nested job a slot"
+    await p.release(first, [])
+    assert (await asyncio.wait_for(second, 1)).outer is p.slots[0], \
+        "the next short request nests once the first ended"
+
+
+async def test_a_waiter_asks_again_as_the_runs_generate() -> None:
+    p = pool(1)
+    h = await busy(p, 0, None, (2, 900, 500))  # too soon: 2 tokens ahead of a 35-token work
+    waiter = asyncio.create_task(p.acquire([1, 2, 3], 0, "", 2))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    h.generating = (100, 900, 590)  # no event: the waiter looks again by itself
+    nest = await asyncio.wait_for(waiter, 4 * PARK_RECHECK_S)
+    assert nest.outer is p.slots[0]
