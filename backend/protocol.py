@@ -53,8 +53,8 @@ from policies.prefix import TokenIds, keep_max, packed_le
 from policies.sources import TIERS
 
 # bumped whenever a message above changes meaning (2: /cancel's "prefilling", Kept; 3: the
-# job's ids as bytes after its JSON line)
-PROTOCOL = 3
+# job's ids as bytes after its JSON line; 4: a job nested on its slot's run, `Job.nest`)
+PROTOCOL = 4
 
 FinishReason = str  # "stop" (end of generation) | "length" | "stop_sequence"
 

@@ -204,6 +204,8 @@ class Gateway:
         asked = loop.time()
         slot = await self.pool.acquire(ids, stored.longest, tenant, prep.max_tokens)
         self.metrics.queue_depth.set(self.pool.queue_depth)
+        if slot.outer is not None:  # nested on a generating run (policies/preempt.py rule 4)
+            self.metrics.parks.inc()
         try:
             if loop.time() - asked > REQUEUED_LOOKUP_S:  # it waited for a slot: what the
                 stored = await self._lookup(facts, tenant)  # others saved meanwhile counts

@@ -80,6 +80,10 @@ class Metrics:
             "prefixgate_preemptions_total",
             "Runs stopped while prefilling for a short request that found no idle slot; each "
             "ran again from its prefix in the RAM tier (policies.preempt)", registry=r)
+        self.parks = Counter(
+            "prefixgate_parks_total",
+            "Short requests run nested on a slot whose generating run was parked in host RAM "
+            "meanwhile (policies.preempt rule 4)", registry=r)
         self.restores_skipped = Counter(
             "prefixgate_restores_skipped_total",
             "Stored entries not restored because the worker prefills them faster", registry=r)

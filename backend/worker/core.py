@@ -45,7 +45,9 @@ A job's life (the events are `backend.protocol`'s, in its order):
 A short job may come *nested* on a slot whose run generates (`Job.nest`, policies.preempt rule
 4): that run is parked between two of its steps (`Park`: its state byte for byte in host RAM)
 and the nested job lives as any other, without speculation; at its `Finish` the run is put back
-as it was (`Unpark`) and goes on; one whose client leaves meanwhile is dropped there.
+as it was (`Unpark`) and goes on; one whose client leaves meanwhile is dropped there. Where the
+run is not between its steps, or its state is larger than the RAM tier's budget, the job waits
+for the run's end instead and then arrives as any job (`Again`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,6 @@ from backend.protocol import (
     Cancelled,
     Done,
     Error,
-    Event,
-    Fault,
     Job,
     Kept,
     Prefill,
@@ -68,7 +68,9 @@ from backend.protocol import (
 )
 from backend.stops import StopMatcher
 from backend.worker.drafts import SlotDrafts, Speculation
+from backend.worker.job_state import JobState
 from backend.worker.messages import (
+    Again,
     Arrive,
     CancelRun,
     Cut,
@@ -76,7 +78,6 @@ from backend.worker.messages import (
     Emit,
     Filling,
     Finish,
-    Ids,
     Input,
     Live,
     Load,
@@ -100,43 +101,11 @@ from backend.worker.messages import (
     shared_edge,
 )
 from policies.costs import Costs
-from policies.decide import Save
-from policies.prefix import Batching, Edges
+from policies.prefix import Batching
 from policies.schedule import Task
-from policies.sources import COST_SOURCE, Candidate, Tier, choose_start, follows
+from policies.sources import COST_SOURCE, Candidate, choose_start, follows
 
 # --- the machine --------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Job:
-    job: Job
-    ids: Ids
-    edges: Edges
-    limit: int  # reuse at most this many tokens
-    mine: bool  # the live KV may be kept (the plan allows it, it is this tenant's)
-    keep: int  # what the live KV holds of the prompt that it keeps
-    started_s: float  # when it came to the worker
-    order: list[Candidate] = field(default_factory=list)  # what is left to try
-    faults: list[Fault] = field(default_factory=list)
-    pulled: list[Event] = field(default_factory=list)  # `Saved` of entries pulled
-    read_s: float = 0.0  # the reader's seconds for the candidate being loaded
-    source: Tier = "live"
-    restored: int = 0  # tokens restored from the disk or the shared tier
-    from_memory: int = 0  # tokens restored from memory (another slot, a held state)
-    saves: dict[int, Save] = field(default_factory=dict)
-    pending: int = 0  # writes begun
-    phase: str = "start"  # start | follows | prefill | generate | waits
-    prefill_from: int = 0
-    busy_s: float = 0.0  # seconds its prefill batches took
-    generating_s: float = 0.0  # when its generation began
-    matcher: StopMatcher = field(default_factory=lambda: StopMatcher(()))
-    n_gen: int = 0
-    token: int = -1  # the sampled token that waits for its decode
-    came_s: float = 0.0  # when its request came to the server (the worker's clock)
-    drafts: SlotDrafts | None = None  # its speculation, while it generates
-    fills: bool = False  # its draft model prefills its prompt (a `Filling` came, no step yet)
-    leader: tuple[int, str, int] = (-1, "", 0)  # it follows: (slot, run, tokens it waits for)
 
 
 @dataclass(slots=True)
@@ -150,13 +119,14 @@ class Core:
     exact: bool = True  # the start-up self-check passed
     n_ctx: int = 0  # one slot's context (0: no bound here)
     costs: Costs = field(default_factory=Costs)
-    jobs: dict[int, _Job] = field(default_factory=dict)
+    jobs: dict[int, JobState] = field(default_factory=dict)
     owners: list[tuple[str, bytes]] = field(default_factory=list)  # (tenant, salt) of each KV
     borrowed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("slot", "ram", "queued", "tokens"), 0))
     spec: Speculation | None = None  # speculative decoding (backend.worker.drafts)
     # slot -> its generating run and the live KV's owner, while a nested job runs (`Park`)
-    parked: dict[int, tuple[_Job, tuple[str, bytes]]] = field(default_factory=dict)
+    parked: dict[int, tuple[JobState, tuple[str, bytes]]] = field(default_factory=dict)
+    deferred: dict[int, Job] = field(default_factory=dict)  # nested jobs that wait instead
     drafted: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted,
     # accepted, verifies] of the jobs that ended
 
@@ -213,19 +183,7 @@ class Core:
         if isinstance(inp, Arrive):
             return self._arrive(inp.job, world)
         if isinstance(inp, CancelRun):
-            slot = next((s for s, j in self.jobs.items() if j.job.run_id == inp.run_id), None)
-            out = next((s for s, (j, _) in self.parked.items() if j.job.run_id == inp.run_id),
-                       None)
-            if out is not None and not inp.prefilling:  # its client left while it was parked
-                gone = self._ended(self.parked.pop(out)[0])
-                return [Emit(inp.run_id, Cancelled(0, 0, gone.pending)), Unpark(out, drop=True)]
-            phase = self.jobs[slot].phase if slot is not None else ""
-            if slot is None or inp.prefilling and phase not in ("start", "follows", "prefill"):
-                return []  # ended, or a preemption that came after its first sample
-            if inp.prefilling and phase == "prefill" and (
-                    self.ram_budget == 0 or 0 < self.ram_budget < world.slots[slot].nbytes):
-                return [Emit(inp.run_id, Kept("its state would not fit the RAM tier"))]
-            return self._end(slot, world)
+            return self._cancel(inp, world)
         if isinstance(inp, Snapshotted):
             for k in self.jobs.values():
                 if k.job.run_id == inp.run_id:
@@ -253,11 +211,38 @@ class Core:
             return []
         return [Emit(j.job.run_id, Error(inp.message)), *self._finish(inp.slot)]
 
+    def _cancel(self, inp: CancelRun, world: World) -> list[Effect]:
+        """A client's cancel, or a preemption's (`prefilling`: only before the first sample)."""
+        run = inp.run_id
+        out = next((s for s, (j, _) in self.parked.items() if j.job.run_id == run), None)
+        if out is not None:  # its client left while it was parked (it has sampled)
+            if inp.prefilling:
+                return []
+            gone = self._ended(self.parked.pop(out)[0])
+            return [Emit(run, Cancelled(0, 0, gone.pending)), Unpark(out, drop=True)]
+        later = next((s for s, job in self.deferred.items() if job.run_id == run), None)
+        if later is not None:  # it left while it waited for its slot's run to end
+            del self.deferred[later]
+            return [Emit(run, Cancelled(0, 0, 0))]
+        slot = next((s for s, j in self.jobs.items() if j.job.run_id == run), None)
+        if slot is None:
+            return []  # ended
+        phase = self.jobs[slot].phase
+        if inp.prefilling and phase not in ("start", "follows", "prefill"):
+            return []  # a preemption that came after its first sample
+        if inp.prefilling and phase == "prefill" and (
+                self.ram_budget == 0 or 0 < self.ram_budget < world.slots[slot].nbytes):
+            return [Emit(run, Kept("its state would not fit the RAM tier"))]
+        return self._end(slot, world)
+
     def _arrive(self, job: Job, world: World) -> list[Effect]:
         parked: list[Effect] = []
         if job.nest and job.slot in self.jobs:  # a short job nested on its generating run
-            if self.jobs[job.slot].phase != "waits" or job.slot in self.parked:
-                return [Emit(job.run_id, Error("its slot's run cannot be parked now"))]
+            assert job.slot not in self.parked, f"slot {job.slot} has a nested job"
+            if self.jobs[job.slot].phase != "waits" or \
+                    0 < self.ram_budget < world.slots[job.slot].nbytes:
+                self.deferred[job.slot] = job  # it waits for that run's end (`Again`)
+                return []
             parked, world = self._park(job.slot, world)
         assert job.slot not in self.jobs, f"slot {job.slot} is running a job"
         slot, plan = job.slot, job.plan
@@ -267,7 +252,7 @@ class Core:
         live = world.slots[slot]
         mine = plan.live_ok and self.exact and self.owners[slot] == (job.tenant, job.salt)
         keep = live_prefix(live, ids, edges, limit) if mine else 0
-        j = _Job(job, ids, edges, limit, mine, keep, world.now_s)
+        j = JobState(job, ids, edges, limit, mine, keep, world.now_s)
         j.came_s = world.now_s - job.waited_s
         j.saves = {s.n_tokens: s for s in plan.saves if self.exact and s.n_tokens in edges}
         self.jobs[slot] = j
@@ -290,7 +275,7 @@ class Core:
         slots[slot] = Live(slots[slot].ids[:0], 0, 0, 0)
         return [Park(slot)], World(slots, world.held, world.now_s)
 
-    def _order(self, slot: int, j: _Job, world: World) -> list[Candidate]:
+    def _order(self, slot: int, j: JobState, world: World) -> list[Candidate]:
         """The states its prompt may start from, best first (`policies.sources.choose_start`)."""
         cands = in_memory(slot, j.job, j.ids, j.edges, j.limit, world, self.owners, self.cuts,
                           self.ram_budget) + [
@@ -298,7 +283,7 @@ class Core:
             for i, r in enumerate(j.job.plan.restore) if r.n_tokens in j.edges]
         return list(choose_start(j.keep, cands, j.limit, self.cuts, self.costs).order)
 
-    def _leader(self, slot: int, j: _Job, world: World) -> tuple[int, str, int] | None:
+    def _leader(self, slot: int, j: JobState, world: World) -> tuple[int, str, int] | None:
         """Another slot prefilling this prompt's first tokens, worth waiting for (rule 5 of
         `policies.sources`): (its slot, its run, the batch edge it is to reach), or None. A
         copy passes through host RAM: only with a RAM tier. Plain attention copies the part
@@ -338,7 +323,7 @@ class Core:
             effects += self._attempt(slot, j, world)
         return effects
 
-    def _attempt(self, slot: int, j: _Job, world: World) -> list[Effect]:
+    def _attempt(self, slot: int, j: JobState, world: World) -> list[Effect]:
         """Load the next candidate, or, with none left, begin from what the slot holds."""
         if not j.order:
             return self._begin(slot, j, world)
@@ -348,7 +333,7 @@ class Core:
         n = min(c.n_tokens, j.limit)
         return [Load(slot, j.job.run_id, c, n, src=c.ref if c.tier == "slot" else -1)]
 
-    def _read(self, slot: int, j: _Job, r: ReadDone, world: World) -> list[Effect]:
+    def _read(self, slot: int, j: JobState, r: ReadDone, world: World) -> list[Effect]:
         if r.pulled is not None:  # a local entry now, whether it loads or not
             j.pulled.append(r.pulled)
         if r.fault is not None:
@@ -359,7 +344,7 @@ class Core:
         c = Candidate(entry.tier, entry.n_tokens, True, entry.size_bytes, -1 - r.index)
         return [Load(slot, j.job.run_id, c, min(entry.n_tokens, j.limit), payload=r.payload)]
 
-    def _loaded(self, slot: int, j: _Job, r: Loaded, world: World) -> list[Effect]:
+    def _loaded(self, slot: int, j: JobState, r: Loaded, world: World) -> list[Effect]:
         c = r.candidate
         if r.fault is not None or r.kept == 0:
             if r.fault is not None:
@@ -379,10 +364,10 @@ class Core:
                 self.borrowed["tokens"] += r.kept
         return self._begin(slot, j, world)
 
-    def _keep(self, slot: int, j: _Job, world: World) -> int:
+    def _keep(self, slot: int, j: JobState, world: World) -> int:
         return live_prefix(world.slots[slot], j.ids, j.edges, j.limit)
 
-    def _begin(self, slot: int, j: _Job, world: World) -> list[Effect]:
+    def _begin(self, slot: int, j: JobState, world: World) -> list[Effect]:
         """The prompt starts from `j.keep` tokens: `Start`, the pulled entries' `Saved`, the
         snapshots behind the reuse; then its prefill is a task."""
         job, run = j.job, j.job.run_id
@@ -400,7 +385,7 @@ class Core:
             return effects + [Emit(run, Error("nothing to prefill")), *self._finish(slot)]
         return effects
 
-    def _stepped(self, slot: int, j: _Job, seconds: float, world: World) -> list[Effect]:
+    def _stepped(self, slot: int, j: JobState, seconds: float, world: World) -> list[Effect]:
         n_live, run = world.slots[slot].n_live, j.job.run_id
         if j.phase == "prefill":
             j.busy_s += seconds
@@ -422,7 +407,7 @@ class Core:
         self.costs = self.costs.add_decode(seconds)
         return [Sample(slot)]
 
-    def _sampled(self, slot: int, j: _Job, s: Sampled, world: World,
+    def _sampled(self, slot: int, j: JobState, s: Sampled, world: World,
                  n_live: int | None = None) -> list[Effect]:
         """`n_live`: the slot's evaluated tokens when it was sampled (a verify's earlier
         samples: fewer than the world's)."""
@@ -440,7 +425,7 @@ class Core:
         j.phase, j.token = "waits", s.token
         return effects
 
-    def _propose(self, slot: int, j: _Job, world: World) -> list[Effect]:
+    def _propose(self, slot: int, j: JobState, world: World) -> list[Effect]:
         """A token that waits for its step gets the draft to verify beside it, if any."""
         if j.drafts is not None and self.jobs.get(slot) is j and j.phase == "waits":
             live = world.slots[slot]
@@ -448,7 +433,7 @@ class Core:
                              j.job.max_tokens - j.n_gen, self.n_ctx)
         return []
 
-    def _verified(self, slot: int, j: _Job, v: Verified, world: World) -> list[Effect]:
+    def _verified(self, slot: int, j: JobState, v: Verified, world: World) -> list[Effect]:
         """A verify's samples, in order, as single ones, until the answer ends."""
         assert j.drafts is not None and v.samples
         j.drafts.verified(len(v.draft), len(v.samples) - 1, j.n_gen + len(v.samples))
@@ -461,7 +446,7 @@ class Core:
                 return effects
         return effects + self._propose(slot, j, world)
 
-    def _done(self, slot: int, j: _Job, world: World, finish: str,
+    def _done(self, slot: int, j: JobState, world: World, finish: str,
               matched: str | None) -> list[Effect]:
         run = j.job.run_id
         tail = j.matcher.flush() if matched is None else ""
@@ -489,9 +474,10 @@ class Core:
         if slot in self.parked:  # the run its job was nested on, as it was
             self.jobs[slot], self.owners[slot] = self.parked.pop(slot)
             return [Finish(slot), Unpark(slot)]
-        return [Finish(slot)]
+        later = self.deferred.pop(slot, None)  # a job that could not be nested comes now
+        return [Finish(slot), Again(later)] if later is not None else [Finish(slot)]
 
-    def _ended(self, j: _Job) -> _Job:
+    def _ended(self, j: JobState) -> JobState:
         for source, t in (j.drafts.totals.items() if j.drafts is not None else ()):
             total = self.drafted.setdefault(source, [0, 0, 0])
             total[:] = [a + b for a, b in zip(total, t, strict=True)]

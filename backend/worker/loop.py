@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -31,6 +32,7 @@ from backend.engine import Engine
 from backend.protocol import Cancelled, Done, Error, Event, Job, Token
 from backend.worker.core import Core
 from backend.worker.messages import (
+    Again,
     Arrive,
     CancelRun,
     Effect,
@@ -181,6 +183,8 @@ class Loop:
             self._emit(e.run_id, e.event)
         elif isinstance(e, Read):
             self.reader.submit(self._read, e)
+        elif isinstance(e, Again):  # applied before the next step (the inbox is not empty)
+            self.submit(Arrive(dataclasses.replace(e.job, nest=False)))
         else:
             try:
                 result = self.runner.effect(e, self.core)

@@ -8,7 +8,7 @@ plain frozen values, no I/O.
   (`Verified`) or its batch of a draft model's prompt (`Filling`).
 - Effects, each on the thread it belongs to (`backend.worker.loop`): `Emit` an event to a run's
   stream; on the compute thread `GiveWay`, `Load`, `Cut`, `Snapshot`, `StartSampling`, `Sample`,
-  `Finish`, `Park`, `Unpark`; on the reader thread `Read`.
+  `Finish`, `Park`, `Unpark`; on the reader thread `Read`; `Again` back into the inbox.
 """
 
 from __future__ import annotations
@@ -314,5 +314,12 @@ class Unpark:
     drop: bool = False  # its run ended while parked: free what was kept, restore nothing
 
 
+@dataclass(frozen=True, slots=True)
+class Again:
+    """The job arrives again (a nested job that waited for its slot's run to end)."""
+
+    job: Job
+
+
 Effect = (Emit | GiveWay | Load | Read | Cut | Snapshot | StartSampling | Sample | Finish | Park
-          | Unpark)
+          | Unpark | Again)

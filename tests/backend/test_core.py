@@ -26,6 +26,7 @@ from backend.protocol import (
 from backend.worker.core import Core
 from backend.worker.drafts import Speculation
 from backend.worker.messages import (
+    Again,
     Arrive,
     CancelRun,
     Cut,
@@ -410,12 +411,28 @@ def test_a_nested_job_parks_the_generating_run_and_puts_it_back_at_its_end() -> 
     assert fx[-2:] == [Finish(0), Unpark(0)] and isinstance(fx[-3].event, Done)
     assert (c.jobs[0].job.run_id, c.jobs[0].phase, c.waiting(0)) == ("r", "waits", 7)
     assert c.owners[0] == ("a", SALT) and c.parked == {}
-    # a nested job for a run that is not between its decode steps: refused, the run goes on
-    c2 = core()
-    c2.apply(Arrive(job()), world(EMPTY, EMPTY))
-    assert c2.apply(Arrive(nested), world(live(8), EMPTY)) == \
-        [Emit("n", Error("its slot's run cannot be parked now"))]
-    assert c2.jobs[0].job.run_id == "r"
+
+
+
+def test_a_nested_job_waits_for_a_run_it_cannot_park() -> None:
+    """A run not between its decode steps (still prefilling: the run ended and the slot was
+    taken again before the job came, say), or whose state would not fit the RAM tier's budget
+    in host RAM: the nested job waits for its end, then arrives as any job; one whose client
+    leaves meanwhile ends there."""
+    nested = replace(job(run="n", max_tokens=1), nest=True)
+    for c, w in ((core(), world(live(8), EMPTY)),
+                 (core(ram=1000), world(live(41, exact=40, nbytes=5000), EMPTY))):
+        if c.ram_budget == 1000:
+            _generating(c)
+        else:
+            c.apply(Arrive(job()), world(EMPTY, EMPTY))
+        assert c.apply(Arrive(nested), w) == [] and c.jobs[0].job.run_id == "r"
+        assert c.apply(CancelRun("r"), w)[-2:] == [Finish(0), Again(nested)]
+    c = core(ram=1000)
+    _generating(c)
+    assert c.apply(Arrive(nested), world(live(41, exact=40, nbytes=5000), EMPTY)) == []
+    assert c.apply(CancelRun("n"), world(live(41), EMPTY)) == [Emit("n", Cancelled(0, 0, 0))]
+    assert c.deferred == {} and c.jobs[0].job.run_id == "r"
 
 
 def test_a_parked_run_whose_client_leaves_ends_where_it_is_kept() -> None:

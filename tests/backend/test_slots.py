@@ -370,6 +370,20 @@ def test_a_generating_run_parked_for_a_nested_job_goes_on_as_it_would_have(name:
         eng.close()
     assert isinstance(w.of("again")[-1], Cancelled) and w.tokens("nested") == want[1][1][:GEN]
     assert held == len(short) + GEN - 1 and not w.loop.runner.parked
+    # a state larger than the RAM tier's budget is not parked: the job waits for the run's end
+    eng = _engine(name, 1)
+    try:
+        w = Worker(eng, ram=1000)
+        w.submit("long", long, 0, gen=gen)
+        while len(w.tokens("long")) < 3:
+            time.sleep(0.001)
+        w.submit("short", short, 0, nest=True)
+        w.wait("long", "short")
+        w.stop()
+    finally:
+        eng.close()
+    order = [run for _, run, e in w.events if isinstance(e, Token) and e.id is not None]
+    assert order == ["long"] * n + ["short"] * GEN and w.tokens("short") == want[1][1][:GEN]
 
 
 def test_a_short_prompt_beside_a_long_prefill_is_served_first(name: str) -> None:

@@ -126,7 +126,8 @@ def test_a_title_runs_nested_on_a_slot_whose_run_generates(name: str, tmp_path: 
         title = ask(srv, TITLE, max_tokens=4)
         title_s = time.monotonic()
         t.join()
-        log = srv.log()
+        log, metrics = srv.log(), srv.get("/metrics")[1]
     assert title["text"] == want_title and "".join(chunks) == want_story, log
     assert title_s < done["story_s"], "the title waited for the story's end"
     assert "park: a request of" in log and "+nested" in log, log
+    assert "prefixgate_parks_total 1.0" in metrics
