@@ -196,8 +196,8 @@ class Runner:
         it); one that does not load is a miss there: that job's draft model prefills its
         prompt. `shared`: a queued snapshot's, which the writer thread reads too (copied)."""
         model = core.spec.model if core.spec is not None else None
-        if model is None or got is None:
-            return
+        if model is None or got is None or slot in core.parked:  # a nested job drafts nothing:
+            return  # the slot's draft sequence stays its parked run's
         try:
             model.restore(slot, owner, got[0], got[1], shared)
         except ValueError as ex:  # never expected: the state was this worker's own or verified
@@ -226,7 +226,8 @@ class Runner:
         model = core.spec.model if core.spec is not None else None
         twin = None
         last = model is not None and bool(self.tiers.draft_fingerprint) \
-            and e.n == max(core.jobs[e.slot].saves)  # the job's last: its prompt's
+            and e.n == max(core.jobs[e.slot].saves) \
+            and e.slot not in core.parked  # the job's last (its prompt's), not a nested job's
         if last and model is not None:
             self.twins[e.slot] = (key, tokens, (job.tenant, job.salt), e.run_id)
             if self.tiers.at_rest is None:  # its file is written at once: what it holds now
