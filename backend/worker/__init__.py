@@ -3,6 +3,7 @@
 
     core      sans-I/O slot machines: apply(input, world) -> effects (what the worker decides)
     messages  the core's inputs, effects and world, as values
+    job_state one slot's job as the core keeps it
     tiers     every place a state can be besides a live slot (RAM, the write queue, the disk,
               the shared tier), and what enters and leaves each
     runner    the core's compute effects and the scheduler's steps, done on the engine
