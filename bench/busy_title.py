@@ -21,14 +21,13 @@ import argparse
 import http.client
 import json
 import os
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.fanout import ROOT, WORDS, free_port
+from bench.fanout import ROOT, WORDS, server
 
 TITLE = ("Write a five-word title for this conversation. Reply with the title only.\n\n"
          + " ".join(f"{WORDS[k % len(WORDS)]}{k % 31}" for k in range(150)))
@@ -68,19 +67,7 @@ def stream(port: int, payload: dict[str, Any], marks: list[float],
 
 def serve(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, gen: int, after: int
           ) -> dict[str, Any]:
-    port = free_port()
-    proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=cwd, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    try:
-        for _ in range(3600):
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
+    with server(cmd, cwd, env, log) as port:
         marks: list[list[float]] = [[] for _ in range(3)]
         started = [threading.Event() for _ in range(3)]
         threads = [threading.Thread(target=stream, args=(port, long_body(i, gen), marks[i],
@@ -99,9 +86,6 @@ def serve(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, gen: int, a
         return {"title_ttft_s": round(title[0] - sent, 2),
                 "title_end_s": round(title[-1] - sent, 2),
                 "long_end_s": [round(m[-1] - sent, 2) for m in marks]}
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ are in the logs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -27,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +69,10 @@ def answer_s(port: int, payload: dict[str, Any]) -> float:
     return time.perf_counter() - t
 
 
-def serve(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, words: int
-          ) -> list[float]:
+@contextlib.contextmanager
+def server(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> Iterator[int]:
+    """`cmd` serving on a free port (its output in `log`), once its /health answers: the
+    port; stopped after."""
     port = free_port()
     proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=cwd, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -82,6 +86,15 @@ def serve(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, words: int
             except OSError:
                 pass
             time.sleep(0.5)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def serve(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, words: int
+          ) -> list[float]:
+    with server(cmd, cwd, env, log) as port:
         out: dict[int, float] = {}
 
         def one(i: int) -> None:
@@ -93,9 +106,6 @@ def serve(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, words: int
         for th in threads:
             th.join()
         return [round(out[i], 2) for i in range(3)]
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
