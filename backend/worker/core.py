@@ -46,8 +46,8 @@ A short job may come *nested* on a slot whose run generates (`Job.nest`, policie
 4): that run is parked between two of its steps (`Park`: its state byte for byte in host RAM)
 and the nested job lives as any other, without speculation; at its `Finish` the run is put back
 as it was (`Unpark`) and goes on; one whose client leaves meanwhile is dropped there. Where the
-run is not between its steps, or its state is larger than the RAM tier's budget, the job waits
-for the run's end instead and then arrives as any job (`Again`).
+run is not between its steps, or there is no RAM tier or the state is larger than its budget,
+the job waits for the run's end instead and then arrives as any job (`Again`).
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ class Core:
         parked: list[Effect] = []
         if job.nest and job.slot in self.jobs:  # a short job nested on its generating run
             assert job.slot not in self.parked, f"slot {job.slot} has a nested job"
-            if self.jobs[job.slot].phase != "waits" or \
-                    0 < self.ram_budget < world.slots[job.slot].nbytes:
+            if self.jobs[job.slot].phase != "waits" or self.ram_budget == 0 \
+                    or 0 < self.ram_budget < world.slots[job.slot].nbytes:
                 self.deferred[job.slot] = job  # it waits for that run's end (`Again`)
                 return []
             parked, world = self._park(job.slot, world)

@@ -417,12 +417,13 @@ def test_a_nested_job_parks_the_generating_run_and_puts_it_back_at_its_end() -> 
 def test_a_nested_job_waits_for_a_run_it_cannot_park() -> None:
     """A run not between its decode steps (still prefilling: the run ended and the slot was
     taken again before the job came, say), or whose state would not fit the RAM tier's budget
-    in host RAM: the nested job waits for its end, then arrives as any job; one whose client
-    leaves meanwhile ends there."""
+    in host RAM, or a worker without a RAM tier: the nested job waits for the run's end, then
+    arrives as any job; one whose client leaves meanwhile ends there."""
     nested = replace(job(run="n", max_tokens=1), nest=True)
     for c, w in ((core(), world(live(8), EMPTY)),
-                 (core(ram=1000), world(live(41, exact=40, nbytes=5000), EMPTY))):
-        if c.ram_budget == 1000:
+                 (core(ram=1000), world(live(41, exact=40, nbytes=5000), EMPTY)),
+                 (core(ram=0), world(live(41, exact=40, nbytes=5000), EMPTY))):
+        if c.ram_budget in (0, 1000):
             _generating(c)
         else:
             c.apply(Arrive(job()), world(EMPTY, EMPTY))

@@ -342,7 +342,7 @@ def test_a_generating_run_parked_for_a_nested_job_goes_on_as_it_would_have(name:
     want = _alone(name, [long, short], gen=gen)
     eng = _engine(name, 1)
     try:
-        w = Worker(eng)
+        w = Worker(eng, ram=-1)  # a RAM tier without a limit
         w.submit("long", long, 0, gen=gen)
         while len(w.tokens("long")) < 3:
             time.sleep(0.001)
