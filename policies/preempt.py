@@ -79,15 +79,30 @@ def work(prefill: int, max_tokens: int) -> int:
     return max(prefill, 0) + DECODE_TOKENS * max(max_tokens, 0)
 
 
+def measured(costs: Costs | None) -> Costs | None:
+    """Rule 1's unit: the worker's costs where it has measured its prefill and its decode
+    steps (seconds), else None (prefill tokens)."""
+    return costs if costs is not None and costs.prefill.n and costs.decode.n else None
+
+
+def waiter_work(costs: Costs | None, waiter: tuple[int, int], max_tokens: int) -> float:
+    """Rule 1: the work of a waiter that must prefill positions `waiter` (from, to) and may
+    generate `max_tokens`, in its worker's unit."""
+    start, end = waiter
+    c = measured(costs)
+    if c is not None:
+        return c.prefill_s(start, end) + max(max_tokens, 0) * c.decode_step_s()
+    return float(work(end - start, max_tokens))
+
+
 def candidate(slot_id: int, costs: Costs | None, done: int, total: int,
               waiter: tuple[int, int], max_tokens: int) -> Candidate:
-    """Rule 1: a run that has `done` of its `total` prompt tokens in its KV, against a waiter
-    that must prefill positions `waiter` (from, to) and may generate `max_tokens`."""
-    start, end = waiter
-    if costs is not None and costs.prefill.n and costs.decode.n:
-        return Candidate(slot_id, costs.prefill_s(done, total), costs.prefill_s(start, end)
-                         + max(max_tokens, 0) * costs.decode_step_s(), True)
-    return Candidate(slot_id, float(total - done), float(work(end - start, max_tokens)))
+    """Rule 1: a run that has `done` of its `total` prompt tokens in its KV, against a
+    waiter."""
+    c, w = measured(costs), waiter_work(costs, waiter, max_tokens)
+    if c is not None:
+        return Candidate(slot_id, c.prefill_s(done, total), w, True)
+    return Candidate(slot_id, float(total - done), w)
 
 
 def choose_victim(candidates: Sequence[Candidate]) -> int | None:
@@ -111,13 +126,10 @@ def generating(slot_id: int, costs: Costs | None, generated: int, left: int, liv
     """Rule 4: a run that has generated `generated` tokens and may generate `left` more, its
     state `live` tokens, against a waiter as in rule 1."""
     ahead = min(generated, max(left, 0))
-    start, end = waiter
-    if costs is not None and costs.prefill.n and costs.decode.n:
-        step = costs.decode_step_s()
-        return Generating(slot_id, ahead * step, costs.prefill_s(start, end)
-                          + max(max_tokens, 0) * step, live, True)
-    return Generating(slot_id, float(ahead * DECODE_TOKENS),
-                      float(work(end - start, max_tokens)), live)
+    c, w = measured(costs), waiter_work(costs, waiter, max_tokens)
+    if c is not None:
+        return Generating(slot_id, ahead * c.decode_step_s(), w, live, True)
+    return Generating(slot_id, float(ahead * DECODE_TOKENS), w, live)
 
 
 def choose_parked(candidates: Sequence[Generating]) -> int | None:

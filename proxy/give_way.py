@@ -13,12 +13,15 @@ from proxy.worker_link import Slot
 log = logging.getLogger("prefixgate.workers")
 
 
+def idle(slots: list[Slot]) -> bool:
+    """A slot is free (the router chose to wait for a busy one that holds the prefix): no run
+    gives way."""
+    return any(s.ready and not s.busy and s.reserved is None for s in slots)
+
+
 def preempt(slots: list[Slot], me: object, waiter: tuple[int, int], max_tokens: int) -> bool:
     """No idle slot: a run still prefilling a long prompt gives its slot to this short
-    request (policies/preempt.py); the slot is promised to it. False: none may (or a
-    slot is idle, and the router chose to wait for a busy one that holds its prefix)."""
-    if any(s.ready and not s.busy and s.reserved is None for s in slots):
-        return False
+    request (policies/preempt.py); the slot is promised to it. False: none may."""
     lefts = {i: (left, s.holder.progress[0]) for i, s in enumerate(slots)
              if s.ready and s.busy and s.reserved is None and s.worker.ram_tier
              and s.worker.exact and s.holder is not None
@@ -42,8 +45,6 @@ def park(slots: list[Slot], waiter: tuple[int, int], max_tokens: int) -> Slot | 
     """No idle slot and no run prefilling long enough to give way: a run that generates
     parked for this short request, which runs nested on its slot (policies/preempt.py
     rule 4); None where none may be."""
-    if any(s.ready and not s.busy and s.reserved is None for s in slots):
-        return None
     runs = {i: g for i, s in enumerate(slots)
             if s.ready and s.busy and s.reserved is None and s.nested is None
             and not s.ended and s.worker.ram_tier and s.holder is not None

@@ -56,7 +56,7 @@ from policies.prefix import Batching
 from policies.router import WAIT_MARGIN_TOKENS, choose_slot
 from proxy.config import Config
 from proxy.errors import QueueFull, WorkerFailed
-from proxy.give_way import free, park, preempt
+from proxy.give_way import free, idle, park, preempt
 from proxy.local_workers import LocalWorkers
 from proxy.worker_link import (
     _UNREACHABLE,
@@ -388,14 +388,14 @@ class Pool(LocalWorkers):
                             if choice is not None and not slots[choice].busy \
                                     and slots[choice].reserved is None:
                                 return self._take(slots[choice])
-                            if not preempted and preempt(
-                                    slots, me, (disk_hit, len(ids)), max_tokens or 0):
-                                preempted = True  # at most one run gives way to it
-                                continue
-                            nest = None if preempted else park(
-                                slots, (disk_hit, len(ids)), max_tokens or 0)
-                            if nest is not None:
-                                return self._take(nest)
+                            waiter = (disk_hit, len(ids))
+                            if not preempted and not idle(slots):
+                                if preempt(slots, me, waiter, max_tokens or 0):
+                                    preempted = True  # at most one run gives way to it
+                                    continue
+                                nest = park(slots, waiter, max_tokens or 0)
+                                if nest is not None:
+                                    return self._take(nest)
                         with contextlib.suppress(TimeoutError):  # the runs that generate go
                             await asyncio.wait_for(  # on: rule 4 is asked again as they do
                                 self._cond.wait(), None if preempted else PARK_RECHECK_S)
